@@ -1,0 +1,148 @@
+"""The ``spotrl`` command: serve, demo, and the entry points of the pods the scheduler starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="spotrl: RL post-training at the lowest GPU bill.")
+
+HomeOption = Annotated[
+    Path | None, typer.Option("--home", help="State directory of the embedded backends [env SPOTRL_HOME].")
+]
+
+
+def _settings(home: Path | None):
+    from services.config import Settings
+
+    if home is not None:
+        os.environ["SPOTRL_HOME"] = str(home)
+    return Settings()
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _pod_threads() -> None:
+    threads = os.environ.get("SPOTRL_POD_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+@app.command()
+def serve(
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    home: HomeOption = None,
+) -> None:
+    """Run the REST API and the scheduler on the embedded backends."""
+    import uvicorn
+
+    from services.api.main import create_app
+
+    _logging()
+    uvicorn.run(create_app(_settings(home)), host=host, port=port, log_level="info")
+
+
+@app.command()
+def demo(
+    model: Annotated[str, typer.Option(help="Base model: smollm2-135m, tiny, a HF directory or a .gguf file.")] = "smollm2-135m",
+    summary_json: Annotated[Path | None, typer.Option("--summary-json", help="Write the run's summary here.")] = None,
+    home: HomeOption = None,
+) -> None:
+    """Train a policy on small arithmetic with GRPO, end to end on this machine, and print the bill."""
+    import time
+
+    from services.demo import run_demo
+
+    # A fresh state directory per demo; converted base models are cached across demos.
+    os.environ.setdefault("SPOTRL_MODEL_CACHE", str(Path(".spotrl/models").resolve()))
+    home = home or Path(".spotrl") / time.strftime("demo-%Y%m%d-%H%M%S")
+    ok = run_demo(model=model, settings=_settings(home), summary_json=summary_json)
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command(hidden=True)
+def worker(
+    run_id: str,
+    worker_id: Annotated[str, typer.Option("--worker-id")],
+) -> None:
+    """Pod entry point: a rollout worker of RUN_ID."""
+    from services.config import Settings
+    from services.rollout.worker import RolloutWorker, StopSignal
+    from services.runspec import RunSpec
+    from services.wiring import open_backends
+
+    _logging()
+    _pod_threads()
+    settings = Settings()
+    stop = StopSignal(settings.stop_grace_s)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    backends = open_backends(settings)
+    try:
+        spec = RunSpec.model_validate(backends.state.get_run(run_id).spec)
+        RolloutWorker(
+            run_id=run_id,
+            worker_id=worker_id,
+            spec=spec,
+            state=backends.state,
+            queue=backends.queue,
+            objects=backends.objects,
+            rewards=backends.rewards,
+            model_cache=settings.resolved_model_cache(),
+            session_timeout_s=settings.session_timeout_s,
+            stop=stop,
+        ).run()
+    finally:
+        backends.close()
+
+
+@app.command("train-job", hidden=True)
+def train_job(run_id: str, iteration: int) -> None:
+    """Pod entry point: training iteration ITERATION of RUN_ID."""
+    from services.config import Settings
+    from services.runspec import RunSpec
+    from services.training.job import run_training_job
+    from services.wiring import open_backends
+
+    _logging()
+    _pod_threads()
+    settings = Settings()
+    backends = open_backends(settings)
+    try:
+        spec = RunSpec.model_validate(backends.state.get_run(run_id).spec)
+        run_training_job(
+            run_id=run_id,
+            iteration=iteration,
+            spec=spec,
+            queue=backends.queue,
+            objects=backends.objects,
+            model_cache=settings.resolved_model_cache(),
+        )
+    finally:
+        backends.close()
+
+
+@app.command()
+def logs(
+    pod: str,
+    tail: Annotated[int, typer.Option(help="Lines to show.")] = 100,
+    home: HomeOption = None,
+) -> None:
+    """Show the last lines of a pod's log."""
+    from services.backends.launcher import LocalLauncher
+
+    settings = _settings(home)
+    typer.echo(LocalLauncher(settings.home.resolve() / "pods").logs(pod, tail=tail))
+
+
+if __name__ == "__main__":
+    app()

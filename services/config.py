@@ -1,0 +1,51 @@
+"""Settings of every spotrl process, from ``SPOTRL_*`` environment variables.
+
+The embedded default keeps all state under one home directory; pods started by the local
+launcher inherit ``SPOTRL_HOME`` and so find the same queue, store and objects.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPOTRL_")
+
+    home: Path = Field(default=Path(".spotrl"), description="Directory holding the embedded backends' state.")
+    state_url: str | None = Field(default=None, description="SQLAlchemy URL of the state store; default: SQLite in home.")
+    model_cache: Path | None = Field(default=None, description="Where converted base models are cached; default: home/models.")
+    tick_seconds: float = Field(default=0.5, gt=0, description="Scheduler reconcile interval.")
+    session_timeout_s: float = Field(default=6.0, gt=0, description="A rollout worker silent this long loses its prompts to the others.")
+    stop_grace_s: float = Field(default=30.0, gt=0, description="Seconds a pod gets after SIGTERM before SIGKILL (a spot notice).")
+    api_token: str | None = Field(default=None, description="When set, the API requires `Authorization: Bearer <token>`.")
+
+    pod_threads: int | None = Field(default=None, ge=1, description="torch threads per pod (local launcher); default: torch's own choice.")
+
+    def pod_env(self) -> dict[str, str]:
+        """What a pod needs to find the same backends as the process that launched it."""
+        env = {
+            "SPOTRL_HOME": str(self.home.resolve()),
+            "SPOTRL_STATE_URL": self.resolved_state_url(),
+            "SPOTRL_MODEL_CACHE": str(self.resolved_model_cache()),
+            "SPOTRL_SESSION_TIMEOUT_S": str(self.session_timeout_s),
+            "SPOTRL_STOP_GRACE_S": str(self.stop_grace_s),
+        }
+        if self.pod_threads:
+            env["SPOTRL_POD_THREADS"] = str(self.pod_threads)
+        return env
+
+    def resolved_state_url(self) -> str:
+        return self.state_url or f"sqlite:///{(self.home / 'state.db').resolve()}"
+
+    def resolved_model_cache(self) -> Path:
+        return (self.model_cache or self.home / "models").resolve()
+
+
+@cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,74 @@
+"""A run's cost report, computed from its ledger: pure arithmetic, no I/O.
+
+Three figures, so a user can judge the bill:
+
+- ``total_dollars``: what the run spent, per second of every pod it started.
+- ``always_on_dollars``: the same work on an always-on on-demand cluster: the training
+  instance held on-demand for the run's whole wall time, and the rollout work billed at
+  the on-demand price of its instance type instead of spot.
+- ``lower_bound_dollars``: the busy seconds of every pod at the cheapest price of its
+  instance type; no schedule can pay less for the same pods.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.backends.state_store import LedgerEntry
+from services.cost.catalog import PriceCatalog
+
+
+@dataclass(frozen=True)
+class CostReport:
+    total_dollars: float
+    by_role: dict[str, float]
+    by_capacity_type: dict[str, float]
+    wall_seconds: float
+    always_on_dollars: float
+    lower_bound_dollars: float
+
+    @property
+    def savings_ratio(self) -> float | None:
+        """How many times cheaper than always-on (2.0 = half the price)."""
+        return self.always_on_dollars / self.total_dollars if self.total_dollars > 0 else None
+
+    @property
+    def efficiency(self) -> float | None:
+        """Lower bound over spent: 1.0 means nothing was paid for idle or expensive capacity."""
+        return self.lower_bound_dollars / self.total_dollars if self.total_dollars > 0 else None
+
+
+def cost_report(
+    entries: Sequence[LedgerEntry],
+    *,
+    catalog: PriceCatalog,
+    training_instance_type: str,
+    run_started_at: float | None,
+    run_ended_at: float | None,
+    now: float,
+) -> CostReport:
+    by_role: dict[str, float] = defaultdict(float)
+    by_capacity: dict[str, float] = defaultdict(float)
+    rollout_on_demand = 0.0
+    lower_bound = 0.0
+    for e in entries:
+        dollars = e.dollars(now)
+        by_role[e.role] += dollars
+        by_capacity[e.capacity_type] += dollars
+        price = catalog.get(e.instance_type)
+        seconds = e.seconds(now)
+        lower_bound += seconds * price.cheapest() / 3600.0
+        if e.role != "training":
+            rollout_on_demand += seconds * price.on_demand / 3600.0
+    wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
+    always_on = wall * catalog.get(training_instance_type).on_demand / 3600.0 + rollout_on_demand
+    return CostReport(
+        total_dollars=sum(by_role.values()),
+        by_role=dict(by_role),
+        by_capacity_type=dict(by_capacity),
+        wall_seconds=wall,
+        always_on_dollars=always_on,
+        lower_bound_dollars=lower_bound,
+    )

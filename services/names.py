@@ -1,0 +1,46 @@
+"""Deterministic names shared by the scheduler and the pods: topics, groups, pods, object keys."""
+
+from __future__ import annotations
+
+ROLLOUT_GROUP = "rollout"
+TRAINER_GROUP = "trainer"
+# The training job is the trainer group's only member; a retried job takes over the same membership.
+TRAINER_MEMBER = "trainer"
+
+
+def prompts_topic(run_id: str) -> str:
+    return f"{run_id}.prompts"
+
+
+def samples_topic(run_id: str) -> str:
+    return f"{run_id}.samples"
+
+
+def training_pod_name(run_id: str, iteration: int) -> str:
+    return f"{run_id}-train-{iteration}"
+
+
+def rollout_pod_name(run_id: str, slot: int) -> str:
+    return f"{run_id}-rollout-{slot}"
+
+
+def prompts_key(run_id: str) -> str:
+    return f"runs/{run_id}/prompts.jsonl"
+
+
+def policy_prefix(run_id: str, version: int) -> str:
+    return f"runs/{run_id}/policy/v{version}/"
+
+
+def trainer_prefix(run_id: str, version: int) -> str:
+    return f"runs/{run_id}/trainer/v{version}/"
+
+
+def result_key(run_id: str, version: int) -> str:
+    """Written last by the training job that produces ``version``: its presence means published."""
+    return f"{trainer_prefix(run_id, version)}result.json"
+
+
+def leftover_key(run_id: str) -> str:
+    """Samples still queued when the run ended, counted as dropped."""
+    return f"runs/{run_id}/leftover.json"

@@ -1,0 +1,40 @@
+"""Policy versions in the object store: publish v<N>, fetch any version (v0 is the spec's base model)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from services.backends.object_store import ObjectStore
+from services.names import policy_prefix
+from trainer_core.models import Policy, load_policy, save_policy
+
+
+def publish_policy(objects: ObjectStore, run_id: str, version: int, policy: Policy, scratch: Path) -> None:
+    """Upload ``policy`` as ``runs/<run>/policy/v<version>/``."""
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        save_policy(policy, Path(tmp))
+        objects.upload_dir(Path(tmp), policy_prefix(run_id, version))
+
+
+def fetch_policy(objects: ObjectStore, run_id: str, version: int, *, base_model: str, model_cache: Path) -> Policy:
+    """Load policy ``version`` of a run; version 0 is ``base_model`` itself."""
+    if version == 0:
+        return load_policy(base_model, cache_dir=model_cache)
+    local = model_cache / "runs" / run_id / f"v{version}"
+    if not local.exists():
+        # Several pods may fetch the same version at once: download apart, then rename into place.
+        local.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=local.parent, prefix=f".v{version}-"))
+        objects.download_dir(policy_prefix(run_id, version), staging)
+        try:
+            staging.rename(local)
+        except OSError:  # another pod won the race
+            shutil.rmtree(staging, ignore_errors=True)
+    return load_policy(local, cache_dir=model_cache)
+
+
+def delete_policy(objects: ObjectStore, run_id: str, version: int, model_cache: Path) -> None:
+    objects.delete_prefix(policy_prefix(run_id, version))
+    shutil.rmtree(model_cache / "runs" / run_id / f"v{version}", ignore_errors=True)

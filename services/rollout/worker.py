@@ -1,0 +1,205 @@
+"""The rollout worker: prompts in, scored samples out.
+
+Delivery (DESIGN.md): the worker commits a batch's prompt offsets only after that batch's
+samples are durably queued, so a worker killed at any point loses no prompt; another member
+of the "rollout" group receives the uncommitted prompts once this one's session lapses.
+
+On SIGTERM (a spot interruption notice, or a scale-down) the worker takes no new prompts;
+the batch in hand is finished if it can be before the grace deadline, and abandoned
+(uncommitted, so redelivered) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.backends.object_store import ObjectStore
+from services.backends.queue import CommitFailedError, Queue, Record, next_offsets
+from services.backends.reward_cache import RewardCache, reward_cache_key
+from services.backends.state_store import StateStore
+from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
+from services.policy_store import fetch_policy
+from services.reward.functions import total_reward
+from services.runspec import RunSpec
+from trainer_core.generation import HFEngine, SamplingParams
+from trainer_core.models import encode_prompt
+from trainer_core.samples import Sample, encode_sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptMessage:
+    """A prompt as queued on ``<run>.prompts``."""
+
+    prompt_id: str
+    prompt: str
+    answer: str | None
+
+    def encode(self) -> bytes:
+        return json.dumps({"prompt_id": self.prompt_id, "prompt": self.prompt, "answer": self.answer}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> PromptMessage:
+        d = json.loads(data)
+        return cls(prompt_id=d["prompt_id"], prompt=d["prompt"], answer=d.get("answer"))
+
+
+class StopSignal:
+    """Set by the SIGTERM handler; generation checks ``deadline_passed`` every token step."""
+
+    def __init__(self, grace_s: float) -> None:
+        self._event = threading.Event()
+        self._grace_s = grace_s
+        self._deadline = float("inf")
+
+    def set(self) -> None:
+        if not self._event.is_set():
+            # Leave a margin for queueing the samples and committing before the SIGKILL.
+            self._deadline = time.monotonic() + 0.8 * self._grace_s
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def deadline_passed(self) -> bool:
+        return time.monotonic() > self._deadline
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        worker_id: str,
+        spec: RunSpec,
+        state: StateStore,
+        queue: Queue,
+        objects: ObjectStore,
+        rewards: RewardCache,
+        model_cache: Path,
+        session_timeout_s: float,
+        stop: StopSignal,
+    ) -> None:
+        self.run_id = run_id
+        self.worker_id = worker_id
+        self.spec = spec
+        self.state = state
+        self.queue = queue
+        self.objects = objects
+        self.rewards = rewards
+        self.model_cache = model_cache
+        self.session_timeout_s = session_timeout_s
+        self.stop = stop
+        self.version = -1
+        self.engine: HFEngine | None = None
+        self.sampling = SamplingParams(
+            temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
+        )
+
+    def run(self) -> None:
+        consumer = self.queue.consumer(
+            prompts_topic(self.run_id), ROLLOUT_GROUP, member_id=self.worker_id, session_timeout_s=self.session_timeout_s
+        )
+        try:
+            while not self.stop.is_set():
+                self._load_latest_policy()
+                records = consumer.poll(self.spec.rollout.prompts_per_batch, timeout_s=1.0)
+                if not records:
+                    continue
+                samples = self._generate(records)
+                if samples is None:
+                    log.info("stop deadline reached mid-batch: %d prompts left uncommitted", len(records))
+                    break
+                self.queue.produce(
+                    samples_topic(self.run_id),
+                    [encode_sample(s) for s in samples],
+                    keys=[s.group_id.encode() for s in samples],
+                )
+                try:
+                    consumer.commit(next_offsets(records))
+                except CommitFailedError:
+                    # The group rebalanced while we generated: the new owner redoes these prompts.
+                    log.warning("prompt commit fenced after a rebalance; %d prompts will be redone", len(records))
+        finally:
+            consumer.close()
+
+    def _load_latest_policy(self) -> None:
+        version = self.state.policy_version(self.run_id)
+        if version == self.version:
+            return
+        policy = fetch_policy(
+            self.objects, self.run_id, version, base_model=self.spec.model, model_cache=self.model_cache
+        )
+        policy.model.eval()
+        if self.engine is None:
+            self.engine = HFEngine(policy.model, policy.tokenizer)
+        else:
+            self.engine.set_model(policy.model)
+        self.version = version
+        log.info("worker %s serving policy v%d", self.worker_id, version)
+
+    def _generate(self, records: Sequence[Record]) -> list[Sample] | None:
+        assert self.engine is not None
+        n = self.spec.samples_per_prompt
+        prompts = [PromptMessage.decode(r.value) for r in records]
+        tokenizer = self.engine.tokenizer
+        prompt_ids = [encode_prompt(tokenizer, p.prompt) for p in prompts]
+        started = time.monotonic()
+        completions = self.engine.generate(
+            [ids for ids in prompt_ids for _ in range(n)], self.sampling, should_stop=self.stop.deadline_passed
+        )
+        if completions is None:
+            return None
+        seconds = (time.monotonic() - started) / len(completions)
+        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        rewards = self._score(prompts, texts, [len(c.token_ids) for c in completions])
+        now = time.time()
+        samples = []
+        for i, prompt in enumerate(prompts):
+            group_id = uuid.uuid4().hex
+            for j in range(n):
+                k = i * n + j
+                samples.append(
+                    Sample(
+                        sample_id=uuid.uuid4().hex,
+                        run_id=self.run_id,
+                        prompt_id=prompt.prompt_id,
+                        group_id=group_id,
+                        prompt_ids=list(prompt_ids[i]),
+                        response_ids=list(completions[k].token_ids),
+                        logprobs=list(completions[k].logprobs),
+                        reward=rewards[k],
+                        reward_source="rule",
+                        policy_version=self.version,
+                        worker_id=self.worker_id,
+                        generation_seconds=seconds,
+                        created_at=now,
+                    )
+                )
+        return samples
+
+    def _score(self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int]) -> list[float]:
+        """Rewards through the shared cache: the same response to the same prompt is scored once."""
+        n = self.spec.samples_per_prompt
+        terms_key = json.dumps([t.model_dump() for t in self.spec.reward], sort_keys=True)
+        keys = [
+            reward_cache_key(terms_key, prompts[k // n].prompt, prompts[k // n].answer or "", texts[k])
+            for k in range(len(texts))
+        ]
+        cached = self.rewards.get_many(keys)
+        fresh = {
+            key: total_reward(self.spec.reward, texts[k], lengths[k], prompts[k // n].answer)
+            for k, key in enumerate(keys)
+            if key not in cached
+        }
+        if fresh:
+            self.rewards.put_many(fresh)
+        return [cached[key] if key in cached else fresh[key] for key in keys]

@@ -1,0 +1,152 @@
+"""The run spec: what a user asks for when submitting a run (``POST /v1/runs``).
+
+One pydantic model family shared by the API (validation, OpenAPI), the scheduler (goals,
+pool sizes) and the pods (sampling, reward, training). Every field carries a one-line doc
+that the README's configuration reference and ``/docs`` both show.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer_core.models import check_model_source
+
+
+class Algorithm(StrEnum):
+    GRPO = "grpo"
+    PPO = "ppo"
+
+
+class PromptItem(BaseModel):
+    """One line of a prompt set: ``{"prompt": ..., "answer": ...}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, description="Text given to the policy.")
+    answer: str | None = Field(default=None, description="Reference answer for verifiable rewards.")
+
+
+class RewardTerm(BaseModel):
+    """One built-in reward function and its weight; a run's reward is the weighted sum."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fn: Literal["exact_match", "regex", "length_penalty"] = Field(
+        description="exact_match: 1 when the last number in the response equals the answer's; "
+        "regex: 1 when `pattern` matches the response; length_penalty: -max(0, tokens - target_tokens) / target_tokens."
+    )
+    weight: float = Field(default=1.0, description="Multiplier of this term in the sum.")
+    pattern: str | None = Field(default=None, description="Regular expression (regex only); matched with re.search.")
+    target_tokens: int | None = Field(default=None, gt=0, description="Length beyond which the penalty grows (length_penalty only).")
+
+    @model_validator(mode="after")
+    def _check_args(self) -> RewardTerm:
+        if self.fn == "regex":
+            if not self.pattern:
+                raise ValueError("the regex reward needs `pattern`")
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"`pattern` is not a valid regular expression: {e}") from e
+        if self.fn == "length_penalty" and self.target_tokens is None:
+            raise ValueError("the length_penalty reward needs `target_tokens`")
+        return self
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0, le=5.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(default=64, ge=1, le=8192, description="Response length limit in tokens.")
+
+
+class RolloutPool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_type: str = Field(default="g6.xlarge", description="Catalog instance type of each rollout worker.")
+    spot: bool = Field(default=True, description="Run rollout workers on spot capacity.")
+    min_workers: int = Field(default=2, ge=0, le=1000, description="Workers kept while the run is active.")
+    max_workers: int = Field(default=10, ge=1, le=1000, description="Upper bound of the pool; also the prompt topic's partition count.")
+    prompts_per_batch: int = Field(default=8, ge=1, le=4096, description="Prompts a worker takes per poll; the pool is sized to cover the prompt backlog in such batches.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> RolloutPool:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
+        return self
+
+
+class Training(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_type: str = Field(default="p4d.24xlarge", description="Catalog instance type of the training job (on-demand).")
+    learning_rate: float = Field(default=1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
+    epochs: int = Field(default=1, ge=1, le=100, description="Passes over each batch.")
+    mini_batch: int = Field(default=0, ge=0, description="Samples per optimizer step; 0 = the whole batch (one step per epoch).")
+    micro_batch: int = Field(default=8, ge=1, le=4096, description="Samples per forward/backward pass (gradient accumulation).")
+    clip_ratio: float = Field(default=0.2, gt=0.0, le=10.0, description="PPO clip range of the importance ratio.")
+    kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of the k3 KL-to-reference loss term (0 skips the reference model).")
+    max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
+
+
+class RunSpec(BaseModel):
+    """What to train, on what, until when, for how much."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, max_length=64, description="Free-form label shown in listings.")
+    model: str = Field(description="Base policy: a local HF model directory, a .gguf file, or a built-in name (tiny, smollm2-135m).")
+    algorithm: Algorithm = Field(default=Algorithm.GRPO, description="RL algorithm: grpo or ppo (value head critic).")
+    prompts: list[PromptItem] | str = Field(
+        description="Inline list of {prompt, answer}, a JSONL file path on the server, or an object-store URI (store://key)."
+    )
+    reward: Annotated[list[RewardTerm], Field(min_length=1)] = Field(
+        default_factory=lambda: [RewardTerm(fn="exact_match")],
+        description="Reward terms, summed with their weights.",
+    )
+    samples_per_prompt: int = Field(default=4, ge=1, le=256, description="Samples per prompt (the GRPO group size).")
+    sampling: Sampling = Field(default_factory=Sampling, description="Sampling parameters of the rollout workers.")
+    batch_samples: int = Field(default=5000, ge=1, description="Samples waiting in the queue that trigger one training iteration.")
+    iterations: int | None = Field(default=None, ge=1, description="Stop after this many training iterations.")
+    target_mean_reward: float | None = Field(default=None, description="Stop once an iteration's mean reward reaches this.")
+    rollout: RolloutPool = Field(default_factory=RolloutPool, description="The spot rollout pool.")
+    training: Training = Field(default_factory=Training, description="The on-demand training job.")
+    budget_dollars: float | None = Field(default=None, gt=0.0, description="Stop (FAILED, budget exhausted) once the run has spent this much.")
+    staleness_bound: int = Field(default=1, ge=0, le=100, description="Samples generated by a policy more than this many versions old are dropped.")
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, v: str) -> str:
+        check_model_source(v)
+        return v
+
+    @field_validator("prompts")
+    @classmethod
+    def _check_prompts(cls, v: list[PromptItem] | str) -> list[PromptItem] | str:
+        if isinstance(v, list) and not v:
+            raise ValueError("at least one prompt is needed")
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("give a JSONL path, a store:// URI or an inline list")
+        return v
+
+    @model_validator(mode="after")
+    def _check_goal(self) -> RunSpec:
+        if self.iterations is None and self.target_mean_reward is None:
+            raise ValueError("set `iterations`, `target_mean_reward`, or both, so the run can end")
+        if self.algorithm == Algorithm.GRPO and self.samples_per_prompt < 2:
+            raise ValueError("grpo needs samples_per_prompt >= 2 (advantages are relative within a prompt's group)")
+        if self.batch_samples % self.samples_per_prompt:
+            raise ValueError(
+                f"batch_samples ({self.batch_samples}) must be a multiple of samples_per_prompt "
+                f"({self.samples_per_prompt}) so that a batch holds whole groups"
+            )
+        return self
+
+    @property
+    def prompts_per_iteration(self) -> int:
+        return self.batch_samples // self.samples_per_prompt

@@ -1,0 +1,226 @@
+"""The reconcile loop: observe each run, ask ``plan`` what to do, apply it.
+
+Everything it knows comes from the state store, the queue and the launcher on every tick, so
+it can be stopped and restarted at any moment. Errors rise to ``tick``: a temporary one is
+logged and the run is retried next tick; a ``PermanentError`` fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections import defaultdict
+
+from services.backends.launcher import PodSpec
+from services.backends.state_store import IterationRow, RunRow, RunStatus
+from services.config import Settings
+from services.cost.catalog import PriceCatalog, load_catalog
+from services.errors import PermanentError
+from services.names import (
+    ROLLOUT_GROUP,
+    TRAINER_GROUP,
+    leftover_key,
+    prompts_key,
+    prompts_topic,
+    result_key,
+    rollout_pod_name,
+    samples_topic,
+    training_pod_name,
+)
+from services.rollout.worker import PromptMessage
+from services.runspec import RunSpec
+from services.scheduler import plan as p
+from services.training.job import read_backlog, trainer_consumer
+from services.wiring import Backends
+from trainer_core.samples import decode_sample
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, backends: Backends, settings: Settings, catalog: PriceCatalog | None = None) -> None:
+        self.b = backends
+        self.settings = settings
+        self.catalog = catalog or load_catalog()
+        self._prompt_sets: dict[str, list[dict]] = {}
+
+    # --- the loop ---------------------------------------------------------------------
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.tick()
+            stop.wait(self.settings.tick_seconds)
+
+    def tick(self) -> None:
+        pods_by_run = defaultdict(list)
+        for pod in self.b.launcher.list():
+            pods_by_run[pod.run_id].append(pod)
+        runs = {r.id: r for r in self.b.state.list_runs(active_only=True)}
+        for run_id in pods_by_run.keys() - runs.keys():  # terminal runs whose pods outlived them
+            runs[run_id] = self.b.state.get_run(run_id)
+        for row in runs.values():
+            try:
+                self.reconcile(row, pods_by_run.get(row.id, []))
+            except PermanentError as e:
+                log.error("run %s failed: %s", row.id, e)
+                self.b.state.update_run(row.id, ending_status=RunStatus.FAILED.value, ending_reason=str(e))
+            except Exception:  # temporary: the next tick retries from fresh state
+                log.exception("reconciling run %s failed; retrying next tick", row.id)
+
+    def reconcile(self, row: RunRow, pods: list) -> list[p.Action]:
+        spec = RunSpec.model_validate(row.spec)
+        state = p.RunState(
+            run_id=row.id,
+            status=RunStatus(row.status),
+            spec=spec,
+            iterations_done=row.iterations_done,
+            last_mean_reward=row.last_mean_reward,
+            prompts_published=row.prompts_published,
+            cancel_requested=row.cancel_requested,
+            ending_status=RunStatus(row.ending_status) if row.ending_status else None,
+            ending_reason=row.ending_reason,
+            train_failures=row.train_failures,
+            next_train_at=row.next_train_at,
+            worker_slots_used=row.worker_slots_used,
+            samples_produced=row.samples_produced,
+        )
+        actions = p.plan(state, self.observe(row, pods))
+        for action in actions:
+            self.apply(action, spec)
+        return actions
+
+    def observe(self, row: RunRow, pods: list) -> p.Observed:
+        now = time.time()
+        started = row.status != RunStatus.PENDING.value
+        samples = samples_topic(row.id)
+        return p.Observed(
+            pods=pods,
+            prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
+            sample_backlog=self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
+            samples_produced=sum(self.b.queue.end_offsets(samples).values()) if started else 0,
+            spent_dollars=sum(e.dollars(now) for e in self.b.state.ledger(row.id)),
+            now=now,
+        )
+
+    # --- applying actions ---------------------------------------------------------------
+    def apply(self, action: p.Action, spec: RunSpec) -> None:
+        log.debug("apply %s", action)
+        match action:
+            case p.StartRun(run_id):
+                partitions = spec.rollout.max_workers
+                self.b.queue.create_topic(prompts_topic(run_id), partitions)
+                self.b.queue.create_topic(samples_topic(run_id), partitions)
+                self.b.state.set_status(run_id, RunStatus.RUNNING)
+            case p.PublishPrompts(run_id, start, count):
+                self._publish_prompts(run_id, start, count)
+            case p.LaunchWorker(run_id, slot):
+                self.b.state.update_run(run_id, worker_slots_used=slot + 1)
+                name = rollout_pod_name(run_id, slot)
+                command = ["worker", run_id, "--worker-id", name]
+                self._launch(run_id, name, "rollout", command, spec.rollout.instance_type,
+                             "spot" if spec.rollout.spot else "on-demand", {"slot": str(slot)})
+            case p.LaunchTraining(run_id, iteration):
+                name = training_pod_name(run_id, iteration)
+                self._launch(run_id, name, "training", ["train-job", run_id, str(iteration)],
+                             spec.training.instance_type, "on-demand", {"iteration": str(iteration)})
+            case p.StopPod(name):
+                self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
+            case p.ReapPod(pod):
+                self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time())
+                self.b.launcher.delete(pod.name)
+            case p.RecordIteration(run_id, iteration):
+                self._record_iteration(run_id, iteration)
+            case p.RecordTrainingFailure(run_id, iteration, failures, retry_at):
+                log.warning("run %s: training job %d failed (%d so far); retrying", run_id, iteration, failures)
+                self.b.state.update_run(run_id, train_failures=failures, next_train_at=retry_at)
+            case p.RecordProgress(run_id, produced):
+                self.b.state.update_run(run_id, samples_produced=produced)
+            case p.BeginEnding(run_id, status, reason):
+                log.info("run %s ending: %s (%s)", run_id, status.value, reason)
+                self.b.state.update_run(run_id, ending_status=status.value, ending_reason=reason)
+            case p.FinishRun(run_id, status, reason):
+                self._finish(run_id, status, reason)
+
+    def _launch(self, run_id: str, name: str, role: str, args: list[str], instance_type: str,
+                capacity_type: str, labels: dict[str, str]) -> None:
+        price = self.catalog.get(instance_type)
+        started = time.time()
+        self.b.launcher.launch(
+            PodSpec(
+                name=name,
+                run_id=run_id,
+                role=role,
+                command=[sys.executable, "-m", "services.cli", *args],
+                env=self.settings.pod_env(),
+                instance_type=instance_type,
+                capacity_type=capacity_type,
+                labels=labels,
+            )
+        )
+        self.b.state.open_ledger(
+            run_id=run_id,
+            role=role,
+            pod=name,
+            instance_type=instance_type,
+            capacity_type=capacity_type,
+            price_per_hour=price.price(capacity_type),
+            price_source=f"{price.source} ({price.date})",
+            started_at=started,
+        )
+
+    def _publish_prompts(self, run_id: str, start: int, count: int) -> None:
+        if run_id not in self._prompt_sets:
+            lines = self.b.objects.get_bytes(prompts_key(run_id)).decode().splitlines()
+            self._prompt_sets[run_id] = [json.loads(line) for line in lines if line.strip()]
+        items = self._prompt_sets[run_id]
+        messages = []
+        for i in range(start, start + count):
+            item = items[i % len(items)]  # epochs cycle over the prompt set
+            messages.append(PromptMessage(prompt_id=str(i % len(items)), prompt=item["prompt"], answer=item.get("answer")))
+        self.b.queue.produce(prompts_topic(run_id), [m.encode() for m in messages])
+        self.b.state.update_run(run_id, prompts_published=start + count)
+
+    def _record_iteration(self, run_id: str, iteration: int) -> None:
+        key = result_key(run_id, iteration)
+        if not self.b.objects.exists(key):
+            raise PermanentError(f"training job {iteration} exited 0 without publishing {key}")
+        r = json.loads(self.b.objects.get_bytes(key))
+        m = r["metrics"]
+        self.b.state.record_iteration(
+            IterationRow(
+                run_id=run_id,
+                iteration=iteration,
+                policy_version=r["policy_version"],
+                mean_reward=r["mean_reward"],
+                kl=m.get("actor/kl_ref", 0.0) or m.get("actor/ppo_kl", 0.0),
+                loss=m.get("actor/loss", 0.0),
+                seconds=r["seconds"],
+                samples_trained=len(r["trained_ids"]),
+                samples_dropped=sum(len(ids) for ids in r["dropped"].values()),
+                metrics=m,
+                ended_at=r["ended_at"],
+            )
+        )
+        log.info("run %s: iteration %d done, mean reward %.3f", run_id, iteration, r["mean_reward"])
+
+    def _finish(self, run_id: str, status: RunStatus, reason: str) -> None:
+        """Count what is still queued as dropped (nobody will train it), then end the run."""
+        dropped = 0
+        if self.b.state.get_run(run_id).started_at is not None:
+            consumer = trainer_consumer(self.b.queue, run_id)
+            try:
+                records, offsets = read_backlog(self.b.queue, consumer, run_id)
+                if records:
+                    ids = [decode_sample(r.value).sample_id for r in records]
+                    self.b.objects.put_bytes(leftover_key(run_id), json.dumps({"run_ended": ids}).encode())
+                    consumer.commit(offsets)
+                    dropped = len(ids)
+            finally:
+                consumer.close()
+        run = self.b.state.get_run(run_id)
+        self.b.state.update_run(run_id, samples_dropped=run.samples_dropped + dropped)
+        self.b.state.set_status(run_id, status, reason)
+        self._prompt_sets.pop(run_id, None)
+        log.info("run %s %s: %s", run_id, status.value, reason)

@@ -1,0 +1,280 @@
+"""The scheduler's decisions: a pure function from (run, observed world) to actions.
+
+``plan`` never does I/O; ``services.scheduler.loop`` gathers its inputs and applies what it
+returns, every tick. Because it reads the whole state each time (level-triggered), a restarted
+scheduler carries on from the state store and the launcher's pods, and names are deterministic
+(``<run>-train-<iteration>``, ``<run>-rollout-<slot>``), so nothing is launched twice.
+
+A run's life, one tick at a time (batch_samples=8, samples_per_prompt=4, iterations=2,
+rollout min 1 / max 2, prompts_per_batch=2):
+
+1. PENDING                         -> StartRun (topics created, RUNNING)
+2. no backlog                      -> PublishPrompts(2 prompts = 8 samples), LaunchWorker x1
+3. prompt backlog 2                -> (pool 1 covers 2 prompts in one batch) nothing new
+4. sample backlog 8                -> LaunchTraining(1)
+5. training-1 running, backlog 0   -> PublishPrompts(2): the next batch is generated while training runs
+6. training-1 Succeeded            -> RecordIteration(1), ReapPod(training-1)
+7. sample backlog 8                -> LaunchTraining(2); no more prompts are needed, so the pool goes to 0
+8. training-2 Succeeded            -> RecordIteration(2), ReapPod
+9. iterations reached              -> BeginEnding(SUCCEEDED), StopPod for pods still alive
+10. no pods alive                  -> FinishRun(SUCCEEDED): leftover samples counted as dropped
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.backends.launcher import PodPhase, PodStatus
+from services.backends.state_store import RunStatus
+from services.runspec import RunSpec
+
+ROLE_ROLLOUT = "rollout"
+ROLE_TRAINING = "training"
+RETRY_BASE_SECONDS = 5.0
+RETRY_MAX_SECONDS = 300.0
+
+
+def retry_delay(failures: int) -> float:
+    """Exponential backoff after the ``failures``-th failed training job: 5 s, 10 s, 20 s ... 300 s."""
+    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(0, failures - 1))
+
+
+@dataclass(frozen=True)
+class RunState:
+    """Desired and recorded state of one run, as the state store holds it."""
+
+    run_id: str
+    status: RunStatus
+    spec: RunSpec
+    iterations_done: int
+    last_mean_reward: float | None
+    prompts_published: int
+    cancel_requested: bool
+    ending_status: RunStatus | None
+    ending_reason: str | None
+    train_failures: int
+    next_train_at: float
+    worker_slots_used: int
+    samples_produced: int
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the world looks like now."""
+
+    pods: Sequence[PodStatus]
+    prompt_backlog: int  # prompts published and not yet committed by the rollout group
+    sample_backlog: int  # samples queued and not yet committed by the trainer group
+    samples_produced: int  # every sample ever queued for the run
+    spent_dollars: float
+    now: float
+
+
+# --- actions --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StartRun:
+    run_id: str
+
+
+@dataclass(frozen=True)
+class PublishPrompts:
+    run_id: str
+    start: int  # index into the run's prompt set, cycling over epochs
+    count: int
+
+
+@dataclass(frozen=True)
+class LaunchWorker:
+    run_id: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class LaunchTraining:
+    run_id: str
+    iteration: int
+
+
+@dataclass(frozen=True)
+class StopPod:
+    name: str
+
+
+@dataclass(frozen=True)
+class ReapPod:
+    """Close the pod's ledger entry at its end time and forget it."""
+
+    pod: PodStatus
+
+
+@dataclass(frozen=True)
+class RecordIteration:
+    run_id: str
+    iteration: int
+
+
+@dataclass(frozen=True)
+class RecordTrainingFailure:
+    run_id: str
+    iteration: int
+    failures: int
+    retry_at: float
+
+
+@dataclass(frozen=True)
+class RecordProgress:
+    run_id: str
+    samples_produced: int
+
+
+@dataclass(frozen=True)
+class BeginEnding:
+    run_id: str
+    status: RunStatus
+    reason: str
+
+
+@dataclass(frozen=True)
+class FinishRun:
+    """All pods are gone: count leftover samples as dropped and set the terminal status."""
+
+    run_id: str
+    status: RunStatus
+    reason: str
+
+
+Action = (
+    StartRun
+    | PublishPrompts
+    | LaunchWorker
+    | LaunchTraining
+    | StopPod
+    | ReapPod
+    | RecordIteration
+    | RecordTrainingFailure
+    | RecordProgress
+    | BeginEnding
+    | FinishRun
+)
+
+
+def plan(run: RunState, observed: Observed) -> list[Action]:
+    """Decide this tick's actions for one run."""
+    alive = [p for p in observed.pods if p.phase == PodPhase.RUNNING]
+    done = [p for p in observed.pods if p.phase != PodPhase.RUNNING]
+
+    if run.status.is_terminal():
+        # Only after a crash between FinishRun and the pods' end: clean up, never start anything.
+        return [StopPod(p.name) for p in alive] + [ReapPod(p) for p in done]
+
+    if run.status == RunStatus.PENDING:
+        if run.cancel_requested:
+            return [FinishRun(run.run_id, RunStatus.CANCELLED, "cancelled before it started")]
+        return [StartRun(run.run_id)]
+
+    actions: list[Action] = []
+    if observed.samples_produced != run.samples_produced:
+        actions.append(RecordProgress(run.run_id, observed.samples_produced))
+
+    # Finished pods first; the next tick decides with their results recorded.
+    if done:
+        return actions + _reap(run, done, observed.now)
+
+    ending = _end_condition(run, observed)
+    if ending is not None:
+        status, reason = ending
+        if run.ending_status is None:
+            actions.append(BeginEnding(run.run_id, status, reason))
+        if alive:
+            return actions + [StopPod(p.name) for p in alive]
+        return actions + [FinishRun(run.run_id, status, reason)]
+
+    return actions + _feed_and_scale(run, observed, alive)
+
+
+def _reap(run: RunState, done: Sequence[PodStatus], now: float) -> list[Action]:
+    actions: list[Action] = []
+    for pod in done:
+        if pod.role == ROLE_TRAINING:
+            iteration = int(pod.labels["iteration"])
+            if pod.phase == PodPhase.SUCCEEDED:
+                actions.append(RecordIteration(run.run_id, iteration))
+            elif iteration > run.iterations_done:
+                failures = run.train_failures + 1
+                if failures > run.spec.training.max_retries:
+                    actions.append(
+                        BeginEnding(
+                            run.run_id,
+                            RunStatus.FAILED,
+                            f"training job for iteration {iteration} failed {failures} times "
+                            f"(last exit code {pod.exit_code}); see `spotrl logs {pod.name}`",
+                        )
+                    )
+                else:
+                    actions.append(RecordTrainingFailure(run.run_id, iteration, failures, now + retry_delay(failures)))
+        actions.append(ReapPod(pod))
+    return actions
+
+
+def _end_condition(run: RunState, observed: Observed) -> tuple[RunStatus, str] | None:
+    spec = run.spec
+    if run.ending_status is not None:
+        return run.ending_status, run.ending_reason or ""
+    if run.cancel_requested:
+        return RunStatus.CANCELLED, "cancelled by the user"
+    if spec.iterations is not None and run.iterations_done >= spec.iterations:
+        return RunStatus.SUCCEEDED, f"trained {run.iterations_done} iterations"
+    if (
+        spec.target_mean_reward is not None
+        and run.last_mean_reward is not None
+        and run.last_mean_reward >= spec.target_mean_reward
+    ):
+        return RunStatus.SUCCEEDED, f"mean reward {run.last_mean_reward:.3f} reached the target {spec.target_mean_reward}"
+    if spec.budget_dollars is not None and observed.spent_dollars >= spec.budget_dollars:
+        return (
+            RunStatus.FAILED,
+            f"budget exhausted: spent ${observed.spent_dollars:.2f} of ${spec.budget_dollars:.2f} "
+            f"after {run.iterations_done} iterations (policy v{run.iterations_done} is published)",
+        )
+    return None
+
+
+def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus]) -> list[Action]:
+    spec = run.spec
+    n = spec.samples_per_prompt
+    batch = spec.batch_samples
+    actions: list[Action] = []
+    training = [p for p in alive if p.role == ROLE_TRAINING]
+    workers = sorted((p for p in alive if p.role == ROLE_ROLLOUT), key=lambda p: int(p.labels["slot"]))
+
+    # Samples on their way into the next batch (a running job is consuming about one batch).
+    queued_for_next = max(0, observed.sample_backlog - (batch if training else 0))
+    coming = queued_for_next + observed.prompt_backlog * n
+    # Keep one batch ahead of the trainer, never more than the remaining iterations need.
+    want = batch
+    still_needed: int | None = None  # samples the remaining iterations need; None = until the target reward
+    if spec.iterations is not None:
+        still_needed = max(0, spec.iterations - run.iterations_done - len(training)) * batch
+        want = min(want, still_needed)
+    if want > coming:
+        count = math.ceil((want - coming) / n)
+        actions.append(PublishPrompts(run.run_id, run.prompts_published, count))
+        coming += count * n
+
+    # Pool size follows the prompt backlog in worker batches; below min only when no more
+    # samples are needed (all that the remaining iterations need is already queued).
+    backlog_after = observed.prompt_backlog + (actions[-1].count if actions else 0)
+    desired = math.ceil(backlog_after / spec.rollout.prompts_per_batch)
+    desired = max(spec.rollout.min_workers, min(spec.rollout.max_workers, desired))
+    if still_needed is not None and backlog_after == 0 and queued_for_next >= still_needed:
+        desired = 0
+    for i in range(desired - len(workers)):
+        actions.append(LaunchWorker(run.run_id, run.worker_slots_used + i))
+    for pod in workers[desired:]:
+        actions.append(StopPod(pod.name))
+
+    if not training and observed.sample_backlog >= batch and observed.now >= run.next_train_at:
+        actions.append(LaunchTraining(run.run_id, run.iterations_done + 1))
+    return actions

@@ -1,0 +1,198 @@
+"""Sampling completions, with the behaviour log-probs the trainer's importance ratio needs.
+
+`HFEngine` runs its own loop over a Hugging Face model rather than `model.generate`: asking
+`generate` for per-token scores keeps steps x batch x vocab floats, while the loop here keeps
+one float per sampled token.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from trainer_core.models import stop_token_ids
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation of a prompt."""
+
+    token_ids: list[int]
+    # Behaviour log-prob of each token: log_softmax(logits / temperature) at the chosen token,
+    # fp32, before top-p filtering, which is exactly what the trainer recomputes.
+    logprobs: list[float]
+    finish_reason: str  # "stop" (emitted a stop token, included in token_ids) or "length"
+
+
+def _never() -> bool:
+    return False
+
+
+class GenerationEngine(Protocol):
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        should_stop: Callable[[], bool] = _never,
+    ) -> list[Completion] | None:
+        """One completion per prompt, in order; None if `should_stop()` turned True meanwhile."""
+        ...
+
+
+class HFEngine:
+    """`GenerationEngine` over a transformers causal LM, with a KV cache and batched prompts."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._stop_ids = torch.tensor(stop_token_ids(tokenizer))
+        # Rows that have finished keep being fed this token; their outputs are discarded.
+        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.set_model(model)
+
+    def set_model(self, model: PreTrainedModel) -> None:
+        """Sample from `model` from now on (after a weight reload)."""
+        self._model = model
+        # transformers 5.24 renamed the forward argument past_key_values to cache (the old
+        # name warns until 5.40); earlier releases only know past_key_values.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        should_stop: Callable[[], bool] = _never,
+    ) -> list[Completion] | None:
+        """One completion per prompt, in order; None if `should_stop()` turned True meanwhile."""
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        model = self._model
+        device = next(model.parameters()).device
+        stop_ids = self._stop_ids.to(device)
+        generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+
+        input_ids, attention_mask = _left_pad(prompts, self._pad_id, device)  # (batch, prompt_len)
+        # Left padding shifts each prompt right; count positions from its first real token.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        batch = len(prompts)
+        cache = DynamicCache(config=model.config)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        step_tokens: list[torch.Tensor] = []  # max_new_tokens x (batch,)
+        step_logprobs: list[torch.Tensor] = []
+
+        with torch.no_grad(), _eval_mode(model):
+            for _ in range(params.max_new_tokens):
+                if should_stop():
+                    return None
+                logits = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    **{self._cache_kwarg: cache},
+                ).logits[:, -1].float()  # (batch, vocab)
+                token, logprob = _sample(logits, params, generator)
+                token = token.masked_fill(finished, self._pad_id)
+                step_tokens.append(token)
+                step_logprobs.append(logprob)
+                lengths += (~finished).long()
+                finished |= torch.isin(token, stop_ids)
+                # A CPU-GPU sync per step; it lets a batch of short answers stop early.
+                if bool(finished.all()):
+                    break
+                input_ids = token[:, None]
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+                position_ids = position_ids[:, -1:] + 1
+
+        tokens = torch.stack(step_tokens, dim=1).tolist()  # (batch, steps)
+        logprobs = torch.stack(step_logprobs, dim=1).tolist()
+        return [
+            Completion(
+                token_ids=tokens[i][:n],
+                logprobs=logprobs[i][:n],
+                finish_reason="stop" if done else "length",
+            )
+            for i, (n, done) in enumerate(zip(lengths.tolist(), finished.tolist()))
+        ]
+
+
+def _left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and attention mask, both `(batch, max_prompt_len)`."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` `(batch, vocab)`; returns token and its log-prob, `(batch,)`."""
+    if params.temperature == 0:
+        token = logits.argmax(dim=-1)
+        logprobs = F.log_softmax(logits, dim=-1)
+    else:
+        logprobs = F.log_softmax(logits / params.temperature, dim=-1)
+        probs = _top_p(logprobs.exp(), params.top_p)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail of each row of `probs` `(batch, vocab)` outside the smallest set whose
+    mass reaches `top_p` (nucleus sampling, Holtzman et al. 2019); rows are not renormalised,
+    since multinomial does not need it."""
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # A token is dropped when the tokens ranked above it already cover top_p; so the most
+    # likely token always survives.
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_above >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+@contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the block, then the caller's mode again."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
