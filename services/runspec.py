@@ -13,7 +13,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.cost.catalog import load_catalog
 from trainer_core.models import check_model_source
+
+
+def _known_instance_type(v: str) -> str:
+    load_catalog().get(v)  # raises a ValueError that lists the known types
+    return v
 
 
 class Algorithm(StrEnum):
@@ -74,6 +80,8 @@ class RolloutPool(BaseModel):
     max_workers: int = Field(default=10, ge=1, le=1000, description="Upper bound of the pool; also the prompt topic's partition count.")
     prompts_per_batch: int = Field(default=8, ge=1, le=4096, description="Prompts a worker takes per poll; the pool is sized to cover the prompt backlog in such batches.")
 
+    _instance = field_validator("instance_type")(_known_instance_type)
+
     @model_validator(mode="after")
     def _check_bounds(self) -> RolloutPool:
         if self.min_workers > self.max_workers:
@@ -92,6 +100,8 @@ class Training(BaseModel):
     clip_ratio: float = Field(default=0.2, gt=0.0, le=10.0, description="PPO clip range of the importance ratio.")
     kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of the k3 KL-to-reference loss term (0 skips the reference model).")
     max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
+
+    _instance = field_validator("instance_type")(_known_instance_type)
 
 
 class RunSpec(BaseModel):

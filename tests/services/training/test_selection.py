@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from services.training.job import select_samples
+from trainer_core.samples import Sample
+
+
+def sample(sid: str, version: int) -> Sample:
+    return Sample(sample_id=sid, run_id="r", prompt_id="0", group_id="g", prompt_ids=[1], response_ids=[2],
+                  logprobs=[-0.1], reward=1.0, reward_source="rule", policy_version=version, worker_id="w",
+                  generation_seconds=0.1, created_at=0.0)
+
+
+def test_drops_duplicates_and_stale_samples() -> None:
+    batch = [sample("a", 3), sample("b", 2), sample("a", 3), sample("c", 1), sample("d", 3)]
+    sel = select_samples(batch, seen={"d"}, policy_version=3, staleness_bound=1)
+    assert [s.sample_id for s in sel.kept] == ["a", "b"]
+    assert sel.dropped == {"duplicate": ["a", "d"], "stale": ["c"]}
+    assert sel.dropped_count == 3
+
+
+def test_bound_zero_keeps_only_on_policy() -> None:
+    sel = select_samples([sample("a", 2), sample("b", 1)], seen=set(), policy_version=2, staleness_bound=0)
+    assert [s.sample_id for s in sel.kept] == ["a"]

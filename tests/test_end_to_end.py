@@ -1,0 +1,197 @@
+"""The whole loop on the embedded backends, through the real `spotrl serve` process and real pods.
+
+Slow by nature (each pod is a Python process that imports torch): kept to the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.backends.launcher import LocalLauncher, PodPhase
+from services.backends.object_store import LocalObjectStore
+from services.backends.queue import SqliteQueue
+from services.backends.state_store import StateStore
+from services.names import leftover_key, prompts_topic, result_key, samples_topic
+from services.rollout.worker import PromptMessage
+from trainer_core.samples import decode_sample
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, home: Path, port: int) -> None:
+        self.home = home
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+
+    def wait_for(self, run_id: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            run = self.client.get(f"/v1/runs/{run_id}").json()
+            if run["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                return run
+            time.sleep(0.5)
+        raise AssertionError(f"run {run_id} did not finish in {timeout_s} s: {run}")
+
+
+@pytest.fixture
+def served(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    port = _free_port()
+    home = tmp_path / "home"
+    env = {
+        **os.environ,
+        "SPOTRL_HOME": str(home),
+        "SPOTRL_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models"),
+        "SPOTRL_TICK_SECONDS": "0.2",
+        "SPOTRL_SESSION_TIMEOUT_S": "3",
+        "SPOTRL_STOP_GRACE_S": "10",
+        "SPOTRL_POD_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--port", str(port)],
+        env=env, stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT,
+    )
+    s = Served(home, port)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if s.client.get("/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "spotrl serve did not become ready"
+            time.sleep(0.2)
+        yield s
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for pod in LocalLauncher(home / "pods").list():  # nothing of ours is left running
+            if pod.phase == PodPhase.RUNNING and pod.pid:
+                os.kill(pod.pid, signal.SIGKILL)
+
+
+def tiny_spec(**changes) -> dict:
+    spec = {
+        "model": "tiny",
+        "prompts": [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(12)],
+        "samples_per_prompt": 4,
+        "sampling": {"max_new_tokens": 8},
+        "batch_samples": 16,
+        "iterations": 2,
+        "rollout": {"min_workers": 1, "max_workers": 2, "prompts_per_batch": 2},
+        "training": {"learning_rate": 1e-3, "micro_batch": 8},
+    }
+    spec.update(changes)
+    return spec
+
+
+def assert_every_sample_accounted_for(home: Path, run: dict) -> None:
+    """Each queued sample is trained exactly once or counted as dropped; no ledger entry is open."""
+    run_id = run["id"]
+    queue = SqliteQueue(home / "queue.db")
+    objects = LocalObjectStore(home / "objects")
+    audit = queue.consumer(samples_topic(run_id), "audit", member_id="audit")
+    produced = []
+    while len(produced) < sum(queue.end_offsets(samples_topic(run_id)).values()):
+        produced += [decode_sample(r.value).sample_id for r in audit.poll(1000, timeout_s=1.0)]
+    trained: list[str] = []
+    dropped: list[str] = []
+    for it in run["iterations"]:
+        result = json.loads(objects.get_bytes(result_key(run_id, it["iteration"])))
+        trained += result["trained_ids"]
+        dropped += [i for ids in result["dropped"].values() for i in ids]
+    if objects.exists(leftover_key(run_id)):
+        dropped += json.loads(objects.get_bytes(leftover_key(run_id)))["run_ended"]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert Counter(trained + dropped) == Counter(produced)
+    assert run["samples"] == {"produced": len(produced), "trained": len(trained), "dropped": len(dropped)}
+    state = StateStore(f"sqlite:///{home / 'state.db'}")
+    assert state.open_ledger_count(run_id) == 0
+    state.close()
+    queue.close()
+
+
+def test_run_end_to_end_over_http(served: Served) -> None:
+    r = served.client.post("/v1/runs", json=tiny_spec())
+    assert r.status_code == 201, r.text
+    run = served.wait_for(r.json()["id"], timeout_s=240)
+    assert run["status"] == "SUCCEEDED", run["status_reason"]
+    assert len(run["iterations"]) >= 2
+    assert run["policy_version"] == 2
+    assert_every_sample_accounted_for(served.home, run)
+    cost = served.client.get(f"/v1/runs/{run['id']}/cost").json()
+    assert set(cost["by_role"]) == {"rollout", "training"}
+    assert cost["by_capacity_type"]["spot"] > 0 and cost["by_capacity_type"]["on-demand"] > 0
+    assert all(e["ended_at"] is not None for e in cost["entries"])
+    assert cost["always_on_dollars"] > cost["total_dollars"] > 0
+    metrics = served.client.get("/metrics").text
+    assert f'spotrl_policy_version{{run="{run["id"]}"}} 2.0' in metrics
+
+
+def test_killed_rollout_worker_loses_no_prompt(served: Served) -> None:
+    spec = tiny_spec(rollout={"min_workers": 2, "max_workers": 2, "prompts_per_batch": 1}, iterations=2, batch_samples=24)
+    run_id = served.client.post("/v1/runs", json=spec).json()["id"]
+    launcher = LocalLauncher(served.home / "pods")
+    queue = SqliteQueue(served.home / "queue.db")
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None:  # kill a worker as soon as samples flow, mid-run
+        assert time.monotonic() < deadline, "no rollout worker produced samples"
+        workers = [p for p in launcher.list(run_id) if p.role == "rollout" and p.phase == PodPhase.RUNNING and p.pid]
+        if workers and sum(queue.end_offsets(samples_topic(run_id)).values()) > 0:
+            victim = workers[0]
+            os.kill(victim.pid, signal.SIGKILL)
+        time.sleep(0.1)
+    run = served.wait_for(run_id, timeout_s=240)
+    assert run["status"] == "SUCCEEDED", run["status_reason"]
+    cost = served.client.get(f"/v1/runs/{run_id}/cost").json()
+    assert victim.name in [e["pod"] for e in cost["entries"]]
+    assert len({e["pod"] for e in cost["entries"] if e["role"] == "rollout"}) >= 3, "the killed worker was replaced"
+
+    # Every prompt a worker committed was turned into a group of samples (at least once).
+    topic = prompts_topic(run_id)
+    committed = queue.committed(topic, "rollout")
+    assert sum(committed.values()) > 0
+    done_prompts: Counter[str] = Counter()
+    audit = queue.consumer(topic, "audit", member_id="audit")
+    for _ in range(sum(queue.end_offsets(topic).values())):
+        records = audit.poll(1000, timeout_s=1.0)
+        done_prompts.update(PromptMessage.decode(r.value).prompt_id for r in records if r.offset < committed.get(r.partition, 0))
+        if not records:
+            break
+    groups: dict[str, str] = {}
+    samples = queue.consumer(samples_topic(run_id), "audit", member_id="audit")
+    n_samples = sum(queue.end_offsets(samples_topic(run_id)).values())
+    seen = 0
+    while seen < n_samples:
+        for r in samples.poll(1000, timeout_s=1.0):
+            s = decode_sample(r.value)
+            groups[s.group_id] = s.prompt_id
+            seen += 1
+    generated = Counter(groups.values())
+    assert sum(done_prompts.values()) == sum(committed.values())
+    assert all(generated[p] >= k for p, k in done_prompts.items()), (done_prompts, generated)
+    assert_every_sample_accounted_for(served.home, run)
+    queue.close()
