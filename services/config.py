@@ -20,7 +20,7 @@ class Settings(BaseSettings):
     state_url: str | None = Field(default=None, description="SQLAlchemy URL of the state store; default: SQLite in home.")
     model_cache: Path | None = Field(default=None, description="Where converted base models are cached; default: home/models.")
     tick_seconds: float = Field(default=0.5, gt=0, description="Scheduler reconcile interval.")
-    session_timeout_s: float = Field(default=6.0, gt=0, description="A rollout worker silent this long loses its prompts to the others.")
+    session_timeout_s: float = Field(default=60.0, gt=0, description="A rollout worker that has not polled for this long (it polls between batches) loses its prompts to the others.")
     stop_grace_s: float = Field(default=30.0, gt=0, description="Seconds a pod gets after SIGTERM before SIGKILL (a spot notice).")
     api_token: str | None = Field(default=None, description="When set, the API requires `Authorization: Bearer <token>`.")
 

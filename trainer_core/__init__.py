@@ -1,0 +1,2 @@
+"""spotrl's training core: sample format, model loading, generation, RL math and the update
+step. Never imports `services`."""

@@ -8,7 +8,7 @@ Shapes: `batch` samples, `response_len` response tokens (right-padded, `mask` 1 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from enum import Enum
+from enum import StrEnum
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 # --- advantage estimators --------------------------------------------------------------------
 
 
-class AdvantageEstimator(str, Enum):
+class AdvantageEstimator(StrEnum):
     GRPO = "grpo"
     GAE = "gae"
 
@@ -67,7 +67,7 @@ def grpo_advantages(
     index = torch.tensor([labels[g] for g in group_ids], device=scores.device)  # (batch,)
     n_groups = len(labels)
 
-    count = torch.zeros(n_groups, device=scores.device).index_add_(0, index, torch.ones_like(scores))
+    count = torch.bincount(index, minlength=n_groups).to(scores.dtype)
     mean = torch.zeros(n_groups, device=scores.device).index_add_(0, index, scores) / count
     centered = scores - mean[index]
     sq_sum = torch.zeros(n_groups, device=scores.device).index_add_(0, index, centered**2)
@@ -140,7 +140,7 @@ def compute_advantages(
 # --- KL estimators ---------------------------------------------------------------------------
 
 
-class KLEstimator(str, Enum):
+class KLEstimator(StrEnum):
     K1 = "k1"
     K2 = "k2"
     K3 = "k3"
@@ -169,8 +169,8 @@ KL_ESTIMATORS: dict[KLEstimator, Callable[[Tensor], Tensor]] = {
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str | KLEstimator) -> Tensor:
-    """Per-token KL estimate `(batch, response_len)`: k1 = logp - logp_ref, k2 = (logp - logp_ref)^2 / 2,
-    k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 (unbiased and always >= 0)."""
+    """Per-token KL estimate, `(batch, response_len)`, with r = logp_ref - logp:
+    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - r - 1 (unbiased, and never negative)."""
     return KL_ESTIMATORS[KLEstimator(kind)](logprob - ref_logprob)
 
 

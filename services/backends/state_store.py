@@ -93,6 +93,9 @@ class RunRow(Base):
     train_failures: Mapped[int] = mapped_column(Integer, default=0)
     next_train_at: Mapped[float] = mapped_column(Float, default=0.0)
     worker_slots_used: Mapped[int] = mapped_column(Integer, default=0)
+    # Trainer-group committed offsets (summed) when the running training job was launched:
+    # until they move, that job still holds one batch of the sample backlog.
+    train_launch_committed: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class IterationRow(Base):
@@ -214,6 +217,7 @@ class StateStore:
             train_failures=0,
             next_train_at=0.0,
             worker_slots_used=0,
+            train_launch_committed=0,
         )
         with self._session() as s:
             s.add(row)

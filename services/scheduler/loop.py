@@ -85,6 +85,7 @@ class Scheduler:
             next_train_at=row.next_train_at,
             worker_slots_used=row.worker_slots_used,
             samples_produced=row.samples_produced,
+            train_launch_committed=row.train_launch_committed,
         )
         actions = p.plan(state, self.observe(row, pods))
         for action in actions:
@@ -100,6 +101,7 @@ class Scheduler:
             prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
             sample_backlog=self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
             samples_produced=sum(self.b.queue.end_offsets(samples).values()) if started else 0,
+            trainer_committed=sum(self.b.queue.committed(samples, TRAINER_GROUP).values()) if started else 0,
             spent_dollars=sum(e.dollars(now) for e in self.b.state.ledger(row.id)),
             now=now,
         )
@@ -122,6 +124,8 @@ class Scheduler:
                 self._launch(run_id, name, "rollout", command, spec.rollout.instance_type,
                              "spot" if spec.rollout.spot else "on-demand", {"slot": str(slot)})
             case p.LaunchTraining(run_id, iteration):
+                committed = sum(self.b.queue.committed(samples_topic(run_id), TRAINER_GROUP).values())
+                self.b.state.update_run(run_id, train_launch_committed=committed)
                 name = training_pod_name(run_id, iteration)
                 self._launch(run_id, name, "training", ["train-job", run_id, str(iteration)],
                              spec.training.instance_type, "on-demand", {"iteration": str(iteration)})

@@ -58,6 +58,7 @@ class RunState:
     next_train_at: float
     worker_slots_used: int
     samples_produced: int
+    train_launch_committed: int = 0  # trainer offsets (summed) when the running job started
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Observed:
     samples_produced: int  # every sample ever queued for the run
     spent_dollars: float
     now: float
+    trainer_committed: int = 0  # trainer-group committed offsets, summed over partitions
 
 
 # --- actions --------------------------------------------------------------------------
@@ -249,8 +251,10 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     training = [p for p in alive if p.role == ROLE_TRAINING]
     workers = sorted((p for p in alive if p.role == ROLE_ROLLOUT), key=lambda p: int(p.labels["slot"]))
 
-    # Samples on their way into the next batch (a running job is consuming about one batch).
-    queued_for_next = max(0, observed.sample_backlog - (batch if training else 0))
+    # Samples on their way into the next batch. A running job takes exactly one batch (in
+    # whole groups) and holds it in the backlog until it commits.
+    holding = bool(training) and observed.trainer_committed == run.train_launch_committed
+    queued_for_next = max(0, observed.sample_backlog - (batch if holding else 0))
     coming = queued_for_next + observed.prompt_backlog * n
     # Keep one batch ahead of the trainer, never more than the remaining iterations need.
     want = batch

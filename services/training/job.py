@@ -1,7 +1,7 @@
 """The training job: one process per iteration, started by the scheduler on an on-demand instance.
 
-Iteration N reads every sample queued for the run (at least ``batch_samples``; the scheduler
-starts the job only then), drops duplicates and samples beyond the staleness bound, runs one
+Iteration N takes the oldest ``batch_samples`` queued samples, in whole groups (the scheduler
+starts the job once that many are waiting), drops duplicates and samples beyond the staleness bound, runs one
 GRPO/PPO update of policy v(N-1) with ``trainer_core``, publishes v(N), and only then commits
 its sample offsets (DESIGN.md delivery rules). ``result.json`` is written last; a retried job
 that finds it commits the offsets recorded there and exits, so a crash between publishing and
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from services.backends.object_store import ObjectStore
-from services.backends.queue import Consumer, Queue, Record
+from services.backends.queue import Consumer, Queue, Record, next_offsets
 from services.names import TRAINER_GROUP, TRAINER_MEMBER, result_key, samples_topic, trainer_prefix
 from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
@@ -84,6 +84,20 @@ def train_config(spec: RunSpec) -> TrainConfig:
     )
 
 
+def take_batch(records: Sequence[Record], batch_samples: int, group_size: int) -> tuple[list[Record], dict[int, int]]:
+    """The oldest ``batch_samples`` records, extended to whole groups, and the offsets committing them.
+
+    Taken in produce order, so the records of each partition are a prefix (a commit can only
+    move forward); a group's records are contiguous in one partition (they share its key).
+    """
+    taken: list[Record] = []
+    for r in sorted(records, key=lambda r: (r.timestamp, r.partition, r.offset)):
+        if len(taken) >= batch_samples and len(taken) % group_size == 0:
+            break
+        taken.append(r)
+    return taken, next_offsets(taken)
+
+
 def trainer_consumer(queue: Queue, run_id: str) -> Consumer:
     return queue.consumer(
         samples_topic(run_id), TRAINER_GROUP, member_id=TRAINER_MEMBER, session_timeout_s=TRAINER_SESSION_S
@@ -140,7 +154,7 @@ def _train(
         return result
 
     started = time.time()
-    records, offsets = read_backlog(queue, consumer, run_id)
+    records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], spec.batch_samples, spec.samples_per_prompt)
     previous = objects.get_bytes(result_key(run_id, iteration - 1)) if iteration > 1 else b'{"trained_ids": []}'
     selection = select_samples(
         (decode_sample(r.value) for r in records),

@@ -52,7 +52,9 @@ def test_rejects_mismatched_logprobs() -> None:
 
 
 @pytest.mark.parametrize(
-    "mangle", [lambda b: b[:-1], lambda b: b"XXXX" + b[4:], lambda b: b[:3]], ids=["truncated", "magic", "short"]
+    "mangle",
+    [lambda b: b[:-1], lambda b: b"XXXX" + b[4:], lambda b: b[:3]],
+    ids=["truncated", "magic", "short"],
 )
 def test_rejects_corrupt_payload(mangle) -> None:
     with pytest.raises(ValueError):

@@ -42,7 +42,7 @@ async def test_prompts_from_jsonl_file(api: httpx.AsyncClient, tmp_path: Path) -
 @pytest.mark.parametrize(
     ("changes", "field", "reason"),
     [
-        ({"model": "gpt-17"}, "model", "built-in"),
+        ({"model": "gpt-17"}, "model", "smollm2-135m"),
         ({"algorithm": "dpo"}, "algorithm", "grpo"),
         ({"iterations": None}, "body", "target_mean_reward"),
         ({"batch_samples": 7}, "body", "multiple of samples_per_prompt"),

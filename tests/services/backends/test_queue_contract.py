@@ -151,15 +151,26 @@ def test_a_silent_member_loses_its_partitions_after_its_session_timeout(queue: Q
     assert queue.backlog(topic, "g") == 0
 
 
+def test_a_member_late_past_its_session_commits_if_no_one_took_its_partitions(queue: Queue, topic: str) -> None:
+    produce_numbered(queue, topic, 8)
+    slow = queue.consumer(topic, "g", member_id="slow", session_timeout_s=0.5)
+    got = drain(slow, 8)
+    time.sleep(1.0)  # a long batch: the session timed out, but no other member noticed
+
+    slow.commit(next_offsets(got))
+    assert queue.backlog(topic, "g") == 0
+
+
 def test_two_members_split_the_partitions_and_share_no_record(queue: Queue, topic: str) -> None:
     a = queue.consumer(topic, "g", member_id="a")
     b = queue.consumer(topic, "g", member_id="b")
     deadline = time.monotonic() + 10
-    while not (a.assignment() and b.assignment() and a.assignment() | b.assignment() == set(range(PARTITIONS))):
+    # Both join before anything is produced: neither can have read a record of the other's partitions.
+    while not (a.assignment() and b.assignment() and not a.assignment() & b.assignment()
+               and a.assignment() | b.assignment() == set(range(PARTITIONS))):
         assert time.monotonic() < deadline, "the group never settled"
         a.poll(1, timeout_s=0.1)
         b.poll(1, timeout_s=0.1)
-    assert not a.assignment() & b.assignment()
     sent = produce_numbered(queue, topic, 40)
 
     seen: dict[str, list[bytes]] = {"a": [], "b": []}
@@ -261,6 +272,24 @@ def test_commit_of_a_lost_partition_fails_and_the_new_owner_gets_the_records(que
     assert {r.partition for r in redelivered} == second.assignment() == set(range(PARTITIONS)) - kept
     assert sorted(values(redelivered)) == sorted(r.value for r in got if r.partition not in kept)
     assert set(values(got)) == set(sent)
+
+
+def test_a_partition_that_moved_away_and_back_still_fences_the_old_reads(queue: Queue, topic: str) -> None:
+    produce_numbered(queue, topic, 20)
+    a = queue.consumer(topic, "g", member_id="a")
+    read_by_a = drain(a, 20)
+    b = queue.consumer(topic, "g", member_id="b")
+    moved = b.assignment()
+    read_by_b = drain(b, sum(1 for r in read_by_a if r.partition in moved))
+    b.commit(next_offsets(read_by_b))
+    b.close()  # the partitions go back to a, which has not polled since it lost them
+
+    with pytest.raises(CommitFailedError):
+        a.commit(next_offsets(read_by_a))  # would rewind b's commits: a's reads predate b's
+    assert queue.committed(topic, "g") == {p: 5 if p in moved else 0 for p in range(PARTITIONS)}
+    # Back in a's hands, the moved partitions resume from b's commit: nothing of them comes again.
+    assert a.poll(100, timeout_s=0.2) == []
+    assert a.assignment() == set(range(PARTITIONS))
 
 
 def test_a_restarted_member_takes_over_its_id_and_fences_the_old_consumer(queue: Queue, topic: str) -> None:

@@ -121,6 +121,13 @@ def test_plan(state: RunState, observed: Observed, expected: list) -> None:
     assert plan(state, observed) == expected
 
 
+def test_job_that_committed_no_longer_holds_a_batch() -> None:
+    # Between its commit and its exit, a job's batch has left the backlog: don't count it twice.
+    state = run(prompts_published=4, worker_slots_used=1, train_launch_committed=0)
+    assert plan(state, dataclasses.replace(seen([W0, T1], samples=8), trainer_committed=8)) == [StopPod("r-rollout-0")]
+    assert plan(state, seen([W0, T1], samples=8)) == [PublishPrompts("r", 4, 2)]
+
+
 def test_target_reward_ends_run() -> None:
     spec = SPEC.model_copy(update={"iterations": None, "target_mean_reward": 0.9})
     assert plan(run(spec=spec, iterations_done=3, last_mean_reward=0.95), seen()) == [

@@ -1,0 +1,329 @@
+"""The contract every Launcher adapter passes (production adapters join ADAPTERS), then LocalLauncher's own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.backends.launcher import Launcher, LocalLauncher, PodNotFoundError, PodPhase, PodSpec, PodStatus
+
+
+@dataclass(frozen=True)
+class Adapter:
+    open: Callable[[Path], Launcher]  # a client of the pods whose state is under the folder
+    python: list[str]  # the command that runs Python inside a pod
+
+
+ADAPTERS = {"local": Adapter(open=lambda root: LocalLauncher(root / "pods"), python=[sys.executable])}
+
+
+# Workloads that print "ready" once their signal handling is in place, so a test can stop them.
+TRAPS_SIGTERM = """
+import signal, sys, time
+def bye(signum, frame):
+    print("bye", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print("ready", flush=True)
+time.sleep(60)
+"""
+IGNORES_SIGTERM = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(60)
+"""
+SLEEPS = "import time; print('ready', flush=True); time.sleep(60)"
+# Its child ignores SIGTERM, so only a SIGKILL of the pod's whole process group ends it.
+STARTS_A_STUBBORN_CHILD = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", '''
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(60)
+'''])
+print("child", child.pid, flush=True)
+child.wait()
+"""
+
+@pytest.fixture(params=sorted(ADAPTERS))
+def adapter(request: pytest.FixtureRequest) -> Adapter:
+    return ADAPTERS[request.param]
+
+
+def cleaned_up(launcher: Launcher) -> Iterator[Launcher]:
+    yield launcher
+    for pod in launcher.list():  # leave no process behind
+        launcher.delete(pod.name)
+
+
+@pytest.fixture
+def launcher(adapter: Adapter, tmp_path: Path) -> Iterator[Launcher]:
+    yield from cleaned_up(adapter.open(tmp_path))
+
+
+@pytest.fixture
+def spec(adapter: Adapter) -> Callable[..., PodSpec]:
+    """Makes the spec of a pod running Python ``code``."""
+    return lambda name, code, **kwargs: python_pod(adapter.python, name, code, **kwargs)
+
+
+def python_pod(
+    python: list[str], name: str, code: str, *, run_id: str = "run-1", env: dict[str, str] | None = None
+) -> PodSpec:
+    return PodSpec(
+        name=name,
+        run_id=run_id,
+        role="rollout",
+        command=[*python, "-c", code],
+        env=env or {},
+        instance_type="g5.xlarge",
+        capacity_type="spot",
+        labels={"slot": "0"},
+    )
+
+
+def status(launcher: Launcher, name: str) -> PodStatus:
+    (pod,) = [p for p in launcher.list() if p.name == name]
+    return pod
+
+
+def wait_until_ended(launcher: Launcher, name: str, timeout_s: float = 15.0) -> PodStatus:
+    deadline = time.monotonic() + timeout_s
+    while (pod := status(launcher, name)).phase is PodPhase.RUNNING:
+        assert time.monotonic() < deadline, f"pod {name} still running after {timeout_s} s"
+        time.sleep(0.05)
+    return pod
+
+
+def wait_for_log(launcher: Launcher, name: str, text: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in launcher.logs(name):
+        assert time.monotonic() < deadline, f"{text!r} not in the log of {name}: {launcher.logs(name)!r}"
+        time.sleep(0.05)
+
+
+def process_runs(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not: it has ended, only its entry remains)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def my_zombies() -> list[int]:
+    zombies = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rpartition(")")[2].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            zombies.append(int(stat_file.parent.name))
+    return zombies
+
+
+def test_a_pod_that_exits_0_succeeds(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
+    before = time.time()
+    launcher.launch(spec("ok", "print('hello from the pod')"))
+    pod = wait_until_ended(launcher, "ok")
+
+    assert pod.phase is PodPhase.SUCCEEDED and pod.exit_code == 0
+    assert pod.ended_at is not None and before <= pod.started_at <= pod.ended_at <= time.time()
+    assert (pod.run_id, pod.role, pod.instance_type, pod.capacity_type) == ("run-1", "rollout", "g5.xlarge", "spot")
+    assert pod.labels == {"slot": "0"}
+    assert "hello from the pod" in launcher.logs("ok")
+
+
+def test_a_pod_that_exits_non_zero_fails(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
+    launcher.launch(spec("bad", "import sys; print('boom', file=sys.stderr); sys.exit(3)"))
+    pod = wait_until_ended(launcher, "bad")
+    assert pod.phase is PodPhase.FAILED and pod.exit_code == 3
+    assert "boom" in launcher.logs("bad")
+
+
+def test_stop_sends_sigterm_and_a_trapping_workload_exits_cleanly(
+    launcher: Launcher, spec: Callable[..., PodSpec]
+) -> None:
+    launcher.launch(spec("graceful", TRAPS_SIGTERM))
+    wait_for_log(launcher, "graceful", "ready")
+
+    start = time.monotonic()
+    launcher.stop("graceful", grace_s=30)
+    assert time.monotonic() - start < 1  # stop does not wait for the pod
+    pod = wait_until_ended(launcher, "graceful")
+
+    assert pod.phase is PodPhase.SUCCEEDED and pod.exit_code == 0
+    assert time.monotonic() - start < 10  # well within the grace period
+    assert "bye" in launcher.logs("graceful")
+
+
+def test_a_workload_ignoring_sigterm_is_killed_after_the_grace_period(
+    launcher: Launcher, spec: Callable[..., PodSpec]
+) -> None:
+    launcher.launch(spec("stubborn", IGNORES_SIGTERM))
+    wait_for_log(launcher, "stubborn", "ready")
+
+    stopped_at = time.time()
+    launcher.stop("stubborn", grace_s=1.0)
+    time.sleep(0.5)
+    assert status(launcher, "stubborn").phase is PodPhase.RUNNING  # SIGTERM was ignored
+    pod = wait_until_ended(launcher, "stubborn")
+
+    assert pod.phase is PodPhase.FAILED and pod.exit_code == -signal.SIGKILL
+    assert pod.ended_at is not None and pod.ended_at - stopped_at >= 1.0
+
+
+def test_launching_an_existing_name_is_a_no_op(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
+    launcher.launch(spec("once", SLEEPS))
+    wait_for_log(launcher, "once", "ready")
+    first = status(launcher, "once")
+
+    launcher.launch(spec("once", "print('second launch')"))
+
+    assert [p.name for p in launcher.list()] == ["once"]
+    again = status(launcher, "once")
+    assert (again.pid, again.started_at, again.phase) == (first.pid, first.started_at, PodPhase.RUNNING)
+    assert "second launch" not in launcher.logs("once")
+
+
+def test_a_new_client_sees_the_same_pods(
+    launcher: Launcher, spec: Callable[..., PodSpec], adapter: Adapter, tmp_path: Path
+) -> None:
+    launcher.launch(spec("done", "print('x')"))
+    launcher.launch(spec("failed", "raise SystemExit(2)"))
+    launcher.launch(spec("running", SLEEPS, run_id="run-2"))
+    wait_until_ended(launcher, "done")
+    wait_until_ended(launcher, "failed")
+    wait_for_log(launcher, "running", "ready")
+
+    restarted = adapter.open(tmp_path)  # a restarted scheduler
+    assert restarted.list() == launcher.list()
+    assert {p.name: p.phase for p in restarted.list()} == {
+        "done": PodPhase.SUCCEEDED,
+        "failed": PodPhase.FAILED,
+        "running": PodPhase.RUNNING,
+    }
+    assert [p.name for p in restarted.list(run_id="run-2")] == ["running"]
+
+    restarted.stop("running", grace_s=5)  # it can stop pods it did not start
+    pod = wait_until_ended(restarted, "running")
+    assert pod.phase is PodPhase.FAILED and pod.exit_code == -signal.SIGTERM
+
+
+def test_the_pod_env_is_added_to_the_launchers_env(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
+    code = "import os; print(os.environ['POD_VALUE'], 'PATH' in os.environ)"
+    launcher.launch(spec("env", code, env={"POD_VALUE": "forty-two"}))
+    assert wait_until_ended(launcher, "env").exit_code == 0
+    assert "forty-two True" in launcher.logs("env")
+
+
+def test_delete_kills_a_running_pod_and_forgets_it(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
+    launcher.launch(spec("doomed", SLEEPS))
+    wait_for_log(launcher, "doomed", "ready")
+
+    launcher.delete("doomed")
+
+    assert launcher.list() == []
+    with pytest.raises(PodNotFoundError):
+        launcher.logs("doomed")
+    launcher.delete("doomed")  # deleting again is a no-op
+    launcher.stop("doomed", grace_s=1)  # so is stopping a pod that is gone
+    launcher.launch(spec("doomed", "print('reborn')"))  # the name is free again
+    assert wait_until_ended(launcher, "doomed").phase is PodPhase.SUCCEEDED
+    assert "reborn" in launcher.logs("doomed")
+
+
+def test_logs_tail(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
+    launcher.launch(spec("chatty", "for i in range(5000): print(f'line {i}')"))
+    wait_until_ended(launcher, "chatty")
+    assert launcher.logs("chatty", tail=3) == "line 4997\nline 4998\nline 4999\n"
+    assert launcher.logs("chatty").count("\n") == 100
+    assert launcher.logs("chatty", tail=0) == ""
+
+
+def test_names_must_be_valid_kubernetes_names(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
+    for bad in ["Upper", "under_score", "-dash", "a" * 64, "../escape", ""]:
+        with pytest.raises(ValueError, match="Kubernetes name"):
+            launcher.launch(spec(bad, "pass"))
+    assert launcher.list() == []
+
+
+# --- LocalLauncher only: processes, pids and the files under the root -------------------------
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[Launcher]:
+    yield from cleaned_up(LocalLauncher(tmp_path / "pods"))
+
+
+def local_spec(name: str, code: str) -> PodSpec:
+    return python_pod([sys.executable], name, code)
+
+
+def test_local_a_command_that_cannot_start_fails_with_127(local: Launcher) -> None:
+    local.launch(PodSpec("nope", "run-1", "rollout", ["/no/such/program"], {}, "g5.xlarge", "spot"))
+    pod = wait_until_ended(local, "nope")
+    assert pod.phase is PodPhase.FAILED and pod.exit_code == 127 and pod.pid is None
+    assert "/no/such/program" in local.logs("nope")
+
+
+def test_local_a_sigkilled_workload_fails_with_minus_9(local: Launcher) -> None:
+    local.launch(local_spec("victim", SLEEPS))
+    wait_for_log(local, "victim", "ready")
+    pid = status(local, "victim").pid
+    assert pid is not None
+
+    os.kill(pid, signal.SIGKILL)
+    pod = wait_until_ended(local, "victim")
+    assert pod.phase is PodPhase.FAILED and pod.exit_code == -9 and pod.pid == pid
+
+
+def test_local_a_pod_whose_supervisor_died_fails_and_its_workload_dies_too(local: Launcher) -> None:
+    local.launch(local_spec("orphan", SLEEPS))
+    wait_for_log(local, "orphan", "ready")
+    pid = status(local, "orphan").pid
+    assert pid is not None
+    supervisor = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])  # the parent pid
+
+    os.kill(supervisor, signal.SIGKILL)
+    pod = wait_until_ended(local, "orphan")
+    assert pod.phase is PodPhase.FAILED and pod.exit_code is None and pod.ended_at is None
+    deadline = time.monotonic() + 5
+    while process_runs(pid):
+        assert time.monotonic() < deadline, "the workload outlived its supervisor"
+        time.sleep(0.05)
+
+
+def test_local_stop_and_delete_end_the_whole_process_tree(local: Launcher, tmp_path: Path) -> None:
+    local.launch(local_spec("tree", STARTS_A_STUBBORN_CHILD))
+    wait_for_log(local, "tree", "ready")
+    child = int(local.logs("tree").split("child ")[1].split()[0])
+    workload = status(local, "tree").pid
+    assert workload is not None
+
+    local.delete("tree")
+
+    assert not (tmp_path / "pods" / "tree").exists()
+    assert not process_runs(workload) and not process_runs(child)
+
+
+def test_local_finished_supervisors_are_reaped(local: Launcher) -> None:
+    for i in range(3):
+        local.launch(local_spec(f"quick-{i}", "pass"))
+    for i in range(3):
+        wait_until_ended(local, f"quick-{i}")
+    deadline = time.monotonic() + 5
+    while my_zombies():  # a supervisor exits just after writing exit.json
+        assert time.monotonic() < deadline, f"zombie children: {my_zombies()}"
+        local.list()
+        time.sleep(0.05)

@@ -1,0 +1,212 @@
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from trainer_core.generation import HFEngine, SamplingParams
+from trainer_core.models import Policy, encode_prompt
+from trainer_core.samples import Sample
+from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch
+
+GRPO_KEYS = {
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/kl_ref",
+    "actor/grad_norm",
+    "actor/loss",
+    "reward/mean",
+    "perf/tokens",
+    "perf/seconds",
+    "perf/tokens_per_s",
+}
+PPO_KEYS = GRPO_KEYS | {"critic/vf_loss", "critic/vf_clipfrac"}
+
+
+def _random_samples(
+    make_sample: Callable[..., Sample], vocab: int, n: int = 8, seed: int = 0
+) -> list[Sample]:
+    """Samples of varied prompt and response lengths whose behaviour log-probs are off the
+    policy's (about -4.6 for the untrained tiny model), so some ratios get clipped."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        n_prompt, n_response = (int(x) for x in torch.randint(1, 12, (2,), generator=gen))
+        samples.append(
+            make_sample(
+                prompt_ids=torch.randint(3, vocab, (n_prompt,), generator=gen).tolist(),
+                response_ids=torch.randint(3, vocab, (n_response,), generator=gen).tolist(),
+                logprobs=(-4.6 + 0.3 * torch.randn(n_response, generator=gen)).tolist(),
+                reward=float(torch.rand((), generator=gen)),
+                group_id=f"g{i % 2}",
+            )
+        )
+    return samples
+
+
+def _generated_samples(
+    policy: Policy,
+    make_sample: Callable[..., Sample],
+    params: SamplingParams,
+    seed: int,
+    reward: Callable[[list[int]], float],
+) -> list[Sample]:
+    """8 samples of each of 2 prompts from the policy itself, one GRPO group per prompt."""
+    n = 8
+    engine = HFEngine(policy.model, policy.tokenizer)
+    prompts = [encode_prompt(policy.tokenizer, t) for t in ("say a:", "aaa?") for _ in range(n)]
+    completions = engine.generate(prompts, params, seed=seed)
+    return [
+        make_sample(
+            prompt_ids=p,
+            response_ids=c.token_ids,
+            logprobs=c.logprobs,
+            reward=reward(c.token_ids),
+            group_id=f"g{i // n}",
+        )
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_micro_batching_does_not_change_the_update(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    ref_model = copy.deepcopy(tiny_policy.model)
+    with torch.no_grad():  # a reference that differs, so the KL term has a gradient
+        for p in ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    results = []
+    for micro in (2, 8):
+        model = copy.deepcopy(tiny_policy.model)
+        value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
+        cfg = TrainConfig(
+            algorithm=algorithm, micro_batch_size=micro, kl_coef=0.1, max_grad_norm=1e9
+        )
+        # SGD, so parameters move linearly in the gradient (Adam's first step is ~lr * sign(g),
+        # which magnifies float noise in near-zero gradients).
+        trainable = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
+        optimizer = torch.optim.SGD(trainable, lr=0.1)
+        metrics = train_on_batch(
+            model, samples, cfg, optimizer, ref_model=ref_model, value_head=value_head
+        )
+        grads = [p.grad.clone() for p in model.parameters()]
+        params = [p.detach().clone() for p in model.parameters()]
+        if value_head is not None:
+            grads += [p.grad.clone() for p in value_head.parameters()]
+        results.append((metrics, grads, params))
+
+    (m2, g2, p2), (m8, g8, p8) = results
+    assert set(m8) == (PPO_KEYS if algorithm == "ppo" else GRPO_KEYS)
+    assert 0 < m8["actor/pg_clipfrac"] < 1 and m8["actor/kl_ref"] > 0
+    for key in m8:
+        if not key.startswith("perf/"):
+            assert m2[key] == pytest.approx(m8[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(g2, g8, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    for a, b in zip(p2, p8, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fresh_samples_have_ratio_one(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], temperature: float
+) -> None:
+    """The trainer's log-probs of freshly sampled tokens equal the engine's behaviour log-probs."""
+    params = SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=12)
+    samples = _generated_samples(tiny_policy, make_sample, params, seed=1, reward=len)
+    cfg = TrainConfig(temperature=temperature, micro_batch_size=5)
+    metrics = train_on_batch(
+        tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg)
+    )
+    assert abs(metrics["actor/ppo_kl"]) < 1e-5
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["perf/tokens"] == sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    assert not tiny_policy.model.training
+
+
+def test_critic_never_disturbs_the_actor(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    actor_grads = []
+    for vf_coef in (0.0, 100.0):
+        model = copy.deepcopy(tiny_policy.model)
+        value_head = ValueHead(model.config.hidden_size)
+        cfg = TrainConfig(algorithm="ppo", vf_coef=vf_coef, max_grad_norm=1e9)
+        train_on_batch(
+            model, samples, cfg, build_optimizer(model, cfg, value_head), value_head=value_head
+        )
+        actor_grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*actor_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_mini_batches_and_epochs_set_the_number_of_steps(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=8)
+    cfg = TrainConfig(
+        mini_batch_size=3, micro_batch_size=2, epochs=2
+    )  # 3 + 3 + 2 samples per epoch
+    optimizer = build_optimizer(tiny_policy.model, cfg)
+    train_on_batch(tiny_policy.model, samples, cfg, optimizer)
+    assert {int(optimizer.state[p]["step"]) for p in tiny_policy.model.parameters()} == {6}
+
+
+def test_kl_to_an_identical_reference_is_zero(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    cfg = TrainConfig(kl_coef=0.5)
+    ref = copy.deepcopy(tiny_policy.model)
+    metrics = train_on_batch(
+        tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg), ref_model=ref
+    )
+    assert metrics["actor/kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["actor/loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
+
+
+def test_config_and_inputs_are_checked(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=2)
+    model = tiny_policy.model
+    with pytest.raises(ValueError):
+        TrainConfig(algorithm="dpo")
+    cfg = TrainConfig(kl_coef=0.1)
+    with pytest.raises(ValueError, match="ref_model"):
+        train_on_batch(model, samples, cfg, build_optimizer(model, cfg))
+    cfg = TrainConfig(algorithm="ppo")
+    with pytest.raises(ValueError, match="value_head"):
+        train_on_batch(model, samples, cfg, build_optimizer(model, cfg))
+
+
+def _fraction_of_a(policy: Policy) -> Callable[[list[int]], float]:
+    a = policy.tokenizer.convert_tokens_to_ids("a")
+    return lambda ids: sum(t == a for t in ids) / len(ids)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_updates_raise_the_reward_on_a_toy_task(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
+) -> None:
+    """Sample, score (fraction of response tokens that are "a"), update, repeat."""
+    torch.manual_seed(0)
+    value_head = ValueHead(tiny_policy.model.config.hidden_size) if algorithm == "ppo" else None
+    cfg = TrainConfig(algorithm=algorithm, learning_rate=1e-2, micro_batch_size=16)
+    optimizer = build_optimizer(tiny_policy.model, cfg, value_head)
+    reward = _fraction_of_a(tiny_policy)
+    rewards = []
+    for iteration in range(16):
+        samples = _generated_samples(
+            tiny_policy, make_sample, SamplingParams(max_new_tokens=8), iteration, reward
+        )
+        metrics = train_on_batch(tiny_policy.model, samples, cfg, optimizer, value_head=value_head)
+        rewards.append(metrics["reward/mean"])
+    assert max(rewards[:3]) < 0.1
+    assert sum(rewards[-3:]) / 3 > 0.6
