@@ -29,12 +29,10 @@ def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _pod_threads() -> None:
-    threads = os.environ.get("SPOTRL_POD_THREADS")
-    if threads:
-        import torch
+def _pod_threads(settings) -> None:
+    import torch
 
-        torch.set_num_threads(int(threads))
+    torch.set_num_threads(settings.pod_threads)
 
 
 @app.command()
@@ -82,8 +80,8 @@ def worker(
     from services.wiring import open_backends
 
     _logging()
-    _pod_threads()
     settings = Settings()
+    _pod_threads(settings)
     stop = StopSignal(settings.stop_grace_s)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     backends = open_backends(settings)
@@ -114,8 +112,8 @@ def train_job(run_id: str, iteration: int) -> None:
     from services.wiring import open_backends
 
     _logging()
-    _pod_threads()
     settings = Settings()
+    _pod_threads(settings)
     backends = open_backends(settings)
     try:
         spec = RunSpec.model_validate(backends.state.get_run(run_id).spec)
@@ -137,11 +135,23 @@ def logs(
     tail: Annotated[int, typer.Option(help="Lines to show.")] = 100,
     home: HomeOption = None,
 ) -> None:
-    """Show the last lines of a pod's log."""
-    from services.backends.launcher import LocalLauncher
+    """Show the last lines of a pod's log (running, or ended and kept by the scheduler)."""
+    from services.backends.launcher import PodNotFoundError
+    from services.backends.object_store import ObjectNotFoundError
+    from services.names import pod_log_key, run_id_of_pod
+    from services.wiring import open_backends
 
-    settings = _settings(home)
-    typer.echo(LocalLauncher(settings.home.resolve() / "pods").logs(pod, tail=tail))
+    backends = open_backends(_settings(home))
+    try:
+        typer.echo(backends.launcher.logs(pod, tail=tail))
+    except PodNotFoundError:
+        try:
+            text = backends.objects.get_bytes(pod_log_key(run_id_of_pod(pod), pod)).decode()
+        except ObjectNotFoundError:
+            raise typer.BadParameter(f"no pod {pod!r}, running or ended, in {backends.state.url}") from None
+        typer.echo("".join(text.splitlines(keepends=True)[-tail:]))
+    finally:
+        backends.close()
 
 
 if __name__ == "__main__":

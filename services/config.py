@@ -23,21 +23,18 @@ class Settings(BaseSettings):
     session_timeout_s: float = Field(default=60.0, gt=0, description="A rollout worker that has not polled for this long (it polls between batches) loses its prompts to the others.")
     stop_grace_s: float = Field(default=30.0, gt=0, description="Seconds a pod gets after SIGTERM before SIGKILL (a spot notice).")
     api_token: str | None = Field(default=None, description="When set, the API requires `Authorization: Bearer <token>`.")
-
-    pod_threads: int | None = Field(default=None, ge=1, description="torch threads per pod (local launcher); default: torch's own choice.")
+    pod_threads: int = Field(default=1, ge=1, description="torch threads per local pod: local pods share this machine's cores, and oversubscribed threads slow every pod down.")
 
     def pod_env(self) -> dict[str, str]:
         """What a pod needs to find the same backends as the process that launched it."""
-        env = {
+        return {
             "SPOTRL_HOME": str(self.home.resolve()),
             "SPOTRL_STATE_URL": self.resolved_state_url(),
             "SPOTRL_MODEL_CACHE": str(self.resolved_model_cache()),
             "SPOTRL_SESSION_TIMEOUT_S": str(self.session_timeout_s),
             "SPOTRL_STOP_GRACE_S": str(self.stop_grace_s),
+            "SPOTRL_POD_THREADS": str(self.pod_threads),
         }
-        if self.pod_threads:
-            env["SPOTRL_POD_THREADS"] = str(self.pod_threads)
-        return env
 
     def resolved_state_url(self) -> str:
         return self.state_url or f"sqlite:///{(self.home / 'state.db').resolve()}"

@@ -44,3 +44,16 @@ def result_key(run_id: str, version: int) -> str:
 def leftover_key(run_id: str) -> str:
     """Samples still queued when the run ended, counted as dropped."""
     return f"runs/{run_id}/leftover.json"
+
+
+def pod_log_key(run_id: str, pod: str) -> str:
+    """The log of a pod that has ended, kept after the pod is gone."""
+    return f"runs/{run_id}/logs/{pod}.log"
+
+
+def run_id_of_pod(pod: str) -> str:
+    """Inverse of the pod names above: ``run-ab12-train-3`` -> ``run-ab12``."""
+    for marker in ("-train-", "-rollout-"):
+        if marker in pod:
+            return pod.rsplit(marker, 1)[0]
+    raise ValueError(f"{pod!r} is not a spotrl pod name (<run>-train-<N> or <run>-rollout-<slot>)")

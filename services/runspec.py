@@ -99,6 +99,7 @@ class Training(BaseModel):
     micro_batch: int = Field(default=8, ge=1, le=4096, description="Samples per forward/backward pass (gradient accumulation).")
     clip_ratio: float = Field(default=0.2, gt=0.0, le=10.0, description="PPO clip range of the importance ratio.")
     kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of the k3 KL-to-reference loss term (0 skips the reference model).")
+    autocast_bf16: bool = Field(default=False, description="Forward passes under bf16 autocast; weights and optimizer stay fp32.")
     max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
 
     _instance = field_validator("instance_type")(_known_instance_type)

@@ -149,6 +149,15 @@ def test_run_end_to_end_over_http(served: Served) -> None:
     metrics = served.client.get("/metrics").text
     assert f'spotrl_policy_version{{run="{run["id"]}"}} 2.0' in metrics
 
+    # Ended pods are gone, their logs are kept: `spotrl logs` still shows the training job's.
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    shown = CliRunner().invoke(app, ["logs", f"{run['id']}-train-2", "--home", str(served.home)])
+    assert shown.exit_code == 0, shown.output
+    assert "iteration 2:" in shown.output
+
 
 def test_killed_rollout_worker_loses_no_prompt(served: Served) -> None:
     spec = tiny_spec(rollout={"min_workers": 2, "max_workers": 2, "prompts_per_batch": 1}, iterations=2, batch_samples=24)

@@ -55,6 +55,7 @@ class TrainConfig:
     vf_coef: float = 0.5  # weight of the value loss (PPO)
     value_clip: float = 0.2  # how far a value prediction may move from the old one (PPO)
     max_grad_norm: float = 1.0  # gradient-norm clip per optimizer step
+    autocast_bf16: bool = False  # forward passes under bf16 autocast; weights and optimizer stay fp32
 
     def __post_init__(self) -> None:
         Algorithm(self.algorithm)  # raises ValueError naming the bad value
@@ -238,7 +239,7 @@ def _micro_batch_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss (clipped surrogate + KL-to-ref + value loss) of one micro-batch, token-means over
     its own tokens, and its detached metrics."""
-    logprob, values = _forward(model, samples, response_len, cfg.logit_temperature, critic)
+    logprob, values = _forward(model, samples, response_len, cfg, critic)
     pg_loss, pg_metrics = policy_loss(
         logprob, mu.old_logprob, mu.advantages, mu.mask, cfg.clip_ratio, cfg.clip_ratio
     )
@@ -295,7 +296,7 @@ def _score(
     chunks = []
     for start in range(0, len(samples), cfg.micro_batch_size):
         micro = samples[start : start + cfg.micro_batch_size]
-        logprob, values = _forward(model, micro, response_len, cfg.logit_temperature, value_head)
+        logprob, values = _forward(model, micro, response_len, cfg, value_head)
         chunks.append(values if value_head is not None else logprob)
     return torch.cat(chunks)
 
@@ -304,7 +305,7 @@ def _forward(
     model: PreTrainedModel,
     samples: Sequence[Sample],
     response_len: int,
-    temperature: float,
+    cfg: TrainConfig,
     value_head: ValueHead | None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of each sample's response tokens under `model` (logits / temperature, fp32) and,
@@ -325,16 +326,19 @@ def _forward(
         targets[row, :n_response] = torch.tensor(sample.response_ids)
     positions, targets = positions.to(device), targets.to(device)
 
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        output_hidden_states=value_head is not None,
-    )
+    # bf16 autocast is for accelerators and CPUs with bf16 units (AVX512-BF16/AMX): elsewhere
+    # it is emulated and ~15x slower. The log-softmax below runs in fp32 on upcast logits.
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+        out = model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            output_hidden_states=value_head is not None,
+        )
     vocab = out.logits.shape[-1]
     logits = out.logits.gather(
         1, positions[..., None].expand(-1, -1, vocab)
     )  # (batch, response_len, vocab)
-    logits = logits.float() / temperature
+    logits = logits.float() / cfg.logit_temperature
     # target logit - logsumexp == log_softmax at the target, without a second vocab-sized tensor.
     logprob = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
     lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)

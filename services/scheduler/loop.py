@@ -23,6 +23,7 @@ from services.names import (
     ROLLOUT_GROUP,
     TRAINER_GROUP,
     leftover_key,
+    pod_log_key,
     prompts_key,
     prompts_topic,
     result_key,
@@ -38,6 +39,8 @@ from services.wiring import Backends
 from trainer_core.samples import decode_sample
 
 log = logging.getLogger(__name__)
+
+LOG_LINES_KEPT = 2000
 
 
 class Scheduler:
@@ -133,6 +136,9 @@ class Scheduler:
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.ReapPod(pod):
                 self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time())
+                # Pods and their logs go away together; keep the log where `spotrl logs` finds it.
+                log_text = self.b.launcher.logs(pod.name, tail=LOG_LINES_KEPT)
+                self.b.objects.put_bytes(pod_log_key(pod.run_id, pod.name), log_text.encode())
                 self.b.launcher.delete(pod.name)
             case p.RecordIteration(run_id, iteration):
                 self._record_iteration(run_id, iteration)
