@@ -5,10 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from services.config import Settings
+    from services.runspec import RunSpec
+    from services.wiring import Backends
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="spotrl: RL post-training at the lowest GPU bill.")
 
@@ -17,7 +24,7 @@ HomeOption = Annotated[
 ]
 
 
-def _settings(home: Path | None):
+def _settings(home: Path | None) -> Settings:
     from services.config import Settings
 
     if home is not None:
@@ -27,12 +34,6 @@ def _settings(home: Path | None):
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def _pod_threads(settings) -> None:
-    import torch
-
-    torch.set_num_threads(settings.pod_threads)
 
 
 @app.command()
@@ -68,25 +69,37 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
+@contextmanager
+def _pod(run_id: str) -> Iterator[tuple[Settings, Backends, RunSpec]]:
+    """What every pod starts with: logging, its torch threads, the backends and the run's spec."""
+    from services.config import Settings
+    from services.runspec import RunSpec
+    from services.wiring import open_backends
+
+    _logging()
+    settings = Settings()
+    import torch
+
+    # Local pods share this machine's cores; oversubscribed torch threads slow every pod down.
+    torch.set_num_threads(settings.pod_threads)
+    backends = open_backends(settings)
+    try:
+        yield settings, backends, RunSpec.from_stored(backends.state.get_run(run_id).spec)
+    finally:
+        backends.close()
+
+
 @app.command(hidden=True)
 def worker(
     run_id: str,
     worker_id: Annotated[str, typer.Option("--worker-id")],
 ) -> None:
     """Pod entry point: a rollout worker of RUN_ID."""
-    from services.config import Settings
     from services.rollout.worker import RolloutWorker, StopSignal
-    from services.runspec import RunSpec
-    from services.wiring import open_backends
 
-    _logging()
-    settings = Settings()
-    _pod_threads(settings)
-    stop = StopSignal(settings.stop_grace_s)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    backends = open_backends(settings)
-    try:
-        spec = RunSpec.model_validate(backends.state.get_run(run_id).spec)
+    with _pod(run_id) as (settings, backends, spec):
+        stop = StopSignal(settings.stop_grace_s)
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         RolloutWorker(
             run_id=run_id,
             worker_id=worker_id,
@@ -99,24 +112,14 @@ def worker(
             session_timeout_s=settings.session_timeout_s,
             stop=stop,
         ).run()
-    finally:
-        backends.close()
 
 
 @app.command("train-job", hidden=True)
 def train_job(run_id: str, iteration: int) -> None:
     """Pod entry point: training iteration ITERATION of RUN_ID."""
-    from services.config import Settings
-    from services.runspec import RunSpec
     from services.training.job import run_training_job
-    from services.wiring import open_backends
 
-    _logging()
-    settings = Settings()
-    _pod_threads(settings)
-    backends = open_backends(settings)
-    try:
-        spec = RunSpec.model_validate(backends.state.get_run(run_id).spec)
+    with _pod(run_id) as (settings, backends, spec):
         run_training_job(
             run_id=run_id,
             iteration=iteration,
@@ -125,8 +128,6 @@ def train_job(run_id: str, iteration: int) -> None:
             objects=backends.objects,
             model_cache=settings.resolved_model_cache(),
         )
-    finally:
-        backends.close()
 
 
 @app.command()

@@ -52,7 +52,8 @@ def demo_spec(model: str) -> dict[str, Any]:
         "sampling": {"temperature": 0.7, "max_new_tokens": 16 if tiny else 32},
         "batch_samples": 32 if tiny else 64,
         "iterations": 3 if tiny else 6,
-        "rollout": {"instance_type": "g6.xlarge", "spot": True, "min_workers": 1, "max_workers": 2, "prompts_per_batch": 8},
+        # On 2 CPU cores one worker and the training job keep both busy; on GPUs, raise max_workers.
+        "rollout": {"instance_type": "g6.xlarge", "spot": True, "min_workers": 1, "max_workers": 1, "prompts_per_batch": 8},
         "training": {
             "instance_type": "p4d.24xlarge",
             "learning_rate": 1e-4 if tiny else 2e-5,

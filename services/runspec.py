@@ -11,7 +11,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from services.cost.catalog import load_catalog
 from trainer_core.models import check_model_source
@@ -132,9 +132,16 @@ class RunSpec(BaseModel):
 
     @field_validator("model")
     @classmethod
-    def _check_model(cls, v: str) -> str:
-        check_model_source(v)
+    def _check_model(cls, v: str, info: ValidationInfo) -> str:
+        # Checked on submission; a stored spec is re-read as it is (pods report a vanished model).
+        if not (info.context or {}).get("stored"):
+            check_model_source(v)
         return v
+
+    @classmethod
+    def from_stored(cls, data: dict) -> RunSpec:
+        """A spec as the state store holds it (validated when it was submitted)."""
+        return cls.model_validate(data, context={"stored": True})
 
     @field_validator("prompts")
     @classmethod

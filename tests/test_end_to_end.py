@@ -204,3 +204,17 @@ def test_killed_rollout_worker_loses_no_prompt(served: Served) -> None:
     assert all(generated[p] >= k for p, k in done_prompts.items()), (done_prompts, generated)
     assert_every_sample_accounted_for(served.home, run)
     queue.close()
+
+
+def test_cancel_stops_pods_and_accounts_for_everything(served: Served) -> None:
+    run_id = served.client.post("/v1/runs", json=tiny_spec(iterations=50)).json()["id"]
+    deadline = time.monotonic() + 120
+    while served.client.get(f"/v1/runs/{run_id}").json()["samples"]["produced"] == 0:
+        assert time.monotonic() < deadline, "no samples were produced"
+        time.sleep(0.2)
+    assert served.client.post(f"/v1/runs/{run_id}/cancel").status_code == 200
+    run = served.wait_for(run_id, timeout_s=60)
+    assert run["status"] == "CANCELLED"
+    assert LocalLauncher(served.home / "pods").list(run_id) == []
+    assert served.client.post(f"/v1/runs/{run_id}/cancel").status_code == 409
+    assert_every_sample_accounted_for(served.home, run)

@@ -327,27 +327,24 @@ def _forward(
     positions, targets = positions.to(device), targets.to(device)
 
     # bf16 autocast is for accelerators and CPUs with bf16 units (AVX512-BF16/AMX): elsewhere
-    # it is emulated and ~15x slower. The log-softmax below runs in fp32 on upcast logits.
+    # it is emulated and ~15x slower.
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        out = model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            output_hidden_states=value_head is not None,
-        )
-    vocab = out.logits.shape[-1]
-    logits = out.logits.gather(
-        1, positions[..., None].expand(-1, -1, vocab)
-    )  # (batch, response_len, vocab)
-    logits = logits.float() / cfg.logit_temperature
+        # The LM head runs on the response positions only: the prompt's logits, a
+        # (prompt_len x vocab) tensor per sample, are never needed.
+        hidden = model.base_model(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)
+        ).last_hidden_state
+        hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits = model.get_output_embeddings()(hidden)  # (batch, response_len, vocab)
+    logits = logits.float()
+    if cap := getattr(model.config, "final_logit_softcapping", None):  # Gemma 2: as its forward does
+        logits = cap * torch.tanh(logits / cap)
+    logits = logits / cfg.logit_temperature
     # target logit - logsumexp == log_softmax at the target, without a second vocab-sized tensor.
     logprob = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
     lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
     mask = torch.arange(response_len, device=device) < lengths[:, None]  # (batch, response_len)
     logprob = logprob * mask
 
-    values = None
-    if value_head is not None:
-        hidden = out.hidden_states[-1]
-        hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-        values = value_head(hidden) * mask  # (batch, response_len)
+    values = None if value_head is None else value_head(hidden.float()) * mask  # (batch, response_len)
     return logprob, values

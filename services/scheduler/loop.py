@@ -73,7 +73,7 @@ class Scheduler:
                 log.exception("reconciling run %s failed; retrying next tick", row.id)
 
     def reconcile(self, row: RunRow, pods: list) -> list[p.Action]:
-        spec = RunSpec.model_validate(row.spec)
+        spec = RunSpec.from_stored(row.spec)
         state = p.RunState(
             run_id=row.id,
             status=RunStatus(row.status),

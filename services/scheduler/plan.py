@@ -268,12 +268,17 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         coming += count * n
 
     # Pool size follows the prompt backlog in worker batches; below min only when no more
-    # samples are needed (all that the remaining iterations need is already queued).
+    # samples are needed (all that the remaining iterations need is already queued); down only
+    # when idle.
     backlog_after = observed.prompt_backlog + (actions[-1].count if actions else 0)
     desired = math.ceil(backlog_after / spec.rollout.prompts_per_batch)
     desired = max(spec.rollout.min_workers, min(spec.rollout.max_workers, desired))
     if still_needed is not None and backlog_after == 0 and queued_for_next >= still_needed:
         desired = 0
+    if backlog_after > 0:
+        # Prompts in the backlog may be in a worker's hands (uncommitted until its samples are
+        # queued): scale down only when the pool is idle, so no batch in progress is thrown away.
+        desired = max(desired, len(workers))
     for i in range(desired - len(workers)):
         actions.append(LaunchWorker(run.run_id, run.worker_slots_used + i))
     for pod in workers[desired:]:

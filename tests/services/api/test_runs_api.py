@@ -113,3 +113,15 @@ async def test_token_required_when_configured(settings, tmp_path: Path) -> None:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as c:
             assert (await c.get("/v1/runs")).status_code == 401
             assert (await c.get("/v1/runs", headers={"Authorization": "Bearer s3cret"})).status_code == 200
+
+
+def test_stored_spec_is_read_back_even_if_its_model_file_is_gone(tmp_path: Path) -> None:
+    from services.runspec import RunSpec
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    stored = RunSpec.model_validate(spec(model=str(gguf))).model_dump(mode="json")
+    gguf.unlink()
+    assert RunSpec.from_stored(stored).model == str(gguf)
+    with pytest.raises(ValueError, match="not usable"):
+        RunSpec.model_validate(stored)

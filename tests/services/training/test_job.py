@@ -1,0 +1,84 @@
+"""The training job against the embedded queue and object store, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from services.backends.object_store import LocalObjectStore
+from services.backends.queue import SqliteQueue
+from services.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
+from services.runspec import RunSpec
+from services.training.job import run_training_job
+from trainer_core.samples import Sample, encode_sample
+
+RUN = "run-job"
+
+
+def spec(**changes) -> RunSpec:
+    base = {"model": "tiny", "prompts": [{"prompt": "x"}], "samples_per_prompt": 4, "batch_samples": 8, "iterations": 9}
+    return RunSpec.model_validate(base | changes)
+
+
+def produce_groups(queue: SqliteQueue, groups: int, version: int) -> list[str]:
+    ids = []
+    for g in range(groups):
+        group = uuid.uuid4().hex
+        samples = [
+            Sample(sample_id=uuid.uuid4().hex, run_id=RUN, prompt_id=str(g), group_id=group, prompt_ids=[5, 6, 7],
+                   response_ids=[8, 9, 10 + k], logprobs=[-4.0, -4.0, -4.0], reward=float(k % 2), reward_source="rule",
+                   policy_version=version, worker_id="w", generation_seconds=0.0, created_at=0.0)
+            for k in range(4)
+        ]
+        queue.produce(samples_topic(RUN), [encode_sample(s) for s in samples], keys=[group.encode()] * 4)
+        ids += [s.sample_id for s in samples]
+    return ids
+
+
+@pytest.fixture
+def world(tmp_path: Path):
+    queue = SqliteQueue(tmp_path / "queue.db")
+    queue.create_topic(samples_topic(RUN), 2)
+    yield queue, LocalObjectStore(tmp_path / "objects"), tmp_path / "models"
+    queue.close()
+
+
+def test_trains_one_batch_publishes_then_commits(world) -> None:
+    queue, objects, models = world
+    first = produce_groups(queue, 2, version=0)
+    later = produce_groups(queue, 1, version=0)
+    result = run_training_job(run_id=RUN, iteration=1, spec=spec(), queue=queue, objects=objects, model_cache=models)
+    assert sorted(result["trained_ids"]) == sorted(first), "exactly one batch, the oldest groups"
+    assert objects.exists(policy_prefix(RUN, 1) + "config.json")
+    assert json.loads(objects.get_bytes(result_key(RUN, 1)))["trained_ids"] == result["trained_ids"]
+    assert queue.backlog(samples_topic(RUN), TRAINER_GROUP) == len(later)
+    assert result["metrics"]["actor/pg_clipfrac"] >= 0.0
+
+
+def test_stale_samples_are_dropped_and_counted(world) -> None:
+    queue, objects, models = world
+    produce_groups(queue, 2, version=0)
+    run_training_job(run_id=RUN, iteration=1, spec=spec(), queue=queue, objects=objects, model_cache=models)
+    produce_groups(queue, 2, version=1)
+    run_training_job(run_id=RUN, iteration=2, spec=spec(), queue=queue, objects=objects, model_cache=models)
+    stale = produce_groups(queue, 1, version=0)  # two versions behind v2, bound 1
+    fresh = produce_groups(queue, 1, version=2)
+    result = run_training_job(run_id=RUN, iteration=3, spec=spec(), queue=queue, objects=objects, model_cache=models)
+    assert result["dropped"]["stale"] == stale
+    assert result["trained_ids"] == fresh
+
+
+def test_a_job_finding_its_version_published_only_commits(world) -> None:
+    """A crash between publishing v1 and committing: the retried job must not train again."""
+    queue, objects, models = world
+    ids = produce_groups(queue, 2, version=0)
+    end = queue.end_offsets(samples_topic(RUN))
+    published = {"iteration": 1, "trained_ids": ids, "offsets": {str(p): o for p, o in end.items()}, "marker": "first"}
+    objects.put_bytes(result_key(RUN, 1), json.dumps(published).encode())
+    result = run_training_job(run_id=RUN, iteration=1, spec=spec(), queue=queue, objects=objects, model_cache=models)
+    assert result["marker"] == "first"
+    assert queue.backlog(samples_topic(RUN), TRAINER_GROUP) == 0
+    assert not objects.exists(policy_prefix(RUN, 1) + "config.json"), "nothing was trained"
