@@ -142,6 +142,7 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
         server.should_exit = True
         thread.join(timeout=60)
 
+    console.print()
     console.print(f"run {run['id']} {run['status']}: {run['status_reason']}")
     rewards = [it["mean_reward"] for it in run["iterations"]]
     console.print("mean reward per iteration: " + " -> ".join(f"{r:.3f}" for r in rewards))
