@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import asdict
 
 from services.api.schemas import CostPublic, IterationPublic, LedgerEntryPublic, RunPublic, SampleCounts
 from services.backends.state_store import RunRow, StateStore
@@ -44,20 +45,7 @@ def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
         ended_at=row.ended_at,
         policy_version=row.policy_version,
         samples=SampleCounts(produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped),
-        iterations=[
-            IterationPublic(
-                iteration=it.iteration,
-                policy_version=it.policy_version,
-                mean_reward=it.mean_reward,
-                kl=it.kl,
-                loss=it.loss,
-                seconds=it.seconds,
-                samples_trained=it.samples_trained,
-                samples_dropped=it.samples_dropped,
-                metrics=it.metrics,
-            )
-            for it in state.iterations(row.id)
-        ],
+        iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in state.iterations(row.id)],
         spent_dollars=spent_dollars(state, row.id, time.time()),
         spec=row.spec,
     )
@@ -99,18 +87,7 @@ def run_cost(*, backends: Backends, catalog: PriceCatalog, run_id: str) -> CostP
         savings_ratio=report.savings_ratio,
         efficiency=report.efficiency,
         entries=[
-            LedgerEntryPublic(
-                role=e.role,
-                pod=e.pod,
-                instance_type=e.instance_type,
-                capacity_type=e.capacity_type,
-                price_per_hour=e.price_per_hour,
-                price_source=e.price_source,
-                started_at=e.started_at,
-                ended_at=e.ended_at,
-                seconds=e.seconds(now),
-                dollars=e.dollars(now),
-            )
+            LedgerEntryPublic.model_validate({**asdict(e), "seconds": e.seconds(now), "dollars": e.dollars(now)})
             for e in entries
         ],
     )
