@@ -113,6 +113,14 @@ def _cost_table(cost: dict[str, Any]) -> Table:
     return t
 
 
+def _follow(client: httpx.Client, run: dict[str, Any], live: Live) -> dict[str, Any]:
+    while run["status"] not in TERMINAL:
+        time.sleep(1.0)
+        run = client.get(f"/v1/runs/{run['id']}").json()
+        live.update(_progress(run))
+    return run
+
+
 def run_demo(*, model: str, settings: Settings, summary_json: Path | None, console: Console | None = None) -> bool:
     console = console or Console()
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -133,10 +141,13 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
             run = response.json()
             console.print(f"submitted {run['id']} ({model}); state in {settings.home}")
             with Live(_progress(run), console=console, refresh_per_second=2) as live:
-                while run["status"] not in TERMINAL:
-                    time.sleep(1.0)
-                    run = client.get(f"/v1/runs/{run['id']}").json()
-                    live.update(_progress(run))
+                try:
+                    run = _follow(client, run, live)
+                except KeyboardInterrupt:
+                    # Pods outlive the scheduler: cancel, so that none is left running (or billed).
+                    console.print("interrupted: cancelling the run and stopping its pods ...")
+                    client.post(f"/v1/runs/{run['id']}/cancel")
+                    run = _follow(client, run, live)
             cost = client.get(f"/v1/runs/{run['id']}/cost").json()
     finally:
         server.should_exit = True

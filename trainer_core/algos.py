@@ -40,6 +40,10 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 class AdvantageEstimator(StrEnum):
     GRPO = "grpo"
     GAE = "gae"
+    DR_GRPO = "dr_grpo"
+    RLOO = "rloo"
+    REINFORCE_PP = "reinforce_pp"
+    REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
 
 
 # Every estimator takes the same keywords, (token_rewards, response_mask, group_ids, values,
@@ -109,9 +113,119 @@ def gae_advantages(
     return masked_whiten(advantages, response_mask) * response_mask, returns
 
 
+def _group_stats(scores: Tensor, group_ids: Sequence[Hashable]) -> tuple[Tensor, Tensor]:
+    """Each sample's group mean and group size, both `(batch,)`, for `scores` `(batch,)`."""
+    labels = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+    index = torch.tensor([labels[g] for g in group_ids], device=scores.device)  # (batch,)
+    count = torch.bincount(index, minlength=len(labels)).to(scores.dtype)  # (n_groups,)
+    sums = torch.zeros(len(labels), dtype=scores.dtype, device=scores.device)
+    mean = sums.index_add_(0, index, scores) / count
+    return mean[index], count[index]
+
+
+def _sequence_scores(token_rewards: Tensor, response_mask: Tensor) -> Tensor:
+    """Each sample's total reward over its real tokens, `(batch, response_len) -> (batch,)`."""
+    return (token_rewards * response_mask).sum(dim=-1)
+
+
+def dr_grpo_advantages(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    group_ids: Sequence[Hashable],
+    **_unused: object,
+) -> tuple[Tensor, Tensor]:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): GRPO without the
+    division by the group std, each sample's total reward minus its group's mean.
+
+    token_rewards, response_mask: `(batch, response_len)`; group_ids: `batch` labels.
+    A group of one is its own mean, so its advantage is 0.
+    """
+    scores = _sequence_scores(token_rewards, response_mask)  # (batch,)
+    group_mean, _ = _group_stats(scores, group_ids)
+    advantages = (scores - group_mean)[:, None] * response_mask  # (batch, response_len)
+    return advantages, advantages
+
+
+def rloo_advantages(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    group_ids: Sequence[Hashable],
+    **_unused: object,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, "Back to Basics"): each sample's total
+    reward minus the mean of the *other* samples of its group, n / (n - 1) * (score - mean).
+
+    token_rewards, response_mask: `(batch, response_len)`; group_ids: `batch` labels.
+    A group of one has no other samples, so its advantage is 0.
+    """
+    scores = _sequence_scores(token_rewards, response_mask)  # (batch,)
+    group_mean, count = _group_stats(scores, group_ids)
+    # score - (sum - score) / (n - 1) == n / (n - 1) * (score - mean); a singleton's is 0 * 1.
+    scale = count / (count - 1).clamp_min(1)
+    advantages = (scale * (scores - group_mean))[:, None] * response_mask
+    return advantages, advantages
+
+
+def _discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
+    """sum_{k >= t} gamma^(k - t) r_k over each sample's real tokens, `(batch, response_len)`;
+    0 on padding."""
+    running = torch.zeros_like(token_rewards[:, 0])  # (batch,)
+    returns_reversed = []
+    for t in reversed(range(token_rewards.shape[1])):
+        # Masking the running return drops rewards placed on padding (verl does likewise).
+        running = (token_rewards[:, t] + gamma * running) * response_mask[:, t]
+        returns_reversed.append(running)
+    return torch.stack(returns_reversed[::-1], dim=1)  # (batch, response_len)
+
+
+def reinforce_pp_advantages(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    gamma: float,
+    **_unused: object,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu 2025): the token-level discounted return, no critic, whitened over every
+    real token of the batch (verl `compute_reinforce_plus_plus_outcome_advantage`).
+
+    token_rewards, response_mask: `(batch, response_len)`; a per-token KL penalty, if any, is
+    already folded into token_rewards. Returns are the unwhitened discounted returns.
+    """
+    returns = _discounted_returns(token_rewards, response_mask, gamma)
+    return masked_whiten(returns, response_mask) * response_mask, returns
+
+
+def reinforce_pp_baseline_advantages(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    group_ids: Sequence[Hashable],
+    **_unused: object,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline (Hu 2025): each sample's total reward minus its group's mean,
+    spread over its tokens, then whitened over every real token of the batch (verl
+    `compute_reinforce_plus_plus_baseline_outcome_advantage`).
+
+    token_rewards, response_mask: `(batch, response_len)`; group_ids: `batch` labels.
+    A group of one is centred on itself (0 before whitening), as in `grpo_advantages`; verl
+    instead keeps a singleton's raw score.
+    """
+    scores = _sequence_scores(token_rewards, response_mask)  # (batch,)
+    group_mean, _ = _group_stats(scores, group_ids)
+    centered = (scores - group_mean)[:, None] * response_mask  # (batch, response_len)
+    advantages = masked_whiten(centered, response_mask) * response_mask
+    return advantages, advantages
+
+
 ADV_ESTIMATORS: dict[AdvantageEstimator, AdvantageFn] = {
     AdvantageEstimator.GRPO: grpo_advantages,
     AdvantageEstimator.GAE: gae_advantages,
+    AdvantageEstimator.DR_GRPO: dr_grpo_advantages,
+    AdvantageEstimator.RLOO: rloo_advantages,
+    AdvantageEstimator.REINFORCE_PP: reinforce_pp_advantages,
+    AdvantageEstimator.REINFORCE_PP_BASELINE: reinforce_pp_baseline_advantages,
 }
 
 
@@ -222,3 +336,146 @@ def value_loss(
     loss = 0.5 * masked_mean(torch.maximum(vf_losses1, vf_losses2), mask)
     vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), mask)
     return loss, {"vf_clipfrac": vf_clipfrac.detach()}
+
+
+# --- loss aggregation ------------------------------------------------------------------------
+
+
+class LossAggMode(StrEnum):
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+
+
+# Aggregators of a per-token loss (verl `agg_loss`). Sequences without a real token are left
+# out of the sequence means rather than counted as 0, so padding rows do not dilute the loss.
+def _agg_token_mean(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean(loss_mat, mask)
+
+
+def _agg_seq_mean_token_sum(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    seq_losses = (loss_mat * mask).sum(dim=-1)  # (batch,)
+    return masked_mean(seq_losses, (mask.sum(dim=-1) > 0).to(loss_mat.dtype))
+
+
+def _agg_seq_mean_token_mean(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    seq_losses = masked_mean(loss_mat, mask, dim=-1)  # (batch,)
+    return masked_mean(seq_losses, (mask.sum(dim=-1) > 0).to(loss_mat.dtype))
+
+
+LOSS_AGGREGATORS: dict[LossAggMode, Callable[[Tensor, Tensor], Tensor]] = {
+    LossAggMode.TOKEN_MEAN: _agg_token_mean,
+    LossAggMode.SEQ_MEAN_TOKEN_SUM: _agg_seq_mean_token_sum,
+    LossAggMode.SEQ_MEAN_TOKEN_MEAN: _agg_seq_mean_token_mean,
+}
+
+
+def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str | LossAggMode) -> Tensor:
+    """Scalar loss from a per-token loss `loss_mat` `(batch, response_len)` over `mask`:
+    token-mean (every real token weighs the same; DAPO), seq-mean-token-sum (sum over each
+    sequence's tokens, mean over sequences), seq-mean-token-mean (mean over each sequence's
+    tokens, then over sequences; the original GRPO)."""
+    return LOSS_AGGREGATORS[LossAggMode(mode)](loss_mat, mask)
+
+
+# --- off-policy correction -------------------------------------------------------------------
+
+
+def truncated_is_weights(
+    logprob_behaviour_old: Tensor, logprob_proximal: Tensor, cap: float
+) -> Tensor:
+    """Truncated importance weights min(pi_proximal / pi_behaviour, cap), detached, for tokens
+    sampled by a stale behaviour policy (truncated IS, Espeholt et al. 2018, IMPALA).
+
+    Both inputs `(batch, response_len)`; returns the same shape. No gradient flows through the
+    weights: they re-weight samples, they are not part of the objective being differentiated.
+    """
+    log_ratio = (logprob_proximal - logprob_behaviour_old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return log_ratio.exp().clamp(max=cap).detach()
+
+
+def decoupled_policy_loss(
+    logprob: Tensor,
+    proximal_logprob: Tensor,
+    behaviour_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    is_cap: float | None = None,
+    agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"):
+    the clipped surrogate of pi against the proximal policy, each token weighted by the
+    (optionally capped) behaviour-to-proximal ratio pi_proximal / pi_behaviour.
+
+    All inputs `(batch, response_len)`. With proximal == behaviour this is `policy_loss`.
+    Metrics: `pg_clipfrac`, `ppo_kl` (approx KL of pi from the proximal policy),
+    `is_weight_mean` (mean behaviour weight), `is_capfrac` (tokens whose weight hit the cap).
+    """
+    negative_approx_kl = (logprob - proximal_logprob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = negative_approx_kl.exp()
+    ppo_kl = masked_mean(-negative_approx_kl, mask)
+
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), mask)
+
+    cap = float("inf") if is_cap is None else is_cap
+    is_weights = truncated_is_weights(behaviour_logprob, proximal_logprob, cap)
+    raw_log_w = (proximal_logprob - behaviour_logprob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    is_capfrac = masked_mean((raw_log_w.exp() > cap).float(), mask)
+
+    loss = aggregate_loss(is_weights * pg_losses, mask, agg_mode)
+    return loss, {
+        "pg_clipfrac": pg_clipfrac.detach(),
+        "ppo_kl": ppo_kl.detach(),
+        "is_weight_mean": masked_mean(is_weights, mask),
+        "is_capfrac": is_capfrac.detach(),
+    }
+
+
+# --- KL controllers --------------------------------------------------------------------------
+
+
+class FixedKLController:
+    """A constant KL coefficient; `update` is a no-op (Ziegler et al. 2019, as verl/TRL)."""
+
+    def __init__(self, coef: float) -> None:
+        self.value = coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to adapt."""
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences",
+    as verl/TRL `AdaptiveKLController`): the proportional error current_kl / target - 1, clipped
+    to +-0.2, moves the coefficient by value *= 1 + error * n_steps / horizon, so it grows while
+    the KL is above target and shrinks while below.
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: float) -> None:
+        self.value = init_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Adapt `value` to the KL `current_kl` measured over the last `n_steps` samples."""
+        # float() of a device tensor is a CPU-GPU sync point: pass a float where it matters.
+        proportional_error = min(max(float(current_kl) / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+# --- entropy ---------------------------------------------------------------------------------
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical softmax(logits), `(..., vocab) -> (...)`, as
+    logsumexp(z) - sum(softmax(z) * z), which stays finite for large logits (verl
+    `entropy_from_logits`). Tokens with logit -inf (masked out of the vocab) contribute 0."""
+    probs = torch.softmax(logits, dim=-1)
+    # 0 * -inf is nan; a token of probability 0 adds nothing to the entropy.
+    finite_logits = logits.masked_fill(probs == 0, 0.0)
+    return torch.logsumexp(logits, dim=-1) - (probs * finite_logits).sum(dim=-1)
