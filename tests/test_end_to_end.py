@@ -133,6 +133,34 @@ def assert_every_sample_accounted_for(home: Path, run: dict) -> None:
     queue.close()
 
 
+def assert_committed_prompts_were_generated(home: Path, run_id: str) -> None:
+    """No prompt lost: every prompt a worker committed was turned into a group of samples."""
+    queue = SqliteQueue(home / "queue.db")
+    topic = prompts_topic(run_id)
+    committed = queue.committed(topic, "rollout")
+    assert sum(committed.values()) > 0
+    done_prompts: Counter[str] = Counter()
+    audit = queue.consumer(topic, "audit", member_id="audit")
+    for _ in range(sum(queue.end_offsets(topic).values())):
+        records = audit.poll(1000, timeout_s=1.0)
+        done_prompts.update(PromptMessage.decode(r.value).prompt_id for r in records if r.offset < committed.get(r.partition, 0))
+        if not records:
+            break
+    groups: dict[str, str] = {}
+    samples = queue.consumer(samples_topic(run_id), "audit", member_id="audit")
+    n_samples = sum(queue.end_offsets(samples_topic(run_id)).values())
+    seen = 0
+    while seen < n_samples:
+        for r in samples.poll(1000, timeout_s=1.0):
+            s = decode_sample(r.value)
+            groups[s.group_id] = s.prompt_id
+            seen += 1
+    generated = Counter(groups.values())
+    assert sum(done_prompts.values()) == sum(committed.values())
+    assert all(generated[p] >= k for p, k in done_prompts.items()), (done_prompts, generated)
+    queue.close()
+
+
 def test_run_end_to_end_over_http(served: Served) -> None:
     r = served.client.post("/v1/runs", json=tiny_spec())
     assert r.status_code == 201, r.text
@@ -179,29 +207,7 @@ def test_killed_rollout_worker_loses_no_prompt(served: Served) -> None:
     assert victim.name in [e["pod"] for e in cost["entries"]]
     assert len({e["pod"] for e in cost["entries"] if e["role"] == "rollout"}) >= 3, "the killed worker was replaced"
 
-    # Every prompt a worker committed was turned into a group of samples (at least once).
-    topic = prompts_topic(run_id)
-    committed = queue.committed(topic, "rollout")
-    assert sum(committed.values()) > 0
-    done_prompts: Counter[str] = Counter()
-    audit = queue.consumer(topic, "audit", member_id="audit")
-    for _ in range(sum(queue.end_offsets(topic).values())):
-        records = audit.poll(1000, timeout_s=1.0)
-        done_prompts.update(PromptMessage.decode(r.value).prompt_id for r in records if r.offset < committed.get(r.partition, 0))
-        if not records:
-            break
-    groups: dict[str, str] = {}
-    samples = queue.consumer(samples_topic(run_id), "audit", member_id="audit")
-    n_samples = sum(queue.end_offsets(samples_topic(run_id)).values())
-    seen = 0
-    while seen < n_samples:
-        for r in samples.poll(1000, timeout_s=1.0):
-            s = decode_sample(r.value)
-            groups[s.group_id] = s.prompt_id
-            seen += 1
-    generated = Counter(groups.values())
-    assert sum(done_prompts.values()) == sum(committed.values())
-    assert all(generated[p] >= k for p, k in done_prompts.items()), (done_prompts, generated)
+    assert_committed_prompts_were_generated(served.home, run_id)
     assert_every_sample_accounted_for(served.home, run)
     queue.close()
 
@@ -217,4 +223,5 @@ def test_cancel_stops_pods_and_accounts_for_everything(served: Served) -> None:
     assert run["status"] == "CANCELLED"
     assert LocalLauncher(served.home / "pods").list(run_id) == []
     assert served.client.post(f"/v1/runs/{run_id}/cancel").status_code == 409
+    assert_committed_prompts_were_generated(served.home, run_id)  # workers stopped by SIGTERM
     assert_every_sample_accounted_for(served.home, run)

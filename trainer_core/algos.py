@@ -473,9 +473,12 @@ class AdaptiveKLController:
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of the categorical softmax(logits), `(..., vocab) -> (...)`, as
-    logsumexp(z) - sum(softmax(z) * z), which stays finite for large logits (verl
-    `entropy_from_logits`). Tokens with logit -inf (masked out of the vocab) contribute 0."""
-    probs = torch.softmax(logits, dim=-1)
+    logsumexp(z) - sum(softmax(z) * z) of the max-shifted logits z (verl
+    `entropy_from_logits`, plus the shift). Logits of -inf (tokens masked out) contribute 0."""
+    # Entropy is shift-invariant; shifting by the max first keeps both terms small, else they
+    # cancel catastrophically in fp32 for large logits (e.g. 3e4 + log 3 - 3e4).
+    shifted = logits - logits.amax(dim=-1, keepdim=True).detach()
+    probs = torch.softmax(shifted, dim=-1)
     # 0 * -inf is nan; a token of probability 0 adds nothing to the entropy.
-    finite_logits = logits.masked_fill(probs == 0, 0.0)
-    return torch.logsumexp(logits, dim=-1) - (probs * finite_logits).sum(dim=-1)
+    finite = shifted.masked_fill(probs == 0, 0.0)
+    return torch.logsumexp(shifted, dim=-1) - (probs * finite).sum(dim=-1)

@@ -125,3 +125,11 @@ def test_stored_spec_is_read_back_even_if_its_model_file_is_gone(tmp_path: Path)
     assert RunSpec.from_stored(stored).model == str(gguf)
     with pytest.raises(ValueError, match="not usable"):
         RunSpec.model_validate(stored)
+
+
+async def test_prompts_from_the_object_store(api: httpx.AsyncClient) -> None:
+    api.app.state.backends.objects.put_bytes("datasets/add.jsonl", b'{"prompt": "1+1", "answer": "2"}\n')
+    assert (await api.post("/v1/runs", json=spec(prompts="store://datasets/add.jsonl"))).status_code == 201
+    r = await api.post("/v1/runs", json=spec(prompts="store://datasets/missing.jsonl"))
+    assert r.status_code == 422
+    assert "no object 'datasets/missing.jsonl'" in r.json()["detail"][0]["msg"]
