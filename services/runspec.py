@@ -99,6 +99,9 @@ class Training(BaseModel):
     micro_batch: int = Field(default=8, ge=1, le=4096, description="Samples per forward/backward pass (gradient accumulation).")
     clip_ratio: float = Field(default=0.2, gt=0.0, le=10.0, description="PPO clip range of the importance ratio.")
     kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of the k3 KL-to-reference loss term (0 skips the reference model).")
+    adv_estimator: Literal["", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        default="", description="Advantage estimator of a critic-free run ('' = grpo); ppo always uses gae."
+    )
     autocast_bf16: bool = Field(default=False, description="Forward passes under bf16 autocast; weights and optimizer stay fp32.")
     max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
 
@@ -158,6 +161,8 @@ class RunSpec(BaseModel):
             raise ValueError("set `iterations`, `target_mean_reward`, or both, so the run can end")
         if self.algorithm == Algorithm.GRPO and self.samples_per_prompt < 2:
             raise ValueError("grpo needs samples_per_prompt >= 2 (advantages are relative within a prompt's group)")
+        if self.algorithm == Algorithm.PPO and self.training.adv_estimator:
+            raise ValueError("ppo uses gae with its critic; training.adv_estimator is for grpo runs")
         if self.batch_samples % self.samples_per_prompt:
             raise ValueError(
                 f"batch_samples ({self.batch_samples}) must be a multiple of samples_per_prompt "

@@ -56,9 +56,14 @@ class TrainConfig:
     value_clip: float = 0.2  # how far a value prediction may move from the old one (PPO)
     max_grad_norm: float = 1.0  # gradient-norm clip per optimizer step
     autocast_bf16: bool = False  # forward passes under bf16 autocast; weights and optimizer stay fp32
+    adv_estimator: str = ""  # a name in algos.ADV_ESTIMATORS; "" = the algorithm's own (grpo | gae)
 
     def __post_init__(self) -> None:
         Algorithm(self.algorithm)  # raises ValueError naming the bad value
+        if self.adv_estimator:
+            AdvantageEstimator(self.adv_estimator)
+            if (self.adv_estimator == AdvantageEstimator.GAE) != (self.algorithm == Algorithm.PPO):
+                raise ValueError("gae advantages need the ppo critic, and ppo uses gae")
         if self.epochs < 1 or self.micro_batch_size < 1 or self.mini_batch_size < 0:
             raise ValueError("epochs and micro_batch_size must be >= 1, mini_batch_size >= 0")
         if self.temperature < 0:
@@ -221,7 +226,7 @@ def _prepare(
             _score(model, samples, response_len, cfg, critic) if critic is not None else None
         )
     advantages, returns = compute_advantages(
-        _ADV_ESTIMATOR[algorithm],
+        cfg.adv_estimator or _ADV_ESTIMATOR[algorithm],
         token_rewards=token_rewards,
         response_mask=mask,
         group_ids=[s.group_id for s in samples],

@@ -80,6 +80,7 @@ def train_config(spec: RunSpec) -> TrainConfig:
         clip_ratio=t.clip_ratio,
         kl_coef=t.kl_coef,
         autocast_bf16=t.autocast_bf16,
+        adv_estimator=t.adv_estimator,
         # Greedy sampling has no temperature; the behaviour log-probs are then of the plain logits.
         temperature=spec.sampling.temperature or 1.0,
     )

@@ -210,3 +210,17 @@ def test_updates_raise_the_reward_on_a_toy_task(
         rewards.append(metrics["reward/mean"])
     assert max(rewards[:3]) < 0.1
     assert sum(rewards[-3:]) / 3 > 0.6
+
+
+def test_configured_advantage_estimator_is_used(tiny_policy, make_sample) -> None:
+    from trainer_core.update import TrainConfig, build_optimizer, train_on_batch
+
+    samples = [make_sample([5, 6], [7, 8], [-4.0, -4.0], float(k % 2), group_id="g") for k in range(4)]
+    metrics = {}
+    for name in ("grpo", "rloo"):
+        cfg = TrainConfig(algorithm="grpo", adv_estimator=name, learning_rate=0.0)
+        metrics[name] = train_on_batch(tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg))
+    # Same data, different advantages: grpo scales by the group std (±0.87 for [0,1,0,1]), rloo does not (±0.67).
+    assert metrics["grpo"]["actor/pg_loss"] != metrics["rloo"]["actor/pg_loss"]
+    with pytest.raises(ValueError, match="gae"):
+        TrainConfig(algorithm="grpo", adv_estimator="gae")

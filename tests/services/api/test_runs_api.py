@@ -56,6 +56,8 @@ async def test_prompts_from_jsonl_file(api: httpx.AsyncClient, tmp_path: Path) -
         ({"sampling": {"temperature": -1}}, "temperature", "greater than or equal"),
         ({"budget_dollars": 0}, "budget_dollars", "greater than 0"),
         ({"surprise": 1}, "surprise", "Extra inputs"),
+        ({"algorithm": "ppo", "training": {"adv_estimator": "rloo"}}, "body", "ppo uses gae"),
+        ({"training": {"adv_estimator": "magic"}}, "adv_estimator", "rloo"),
     ],
 )
 async def test_invalid_spec_is_422_and_changes_nothing(api: httpx.AsyncClient, changes: dict, field: str, reason: str) -> None:
