@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -57,6 +58,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # gradient-norm clip per optimizer step
     autocast_bf16: bool = False  # forward passes under bf16 autocast; weights and optimizer stay fp32
     adv_estimator: str = ""  # a name in algos.ADV_ESTIMATORS; "" = the algorithm's own (grpo | gae)
+    logprob_chunk_tokens: int = 1024  # response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits
 
     def __post_init__(self) -> None:
         Algorithm(self.algorithm)  # raises ValueError naming the bad value
@@ -66,6 +68,8 @@ class TrainConfig:
                 raise ValueError("gae advantages need the ppo critic, and ppo uses gae")
         if self.epochs < 1 or self.micro_batch_size < 1 or self.mini_batch_size < 0:
             raise ValueError("epochs and micro_batch_size must be >= 1, mini_batch_size >= 0")
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
@@ -309,6 +313,34 @@ def _score(
     return torch.cat(chunks)
 
 
+def _chunked_logprobs(model: PreTrainedModel, hidden: Tensor, targets: Tensor, cfg: TrainConfig) -> Tensor:
+    """Log-probs of `targets` `(n_tokens,)` from final hidden states `(n_tokens, hidden)`.
+
+    The LM head runs `cfg.logprob_chunk_tokens` tokens at a time, and under autograd each chunk
+    is checkpointed: its fp32 `(chunk, vocab)` logits are recomputed in the backward pass instead
+    of kept, so no `(tokens x vocab)` tensor ever exists (49k vocab x 8k tokens would be 1.6 GB).
+    """
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def chunk_logprobs(h: Tensor, t: Tensor) -> Tensor:
+        logits = head(h).float()
+        if cap:  # Gemma 2 soft-caps its logits in forward(); do as it does
+            logits = cap * torch.tanh(logits / cap)
+        logits = logits / cfg.logit_temperature
+        # target logit - logsumexp == log_softmax at the target, without a second vocab-sized tensor.
+        return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
+
+    pieces = []
+    for start in range(0, targets.shape[0], cfg.logprob_chunk_tokens):
+        h, t = hidden[start : start + cfg.logprob_chunk_tokens], targets[start : start + cfg.logprob_chunk_tokens]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(chunk_logprobs, h, t, use_reentrant=False))
+        else:
+            pieces.append(chunk_logprobs(h, t))
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def _forward(
     model: PreTrainedModel,
     samples: Sequence[Sample],
@@ -343,16 +375,11 @@ def _forward(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)
         ).last_hidden_state
         hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-        logits = model.get_output_embeddings()(hidden)  # (batch, response_len, vocab)
-    logits = logits.float()
-    if cap := getattr(model.config, "final_logit_softcapping", None):  # Gemma 2: as its forward does
-        logits = cap * torch.tanh(logits / cap)
-    logits = logits / cfg.logit_temperature
-    # target logit - logsumexp == log_softmax at the target, without a second vocab-sized tensor.
-    logprob = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
-    mask = torch.arange(response_len, device=device) < lengths[:, None]  # (batch, response_len)
-    logprob = logprob * mask
+        lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
+        mask = torch.arange(response_len, device=device) < lengths[:, None]  # (batch, response_len)
+        # Real response tokens only, flattened: padding never reaches the LM head.
+        flat = _chunked_logprobs(model, hidden[mask], targets[mask], cfg)  # (n_tokens,)
+    logprob = torch.zeros(mask.shape, device=device).masked_scatter(mask, flat)  # (batch, response_len)
 
     values = None if value_head is None else value_head(hidden.float()) * mask  # (batch, response_len)
     return logprob, values

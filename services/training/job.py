@@ -26,6 +26,7 @@ from services.backends.queue import Consumer, Queue, Record, next_offsets
 from services.names import TRAINER_GROUP, TRAINER_MEMBER, result_key, samples_topic, trainer_prefix
 from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
+from trainer_core.memory import MemoryMonitor
 from trainer_core.models import load_policy
 from trainer_core.samples import Sample, decode_sample
 from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch
@@ -180,6 +181,7 @@ def _train(
 
     metrics = train_on_batch(policy.model, selection.kept, cfg, optimizer, ref_model=ref_model, value_head=value_head) \
         if selection.kept else {}
+    metrics.update(MemoryMonitor().sample())  # current and peak RSS (GPU memory on CUDA)
 
     with tempfile.TemporaryDirectory() as scratch:
         publish_policy(objects, run_id, iteration, policy, Path(scratch))

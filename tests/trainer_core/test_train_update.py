@@ -224,3 +224,21 @@ def test_configured_advantage_estimator_is_used(tiny_policy, make_sample) -> Non
     assert metrics["grpo"]["actor/pg_loss"] != metrics["rloo"]["actor/pg_loss"]
     with pytest.raises(ValueError, match="gae"):
         TrainConfig(algorithm="grpo", adv_estimator="gae")
+
+
+def test_chunked_logprobs_match_one_chunk_in_value_and_gradient(tiny_policy, make_sample) -> None:
+    from trainer_core.update import _forward
+
+    samples = [make_sample([5, 6, 7], [8, 9, 10, 11][: 2 + k % 3], [-1.0] * (2 + k % 3), 1.0) for k in range(5)]
+    results = []
+    for chunk in (3, 1024):  # 3 splits the 15 tokens into 5 checkpointed chunks
+        tiny_policy.model.zero_grad()
+        logprob, _ = _forward(tiny_policy.model, samples, 4, TrainConfig(logprob_chunk_tokens=chunk), None)
+        logprob.sum().backward()
+        grads = [p.grad.clone() for p in tiny_policy.model.parameters() if p.grad is not None]
+        results.append((logprob.detach(), grads))
+    (lp_small, g_small), (lp_big, g_big) = results
+    torch.testing.assert_close(lp_small, lp_big)
+    assert (lp_small[0, 2:] == 0).all(), "padding positions stay zero"
+    for a, b in zip(g_small, g_big, strict=True):
+        torch.testing.assert_close(a, b)

@@ -56,6 +56,7 @@ def test_trains_one_batch_publishes_then_commits(world) -> None:
     assert json.loads(objects.get_bytes(result_key(RUN, 1)))["trained_ids"] == result["trained_ids"]
     assert queue.backlog(samples_topic(RUN), TRAINER_GROUP) == len(later)
     assert result["metrics"]["actor/pg_clipfrac"] >= 0.0
+    assert result["metrics"]["perf/peak_memory_bytes"] >= result["metrics"]["perf/memory_bytes"] > 0
 
 
 def test_stale_samples_are_dropped_and_counted(world) -> None:

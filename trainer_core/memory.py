@@ -1,0 +1,155 @@
+"""Memory planning and accounting: sizing micro-batches, catching unfrozen base weights, and
+reporting current/peak memory as `perf/` metrics.
+
+Planning and auditing are pure functions; only `available_memory_gb` and `MemoryMonitor` read
+the device or the process (CUDA allocator counters, else `/proc`). No new dependencies: RSS
+comes from `/proc/self/status` rather than psutil.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+_GIB = 1024**3
+
+
+def plan_micro_batch(*, device_memory_gb: float, params_billions: float) -> int:
+    """A first-guess micro-batch size from the rule of thumb (spotrl memory brief):
+
+        micro_batch ≈ (GPU GB × 0.6) ÷ (params in billions × 2 bytes × 3)
+
+    0.6 leaves headroom for activations, fragmentation and the CUDA context; 2 bytes is a bf16
+    weight; × 3 roughly covers weights, gradients and optimizer state. Never less than 1. It is a
+    starting point for `probe_micro_batch`, not a guarantee.
+    """
+    if device_memory_gb <= 0:
+        raise ValueError(f"device_memory_gb must be > 0, got {device_memory_gb}")
+    if params_billions <= 0:
+        raise ValueError(f"params_billions must be > 0, got {params_billions}")
+    return max(1, math.floor((device_memory_gb * 0.6) / (params_billions * 2 * 3)))
+
+
+def _meminfo_kib(field: str, path: str = "/proc/meminfo") -> int:
+    """The `field:` line of a /proc meminfo/status file, in KiB (the unit /proc reports)."""
+    with open(path) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name == field:
+                return int(rest.split()[0])
+    raise KeyError(f"{field} not found in {path}")
+
+
+def available_memory_gb(device: torch.device) -> float:
+    """Free memory on `device` in GiB: CUDA free bytes from `torch.cuda.mem_get_info`, else
+    `MemAvailable` from /proc/meminfo (Linux; what the kernel thinks can be allocated without
+    swapping)."""
+    if device.type == "cuda":
+        free_bytes, _total = torch.cuda.mem_get_info(device)
+        return free_bytes / _GIB
+    return _meminfo_kib("MemAvailable") * 1024 / _GIB
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True for an out-of-memory error: `torch.cuda.OutOfMemoryError`, or a RuntimeError whose
+    message says "out of memory" (older torch and other backends raise plain RuntimeError)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class MicroBatchProbeError(RuntimeError):
+    """Even a micro-batch of 1 ran out of memory."""
+
+
+def probe_micro_batch(
+    step: Callable[[int], None],
+    start: int,
+    *,
+    is_oom: Callable[[BaseException], bool] = is_oom_error,
+) -> int:
+    """The largest size in `start, start // 2, ..., 1` for which `step(mb)` runs.
+
+    Halve on OOM (the usual auto-batch-size search, as in Accelerate's
+    `find_executable_batch_size`); other errors propagate unchanged. Raises
+    `MicroBatchProbeError` if even 1 runs out of memory.
+    """
+    if start < 1:
+        raise ValueError(f"start must be >= 1, got {start}")
+    mb = start
+    while True:
+        try:
+            step(mb)
+            return mb
+        except BaseException as exc:
+            if not is_oom(exc):
+                raise
+            if mb == 1:
+                raise MicroBatchProbeError("out of memory even at micro-batch size 1") from exc
+            # Release the failed attempt's cached blocks before the smaller retry.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            mb //= 2
+
+
+def frozen_parameter_audit(model: nn.Module, trainable: Iterable[str]) -> list[str]:
+    """Names of parameters that require grad but are not in `trainable`, in model order.
+
+    Empty means the run trains exactly what it meant to; a LoRA run that left the base weights
+    unfrozen shows up here (and would otherwise silently cost full optimizer state).
+    """
+    allowed = set(trainable)
+    return [
+        name
+        for name, param in model.named_parameters()
+        if param.requires_grad and name not in allowed
+    ]
+
+
+class MemoryMonitor:
+    """Current and peak memory of this process, as `perf/` metrics.
+
+    On CUDA: `torch.cuda.memory_allocated` / `max_memory_allocated` (tensor bytes, not the
+    caching allocator's reserve). Elsewhere: process RSS, current from `VmRSS` and peak from
+    `VmHWM` ("high water mark") in /proc/self/status.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.device = device if device is not None else torch.device("cpu")
+        self._clock = clock
+        self._last_log: float | None = None
+
+    def sample(self) -> dict[str, float]:
+        """`{"perf/memory_bytes": current, "perf/peak_memory_bytes": peak}`, in bytes."""
+        if self.device.type == "cuda":
+            current = torch.cuda.memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            current = _meminfo_kib("VmRSS", "/proc/self/status") * 1024
+            peak = _meminfo_kib("VmHWM", "/proc/self/status") * 1024
+        return {"perf/memory_bytes": float(current), "perf/peak_memory_bytes": float(peak)}
+
+    def maybe_log(self, logger: logging.Logger, every_s: float = 30.0) -> bool:
+        """Log one line with the current sample if `every_s` seconds have passed since the last
+        one (the first call always logs). Returns whether it logged."""
+        now = self._clock()
+        if self._last_log is not None and now - self._last_log < every_s:
+            return False
+        self._last_log = now
+        m = self.sample()
+        logger.info(
+            "memory: %.2f GiB (peak %.2f GiB)",
+            m["perf/memory_bytes"] / _GIB,
+            m["perf/peak_memory_bytes"] / _GIB,
+        )
+        return True
