@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from trainer_core.algos import (
