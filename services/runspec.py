@@ -169,7 +169,3 @@ class RunSpec(BaseModel):
                 f"({self.samples_per_prompt}) so that a batch holds whole groups"
             )
         return self
-
-    @property
-    def prompts_per_iteration(self) -> int:
-        return self.batch_samples // self.samples_per_prompt

@@ -29,6 +29,7 @@ from services.policy_store import fetch_policy
 from services.reward.functions import total_reward
 from services.runspec import RunSpec
 from trainer_core.generation import HFEngine, SamplingParams
+from trainer_core.memory import MemoryMonitor
 from trainer_core.models import encode_prompt
 from trainer_core.samples import Sample, encode_sample
 
@@ -108,8 +109,10 @@ class RolloutWorker:
         consumer = self.queue.consumer(
             prompts_topic(self.run_id), ROLLOUT_GROUP, member_id=self.worker_id, session_timeout_s=self.session_timeout_s
         )
+        memory = MemoryMonitor()
         try:
             while not self.stop.is_set():
+                memory.maybe_log(log)  # a line every 30 s: current and peak memory
                 self._load_latest_policy()
                 records = consumer.poll(self.spec.rollout.prompts_per_batch, timeout_s=1.0)
                 if not records:

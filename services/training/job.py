@@ -46,10 +46,6 @@ class Selection:
     kept: list[Sample] = field(default_factory=list)
     dropped: dict[str, list[str]] = field(default_factory=lambda: {"duplicate": [], "stale": []})
 
-    @property
-    def dropped_count(self) -> int:
-        return sum(len(ids) for ids in self.dropped.values())
-
 
 def select_samples(
     samples: Iterable[Sample], *, seen: set[str], policy_version: int, staleness_bound: int
