@@ -291,6 +291,19 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str | KLEstimator) ->
 # --- losses ----------------------------------------------------------------------------------
 
 
+def _clipped_token_losses(
+    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token clipped surrogate max(-A * ratio, -A * clip(ratio)) `(batch, response_len)`,
+    with its clip fraction and the approx KL from the old policy (both scalars)."""
+    negative_approx_kl = (logprob - old_logprob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = negative_approx_kl.exp()
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), mask)
+    return torch.maximum(pg_losses1, pg_losses2), pg_clipfrac, masked_mean(-negative_approx_kl, mask)
+
+
 def policy_loss(
     logprob: Tensor,
     old_logprob: Tensor,
@@ -306,14 +319,9 @@ def policy_loss(
     All inputs `(batch, response_len)`. Metrics: `pg_clipfrac` (tokens where the clip is
     active), `ppo_kl` (approx KL of the current policy from the old one).
     """
-    negative_approx_kl = (logprob - old_logprob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = negative_approx_kl.exp()
-    ppo_kl = masked_mean(-negative_approx_kl, mask)
-
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), mask)
+    pg_losses, pg_clipfrac, ppo_kl = _clipped_token_losses(
+        logprob, old_logprob, advantages, mask, clip_low, clip_high
+    )
     if clip_c is not None:
         pg_losses3 = -advantages * clip_c
         pg_losses = torch.where(advantages < 0, torch.minimum(pg_losses, pg_losses3), pg_losses)
@@ -413,14 +421,9 @@ def decoupled_policy_loss(
     Metrics: `pg_clipfrac`, `ppo_kl` (approx KL of pi from the proximal policy),
     `is_weight_mean` (mean behaviour weight), `is_capfrac` (tokens whose weight hit the cap).
     """
-    negative_approx_kl = (logprob - proximal_logprob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = negative_approx_kl.exp()
-    ppo_kl = masked_mean(-negative_approx_kl, mask)
-
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), mask)
+    pg_losses, pg_clipfrac, ppo_kl = _clipped_token_losses(
+        logprob, proximal_logprob, advantages, mask, clip_low, clip_high
+    )
 
     cap = float("inf") if is_cap is None else is_cap
     is_weights = truncated_is_weights(behaviour_logprob, proximal_logprob, cap)
