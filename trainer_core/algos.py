@@ -312,9 +312,11 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float | None = None,
+    agg_mode: str | LossAggMode = "token-mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017), token-mean over `mask`, with the optional
-    dual clip bounding the loss of negative-advantage tokens by clip_c * |A| (Ye et al. 2020).
+    """PPO clipped surrogate (Schulman et al. 2017), aggregated over `mask` by `agg_mode`, with
+    the optional dual clip bounding the loss of negative-advantage tokens by clip_c * |A|
+    (Ye et al. 2020).
 
     All inputs `(batch, response_len)`. Metrics: `pg_clipfrac` (tokens where the clip is
     active), `ppo_kl` (approx KL of the current policy from the old one).
@@ -326,22 +328,27 @@ def policy_loss(
         pg_losses3 = -advantages * clip_c
         pg_losses = torch.where(advantages < 0, torch.minimum(pg_losses, pg_losses3), pg_losses)
 
-    loss = masked_mean(pg_losses, mask)
+    loss = aggregate_loss(pg_losses, mask, agg_mode)
     return loss, {"pg_clipfrac": pg_clipfrac.detach(), "ppo_kl": ppo_kl.detach()}
 
 
 def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float,
+    agg_mode: str | LossAggMode = "token-mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss, 0.5 * token-mean of max(unclipped, clipped) squared error, the
-    prediction clipped to within `clip` of `old_values` (verl `compute_value_loss`).
+    """Clipped value loss, 0.5 * the `agg_mode` aggregate of max(unclipped, clipped) squared
+    error, the prediction clipped to within `clip` of `old_values` (verl `compute_value_loss`).
 
     All inputs `(batch, response_len)`. Metric `vf_clipfrac`: tokens where the clip is active.
     """
     values_clipped = old_values + (values - old_values).clamp(-clip, clip)
     vf_losses1 = (values - returns) ** 2
     vf_losses2 = (values_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(vf_losses1, vf_losses2), mask)
+    loss = 0.5 * aggregate_loss(torch.maximum(vf_losses1, vf_losses2), mask, agg_mode)
     vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), mask)
     return loss, {"vf_clipfrac": vf_clipfrac.detach()}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +33,40 @@ def plan_micro_batch(*, device_memory_gb: float, params_billions: float) -> int:
     if params_billions <= 0:
         raise ValueError(f"params_billions must be > 0, got {params_billions}")
     return max(1, math.floor((device_memory_gb * 0.6) / (params_billions * 2 * 3)))
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], *, max_samples: int, max_tokens: int = 0, min_count: int = 1
+) -> list[list[int]]:
+    """Indices into `lengths` (each sample's padded-row length in tokens) grouped into
+    micro-batches, the gradient-accumulation units of one optimizer step.
+
+    Without a token budget (`max_tokens` 0): consecutive runs of `max_samples`. With one:
+    dynamic micro-batches — samples sorted longest first and filled in order while a batch's
+    padded size (rows x its longest row) stays within `max_tokens`, so short samples share a
+    micro-batch and long ones get their own, and little compute goes to padding. A sample
+    longer than the budget goes alone. Batches are then split (largest first) until there are at
+    least `min_count`: data-parallel ranks must run the same number of backward passes.
+    """
+    if max_samples < 1 or max_tokens < 0:
+        raise ValueError(f"need max_samples >= 1 and max_tokens >= 0, got {max_samples}, {max_tokens}")
+    if min_count > len(lengths):
+        raise ValueError(f"cannot make {min_count} micro-batches of {len(lengths)} samples")
+    if not max_tokens:
+        batches = [list(range(i, min(i + max_samples, len(lengths)))) for i in range(0, len(lengths), max_samples)]
+    else:
+        batches = []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            # Sorted longest first: a batch's first row is its longest.
+            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+    while len(batches) < min_count:
+        largest = max(range(len(batches)), key=lambda b: len(batches[b]))
+        half = len(batches[largest]) // 2
+        batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
+    return batches
 
 
 def _meminfo_kib(field: str, path: str = "/proc/meminfo") -> int:

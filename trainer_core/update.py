@@ -1,32 +1,40 @@
 """One RL update (GRPO or PPO) of a policy on a batch of rollout samples.
 
-Composes the math in `algos`: score the batch (reference log-probs, critic values), estimate
-advantages, then for each epoch and mini-batch accumulate micro-batch gradients of the clipped
-surrogate (+ KL-to-reference, + value loss) and take one optimizer step.
+Composes the math in `algos`: score the batch (reference log-probs, critic values, proximal
+log-probs), estimate advantages, then for each epoch and mini-batch accumulate micro-batch
+gradients of the clipped surrogate (+ KL-to-reference, + value loss) and take one optimizer
+step. How gradients become a step is a `Strategy`: one process here, FSDP2 or DeepSpeed ZeRO
+across data-parallel ranks in `trainer_core.distributed`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
 
 from trainer_core.algos import (
     AdvantageEstimator,
+    FixedKLController,
     KLEstimator,
+    LossAggMode,
+    aggregate_loss,
     compute_advantages,
+    decoupled_policy_loss,
     kl_penalty,
-    masked_mean,
     policy_loss,
     value_loss,
 )
+from trainer_core.lora import causal_lm, reference_policy
+from trainer_core.memory import plan_micro_batches
 from trainer_core.samples import Sample
 
 
@@ -39,6 +47,22 @@ class Algorithm(StrEnum):
 _ADV_ESTIMATOR = {Algorithm.GRPO: AdvantageEstimator.GRPO, Algorithm.PPO: AdvantageEstimator.GAE}
 
 
+class OffPolicy(StrEnum):
+    """How the loss corrects for samples drawn by an older policy version."""
+
+    # The clipped ratio is taken against the behaviour log-probs the workers recorded.
+    BEHAVIOUR = "behaviour"
+    # Decoupled PPO (Hilton et al. 2021) with truncated IS: the ratio is clipped around the
+    # proximal policy (this update's starting weights, scored once more), and each token is
+    # weighted by min(pi_proximal / pi_behaviour, is_cap). Costs one extra no-grad forward pass.
+    DECOUPLED = "decoupled"
+
+
+class KLMode(StrEnum):
+    LOSS = "loss"  # kl_coef * KL(pi || ref) added to the loss (GRPO)
+    REWARD = "reward"  # kl_coef * KL(behaviour || ref) subtracted from the token rewards (classic PPO)
+
+
 @dataclass
 class TrainConfig:
     """Hyper-parameters of `train_on_batch`."""
@@ -48,8 +72,16 @@ class TrainConfig:
     epochs: int = 1  # passes over the batch
     mini_batch_size: int = 0  # samples per optimizer step; 0 = the whole batch
     micro_batch_size: int = 8  # samples per forward/backward (gradient accumulation)
-    clip_ratio: float = 0.2  # PPO ratio clip, symmetric: [1 - clip_ratio, 1 + clip_ratio]
-    kl_coef: float = 0.0  # k3 KL-to-reference loss term (needs ref_model when > 0)
+    micro_batch_tokens: int = 0  # > 0: dynamic micro-batches of at most this many padded tokens
+    clip_ratio: float = 0.2  # PPO ratio clip: [1 - clip_ratio, 1 + clip_ratio_high]
+    clip_ratio_high: float = 0.0  # 0 = clip_ratio (symmetric); DAPO's clip-higher uses e.g. 0.28
+    dual_clip: float = 0.0  # > 1: bound negative-advantage token losses by dual_clip * |A|
+    loss_agg: str = "token-mean"  # a name in algos.LossAggMode
+    kl_coef: float = 0.0  # weight of KL to the reference (ref_model, or the LoRA base); 0 = none
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_mode: str = "loss"  # loss | reward
+    off_policy: str = "behaviour"  # behaviour | decoupled (see OffPolicy)
+    is_cap: float = 2.0  # decoupled: cap of the behaviour-to-proximal importance weight
     temperature: float = 1.0  # must equal the sampling temperature (log-probs are of logits / T)
     gamma: float = 1.0  # PPO discount over response tokens
     lam: float = 0.95  # PPO GAE lambda
@@ -59,9 +91,15 @@ class TrainConfig:
     autocast_bf16: bool = False  # forward passes under bf16 autocast; weights and optimizer stay fp32
     adv_estimator: str = ""  # a name in algos.ADV_ESTIMATORS; "" = the algorithm's own (grpo | gae)
     logprob_chunk_tokens: int = 1024  # response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits
+    gradient_checkpointing: bool = False  # recompute each layer's activations in backward
 
     def __post_init__(self) -> None:
-        Algorithm(self.algorithm)  # raises ValueError naming the bad value
+        # Each raises ValueError naming the bad value.
+        Algorithm(self.algorithm)
+        LossAggMode(self.loss_agg)
+        KLEstimator(self.kl_estimator)
+        KLMode(self.kl_mode)
+        OffPolicy(self.off_policy)
         if self.adv_estimator:
             AdvantageEstimator(self.adv_estimator)
             if (self.adv_estimator == AdvantageEstimator.GAE) != (self.algorithm == Algorithm.PPO):
@@ -72,6 +110,10 @@ class TrainConfig:
             raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.micro_batch_tokens < 0 or self.is_cap <= 0 or self.clip_ratio_high < 0:
+            raise ValueError("micro_batch_tokens and clip_ratio_high must be >= 0, is_cap > 0")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or 0 for none), got {self.dual_clip}")
 
     @property
     def logit_temperature(self) -> float:
@@ -113,73 +155,136 @@ def build_optimizer(
     return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0, fused=fused)
 
 
+class Strategy(Protocol):
+    """How accumulated micro-batch gradients become an optimizer step, on one process or on
+    `world_size` data-parallel ranks that each hold a share of the batch.
+
+    Gradients are averaged over ranks (as DDP, FSDP and DeepSpeed do); `train_on_batch` scales
+    each rank's loss so that the average is the gradient of the loss over the whole batch.
+    """
+
+    world_size: int
+
+    def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
+        """`value` reduced over ranks with "sum" or "max" (a new tensor; itself on one process)."""
+        ...
+
+    def backward(self, loss: Tensor) -> None:
+        """Accumulate the gradients of one micro-batch's loss."""
+        ...
+
+    def step(self) -> Tensor:
+        """Clip, apply and zero the accumulated gradients; returns the actor's gradient norm."""
+        ...
+
+
+class LocalStrategy:
+    """A `Strategy` for one process: plain backward, gradient clipping, one optimizer."""
+
+    world_size = 1
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        actor: Sequence[nn.Parameter],
+        critic: Sequence[nn.Parameter] = (),
+        max_grad_norm: float = 1.0,
+    ) -> None:
+        self.optimizer = optimizer
+        self._actor, self._critic = list(actor), list(critic)
+        self._max_grad_norm = max_grad_norm
+
+    def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
+        return value.clone()
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> Tensor:
+        grad_norm = nn.utils.clip_grad_norm_(self._actor, self._max_grad_norm)
+        if self._critic:
+            # Clipped apart from the actor, so a large critic gradient cannot shrink its step.
+            nn.utils.clip_grad_norm_(self._critic, self._max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+
 def train_on_batch(
-    model: PreTrainedModel,
+    model: nn.Module,
     samples: Sequence[Sample],
     cfg: TrainConfig,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Strategy,
     *,
-    ref_model: PreTrainedModel | None = None,
+    ref_model: nn.Module | None = None,
     value_head: ValueHead | None = None,
+    kl_controller: FixedKLController | None = None,
 ) -> dict[str, float]:
     """Update `model` (and, for PPO, `value_head`) on `samples`; returns metrics averaged over
     optimizer steps.
 
-    The importance ratio is taken against the samples' behaviour log-probs, which also
-    corrects for samples generated by an older policy version. `perf/tokens` counts the
-    batch's prompt and response tokens.
+    `model` is a transformers causal LM or a peft LoRA model over one; `optimizer` is a torch
+    optimizer (one process) or a `Strategy` (data-parallel: `samples` are this rank's share, in
+    whole GRPO groups, the same number on every rank). The reference policy for `kl_coef` is
+    `ref_model`, or a LoRA model's base weights. `kl_controller` (fixed or adaptive), when
+    given, supplies the KL coefficient and is updated with this batch's KL. `perf/tokens`
+    counts the batch's prompt and response tokens.
     """
     algorithm = Algorithm(cfg.algorithm)
     if not samples:
         raise ValueError("train_on_batch needs at least one sample")
-    if cfg.kl_coef > 0 and ref_model is None:
-        raise ValueError("kl_coef > 0 needs a ref_model")
     critic = value_head if algorithm is Algorithm.PPO else None
     if algorithm is Algorithm.PPO and critic is None:
         raise ValueError("ppo needs a value_head")
+    strategy = (
+        LocalStrategy(
+            optimizer,
+            [p for p in model.parameters() if p.requires_grad],
+            list(critic.parameters()) if critic is not None else [],
+            cfg.max_grad_norm,
+        )
+        if isinstance(optimizer, torch.optim.Optimizer)
+        else optimizer
+    )
+    kl_coef = kl_controller.value if kl_controller is not None else cfg.kl_coef
     start = time.perf_counter()
     device = next(model.parameters()).device
     response_len = max(len(s.response_ids) for s in samples)
-    mini_size = cfg.mini_batch_size or len(samples)
-    actor_params = [p for p in model.parameters() if p.requires_grad]
+    mini_size = (cfg.mini_batch_size or len(samples) * strategy.world_size) // strategy.world_size
+    if mini_size < 1:
+        raise ValueError(f"mini_batch_size {cfg.mini_batch_size} is smaller than the {strategy.world_size} ranks")
 
-    model.train()
-    try:
-        batch = _prepare(model, samples, response_len, cfg, algorithm, ref_model, critic)
+    model.eval()  # scored as generation sampled: no dropout
+    batch = _prepare(model, samples, response_len, cfg, kl_coef, algorithm, ref_model, critic)
+    with _training_mode(model, cfg.gradient_checkpointing):
         totals: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=device))
-        n_steps = 0
+        grad_norms = []
         for _ in range(cfg.epochs):
             for mb_start in range(0, len(samples), mini_size):
-                mb_end = min(mb_start + mini_size, len(samples))
-                mb_tokens = batch.mask[mb_start:mb_end].sum()
-                optimizer.zero_grad(set_to_none=True)
-                for mu_start in range(mb_start, mb_end, cfg.micro_batch_size):
-                    mu = slice(mu_start, min(mu_start + cfg.micro_batch_size, mb_end))
+                mini = range(mb_start, min(mb_start + mini_size, len(samples)))
+                # What each micro-batch's loss is averaged over: tokens or sequences (loss_agg),
+                # summed over ranks, so that the accumulated gradient is that of the whole mini-batch.
+                mini_weight = strategy.all_reduce(_weight(batch.mask[mini.start : mini.stop], cfg.loss_agg))
+                for micro in _micro_batches(samples, mini, cfg, strategy):
+                    rows = batch.rows(micro)
                     loss, step_metrics = _micro_batch_loss(
-                        model, samples[mu], batch.rows(mu), response_len, cfg, critic
+                        model, [samples[i] for i in micro], rows, response_len, cfg, kl_coef, critic
                     )
-                    # Each micro-batch loss is a token-mean over its own tokens; weighting it by
-                    # its share of the mini-batch's tokens makes the accumulated gradient that of
-                    # the token-mean over the whole mini-batch.
-                    scale = batch.mask[mu].sum() / mb_tokens
-                    (loss * scale).backward()
+                    share = _weight(rows.mask, cfg.loss_agg) / mini_weight
+                    strategy.backward(loss * share * strategy.world_size)
                     for key, value in step_metrics.items():
-                        totals[key] += scale * value
+                        totals[key] += share * value
+                grad_norms.append(strategy.step())
 
-                grad_norm = nn.utils.clip_grad_norm_(actor_params, cfg.max_grad_norm)
-                totals["actor/grad_norm"] += grad_norm
-                if critic is not None:
-                    # Clipped apart from the actor, so a large critic gradient cannot shrink
-                    # the actor's step.
-                    nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                n_steps += 1
-    finally:
-        model.eval()
-
+    n_steps = len(grad_norms)
+    totals = {key: strategy.all_reduce(value) for key, value in totals.items()}
     # .item() is a device sync; done once, here, rather than per micro-batch.
     metrics = {key: value.item() / n_steps for key, value in totals.items()}
+    metrics["actor/grad_norm"] = torch.stack(grad_norms).mean().item()
     metrics.setdefault("actor/kl_ref", 0.0)
+    if kl_controller is not None:
+        kl_controller.update(metrics["actor/kl_ref"], len(samples) * strategy.world_size)
+        metrics["actor/kl_coef"] = kl_controller.value
     metrics["reward/mean"] = sum(s.reward for s in samples) / len(samples)
     metrics["perf/tokens"] = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
     metrics["perf/seconds"] = time.perf_counter() - start
@@ -187,48 +292,99 @@ def train_on_batch(
     return metrics
 
 
+@contextmanager
+def _training_mode(model: nn.Module, gradient_checkpointing: bool) -> Iterator[None]:
+    """Train mode (and gradient checkpointing) for the update; afterwards the model is back in
+    eval mode without checkpointing, ready to generate with its KV cache."""
+    lm = causal_lm(model)
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing needs no input that requires grad (so frozen embeddings
+        # under LoRA are fine) and supports the chunked LM head's own checkpoints.
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    try:
+        yield
+    finally:
+        model.eval()
+        if gradient_checkpointing:
+            lm.gradient_checkpointing_disable()
+
+
+def _weight(mask: Tensor, loss_agg: str) -> Tensor:
+    """What a loss over `mask` `(batch, response_len)` averages over: its real tokens for
+    token-mean, its sequences for the sequence-mean modes."""
+    if loss_agg == LossAggMode.TOKEN_MEAN:
+        return mask.sum()
+    return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
+
+
+def _micro_batches(
+    samples: Sequence[Sample], rows: range, cfg: TrainConfig, strategy: Strategy
+) -> list[list[int]]:
+    """Sample indices of each micro-batch of the mini-batch `rows`: fixed-size runs, or token-budget
+    batches of similar lengths; every rank makes as many as the rank that needs the most."""
+    lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in rows]
+    plan = lambda min_count: plan_micro_batches(  # noqa: E731
+        lengths, max_samples=cfg.micro_batch_size, max_tokens=cfg.micro_batch_tokens, min_count=min_count
+    )
+    batches = plan(1)
+    if strategy.world_size > 1:
+        most = int(strategy.all_reduce(torch.tensor(float(len(batches))), op="max"))
+        batches = plan(most)
+    return [[rows.start + i for i in batch] for batch in batches]
+
+
 @dataclass
 class _BatchTensors:
     """Per-token inputs of the losses, each `(batch, response_len)`, fixed for the whole update."""
 
     mask: Tensor
-    old_logprob: Tensor  # behaviour log-probs from the samples
+    old_logprob: Tensor  # what the ratio is clipped around: behaviour or proximal log-probs
+    behaviour_logprob: Tensor  # from the samples
     advantages: Tensor
     returns: Tensor
-    ref_logprob: Tensor | None  # with a ref_model
+    ref_logprob: Tensor | None  # with a KL loss term
     old_values: Tensor | None  # PPO: the critic's values before the update
 
-    def rows(self, rows: slice) -> _BatchTensors:
-        """The same tensors for a slice of the samples."""
+    def rows(self, rows: Sequence[int]) -> _BatchTensors:
+        """The same tensors for some of the samples."""
+        index = torch.tensor(rows, device=self.mask.device)
+        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
         return _BatchTensors(
-            mask=self.mask[rows],
-            old_logprob=self.old_logprob[rows],
-            advantages=self.advantages[rows],
-            returns=self.returns[rows],
-            ref_logprob=None if self.ref_logprob is None else self.ref_logprob[rows],
-            old_values=None if self.old_values is None else self.old_values[rows],
+            mask=pick(self.mask),
+            old_logprob=pick(self.old_logprob),
+            behaviour_logprob=pick(self.behaviour_logprob),
+            advantages=pick(self.advantages),
+            returns=pick(self.returns),
+            ref_logprob=pick(self.ref_logprob),
+            old_values=pick(self.old_values),
         )
 
 
 def _prepare(
-    model: PreTrainedModel,
+    model: nn.Module,
     samples: Sequence[Sample],
     response_len: int,
     cfg: TrainConfig,
+    kl_coef: float,
     algorithm: Algorithm,
-    ref_model: PreTrainedModel | None,
+    ref_model: nn.Module | None,
     critic: ValueHead | None,
 ) -> _BatchTensors:
-    """Score the batch before any step (reference log-probs, old values) and estimate advantages."""
+    """Score the batch before any step (reference and proximal log-probs, old values) and
+    estimate advantages."""
     device = next(model.parameters()).device
-    mask, old_logprob, token_rewards = _response_tensors(samples, response_len, device)
+    mask, behaviour_logprob, token_rewards = _response_tensors(samples, response_len, device)
     with torch.no_grad():
-        ref_logprob = (
-            _score(ref_model, samples, response_len, cfg) if ref_model is not None else None
-        )
-        old_values = (
-            _score(model, samples, response_len, cfg, critic) if critic is not None else None
-        )
+        ref_logprob = None
+        if kl_coef > 0:
+            with reference_policy(model, ref_model) as ref:
+                ref_logprob = _score(ref, samples, response_len, cfg)
+        old_values = proximal = None
+        if critic is not None or cfg.off_policy == OffPolicy.DECOUPLED:
+            proximal, old_values = _score(model, samples, response_len, cfg, critic, with_values=True)
+    if ref_logprob is not None and cfg.kl_mode == KLMode.REWARD:
+        token_rewards = token_rewards - kl_coef * kl_penalty(behaviour_logprob, ref_logprob, cfg.kl_estimator) * mask
     advantages, returns = compute_advantages(
         cfg.adv_estimator or _ADV_ESTIMATOR[algorithm],
         token_rewards=token_rewards,
@@ -238,38 +394,52 @@ def _prepare(
         gamma=cfg.gamma,
         lam=cfg.lam,
     )
-    return _BatchTensors(mask, old_logprob, advantages, returns, ref_logprob, old_values)
+    return _BatchTensors(
+        mask=mask,
+        old_logprob=proximal if cfg.off_policy == OffPolicy.DECOUPLED else behaviour_logprob,
+        behaviour_logprob=behaviour_logprob,
+        advantages=advantages,
+        returns=returns,
+        ref_logprob=ref_logprob if cfg.kl_mode == KLMode.LOSS else None,
+        old_values=old_values,
+    )
 
 
 def _micro_batch_loss(
-    model: PreTrainedModel,
+    model: nn.Module,
     samples: Sequence[Sample],
     mu: _BatchTensors,
     response_len: int,
     cfg: TrainConfig,
+    kl_coef: float,
     critic: ValueHead | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss (clipped surrogate + KL-to-ref + value loss) of one micro-batch, token-means over
-    its own tokens, and its detached metrics."""
+    """Loss (clipped surrogate + KL-to-ref + value loss) of one micro-batch, aggregated over
+    its own tokens or sequences, and its detached metrics."""
     logprob, values = _forward(model, samples, response_len, cfg, critic)
-    pg_loss, pg_metrics = policy_loss(
-        logprob, mu.old_logprob, mu.advantages, mu.mask, cfg.clip_ratio, cfg.clip_ratio
-    )
-    metrics = {
-        "actor/pg_loss": pg_loss.detach(),
-        "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
-        "actor/ppo_kl": pg_metrics["ppo_kl"],
-    }
+    clip_high = cfg.clip_ratio_high or cfg.clip_ratio
+    if cfg.off_policy == OffPolicy.DECOUPLED:
+        pg_loss, pg_metrics = decoupled_policy_loss(
+            logprob, mu.old_logprob, mu.behaviour_logprob, mu.advantages, mu.mask,
+            cfg.clip_ratio, clip_high, cfg.is_cap, cfg.loss_agg,
+        )
+    else:
+        pg_loss, pg_metrics = policy_loss(
+            logprob, mu.old_logprob, mu.advantages, mu.mask,
+            cfg.clip_ratio, clip_high, cfg.dual_clip or None, cfg.loss_agg,
+        )
+    metrics = {f"actor/{key}": value for key, value in pg_metrics.items()}
+    metrics["actor/pg_loss"] = pg_loss.detach()
     actor_loss = pg_loss
     if mu.ref_logprob is not None:
-        kl_ref = masked_mean(kl_penalty(logprob, mu.ref_logprob, KLEstimator.K3), mu.mask)
-        actor_loss = actor_loss + cfg.kl_coef * kl_ref
+        kl_ref = aggregate_loss(kl_penalty(logprob, mu.ref_logprob, cfg.kl_estimator), mu.mask, cfg.loss_agg)
+        actor_loss = actor_loss + kl_coef * kl_ref
         metrics["actor/kl_ref"] = kl_ref.detach()
     metrics["actor/loss"] = actor_loss.detach()
     if critic is None:
         return actor_loss, metrics
 
-    vf_loss, vf_metrics = value_loss(values, mu.old_values, mu.returns, mu.mask, cfg.value_clip)
+    vf_loss, vf_metrics = value_loss(values, mu.old_values, mu.returns, mu.mask, cfg.value_clip, cfg.loss_agg)
     metrics["critic/vf_loss"] = vf_loss.detach()
     metrics["critic/vf_clipfrac"] = vf_metrics["vf_clipfrac"]
     return actor_loss + cfg.vf_coef * vf_loss, metrics
@@ -297,31 +467,37 @@ def _response_tensors(
 
 
 def _score(
-    model: PreTrainedModel,
+    model: nn.Module,
     samples: Sequence[Sample],
     response_len: int,
     cfg: TrainConfig,
     value_head: ValueHead | None = None,
-) -> Tensor:
-    """Log-probs under `model`, or the value head's values when given, `(batch, response_len)`,
-    computed micro-batch by micro-batch."""
-    chunks = []
-    for start in range(0, len(samples), cfg.micro_batch_size):
-        micro = samples[start : start + cfg.micro_batch_size]
-        logprob, values = _forward(model, micro, response_len, cfg, value_head)
-        chunks.append(values if value_head is not None else logprob)
-    return torch.cat(chunks)
+    *,
+    with_values: bool = False,
+) -> Tensor | tuple[Tensor, Tensor | None]:
+    """Log-probs under `model` `(batch, response_len)`, and with `with_values` the value head's
+    values too (None without one), computed micro-batch by micro-batch (no grad expected)."""
+    logprobs = torch.zeros(len(samples), response_len, device=next(model.parameters()).device)
+    values = torch.zeros_like(logprobs) if value_head is not None else None
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    for micro in plan_micro_batches(lengths, max_samples=cfg.micro_batch_size, max_tokens=cfg.micro_batch_tokens):
+        logprob, value = _forward(model, [samples[i] for i in micro], response_len, cfg, value_head)
+        index = torch.tensor(micro, device=logprobs.device)
+        logprobs.index_copy_(0, index, logprob)
+        if values is not None:
+            values.index_copy_(0, index, value)
+    return (logprobs, values) if with_values else logprobs
 
 
-def _chunked_logprobs(model: PreTrainedModel, hidden: Tensor, targets: Tensor, cfg: TrainConfig) -> Tensor:
+def _chunked_logprobs(model: nn.Module, hidden: Tensor, targets: Tensor, cfg: TrainConfig) -> Tensor:
     """Log-probs of `targets` `(n_tokens,)` from final hidden states `(n_tokens, hidden)`.
 
     The LM head runs `cfg.logprob_chunk_tokens` tokens at a time, and under autograd each chunk
     is checkpointed: its fp32 `(chunk, vocab)` logits are recomputed in the backward pass instead
     of kept, so no `(tokens x vocab)` tensor ever exists (49k vocab x 8k tokens would be 1.6 GB).
     """
-    head = model.get_output_embeddings()
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    head = causal_lm(model).get_output_embeddings()
+    cap = getattr(causal_lm(model).config, "final_logit_softcapping", None)
 
     def chunk_logprobs(h: Tensor, t: Tensor) -> Tensor:
         logits = head(h).float()
@@ -342,7 +518,7 @@ def _chunked_logprobs(model: PreTrainedModel, hidden: Tensor, targets: Tensor, c
 
 
 def _forward(
-    model: PreTrainedModel,
+    model: nn.Module,
     samples: Sequence[Sample],
     response_len: int,
     cfg: TrainConfig,
@@ -371,8 +547,8 @@ def _forward(
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
         # The LM head runs on the response positions only: the prompt's logits, a
         # (prompt_len x vocab) tensor per sample, are never needed.
-        hidden = model.base_model(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)
+        hidden = causal_lm(model).base_model(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
         ).last_hidden_state
         hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
         lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)

@@ -1,0 +1,68 @@
+"""LoRA adapters (peft) on a policy, and the reference policy they give for free.
+
+With LoRA the frozen base weights *are* the reference policy: disabling the adapter turns the
+policy back into it, so KL-to-reference costs no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import PreTrainedModel
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A LoRA adapter on every linear layer but the LM head (peft's "all-linear")."""
+
+    rank: int = 16
+    alpha: int = 32  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # 0 keeps the importance ratio exact: dropout would make pi noisy
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA needs rank >= 1, alpha > 0 and 0 <= dropout < 1, got {self}")
+
+
+def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
+    """Wrap `model` in a peft `PeftModel` whose only trainable parameters are the adapter's.
+
+    The base weights stay where they are (no copy); they are frozen by peft.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def is_lora(model: nn.Module) -> bool:
+    """True for a peft model (a policy with an adapter)."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The transformers causal LM inside `model` (itself, or a peft model's base with the adapter
+    layers injected)."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+@contextmanager
+def reference_policy(model: nn.Module, ref_model: nn.Module | None) -> Iterator[nn.Module]:
+    """The reference policy for KL: `ref_model` when given, else a LoRA policy with its adapter
+    disabled for the duration of the block."""
+    if ref_model is not None:
+        yield ref_model
+    elif is_lora(model):
+        with model.disable_adapter():
+            yield model
+    else:
+        raise ValueError("a KL term needs a reference: pass ref_model, or train a LoRA adapter")
