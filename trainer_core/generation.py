@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from trainer_core.lora import causal_lm
 from trainer_core.models import stop_token_ids
 
 
@@ -80,7 +81,7 @@ class HFEngine:
         self._model = model
         # transformers 5.24 renamed the forward argument past_key_values to cache (the old
         # name warns until 5.40); earlier releases only know past_key_values.
-        params = inspect.signature(model.forward).parameters
+        params = inspect.signature(causal_lm(model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         # The prefill step needs only the last position's logits, not (batch, prompt_len,
         # vocab) of them; models that cannot skip the rest lack the argument.
@@ -99,7 +100,9 @@ class HFEngine:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        model = self._model
+        # A LoRA policy's adapter layers live inside its causal LM: calling that directly keeps
+        # the adapter in use and the weights unmerged (no second copy for generation).
+        model = causal_lm(self._model)
         device = next(model.parameters()).device
         stop_ids = self._stop_ids.to(device)
         generator = torch.Generator(device).manual_seed(seed) if seed is not None else None

@@ -298,16 +298,26 @@ def _training_mode(model: nn.Module, gradient_checkpointing: bool) -> Iterator[N
     eval mode without checkpointing, ready to generate with its KV cache."""
     lm = causal_lm(model)
     if gradient_checkpointing:
-        # Non-reentrant checkpointing needs no input that requires grad (so frozen embeddings
-        # under LoRA are fine) and supports the chunked LM head's own checkpoints.
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _set_activation_checkpointing(lm, True)
     model.train()
     try:
         yield
     finally:
         model.eval()
         if gradient_checkpointing:
-            lm.gradient_checkpointing_disable()
+            _set_activation_checkpointing(lm, False)
+
+
+def _set_activation_checkpointing(lm: nn.Module, on: bool) -> None:
+    """Switch a transformers model's per-layer activation checkpointing (transformers 5.24
+    renamed gradient_checkpointing_* to activation_checkpointing_*; older releases have only
+    the former). Non-reentrant checkpointing needs no input that requires grad, so frozen
+    embeddings under LoRA are fine, and it nests with the chunked LM head's own checkpoints."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(lm, "activation_checkpointing_enable"):
+        lm.activation_checkpointing_enable(kwargs) if on else lm.activation_checkpointing_disable()
+    else:
+        lm.gradient_checkpointing_enable(kwargs) if on else lm.gradient_checkpointing_disable()
 
 
 def _weight(mask: Tensor, loss_agg: str) -> Tensor:
