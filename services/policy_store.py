@@ -8,18 +8,23 @@ from pathlib import Path
 
 from services.backends.object_store import ObjectStore
 from services.names import policy_prefix
+from trainer_core.lora import is_adapter_dir, load_adapter
 from trainer_core.models import Policy, load_policy, save_policy
 
 
 def publish_policy(objects: ObjectStore, run_id: str, version: int, policy: Policy, scratch: Path) -> None:
-    """Upload ``policy`` as ``runs/<run>/policy/v<version>/``."""
+    """Upload ``policy`` as ``runs/<run>/policy/v<version>/``: its weights, or only its adapter
+    (a few MB for the workers to download) when it is a LoRA policy."""
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         save_policy(policy, Path(tmp))
         objects.upload_dir(Path(tmp), policy_prefix(run_id, version))
 
 
-def fetch_policy(objects: ObjectStore, run_id: str, version: int, *, base_model: str, model_cache: Path) -> Policy:
-    """Load policy ``version`` of a run; version 0 is ``base_model`` itself."""
+def fetch_policy(
+    objects: ObjectStore, run_id: str, version: int, *, base_model: str, model_cache: Path, trainable: bool = False
+) -> Policy:
+    """Load policy ``version`` of a run; version 0 is ``base_model`` itself. A published adapter
+    is applied to ``base_model``: kept as a trainable LoRA policy, or merged for generation."""
     if version == 0:
         return load_policy(base_model, cache_dir=model_cache)
     local = model_cache / "runs" / run_id / f"v{version}"
@@ -32,6 +37,9 @@ def fetch_policy(objects: ObjectStore, run_id: str, version: int, *, base_model:
             staging.rename(local)
         except OSError:  # another pod won the race
             shutil.rmtree(staging, ignore_errors=True)
+    if is_adapter_dir(local):
+        base = load_policy(base_model, cache_dir=model_cache)
+        return Policy(model=load_adapter(base.model, local, trainable=trainable), tokenizer=base.tokenizer)
     return load_policy(local, cache_dir=model_cache)
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from services.cost.catalog import load_catalog
 from trainer_core.models import check_model_source
+from trainer_core.reward_model import check_reward_model_dir
 
 
 def _known_instance_type(v: str) -> str:
@@ -41,16 +43,20 @@ class RewardTerm(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    fn: Literal["exact_match", "regex", "length_penalty"] = Field(
+    fn: Literal["exact_match", "regex", "length_penalty", "reward_model"] = Field(
         description="exact_match: 1 when the last number in the response equals the answer's; "
-        "regex: 1 when `pattern` matches the response; length_penalty: -max(0, tokens - target_tokens) / target_tokens."
+        "regex: 1 when `pattern` matches the response; length_penalty: -max(0, tokens - target_tokens) / target_tokens; "
+        "reward_model: the score of the reward model saved at `path` for (prompt, response)."
     )
     weight: float = Field(default=1.0, description="Multiplier of this term in the sum.")
     pattern: str | None = Field(default=None, description="Regular expression (regex only); matched with re.search.")
     target_tokens: int | None = Field(default=None, gt=0, description="Length beyond which the penalty grows (length_penalty only).")
+    path: str | None = Field(
+        default=None, description="Directory of a reward model saved by `spotrl train-rm`, as the rollout workers see it (reward_model only)."
+    )
 
     @model_validator(mode="after")
-    def _check_args(self) -> RewardTerm:
+    def _check_args(self, info: ValidationInfo) -> RewardTerm:
         if self.fn == "regex":
             if not self.pattern:
                 raise ValueError("the regex reward needs `pattern`")
@@ -60,6 +66,12 @@ class RewardTerm(BaseModel):
                 raise ValueError(f"`pattern` is not a valid regular expression: {e}") from e
         if self.fn == "length_penalty" and self.target_tokens is None:
             raise ValueError("the length_penalty reward needs `target_tokens`")
+        if self.fn == "reward_model":
+            if not self.path:
+                raise ValueError("the reward_model reward needs `path`, a directory saved by `spotrl train-rm`")
+            # Checked on submission; a stored spec is re-read as it is (workers report a vanished model).
+            if not (info.context or {}).get("stored"):
+                check_reward_model_dir(Path(self.path))
         return self
 
 
@@ -103,6 +115,23 @@ class Training(BaseModel):
         default="", description="Advantage estimator of a critic-free run ('' = grpo); ppo always uses gae."
     )
     autocast_bf16: bool = Field(default=False, description="Forward passes under bf16 autocast; weights and optimizer stay fp32.")
+    micro_batch_tokens: int = Field(default=0, ge=0, description="Token budget of a micro-batch (padded rows x longest row); > 0 replaces micro_batch with dynamic micro-batches of similar lengths.")
+    gradient_checkpointing: bool = Field(default=False, description="Recompute each layer's activations in the backward pass: less memory, ~30% more compute.")
+    lora_rank: int = Field(default=0, ge=0, le=1024, description="Train a LoRA adapter of this rank on every linear layer instead of all weights (0 = full fine-tuning); the frozen base is the KL reference.")
+    lora_alpha: float = Field(default=32.0, gt=0.0, description="LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_rank.")
+    clip_ratio_high: float = Field(default=0.0, ge=0.0, le=10.0, description="Upper clip of the ratio, 1 + clip_ratio_high (0 = clip_ratio; DAPO's clip-higher uses 0.28).")
+    dual_clip: float = Field(default=0.0, ge=0.0, description="Dual-clip bound c > 1 on negative-advantage token losses (0 = off).")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        default="token-mean", description="How token losses are averaged: over all tokens, or per sequence then over sequences."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="Estimator of KL to the reference policy.")
+    kl_mode: Literal["loss", "reward"] = Field(default="loss", description="Apply kl_coef x KL as a loss term or as a per-token reward penalty.")
+    off_policy: Literal["behaviour", "decoupled"] = Field(
+        default="behaviour",
+        description="behaviour: clip the ratio around the workers' log-probs; decoupled: clip around this update's "
+        "starting policy and weight tokens by min(pi_proximal / pi_behaviour, is_cap) (one extra forward pass).",
+    )
+    is_cap: float = Field(default=2.0, gt=0.0, description="Cap of the importance weight of stale tokens (off_policy: decoupled).")
     max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
 
     _instance = field_validator("instance_type")(_known_instance_type)

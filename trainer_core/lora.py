@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -19,7 +20,7 @@ class LoraSettings:
     """A LoRA adapter on every linear layer but the LM head (peft's "all-linear")."""
 
     rank: int = 16
-    alpha: int = 32  # the update is scaled by alpha / rank
+    alpha: float = 32.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # 0 keeps the importance ratio exact: dropout would make pi noisy
 
     def __post_init__(self) -> None:
@@ -42,6 +43,21 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """True for a directory holding a saved adapter (what `save_pretrained` of a LoRA policy
+    writes) rather than full weights."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def load_adapter(model: PreTrainedModel, adapter_dir: Path, *, trainable: bool) -> nn.Module:
+    """`model` with the adapter saved in `adapter_dir`: a trainable LoRA policy, or for
+    generation only the adapter merged into the weights in place (no adapter overhead per token)."""
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+    return peft_model if trainable else peft_model.merge_and_unload()
 
 
 def is_lora(model: nn.Module) -> bool:

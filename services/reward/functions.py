@@ -1,13 +1,21 @@
-"""Built-in rule rewards, registered by name, and the weighted sum a run's spec asks for.
+"""Built-in rewards, registered by name, and the weighted sum a run's spec asks for.
 
-Pure functions of the response (text and token count) and the prompt's reference answer.
+Rule rewards are pure functions of the response (text and token count) and the prompt's
+reference answer. The `reward_model` reward scores (prompt, response) with a trained reward
+model (`trainer_core.reward_model`), loaded once per process and run over a batch at a time;
+every registered function therefore scores a batch.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
+
+from trainer_core.reward_model import RewardModel
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -19,6 +27,17 @@ class Term(Protocol):
     weight: float
     pattern: str | None
     target_tokens: int | None
+    path: str | None
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """What a reward may read of one response."""
+
+    prompt: str
+    response: str
+    n_tokens: int
+    answer: str | None  # the prompt's reference answer, if the prompt set gives one
 
 
 def last_number(text: str) -> float | None:
@@ -46,13 +65,58 @@ def length_penalty(term: Term, response: str, n_tokens: int, answer: str | None)
     return -max(0, n_tokens - target) / target
 
 
-REWARD_FUNCTIONS: dict[str, Callable[[Term, str, int, str | None], float]] = {
-    "exact_match": exact_match,
-    "regex": regex_match,
-    "length_penalty": length_penalty,
+@functools.lru_cache(maxsize=4)
+def load_reward_model(path: str) -> RewardModel:
+    """The reward model saved at `path`, loaded once per process (a rollout worker scores every
+    batch of its run with it)."""
+    return RewardModel.load(Path(path))
+
+
+def reward_model_scores(term: Term, inputs: Sequence[RewardInput]) -> list[float]:
+    """The score the reward model at ``term.path`` gives each (prompt, response)."""
+    if not term.path:
+        raise ValueError("the reward_model reward needs `path`")
+    return load_reward_model(term.path).score([i.prompt for i in inputs], [i.response for i in inputs])
+
+
+RuleFn = Callable[[Term, str, int, str | None], float]
+BatchRewardFn = Callable[[Term, Sequence[RewardInput]], list[float]]
+
+
+def _each(rule: RuleFn) -> BatchRewardFn:
+    """A rule reward applied to each response of a batch."""
+
+    def batch(term: Term, inputs: Sequence[RewardInput]) -> list[float]:
+        return [rule(term, i.response, i.n_tokens, i.answer) for i in inputs]
+
+    return batch
+
+
+REWARD_FUNCTIONS: dict[str, BatchRewardFn] = {
+    "exact_match": _each(exact_match),
+    "regex": _each(regex_match),
+    "length_penalty": _each(length_penalty),
+    "reward_model": reward_model_scores,
 }
 
 
-def total_reward(terms: Sequence[Term], response: str, n_tokens: int, answer: str | None) -> float:
-    """The weighted sum of the spec's reward terms."""
-    return sum(t.weight * REWARD_FUNCTIONS[t.fn](t, response, n_tokens, answer) for t in terms)
+def total_rewards(terms: Sequence[Term], inputs: Sequence[RewardInput]) -> list[float]:
+    """The weighted sum of the spec's reward terms for each input; each term scores the whole
+    batch at once."""
+    if not inputs:
+        return []
+    totals = [0.0] * len(inputs)
+    for term in terms:
+        scores = REWARD_FUNCTIONS[term.fn](term, inputs)
+        totals = [total + term.weight * score for total, score in zip(totals, scores, strict=True)]
+    return totals
+
+
+def total_reward(
+    terms: Sequence[Term], response: str, n_tokens: int, answer: str | None, *, prompt: str | None = None
+) -> float:
+    """The weighted sum of the spec's reward terms for one response; a `reward_model` term
+    also needs its `prompt` (batches go faster through `total_rewards`)."""
+    if prompt is None and any(t.fn == "reward_model" for t in terms):
+        raise ValueError("the reward_model reward scores (prompt, response): pass `prompt`")
+    return total_rewards(terms, [RewardInput(prompt or "", response, n_tokens, answer)])[0]

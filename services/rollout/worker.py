@@ -26,7 +26,7 @@ from services.backends.reward_cache import RewardCache, reward_cache_key
 from services.backends.state_store import StateStore
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.policy_store import fetch_policy
-from services.reward.functions import total_reward
+from services.reward.functions import RewardInput, total_rewards
 from services.runspec import RunSpec
 from trainer_core.generation import HFEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
@@ -198,11 +198,13 @@ class RolloutWorker:
             for k in range(len(texts))
         ]
         cached = self.rewards.get_many(keys)
-        fresh = {
-            key: total_reward(self.spec.reward, texts[k], lengths[k], prompts[k // n].answer)
-            for k, key in enumerate(keys)
-            if key not in cached
-        }
+        missing = [k for k, key in enumerate(keys) if key not in cached]
+        # One call for the batch: a reward model term scores all the missing responses together.
+        scores = total_rewards(
+            self.spec.reward,
+            [RewardInput(prompts[k // n].prompt, texts[k], lengths[k], prompts[k // n].answer) for k in missing],
+        )
+        fresh = {keys[k]: score for k, score in zip(missing, scores, strict=True)}
         if fresh:
             self.rewards.put_many(fresh)
         return [cached[key] if key in cached else fresh[key] for key in keys]

@@ -26,6 +26,7 @@ from services.backends.queue import Consumer, Queue, Record, next_offsets
 from services.names import TRAINER_GROUP, TRAINER_MEMBER, result_key, samples_topic, trainer_prefix
 from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
+from trainer_core.lora import LoraSettings, apply_lora, is_lora
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import load_policy
 from trainer_core.samples import Sample, decode_sample
@@ -78,6 +79,15 @@ def train_config(spec: RunSpec) -> TrainConfig:
         kl_coef=t.kl_coef,
         autocast_bf16=t.autocast_bf16,
         adv_estimator=t.adv_estimator,
+        micro_batch_tokens=t.micro_batch_tokens,
+        gradient_checkpointing=t.gradient_checkpointing,
+        clip_ratio_high=t.clip_ratio_high,
+        dual_clip=t.dual_clip,
+        loss_agg=t.loss_agg,
+        kl_estimator=t.kl_estimator,
+        kl_mode=t.kl_mode,
+        off_policy=t.off_policy,
+        is_cap=t.is_cap,
         # Greedy sampling has no temperature; the behaviour log-probs are then of the plain logits.
         temperature=spec.sampling.temperature or 1.0,
     )
@@ -164,7 +174,9 @@ def _train(
     log.info("iteration %d: %d samples read, %d kept, dropped %s", iteration, len(records), len(selection.kept),
              {k: len(v) for k, v in selection.dropped.items()})
 
-    policy = fetch_policy(objects, run_id, iteration - 1, base_model=spec.model, model_cache=model_cache)
+    policy = fetch_policy(objects, run_id, iteration - 1, base_model=spec.model, model_cache=model_cache, trainable=True)
+    if spec.training.lora_rank and not is_lora(policy.model):  # v0: the base model gets its adapter
+        policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
     cfg = train_config(spec)
     value_head = ValueHead(policy.model.config.hidden_size) if cfg.algorithm == "ppo" else None
     state_in = trainer_prefix(run_id, iteration - 1)
@@ -173,7 +185,9 @@ def _train(
     optimizer = build_optimizer(policy.model, cfg, value_head)
     if (opt := _load_torch(objects, state_in + "optimizer.pt")) is not None:
         optimizer.load_state_dict(opt)
-    ref_model = load_policy(spec.model, cache_dir=model_cache).model.eval() if cfg.kl_coef > 0 else None
+    # A LoRA policy's reference is its own base weights, with the adapter disabled.
+    needs_ref = cfg.kl_coef > 0 and not is_lora(policy.model)
+    ref_model = load_policy(spec.model, cache_dir=model_cache).model.eval() if needs_ref else None
 
     metrics = train_on_batch(policy.model, selection.kept, cfg, optimizer, ref_model=ref_model, value_head=value_head) \
         if selection.kept else {}

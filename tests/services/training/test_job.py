@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.backends.object_store import LocalObjectStore
 from services.backends.queue import SqliteQueue
@@ -66,10 +67,35 @@ def test_stale_samples_are_dropped_and_counted(world) -> None:
     produce_groups(queue, 2, version=1)
     run_training_job(run_id=RUN, iteration=2, spec=spec(), queue=queue, objects=objects, model_cache=models)
     stale = produce_groups(queue, 1, version=0)  # two versions behind v2, bound 1
-    fresh = produce_groups(queue, 1, version=2)
-    result = run_training_job(run_id=RUN, iteration=3, spec=spec(), queue=queue, objects=objects, model_cache=models)
+    kept = produce_groups(queue, 1, version=1)  # one version behind: trained, with the correction
+    decoupled = spec(training={"off_policy": "decoupled", "is_cap": 2.0})
+    result = run_training_job(run_id=RUN, iteration=3, spec=decoupled, queue=queue, objects=objects, model_cache=models)
     assert result["dropped"]["stale"] == stale
-    assert result["trained_ids"] == fresh
+    assert result["trained_ids"] == kept
+    # The workers' log-probs (-4.0) are not the proximal policy's (about -4.6 on the tiny model):
+    # each token is re-weighted by pi_proximal / pi_behaviour, about e^-0.6.
+    assert 0.3 < result["metrics"]["actor/is_weight_mean"] < 0.9
+
+
+def test_lora_runs_publish_adapters_and_continue_training_them(world) -> None:
+    from services.policy_store import fetch_policy
+    from trainer_core.lora import is_lora
+
+    queue, objects, models = world
+    lora = spec(training={"lora_rank": 4, "kl_coef": 0.1, "learning_rate": 1e-2})
+    for iteration in (1, 2):
+        produce_groups(queue, 2, version=iteration - 1)
+        result = run_training_job(run_id=RUN, iteration=iteration, spec=lora, queue=queue, objects=objects, model_cache=models)
+    assert result["metrics"]["actor/kl_ref"] > 0, "v1's adapter moved the policy away from the base"
+    published = objects.list(policy_prefix(RUN, 2))
+    assert any(k.endswith("adapter_config.json") for k in published)
+    assert not any(k.endswith("/model.safetensors") for k in published), "only the adapter is published"
+    trainable = fetch_policy(objects, RUN, 2, base_model="tiny", model_cache=models, trainable=True)
+    merged = fetch_policy(objects, RUN, 2, base_model="tiny", model_cache=models)
+    assert is_lora(trainable.model) and not is_lora(merged.model)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged.model(ids).logits, trainable.model(ids).logits, atol=1e-5, rtol=1e-4)
 
 
 def test_a_job_finding_its_version_published_only_commits(world) -> None:

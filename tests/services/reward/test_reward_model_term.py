@@ -1,0 +1,134 @@
+"""The `reward_model` reward term: a saved reward model scores (prompt, response) in a run."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from services.backends.reward_cache import InProcessRewardCache
+from services.reward.functions import REWARD_FUNCTIONS, RewardInput, load_reward_model, total_reward, total_rewards
+from services.rollout.worker import PromptMessage, RolloutWorker, StopSignal
+from services.runspec import RewardTerm, RunSpec
+from trainer_core.reward_model import RewardModel, RewardModelConfig, run_train_rm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # The test machine's few cores are shared with other jobs; two intra-op threads on a busy
+    # core wait on each other.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reward model on the tiny backbone that prefers replies saying "yes" to "no"."""
+    tmp = tmp_path_factory.mktemp("rm")
+    rng = random.Random(0)
+    words = ["cat", "dog", "sun", "tree", "blue", "red"]
+    lines = []
+    for _ in range(32):
+        filler = rng.choice(words)
+        lines.append({"prompt": f"{rng.choice(words)}?", "chosen": f"{filler} yes", "rejected": f"{filler} no"})
+    data = tmp / "prefs.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = RewardModelConfig(learning_rate=1e-3, epochs=2, batch_size=8, max_len=64)
+    run_train_rm("tiny", data, tmp / "rm", cfg, cache_dir=tmp_path_factory.getbasetemp() / "models")
+    return tmp / "rm"
+
+
+def test_reward_model_term_scores_with_the_saved_model(rm_dir: Path) -> None:
+    term = RewardTerm(fn="reward_model", path=str(rm_dir))
+    inputs = [RewardInput("cat?", "dog yes", 2, None), RewardInput("cat?", "dog no", 2, None)]
+
+    got = total_rewards([term], inputs)
+
+    want = RewardModel.load(rm_dir).score(["cat?", "cat?"], ["dog yes", "dog no"])
+    assert got == pytest.approx(want, abs=1e-6)
+    assert got[0] > got[1]
+    assert load_reward_model(str(rm_dir)) is load_reward_model(str(rm_dir))  # loaded once per process
+
+
+def test_weights_combine_model_and_rule_terms(rm_dir: Path) -> None:
+    terms = [
+        RewardTerm(fn="reward_model", path=str(rm_dir), weight=0.5),
+        RewardTerm(fn="regex", pattern="yes", weight=2.0),
+        RewardTerm(fn="length_penalty", target_tokens=4, weight=1.0),
+    ]
+    inputs = [RewardInput("sun?", "red yes", 7, None), RewardInput("sun?", "red no", 6, None)]
+    rm_scores = RewardModel.load(rm_dir).score(["sun?", "sun?"], ["red yes", "red no"])
+
+    got = total_rewards(terms, inputs)
+
+    # length_penalty: -(7 - 4) / 4 and -(6 - 4) / 4
+    assert got == pytest.approx([0.5 * rm_scores[0] + 2.0 - 0.75, 0.5 * rm_scores[1] - 0.5], abs=1e-6)
+    assert total_reward(terms, "red yes", 7, None, prompt="sun?") == pytest.approx(got[0], abs=1e-6)
+    assert total_rewards(terms, []) == []
+
+
+def test_single_response_needs_the_prompt_for_a_model_term(rm_dir: Path) -> None:
+    with pytest.raises(ValueError, match="pass `prompt`"):
+        total_reward([RewardTerm(fn="reward_model", path=str(rm_dir))], "yes", 1, None)
+
+
+def test_reward_term_validates_the_model_directory(rm_dir: Path, tmp_path: Path) -> None:
+    assert RewardTerm(fn="reward_model", path=str(rm_dir)).path == str(rm_dir)
+    with pytest.raises(ValidationError, match="needs `path`"):
+        RewardTerm(fn="reward_model")
+    with pytest.raises(ValidationError, match="not a saved reward model"):
+        RewardTerm(fn="reward_model", path=str(tmp_path))
+    spec = {
+        "model": "tiny",
+        "prompts": [{"prompt": "cat?"}],
+        "iterations": 1,
+        "batch_samples": 4,
+        "reward": [{"fn": "reward_model", "path": str(tmp_path / "gone")}],
+    }
+    with pytest.raises(ValidationError, match="not a saved reward model"):
+        RunSpec.model_validate(spec)
+    # A stored spec is re-read as it was accepted, even if the directory has since gone.
+    assert RunSpec.from_stored(spec).reward[0].path == str(tmp_path / "gone")
+
+
+def test_rollout_worker_scores_a_batch_through_the_cache(
+    rm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = RunSpec(
+        model="tiny",
+        prompts=[{"prompt": "cat?"}],
+        iterations=1,
+        samples_per_prompt=2,
+        batch_samples=4,
+        reward=[RewardTerm(fn="reward_model", path=str(rm_dir)), RewardTerm(fn="regex", pattern="yes", weight=0.25)],
+    )
+    cache = InProcessRewardCache()
+    worker = RolloutWorker(
+        run_id="run-1",
+        worker_id="w0",
+        spec=spec,
+        state=None,  # the scoring path touches only the spec and the reward cache
+        queue=None,
+        objects=None,
+        rewards=cache,
+        model_cache=tmp_path,
+        session_timeout_s=1.0,
+        stop=StopSignal(1.0),
+    )
+    prompts = [PromptMessage("p0", "cat?", None), PromptMessage("p1", "dog?", None)]
+    texts = ["sun yes", "sun no", "red yes", "red no"]  # samples_per_prompt = 2 per prompt
+
+    rewards = worker._score(prompts, texts, [7, 6, 7, 6])
+
+    rm_scores = RewardModel.load(rm_dir).score(["cat?", "cat?", "dog?", "dog?"], texts)
+    assert rewards == pytest.approx([s + 0.25 * ("yes" in t) for s, t in zip(rm_scores, texts, strict=True)], abs=1e-6)
+    # Scored once: the second time every reward comes from the cache, without the model.
+    monkeypatch.setitem(REWARD_FUNCTIONS, "reward_model", lambda term, inputs: pytest.fail("scored again"))
+    assert worker._score(prompts, texts, [7, 6, 7, 6]) == rewards
