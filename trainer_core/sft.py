@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
+from trainer_core.lora import causal_lm
 from trainer_core.models import Policy, encode_prompt, load_policy, save_policy, stop_token_ids
 from trainer_core.update import TrainConfig, _chunked_logprobs
 
@@ -187,17 +188,11 @@ def _encode_examples(
     return encoded, truncated, dropped
 
 
-def _backbone(model: nn.Module) -> nn.Module:
-    """The transformer under the LM head, also of a peft (LoRA) policy, whose own `base_model`
-    is the adapter wrapper (as `lora.causal_lm` unwraps it)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return lm.base_model
-
-
 def _response_nll(model: nn.Module, encoded: Sequence[_Encoded], cfg: SFTConfig) -> Tensor:
     """Negative log-likelihood of every response token of `encoded`, flattened `(n_tokens,)`."""
     batch = TokenBatch.build([e.ids for e in encoded], packed=cfg.packed)
-    hidden = batch.hidden_states(_backbone(model), autocast_bf16=cfg.autocast_bf16)
+    # causal_lm unwraps a LoRA (peft) policy, whose own base_model is the adapter wrapper.
+    hidden = batch.hidden_states(causal_lm(model).base_model, autocast_bf16=cfg.autocast_bf16)
     # Position t's output predicts token t + 1: response token j of a sequence starting at s is
     # predicted at s + j - 1, for j in [n_prompt, len).
     positions = torch.tensor(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trainer_core.generation import HFEngine, SamplingParams
+from trainer_core.lora import LoraSettings, apply_lora, causal_lm
 from trainer_core.models import Policy, encode_prompt, load_policy
 from trainer_core.sft import (
     SFT_CONFIG_FILE,
@@ -84,6 +85,23 @@ def test_sft_is_deterministic_for_a_seed(model_cache: Path) -> None:
     other = load_policy("tiny", cache_dir=model_cache)
     train_sft(other, MAPPING, dataclasses.replace(cfg, seed=8))
     assert not all(torch.equal(weights_a[k], v) for k, v in other.model.state_dict().items())
+
+
+def test_sft_of_a_lora_policy_trains_only_the_adapter(tiny_policy: Policy) -> None:
+    base = {k: v.clone() for k, v in tiny_policy.model.state_dict().items()}
+    tiny_policy.model = apply_lora(tiny_policy.model, LoraSettings(rank=8))
+    cfg = SFTConfig(learning_rate=1e-2, epochs=10, batch_size=4)
+    before = sft_loss(tiny_policy, MAPPING, cfg)
+
+    train_sft(tiny_policy, MAPPING, cfg)
+
+    assert sft_loss(tiny_policy, MAPPING, cfg) < before - 0.5
+    frozen = causal_lm(tiny_policy.model)
+    assert all(
+        torch.equal(p, base[name.replace("base_layer.", "")])
+        for name, p in frozen.named_parameters()
+        if "lora_" not in name
+    )
 
 
 def test_loss_is_over_response_tokens_only(tiny_policy: Policy) -> None:
