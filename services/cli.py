@@ -1,4 +1,4 @@
-"""The ``spotrl`` command: serve, demo, and the entry points of the pods the scheduler starts."""
+"""The ``spotrl`` command: serve, demo, colocated training, and the entry points of the pods the scheduler starts."""
 
 from __future__ import annotations
 
@@ -67,6 +67,63 @@ def demo(
     home = home or Path(".spotrl") / time.strftime("demo-%Y%m%d-%H%M%S")
     ok = run_demo(model=model, settings=_settings(home), summary_json=summary_json)
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def train(
+    colocated: Annotated[
+        Path | None,
+        typer.Option("--colocated", metavar="SPEC_FILE", help="Run spec (YAML or JSON) to train in this process, rollout and training on one device."),
+    ] = None,
+    out: Annotated[Path, typer.Option("--out", help="Output directory: checkpoints/ and the final policy/.")] = Path("spotrl-out"),
+    resume: Annotated[bool, typer.Option("--resume", help="Continue after the latest checkpoint in --out.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of a fresh run (a resumed run continues its own RNG streams).")] = 0,
+    device: Annotated[str | None, typer.Option(help="torch device; default cuda when available, else cpu.")] = None,
+    home: HomeOption = None,
+) -> None:
+    """Train a run spec colocated: one process, one device, one copy of the weights."""
+    if colocated is None:
+        raise typer.BadParameter(
+            "only colocated runs are trained here: give --colocated SPEC_FILE. Disaggregated runs "
+            "(spot rollout pool, on-demand training jobs) are submitted with `spotrl serve` and POST /v1/runs.",
+            param_hint="--colocated",
+        )
+    from services.backends.object_store import LocalObjectStore
+    from services.colocated import IterationRecord, ResumeError, SpecFileError, load_spec_file, run_colocated
+    from services.prompts import STORE_SCHEME, InvalidPromptsError
+
+    try:
+        spec = load_spec_file(colocated)
+    except SpecFileError as e:
+        raise typer.BadParameter(str(e), param_hint="--colocated") from None
+    _logging()
+    settings = _settings(home)
+    # store:// prompt sets are read from the embedded object store of --home.
+    from_store = isinstance(spec.prompts, str) and spec.prompts.startswith(STORE_SCHEME)
+    objects = LocalObjectStore(settings.home.resolve() / "objects") if from_store else None
+
+    def show(record: IterationRecord) -> None:
+        typer.echo(
+            f"iteration {record.iteration}: mean reward {record.mean_reward:.4f} ({record.samples} samples, "
+            f"rollout {record.rollout_seconds:.1f} s, train {record.train_seconds:.1f} s)"
+        )
+
+    try:
+        result = run_colocated(
+            spec,
+            out_dir=out,
+            model_cache=settings.resolved_model_cache(),
+            objects=objects,
+            resume=resume,
+            seed=seed,
+            device=device,
+            on_iteration=show,
+        )
+    except (InvalidPromptsError, ResumeError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"stopped: {result.stop_reason} after {len(result.iterations)} iterations; final policy in {result.policy_dir}")
+    typer.echo(str(result.cost))
 
 
 @contextmanager

@@ -1,0 +1,344 @@
+"""Colocated mode (``spotrl train --colocated SPEC``): rollout and training in one process on
+one device, with no queue, no scheduler and no object store between them.
+
+The hybrid engine keeps one copy of the actor's weights: `HFEngine` samples from the very
+model object that `train_on_batch` updates in place (generation runs it in eval mode under
+no_grad with a KV cache; training switches it to train mode and back). So every batch is
+exactly on-policy, and the device holds the weights once, plus the optimizer state.
+
+One iteration is what the disaggregated run does across pods, in one place: take the next
+``batch_samples / samples_per_prompt`` prompts of the cycled prompt set (as the scheduler
+publishes them), sample ``samples_per_prompt`` completions of each (as a rollout worker
+does), score them with the spec's reward terms, update the policy once (as a training job
+does), and write a checkpoint. ``resume=True`` continues after the latest checkpoint in the
+output directory, RNG states included, so a resumed run trains to the same weights as an
+uninterrupted one with the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from services.backends.object_store import ObjectStore
+from services.cost.catalog import load_catalog
+from services.prompts import STORE_SCHEME, InvalidPromptsError, load_prompts
+from services.reward.functions import total_reward
+from services.runspec import PromptItem, RunSpec
+from services.training.job import train_config
+from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_core.generation import Completion, HFEngine, SamplingParams
+from trainer_core.models import Policy, encode_prompt, load_policy, save_policy
+from trainer_core.samples import Sample
+from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+POLICY_DIR = "policy"
+WORKER_ID = "colocated"
+# Spec fields that a resumed run may change: when to stop, not what an iteration does.
+_GOAL_FIELDS = frozenset({"name", "iterations", "target_mean_reward", "budget_dollars"})
+# Names the group ids of a run's samples: uuid5 of (run, iteration, prompt), so that a
+# resumed run builds exactly the batches an uninterrupted one does.
+_GROUP_NAMESPACE = uuid.UUID("6c0b7a53-52d1-4d3e-9a47-3c1f1c2f7a10")
+
+
+class SpecFileError(ValueError):
+    """The run spec file cannot be read or is not a valid run spec; the message says why."""
+
+
+class ResumeError(ValueError):
+    """The output directory does not fit the run: checkpoints without resume, or of another spec."""
+
+
+def load_spec_file(path: Path) -> RunSpec:
+    """The run spec in a YAML (``.yaml``/``.yml``) or JSON file, validated as ``POST /v1/runs`` does."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecFileError(f"cannot read run spec {path}: {e.strerror}") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml  # PyYAML, a dependency of transformers
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise SpecFileError(f"{path} is not valid YAML: {e}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecFileError(f"{path} is not valid JSON (name YAML files .yaml or .yml): {e}") from None
+    if not isinstance(data, dict):
+        raise SpecFileError(f"{path} must hold a mapping of run spec fields, not {type(data).__name__}")
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecFileError(f"{path} is not a valid run spec:\n{e}") from None
+
+
+class HybridEngine:
+    """One set of actor weights serving generation and training.
+
+    `generate` samples from `model` with `HFEngine` (eval mode, no grad, KV cache); `train`
+    updates the same parameters in place with `train_on_batch`. No copy is made at the switch,
+    so no weight sync is needed and the rollout after an update samples from the new weights.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        cfg: TrainConfig,
+        *,
+        value_head: ValueHead | None = None,
+        ref_model: torch.nn.Module | None = None,
+    ) -> None:
+        self.policy = policy
+        self.cfg = cfg
+        self.value_head = value_head
+        self.ref_model = ref_model
+        self.rollout = HFEngine(policy.model, policy.tokenizer)
+        self.optimizer = build_optimizer(policy.model, cfg, value_head)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt, drawn from the global torch RNG (checkpointed with the run)."""
+        completions = self.rollout.generate(prompts, params)
+        assert completions is not None  # no should_stop given
+        return completions
+
+    def train(self, samples: Sequence[Sample]) -> dict[str, float]:
+        return train_on_batch(
+            self.model, samples, self.cfg, self.optimizer, ref_model=self.ref_model, value_head=self.value_head
+        )
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """What one colocated iteration did."""
+
+    iteration: int
+    mean_reward: float
+    samples: int
+    rollout_seconds: float
+    train_seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CostLine:
+    """The bill of a colocated run: its wall time on the spec's training instance, on-demand."""
+
+    instance_type: str
+    price_per_hour: float  # on-demand
+    currency: str
+    wall_seconds: float  # all segments of the run, resumed ones included
+
+    @property
+    def dollars(self) -> float:
+        return self.wall_seconds * self.price_per_hour / 3600.0
+
+    def __str__(self) -> str:
+        return (
+            f"cost: {self.wall_seconds:.1f} s wall x {self.price_per_hour:.4f} {self.currency}/h "
+            f"({self.instance_type}, on-demand) = {self.dollars:.4f} {self.currency}"
+        )
+
+
+@dataclass(frozen=True)
+class ColocatedResult:
+    iterations: list[IterationRecord]  # every iteration of the run, those before a resume too
+    stop_reason: str  # "iterations" | "target_mean_reward" | "budget_dollars"
+    policy_dir: Path  # the final policy, loadable with load_policy
+    cost: CostLine
+
+
+def stop_reason(spec: RunSpec, history: Sequence[IterationRecord], dollars: float = 0.0) -> str | None:
+    """Why the run is done after `history`, having spent `dollars`, or None while it is not."""
+    if spec.budget_dollars is not None and dollars >= spec.budget_dollars:
+        return "budget_dollars"
+    if history and spec.target_mean_reward is not None and history[-1].mean_reward >= spec.target_mean_reward:
+        return "target_mean_reward"
+    if spec.iterations is not None and len(history) >= spec.iterations:
+        return "iterations"
+    return None
+
+
+def iteration_prompts(items: Sequence[PromptItem], iteration: int, per_iteration: int) -> list[tuple[str, PromptItem]]:
+    """(prompt_id, item) of iteration `iteration` (from 1): the scheduler's order, cycling the set."""
+    first = (iteration - 1) * per_iteration
+    return [(str(i % len(items)), items[i % len(items)]) for i in range(first, first + per_iteration)]
+
+
+def run_colocated(
+    spec: RunSpec,
+    *,
+    out_dir: Path,
+    model_cache: Path,
+    objects: ObjectStore | None = None,
+    resume: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    run_id: str = "colocated",
+    keep_checkpoints: int = 3,
+    on_iteration: Callable[[IterationRecord], None] | None = None,
+) -> ColocatedResult:
+    """Train `spec` colocated until its goal, checkpointing into `out_dir/checkpoints` after
+    every iteration and writing the final policy to `out_dir/policy`.
+
+    Without `resume`, `out_dir` must hold no checkpoint (so a run is never silently mixed with
+    another). With it, the run continues after the latest checkpoint, which must have been
+    written for the same spec but for its goal (e.g. more `iterations` extend a finished run);
+    with none, it starts afresh. The run stops at its goal, or once its wall time on the
+    spec's training instance, at the on-demand price, reaches `budget_dollars`.
+    """
+    started = time.monotonic()
+    out_dir = Path(out_dir)
+    checkpoints = out_dir / CHECKPOINTS_DIR
+    latest = latest_checkpoint(checkpoints)
+    if latest is not None and not resume:
+        raise ResumeError(f"{out_dir} already holds checkpoints ({latest.name}): pass resume, or use an empty directory")
+    if isinstance(spec.prompts, str) and spec.prompts.startswith(STORE_SCHEME) and objects is None:
+        raise InvalidPromptsError(f"prompts {spec.prompts!r} need an object store")
+    items = load_prompts(spec.prompts, objects)  # type: ignore[arg-type]  # unused unless store://
+    catalog = load_catalog()
+    price = catalog.get(spec.training.instance_type)
+
+    cfg = train_config(spec)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    policy = load_policy(spec.model, cache_dir=model_cache)
+    policy.model.to(dev).eval()
+    value_head = ValueHead(policy.model.config.hidden_size).to(dev) if cfg.algorithm == "ppo" else None
+    ref_model = load_policy(spec.model, cache_dir=model_cache).model.to(dev).eval() if cfg.kl_coef > 0 else None
+    engine = HybridEngine(policy, cfg, value_head=value_head, ref_model=ref_model)
+    config = {"spec": spec.model_dump(mode="json"), "train": asdict(cfg), "seed": seed, "run_id": run_id}
+
+    history: list[IterationRecord] = []
+    elapsed_before = 0.0
+    if latest is not None:
+        # Last, so that nothing drawn during the setup above shifts the restored RNG streams.
+        state = load_checkpoint(latest, policy_or_model=policy, optimizer=engine.optimizer, value_head=value_head)
+        if state.config is None or _without_goal(state.config["spec"]) != _without_goal(config["spec"]):
+            raise ResumeError(
+                f"{latest} was written for a different run spec; resume with the spec it was started with "
+                f"(only {', '.join(sorted(_GOAL_FIELDS))} may change)"
+            )
+        history = [IterationRecord(**r) for r in state.metadata["history"]]
+        elapsed_before = state.metadata["elapsed_seconds"]
+        config["seed"] = state.config["seed"]
+        log.info("resuming after iteration %d from %s", state.step, latest)
+    else:
+        _seed_everything(seed)
+
+    per_iteration = spec.batch_samples // spec.samples_per_prompt
+    sampling = SamplingParams(
+        temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
+    )
+
+    def elapsed() -> float:
+        """Wall seconds of the whole run, its segments before a resume included."""
+        return elapsed_before + time.monotonic() - started
+
+    while (reason := stop_reason(spec, history, elapsed() * price.on_demand / 3600.0)) is None:
+        iteration = len(history) + 1
+        record = _iteration(engine, spec, iteration, iteration_prompts(items, iteration, per_iteration), sampling, run_id)
+        history.append(record)
+        save_checkpoint(
+            checkpoints,
+            iteration,
+            policy=policy,
+            optimizer=engine.optimizer,
+            value_head=value_head,
+            config=config,
+            metadata={"history": [asdict(r) for r in history], "elapsed_seconds": elapsed()},
+            keep=keep_checkpoints,
+        )
+        if on_iteration is not None:
+            on_iteration(record)
+
+    policy_dir = out_dir / POLICY_DIR
+    save_policy(policy, policy_dir)
+    cost = CostLine(
+        instance_type=price.instance_type,
+        price_per_hour=price.on_demand,
+        currency=catalog.currency,
+        wall_seconds=elapsed(),
+    )
+    return ColocatedResult(iterations=history, stop_reason=reason, policy_dir=policy_dir, cost=cost)
+
+
+def _without_goal(spec: dict) -> dict:
+    return {k: v for k, v in spec.items() if k not in _GOAL_FIELDS}
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def _iteration(
+    engine: HybridEngine,
+    spec: RunSpec,
+    iteration: int,
+    prompts: Sequence[tuple[str, PromptItem]],
+    sampling: SamplingParams,
+    run_id: str,
+) -> IterationRecord:
+    """Sample, score and train one batch."""
+    n = spec.samples_per_prompt
+    tokenizer = engine.policy.tokenizer
+    prompt_ids = [encode_prompt(tokenizer, item.prompt) for _, item in prompts]
+    started = time.monotonic()
+    completions: list[Completion] = []
+    # Chunks of prompts_per_batch prompts, as a rollout worker takes them: this bounds the
+    # KV cache, (chunk x n x sequence) entries, whatever the batch size.
+    chunk = spec.rollout.prompts_per_batch
+    for start in range(0, len(prompt_ids), chunk):
+        completions += engine.generate([ids for ids in prompt_ids[start : start + chunk] for _ in range(n)], sampling)
+    rollout_seconds = time.monotonic() - started
+
+    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    now = time.time()
+    samples = []
+    for k, (completion, text) in enumerate(zip(completions, texts, strict=True)):
+        i = k // n
+        prompt_id, item = prompts[i]
+        samples.append(
+            Sample(
+                sample_id=uuid.uuid4().hex,
+                run_id=run_id,
+                prompt_id=prompt_id,
+                group_id=uuid.uuid5(_GROUP_NAMESPACE, f"{run_id}/{iteration}/{i}").hex,
+                prompt_ids=list(prompt_ids[i]),
+                response_ids=list(completion.token_ids),
+                logprobs=list(completion.logprobs),
+                reward=total_reward(spec.reward, text, len(completion.token_ids), item.answer),
+                reward_source="rule",
+                policy_version=iteration - 1,
+                worker_id=WORKER_ID,
+                generation_seconds=rollout_seconds / len(completions),
+                created_at=now,
+            )
+        )
+    metrics = engine.train(samples)
+    return IterationRecord(
+        iteration=iteration,
+        mean_reward=sum(s.reward for s in samples) / len(samples),
+        samples=len(samples),
+        rollout_seconds=rollout_seconds,
+        train_seconds=metrics["perf/seconds"],
+        metrics=metrics,
+    )
