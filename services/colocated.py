@@ -32,10 +32,12 @@ from pydantic import ValidationError
 from services.backends.object_store import ObjectStore
 from services.cost.catalog import load_catalog
 from services.prompts import STORE_SCHEME, InvalidPromptsError, load_prompts
-from services.reward.functions import total_reward
+from services.reward.functions import RewardInput, total_rewards
+from services.rollout.worker import build_samples, reward_source
 from services.runspec import PromptItem, RunSpec
 from services.training.job import train_config
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_core.lora import LoraSettings, apply_lora, is_lora
 from trainer_core.generation import Completion, HFEngine, SamplingParams
 from trainer_core.models import Policy, encode_prompt, load_policy, save_policy
 from trainer_core.samples import Sample
@@ -222,7 +224,11 @@ def run_colocated(
     policy = load_policy(spec.model, cache_dir=model_cache)
     policy.model.to(dev).eval()
     value_head = ValueHead(policy.model.config.hidden_size).to(dev) if cfg.algorithm == "ppo" else None
-    ref_model = load_policy(spec.model, cache_dir=model_cache).model.to(dev).eval() if cfg.kl_coef > 0 else None
+    if spec.training.lora_rank:
+        policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
+    # A LoRA policy's reference is its own base weights, with the adapter disabled.
+    needs_ref = cfg.kl_coef > 0 and not is_lora(policy.model)
+    ref_model = load_policy(spec.model, cache_dir=model_cache).model.to(dev).eval() if needs_ref else None
     engine = HybridEngine(policy, cfg, value_head=value_head, ref_model=ref_model)
     config = {"spec": spec.model_dump(mode="json"), "train": asdict(cfg), "seed": seed, "run_id": run_id}
 
@@ -270,6 +276,9 @@ def run_colocated(
             on_iteration(record)
 
     policy_dir = out_dir / POLICY_DIR
+    if is_lora(policy.model):
+        # The run is over: merged, the policy is a plain model directory any run can start from.
+        policy.model = policy.model.merge_and_unload()
     save_policy(policy, policy_dir)
     cost = CostLine(
         instance_type=price.instance_type,
@@ -311,28 +320,26 @@ def _iteration(
     rollout_seconds = time.monotonic() - started
 
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    now = time.time()
-    samples = []
-    for k, (completion, text) in enumerate(zip(completions, texts, strict=True)):
-        i = k // n
-        prompt_id, item = prompts[i]
-        samples.append(
-            Sample(
-                sample_id=uuid.uuid4().hex,
-                run_id=run_id,
-                prompt_id=prompt_id,
-                group_id=uuid.uuid5(_GROUP_NAMESPACE, f"{run_id}/{iteration}/{i}").hex,
-                prompt_ids=list(prompt_ids[i]),
-                response_ids=list(completion.token_ids),
-                logprobs=list(completion.logprobs),
-                reward=total_reward(spec.reward, text, len(completion.token_ids), item.answer),
-                reward_source="rule",
-                policy_version=iteration - 1,
-                worker_id=WORKER_ID,
-                generation_seconds=rollout_seconds / len(completions),
-                created_at=now,
-            )
-        )
+    rewards = total_rewards(
+        spec.reward,
+        [
+            RewardInput(prompts[k // n][1].prompt, text, len(c.token_ids), prompts[k // n][1].answer)
+            for k, (c, text) in enumerate(zip(completions, texts, strict=True))
+        ],
+    )
+    samples = build_samples(
+        [
+            (prompt_id, uuid.uuid5(_GROUP_NAMESPACE, f"{run_id}/{iteration}/{i}").hex, prompt_ids[i])
+            for i, (prompt_id, _) in enumerate(prompts)
+        ],
+        completions,
+        rewards,
+        run_id=run_id,
+        worker_id=WORKER_ID,
+        policy_version=iteration - 1,
+        reward_source=reward_source(spec.reward),
+        generation_seconds=rollout_seconds / len(completions),
+    )
     metrics = engine.train(samples)
     return IterationRecord(
         iteration=iteration,

@@ -27,8 +27,8 @@ from services.backends.state_store import StateStore
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.policy_store import fetch_policy
 from services.reward.functions import RewardInput, total_rewards
-from services.runspec import RunSpec
-from trainer_core.generation import HFEngine, SamplingParams
+from services.runspec import RewardTerm, RunSpec
+from trainer_core.generation import Completion, HFEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import encode_prompt
 from trainer_core.samples import Sample, encode_sample
@@ -51,6 +51,47 @@ class PromptMessage:
     def decode(cls, data: bytes) -> PromptMessage:
         d = json.loads(data)
         return cls(prompt_id=d["prompt_id"], prompt=d["prompt"], answer=d.get("answer"))
+
+
+def reward_source(terms: Sequence[RewardTerm]) -> str:
+    """What scored a sample: "model" when a reward model is among the terms, else "rule"."""
+    return "model" if any(t.fn == "reward_model" for t in terms) else "rule"
+
+
+def build_samples(
+    groups: Sequence[tuple[str, str, Sequence[int]]],
+    completions: Sequence[Completion],
+    rewards: Sequence[float],
+    *,
+    run_id: str,
+    worker_id: str,
+    policy_version: int,
+    reward_source: str,
+    generation_seconds: float,
+) -> list[Sample]:
+    """Samples of prompts sampled n times each: `groups` holds (prompt_id, group_id, prompt
+    token ids) per prompt, and `completions`/`rewards` hold its n completions, prompt by prompt."""
+    n = len(completions) // len(groups)
+    now = time.time()
+    return [
+        Sample(
+            sample_id=uuid.uuid4().hex,
+            run_id=run_id,
+            prompt_id=prompt_id,
+            group_id=group_id,
+            prompt_ids=list(prompt_ids),
+            response_ids=list(completions[k].token_ids),
+            logprobs=list(completions[k].logprobs),
+            reward=rewards[k],
+            reward_source=reward_source,
+            policy_version=policy_version,
+            worker_id=worker_id,
+            generation_seconds=generation_seconds,
+            created_at=now,
+        )
+        for i, (prompt_id, group_id, prompt_ids) in enumerate(groups)
+        for k in range(i * n, (i + 1) * n)
+    ]
 
 
 class StopSignal:
@@ -164,30 +205,16 @@ class RolloutWorker:
         seconds = (time.monotonic() - started) / len(completions)
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         rewards = self._score(prompts, texts, [len(c.token_ids) for c in completions])
-        now = time.time()
-        samples = []
-        for i, prompt in enumerate(prompts):
-            group_id = uuid.uuid4().hex
-            for j in range(n):
-                k = i * n + j
-                samples.append(
-                    Sample(
-                        sample_id=uuid.uuid4().hex,
-                        run_id=self.run_id,
-                        prompt_id=prompt.prompt_id,
-                        group_id=group_id,
-                        prompt_ids=list(prompt_ids[i]),
-                        response_ids=list(completions[k].token_ids),
-                        logprobs=list(completions[k].logprobs),
-                        reward=rewards[k],
-                        reward_source="rule",
-                        policy_version=self.version,
-                        worker_id=self.worker_id,
-                        generation_seconds=seconds,
-                        created_at=now,
-                    )
-                )
-        return samples
+        return build_samples(
+            [(p.prompt_id, uuid.uuid4().hex, ids) for p, ids in zip(prompts, prompt_ids, strict=True)],
+            completions,
+            rewards,
+            run_id=self.run_id,
+            worker_id=self.worker_id,
+            policy_version=self.version,
+            reward_source=reward_source(self.spec.reward),
+            generation_seconds=seconds,
+        )
 
     def _score(self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int]) -> list[float]:
         """Rewards through the shared cache: the same response to the same prompt is scored once."""

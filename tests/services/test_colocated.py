@@ -206,3 +206,14 @@ def test_train_command(tmp_path: Path, model_cache: Path, monkeypatch: pytest.Mo
 
     result = runner.invoke(app, args)  # the same directory again, without --resume
     assert result.exit_code == 2 and "resume" in result.output
+
+
+def test_a_lora_run_checkpoints_the_adapter_and_writes_a_merged_policy(tmp_path: Path, model_cache: Path) -> None:
+    spec = RunSpec.model_validate(SPEC | {"iterations": 1, "training": SPEC["training"] | {"lora_rank": 4, "kl_coef": 0.1}})
+    result = run_colocated(spec, out_dir=tmp_path, model_cache=model_cache, seed=5)
+    checkpoint = list_checkpoints(tmp_path / "checkpoints")[-1] / "policy"
+    assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
+    trained = _weights(result.policy_dir, model_cache)  # a plain model directory: the adapter merged in
+    base = load_policy("tiny", cache_dir=model_cache).model.state_dict()
+    assert trained.keys() == base.keys()
+    assert any(not torch.equal(trained[k], base[k]) for k in base)
