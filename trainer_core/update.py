@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from functools import partial
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,9 @@ from trainer_core.algos import (
 from trainer_core.lora import causal_lm, reference_policy
 from trainer_core.memory import plan_micro_batches
 from trainer_core.samples import Sample
+
+
+_T = TypeVar("_T")
 
 
 class Algorithm(StrEnum):
@@ -163,7 +167,14 @@ class Strategy(Protocol):
     each rank's loss so that the average is the gradient of the loss over the whole batch.
     """
 
+    rank: int
     world_size: int
+
+    def forward(self, fn: Callable[[], _T]) -> _T:
+        """`fn()`, one forward pass of the policy (a micro-batch's loss, or a no-grad scoring
+        pass), run where the wrapped model sees it: FSDP2 gathers its root's parameters in the
+        root's forward, and DeepSpeed's engine counts its micro-steps in its own forward."""
+        ...
 
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
         """`value` reduced over ranks with "sum" or "max" (a new tensor; itself on one process)."""
@@ -181,6 +192,7 @@ class Strategy(Protocol):
 class LocalStrategy:
     """A `Strategy` for one process: plain backward, gradient clipping, one optimizer."""
 
+    rank = 0
     world_size = 1
 
     def __init__(
@@ -193,6 +205,9 @@ class LocalStrategy:
         self.optimizer = optimizer
         self._actor, self._critic = list(actor), list(critic)
         self._max_grad_norm = max_grad_norm
+
+    def forward(self, fn: Callable[[], _T]) -> _T:
+        return fn()
 
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
         return value.clone()
@@ -255,7 +270,7 @@ def train_on_batch(
         raise ValueError(f"mini_batch_size {cfg.mini_batch_size} is smaller than the {strategy.world_size} ranks")
 
     model.eval()  # scored as generation sampled: no dropout
-    batch = _prepare(model, samples, response_len, cfg, kl_coef, algorithm, ref_model, critic)
+    batch = _prepare(model, samples, response_len, cfg, kl_coef, algorithm, ref_model, critic, strategy)
     with _training_mode(model, cfg.gradient_checkpointing):
         totals: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         grad_norms = []
@@ -267,8 +282,11 @@ def train_on_batch(
                 mini_weight = strategy.all_reduce(_weight(batch.mask[mini.start : mini.stop], cfg.loss_agg))
                 for micro in _micro_batches(samples, mini, cfg, strategy):
                     rows = batch.rows(micro)
-                    loss, step_metrics = _micro_batch_loss(
-                        model, [samples[i] for i in micro], rows, response_len, cfg, kl_coef, critic
+                    micro_samples = [samples[i] for i in micro]
+                    loss, step_metrics = strategy.forward(
+                        partial(
+                            _micro_batch_loss, model, micro_samples, rows, response_len, cfg, kl_coef, critic, strategy
+                        )
                     )
                     share = _weight(rows.mask, cfg.loss_agg) / mini_weight
                     strategy.backward(loss * share * strategy.world_size)
@@ -285,8 +303,16 @@ def train_on_batch(
     if kl_controller is not None:
         kl_controller.update(metrics["actor/kl_ref"], len(samples) * strategy.world_size)
         metrics["actor/kl_coef"] = kl_controller.value
-    metrics["reward/mean"] = sum(s.reward for s in samples) / len(samples)
-    metrics["perf/tokens"] = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+    # Over the whole batch, all ranks' shares.
+    batch_sums = strategy.all_reduce(
+        torch.tensor(
+            [sum(s.reward for s in samples), sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)],
+            dtype=torch.float64,
+            device=device,
+        )
+    ).tolist()
+    metrics["reward/mean"] = batch_sums[0] / (len(samples) * strategy.world_size)
+    metrics["perf/tokens"] = batch_sums[1]
     metrics["perf/seconds"] = time.perf_counter() - start
     metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / metrics["perf/seconds"]
     return metrics
@@ -329,7 +355,7 @@ def _weight(mask: Tensor, loss_agg: str) -> Tensor:
 
 
 def _micro_batches(
-    samples: Sequence[Sample], rows: range, cfg: TrainConfig, strategy: Strategy
+    samples: Sequence[Sample], rows: range, cfg: TrainConfig, strategy: Strategy | None
 ) -> list[list[int]]:
     """Sample indices of each micro-batch of the mini-batch `rows`: fixed-size runs, or token-budget
     batches of similar lengths; every rank makes as many as the rank that needs the most."""
@@ -338,7 +364,7 @@ def _micro_batches(
         lengths, max_samples=cfg.micro_batch_size, max_tokens=cfg.micro_batch_tokens, min_count=min_count
     )
     batches = plan(1)
-    if strategy.world_size > 1:
+    if strategy is not None and strategy.world_size > 1:
         most = int(strategy.all_reduce(torch.tensor(float(len(batches))), op="max"))
         batches = plan(most)
     return [[rows.start + i for i in batch] for batch in batches]
@@ -380,6 +406,7 @@ def _prepare(
     algorithm: Algorithm,
     ref_model: nn.Module | None,
     critic: ValueHead | None,
+    strategy: Strategy,
 ) -> _BatchTensors:
     """Score the batch before any step (reference and proximal log-probs, old values) and
     estimate advantages."""
@@ -389,20 +416,22 @@ def _prepare(
         ref_logprob = None
         if kl_coef > 0:
             with reference_policy(model, ref_model) as ref:
-                ref_logprob = _score(ref, samples, response_len, cfg)
+                ref_logprob = _score(ref, samples, response_len, cfg, strategy=strategy)
         old_values = proximal = None
         if critic is not None or cfg.off_policy == OffPolicy.DECOUPLED:
-            proximal, old_values = _score(model, samples, response_len, cfg, critic, with_values=True)
+            proximal, old_values = _score(
+                model, samples, response_len, cfg, critic, with_values=True, strategy=strategy
+            )
     if ref_logprob is not None and cfg.kl_mode == KLMode.REWARD:
         token_rewards = token_rewards - kl_coef * kl_penalty(behaviour_logprob, ref_logprob, cfg.kl_estimator) * mask
-    advantages, returns = compute_advantages(
+    advantages, returns = _batch_advantages(
         cfg.adv_estimator or _ADV_ESTIMATOR[algorithm],
-        token_rewards=token_rewards,
-        response_mask=mask,
-        group_ids=[s.group_id for s in samples],
-        values=old_values,
-        gamma=cfg.gamma,
-        lam=cfg.lam,
+        token_rewards,
+        mask,
+        [s.group_id for s in samples],
+        old_values,
+        cfg,
+        strategy,
     )
     return _BatchTensors(
         mask=mask,
@@ -415,6 +444,56 @@ def _prepare(
     )
 
 
+def _batch_advantages(
+    estimator: str,
+    token_rewards: Tensor,
+    mask: Tensor,
+    group_ids: list[str],
+    values: Tensor | None,
+    cfg: TrainConfig,
+    strategy: Strategy,
+) -> tuple[Tensor, Tensor]:
+    """Advantages and returns `(batch, response_len)` of this rank's samples, as one process
+    would compute them over the whole batch.
+
+    Some estimators whiten over the batch (GAE, REINFORCE++): on one rank's share alone their
+    mean and variance would differ from the batch's. So each rank gathers every rank's rows
+    (one all-reduce of a zero-padded `(world_size * batch, max_response_len)` tensor per input),
+    estimates on all of them, and keeps its own. Ranks hold whole groups, so a group's index
+    in the gathered batch is its rank's row offset plus its index on that rank.
+    """
+    kwargs = {"gamma": cfg.gamma, "lam": cfg.lam}
+    if strategy.world_size == 1:
+        return compute_advantages(
+            estimator, token_rewards=token_rewards, response_mask=mask, group_ids=group_ids, values=values, **kwargs
+        )
+    n, length = mask.shape
+    # One all-reduce for the longest response and the smallest and largest share (max of -n).
+    longest, most, minus_fewest = strategy.all_reduce(
+        torch.tensor([float(length), float(n), -float(n)], device=mask.device), op="max"
+    ).tolist()
+    if most != -minus_fewest:
+        raise ValueError(f"every rank must hold as many samples; this one has {n}, another {int(most)}")
+    rows = slice(strategy.rank * n, (strategy.rank + 1) * n)
+
+    def gather(x: Tensor) -> Tensor:  # (n, width <= longest) -> (world_size * n, longest)
+        full = x.new_zeros(strategy.world_size * n, int(longest))
+        full[rows, : x.shape[1]] = x
+        return strategy.all_reduce(full)
+
+    local_index = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+    groups = torch.tensor([[strategy.rank * n + local_index[g]] for g in group_ids], dtype=torch.float32)
+    advantages, returns = compute_advantages(
+        estimator,
+        token_rewards=gather(token_rewards),
+        response_mask=gather(mask),
+        group_ids=[int(g) for g in gather(groups.to(mask.device))[:, 0].tolist()],
+        values=gather(values) if values is not None else None,
+        **kwargs,
+    )
+    return advantages[rows, :length], returns[rows, :length]
+
+
 def _micro_batch_loss(
     model: nn.Module,
     samples: Sequence[Sample],
@@ -423,10 +502,11 @@ def _micro_batch_loss(
     cfg: TrainConfig,
     kl_coef: float,
     critic: ValueHead | None,
+    strategy: Strategy | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss (clipped surrogate + KL-to-ref + value loss) of one micro-batch, aggregated over
     its own tokens or sequences, and its detached metrics."""
-    logprob, values = _forward(model, samples, response_len, cfg, critic)
+    logprob, values = _forward(model, samples, response_len, cfg, critic, strategy)
     clip_high = cfg.clip_ratio_high or cfg.clip_ratio
     if cfg.off_policy == OffPolicy.DECOUPLED:
         pg_loss, pg_metrics = decoupled_policy_loss(
@@ -484,14 +564,17 @@ def _score(
     value_head: ValueHead | None = None,
     *,
     with_values: bool = False,
+    strategy: Strategy | None = None,
 ) -> Tensor | tuple[Tensor, Tensor | None]:
     """Log-probs under `model` `(batch, response_len)`, and with `with_values` the value head's
-    values too (None without one), computed micro-batch by micro-batch (no grad expected)."""
+    values too (None without one), computed micro-batch by micro-batch (no grad expected);
+    each forward pass runs through `strategy` when given, as many on every rank."""
+    run = strategy.forward if strategy is not None else (lambda fn: fn())
     logprobs = torch.zeros(len(samples), response_len, device=next(model.parameters()).device)
     values = torch.zeros_like(logprobs) if value_head is not None else None
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    for micro in plan_micro_batches(lengths, max_samples=cfg.micro_batch_size, max_tokens=cfg.micro_batch_tokens):
-        logprob, value = _forward(model, [samples[i] for i in micro], response_len, cfg, value_head)
+    for micro in _micro_batches(samples, range(len(samples)), cfg, strategy):
+        micro_samples = [samples[i] for i in micro]
+        logprob, value = run(partial(_forward, model, micro_samples, response_len, cfg, value_head, strategy))
         index = torch.tensor(micro, device=logprobs.device)
         logprobs.index_copy_(0, index, logprob)
         if values is not None:
@@ -499,12 +582,15 @@ def _score(
     return (logprobs, values) if with_values else logprobs
 
 
-def _chunked_logprobs(model: nn.Module, hidden: Tensor, targets: Tensor, cfg: TrainConfig) -> Tensor:
+def _chunked_logprobs(
+    model: nn.Module, hidden: Tensor, targets: Tensor, cfg: TrainConfig, n_chunks: int = 0
+) -> Tensor:
     """Log-probs of `targets` `(n_tokens,)` from final hidden states `(n_tokens, hidden)`.
 
     The LM head runs `cfg.logprob_chunk_tokens` tokens at a time, and under autograd each chunk
     is checkpointed: its fp32 `(chunk, vocab)` logits are recomputed in the backward pass instead
     of kept, so no `(tokens x vocab)` tensor ever exists (49k vocab x 8k tokens would be 1.6 GB).
+    With `n_chunks` the head runs at least that many times (the last chunks empty).
     """
     head = causal_lm(model).get_output_embeddings()
     cap = getattr(causal_lm(model).config, "final_logit_softcapping", None)
@@ -518,8 +604,9 @@ def _chunked_logprobs(model: nn.Module, hidden: Tensor, targets: Tensor, cfg: Tr
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
 
     pieces = []
-    for start in range(0, targets.shape[0], cfg.logprob_chunk_tokens):
-        h, t = hidden[start : start + cfg.logprob_chunk_tokens], targets[start : start + cfg.logprob_chunk_tokens]
+    size = cfg.logprob_chunk_tokens
+    for start in range(0, max(targets.shape[0], n_chunks * size), size):
+        h, t = hidden[start : start + size], targets[start : start + size]
         if torch.is_grad_enabled():
             pieces.append(checkpoint(chunk_logprobs, h, t, use_reentrant=False))
         else:
@@ -533,10 +620,17 @@ def _forward(
     response_len: int,
     cfg: TrainConfig,
     value_head: ValueHead | None,
+    strategy: Strategy | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of each sample's response tokens under `model` (logits / temperature, fp32) and,
     with a value head, its values; both `(batch, response_len)`, zero on padding."""
     device = next(model.parameters()).device
+    n_chunks = 0
+    if strategy is not None and strategy.world_size > 1:
+        # Every rank calls the LM head as many times: ZeRO-3 gathers a module's parameters at
+        # each call, a collective that all ranks must make in the same order.
+        n_chunks = -(-sum(len(s.response_ids) for s in samples) // cfg.logprob_chunk_tokens)
+        n_chunks = int(strategy.all_reduce(torch.tensor(float(n_chunks)), op="max"))
     seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     input_ids = torch.zeros(len(samples), seq_len, dtype=torch.long)  # right-padded
     attention_mask = torch.zeros(len(samples), seq_len, dtype=torch.long)
@@ -564,7 +658,7 @@ def _forward(
         lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
         mask = torch.arange(response_len, device=device) < lengths[:, None]  # (batch, response_len)
         # Real response tokens only, flattened: padding never reaches the LM head.
-        flat = _chunked_logprobs(model, hidden[mask], targets[mask], cfg)  # (n_tokens,)
+        flat = _chunked_logprobs(model, hidden[mask], targets[mask], cfg, n_chunks)  # (n_tokens,)
     logprob = torch.zeros(mask.shape, device=device).masked_scatter(mask, flat)  # (batch, response_len)
 
     values = None if value_head is None else value_head(hidden.float()) * mask  # (batch, response_len)
