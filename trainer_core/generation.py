@@ -49,7 +49,8 @@ class Completion:
     finish_reason: str  # "stop" (emitted a stop token, included in token_ids) or "length"
 
 
-def _never() -> bool:
+def never() -> bool:
+    """The default `should_stop`: generation runs to the end."""
     return False
 
 
@@ -60,7 +61,7 @@ class GenerationEngine(Protocol):
         params: SamplingParams,
         *,
         seed: int | None = None,
-        should_stop: Callable[[], bool] = _never,
+        should_stop: Callable[[], bool] = never,
     ) -> list[Completion] | None:
         """One completion per prompt, in order; None if `should_stop()` turned True meanwhile."""
         ...
@@ -93,7 +94,7 @@ class HFEngine:
         params: SamplingParams,
         *,
         seed: int | None = None,
-        should_stop: Callable[[], bool] = _never,
+        should_stop: Callable[[], bool] = never,
     ) -> list[Completion] | None:
         """One completion per prompt, in order; None if `should_stop()` turned True meanwhile."""
         if not prompts:

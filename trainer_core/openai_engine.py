@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import httpx
 from transformers import PreTrainedTokenizerBase
 
-from trainer_core.generation import Completion, SamplingParams
+from trainer_core.generation import Completion, SamplingParams, never
 from trainer_core.models import stop_token_ids
 
 _T = TypeVar("_T")
@@ -31,9 +31,6 @@ _STOP_POLL_S = 0.05
 # (return_tokens_as_token_ids), so that tokens that are not valid text keep their identity.
 _TOKEN_ID_PREFIX = "token_id:"
 
-
-def _never() -> bool:
-    return False
 
 
 class ServerError(RuntimeError):
@@ -203,7 +200,7 @@ class OpenAIEngine:
         params: SamplingParams,
         *,
         seed: int | None = None,
-        should_stop: Callable[[], bool] = _never,
+        should_stop: Callable[[], bool] = never,
     ) -> list[Completion] | None:
         """One completion per prompt, in order; None if `should_stop()` turned True meanwhile
         (requests still in flight are then abandoned, which lets the server drop them)."""

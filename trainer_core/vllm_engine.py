@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trainer_core.generation import Completion, SamplingParams
+from trainer_core.generation import Completion, SamplingParams, never
 from trainer_core.models import stop_token_ids
 from trainer_core.openai_engine import check_server_sampling
 
@@ -28,9 +28,6 @@ INSTALL_HINT = (
     "(vLLM 0.30-0.32, built for the torch 2.13.0 that spotrl pins)"
 )
 
-
-def _never() -> bool:
-    return False
 
 
 def _import_vllm() -> Any:
@@ -93,7 +90,7 @@ class VLLMEngine:
         params: SamplingParams,
         *,
         seed: int | None = None,
-        should_stop: Callable[[], bool] = _never,
+        should_stop: Callable[[], bool] = never,
     ) -> list[Completion] | None:
         """One completion per prompt, in order; None if `should_stop()` turned True meanwhile
         (checked between engine steps; unfinished requests are then aborted)."""
