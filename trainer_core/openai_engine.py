@@ -32,7 +32,6 @@ _STOP_POLL_S = 0.05
 _TOKEN_ID_PREFIX = "token_id:"
 
 
-
 class ServerError(RuntimeError):
     """The completions server could not be reached, refused a request, or answered without
     what the engine needs; the message says what to change."""
