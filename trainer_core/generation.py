@@ -80,10 +80,8 @@ class HFEngine:
     def set_model(self, model: PreTrainedModel) -> None:
         """Sample from `model` from now on (after a weight reload)."""
         self._model = model
-        # transformers 5.24 renamed the forward argument past_key_values to cache (the old
-        # name warns until 5.40); earlier releases only know past_key_values.
         params = inspect.signature(causal_lm(model).forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_kwarg(causal_lm(model))
         # The prefill step needs only the last position's logits, not (batch, prompt_len,
         # vocab) of them; models that cannot skip the rest lack the argument.
         self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -108,7 +106,10 @@ class HFEngine:
         stop_ids = self._stop_ids.to(device)
         generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
 
-        input_ids, attention_mask = _left_pad(prompts, self._pad_id, device)  # (batch, prompt_len)
+        # A GRPO group asks for n completions of one prompt: each distinct prompt is prefilled
+        # once, and its rows share that prefix's KV cache from the first sampled token on.
+        unique, owner = distinct_prompts(prompts)
+        input_ids, attention_mask = left_pad(unique, self._pad_id, device)  # (n_unique, prompt_len)
         # Left padding shifts each prompt right; count positions from its first real token.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         batch = len(prompts)
@@ -131,6 +132,10 @@ class HFEngine:
                     **self._last_logits_only,
                 )
                 logits = out.logits[:, -1].float()  # (batch, vocab)
+                if len(unique) < batch and logits.shape[0] == len(unique):  # after the prefill
+                    rows = torch.tensor(owner, device=device)
+                    cache.batch_select_indices(rows)
+                    logits, attention_mask, position_ids = logits[rows], attention_mask[rows], position_ids[rows]
                 token, logprob = _sample(logits, params, generator)
                 token = token.masked_fill(finished, self._pad_id)
                 step_tokens.append(token)
@@ -158,7 +163,21 @@ class HFEngine:
         ]
 
 
-def _left_pad(
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name of the KV-cache argument of `model.forward`: transformers 5.24 renamed
+    past_key_values to cache (the old name warns until 5.40); earlier releases only know
+    past_key_values."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def distinct_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[Sequence[int]], list[int]]:
+    """The distinct prompts in first-seen order, and for each prompt the index of its distinct one."""
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    return [list(p) for p in index], owner
+
+
+def left_pad(
     prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and attention mask, both `(batch, max_prompt_len)`."""

@@ -21,6 +21,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache, PreTrainedModel
 
 from trainer_core.algos import (
     AdvantageEstimator,
@@ -34,6 +35,7 @@ from trainer_core.algos import (
     policy_loss,
     value_loss,
 )
+from trainer_core.generation import cache_kwarg, distinct_prompts, left_pad
 from trainer_core.lora import causal_lm, reference_policy
 from trainer_core.memory import plan_micro_batches
 from trainer_core.samples import Sample
@@ -96,6 +98,10 @@ class TrainConfig:
     adv_estimator: str = ""  # a name in algos.ADV_ESTIMATORS; "" = the algorithm's own (grpo | gae)
     logprob_chunk_tokens: int = 1024  # response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward
+    # Run each distinct prompt of a micro-batch once and its samples' responses on its KV cache:
+    # a GRPO group's n samples share one prompt, so forward and backward see each prompt token
+    # once, not n times. Off under gradient checkpointing, whose layers drop the cache.
+    share_prompt_prefix: bool = True
 
     def __post_init__(self) -> None:
         # Each raises ValueError naming the bad value.
@@ -631,35 +637,91 @@ def _forward(
         # each call, a collective that all ranks must make in the same order.
         n_chunks = -(-sum(len(s.response_ids) for s in samples) // cfg.logprob_chunk_tokens)
         n_chunks = int(strategy.all_reduce(torch.tensor(float(n_chunks)), op="max"))
+    lm = causal_lm(model)
+    targets = torch.zeros(len(samples), response_len, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        targets[row, : len(sample.response_ids)] = torch.tensor(sample.response_ids)
+    targets = targets.to(device)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
+    mask = torch.arange(response_len, device=device) < lengths[:, None]  # (batch, response_len)
+
+    # bf16 autocast is for accelerators and CPUs with bf16 units (AVX512-BF16/AMX): elsewhere
+    # it is emulated and ~15x slower.
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+        if cfg.share_prompt_prefix and not cfg.gradient_checkpointing:
+            hidden = _response_hidden_shared_prefix(lm, samples, response_len, device)
+        else:
+            hidden = _response_hidden(lm, samples, response_len, device)
+        # The LM head runs on the real response tokens only, flattened: the prompt's logits, a
+        # (prompt_len x vocab) tensor per sample, and padding never reach it.
+        flat = _chunked_logprobs(model, hidden[mask], targets[mask], cfg, n_chunks)  # (n_tokens,)
+    logprob = torch.zeros(mask.shape, device=device).masked_scatter(mask, flat)  # (batch, response_len)
+
+    values = None if value_head is None else value_head(hidden.float()) * mask  # (batch, response_len)
+    return logprob, values
+
+
+def _response_hidden(
+    lm: PreTrainedModel, samples: Sequence[Sample], response_len: int, device: torch.device
+) -> Tensor:
+    """Final hidden states at the positions that predict each response token, `(batch,
+    response_len, hidden)`, from one pass over the right-padded prompt + response sequences."""
     seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    input_ids = torch.zeros(len(samples), seq_len, dtype=torch.long)  # right-padded
+    input_ids = torch.zeros(len(samples), seq_len, dtype=torch.long)
     attention_mask = torch.zeros(len(samples), seq_len, dtype=torch.long)
     # positions[i, t]: the sequence position whose output predicts response token t.
     positions = torch.zeros(len(samples), response_len, dtype=torch.long)
-    targets = torch.zeros(len(samples), response_len, dtype=torch.long)
     for row, sample in enumerate(samples):
         sequence = sample.prompt_ids + sample.response_ids
         n_prompt, n_response = len(sample.prompt_ids), len(sample.response_ids)
         input_ids[row, : len(sequence)] = torch.tensor(sequence)
         attention_mask[row, : len(sequence)] = 1
         positions[row, :n_response] = torch.arange(n_prompt - 1, n_prompt - 1 + n_response)
-        targets[row, :n_response] = torch.tensor(sample.response_ids)
-    positions, targets = positions.to(device), targets.to(device)
+    hidden = lm.base_model(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+    ).last_hidden_state
+    positions = positions.to(device)
+    return hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
 
-    # bf16 autocast is for accelerators and CPUs with bf16 units (AVX512-BF16/AMX): elsewhere
-    # it is emulated and ~15x slower.
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        # The LM head runs on the response positions only: the prompt's logits, a
-        # (prompt_len x vocab) tensor per sample, are never needed.
-        hidden = causal_lm(model).base_model(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
-        ).last_hidden_state
-        hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-        lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
-        mask = torch.arange(response_len, device=device) < lengths[:, None]  # (batch, response_len)
-        # Real response tokens only, flattened: padding never reaches the LM head.
-        flat = _chunked_logprobs(model, hidden[mask], targets[mask], cfg, n_chunks)  # (n_tokens,)
-    logprob = torch.zeros(mask.shape, device=device).masked_scatter(mask, flat)  # (batch, response_len)
 
-    values = None if value_head is None else value_head(hidden.float()) * mask  # (batch, response_len)
-    return logprob, values
+def _response_hidden_shared_prefix(
+    lm: PreTrainedModel, samples: Sequence[Sample], response_len: int, device: torch.device
+) -> Tensor:
+    """`_response_hidden` with each distinct prompt run once.
+
+    The distinct prompts (left-padded) go through the backbone filling a KV cache; the cache rows
+    are then repeated for the samples of each prompt, and the right-padded responses run on top
+    of it. Attention sees exactly what a full pass sees, and under autograd the gradients of all
+    of a prompt's samples flow back into its one prefix computation.
+    """
+    unique, owner = distinct_prompts([s.prompt_ids for s in samples])
+    prompt_ids, prompt_mask = left_pad(unique, 0, device)  # (n_unique, prompt_len)
+    backbone = lm.base_model
+    cache = DynamicCache(config=lm.config)
+    cache_arg = {cache_kwarg(backbone): cache}
+    prefix = backbone(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp_min(0),
+        use_cache=True,
+        **cache_arg,
+    ).last_hidden_state
+    rows = torch.tensor(owner, device=device)
+    cache.batch_select_indices(rows)
+
+    response_ids = torch.zeros(len(samples), response_len, dtype=torch.long)
+    response_mask = torch.zeros(len(samples), response_len, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        response_ids[row, : len(sample.response_ids)] = torch.tensor(sample.response_ids)
+        response_mask[row, : len(sample.response_ids)] = 1
+    prompt_lengths = prompt_mask.sum(-1)[rows]  # (batch,)
+    responses = backbone(
+        input_ids=response_ids.to(device),
+        attention_mask=torch.cat([prompt_mask[rows], response_mask.to(device)], dim=1),
+        position_ids=prompt_lengths[:, None] + torch.arange(response_len, device=device),
+        use_cache=True,
+        **cache_arg,
+    ).last_hidden_state
+    # Response token 0 is predicted by the prompt's last position (the last column: left padding),
+    # token t by response position t - 1.
+    return torch.cat([prefix[rows, -1:], responses[:, :-1]], dim=1)

@@ -9,7 +9,7 @@ import torch
 from trainer_core.generation import HFEngine, SamplingParams
 from trainer_core.models import Policy, encode_prompt
 from trainer_core.samples import Sample
-from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch
+from trainer_core.update import TrainConfig, ValueHead, _forward, build_optimizer, train_on_batch
 
 GRPO_KEYS = {
     "actor/pg_loss",
@@ -242,3 +242,33 @@ def test_chunked_logprobs_match_one_chunk_in_value_and_gradient(tiny_policy, mak
     assert (lp_small[0, 2:] == 0).all(), "padding positions stay zero"
     for a, b in zip(g_small, g_big, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_shared_prompt_prefix_gives_the_full_pass_update(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
+) -> None:
+    """Each distinct prompt run once with its samples on its KV cache: the same log-probs,
+    values and update as running every prompt + response in full. Groups of 8 of 2 prompts of
+    different lengths (left padding), plus 8 samples of distinct random prompts."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    samples = _generated_samples(tiny_policy, make_sample, params, seed=3, reward=len)
+    samples += _random_samples(make_sample, len(tiny_policy.tokenizer))
+    results = []
+    for share in (False, True):
+        model = copy.deepcopy(tiny_policy.model)
+        value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
+        cfg = TrainConfig(algorithm=algorithm, share_prompt_prefix=share, micro_batch_size=12, max_grad_norm=1e9)
+        response_len = max(len(s.response_ids) for s in samples)
+        with torch.no_grad():
+            scored = _forward(model, samples, response_len, cfg, value_head)
+        trainable = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
+        metrics = train_on_batch(model, samples, cfg, torch.optim.SGD(trainable, lr=0.1), value_head=value_head)
+        results.append((scored, metrics, [p.detach().clone() for p in trainable]))
+    (full, m_full, p_full), (shared, m_shared, p_shared) = results
+    torch.testing.assert_close(shared[0], full[0], atol=1e-5, rtol=1e-5)
+    if algorithm == "ppo":
+        torch.testing.assert_close(shared[1], full[1], atol=1e-5, rtol=1e-5)
+    assert m_shared["actor/pg_loss"] == pytest.approx(m_full["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    for a, b in zip(p_shared, p_full, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
