@@ -80,11 +80,7 @@ class HFEngine:
     def set_model(self, model: PreTrainedModel) -> None:
         """Sample from `model` from now on (after a weight reload)."""
         self._model = model
-        params = inspect.signature(causal_lm(model).forward).parameters
-        self._cache_kwarg = cache_kwarg(causal_lm(model))
-        # The prefill step needs only the last position's logits, not (batch, prompt_len,
-        # vocab) of them; models that cannot skip the rest lack the argument.
-        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._cache_kwarg = cache_kwarg(causal_lm(model).base_model)
 
     def generate(
         self,
@@ -123,15 +119,14 @@ class HFEngine:
             for _ in range(params.max_new_tokens):
                 if should_stop():
                     return None
-                out = model(
+                hidden = model.base_model(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
                     use_cache=True,
                     **{self._cache_kwarg: cache},
-                    **self._last_logits_only,
-                )
-                logits = out.logits[:, -1].float()  # (batch, vocab)
+                ).last_hidden_state
+                logits = lm_logits(model, hidden[:, -1])  # (batch, vocab), the last position only
                 if len(unique) < batch and logits.shape[0] == len(unique):  # after the prefill
                     rows = torch.tensor(owner, device=device)
                     cache.batch_select_indices(rows)
@@ -168,6 +163,26 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     past_key_values to cache (the old name warns until 5.40); earlier releases only know
     past_key_values."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def lm_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits `(..., vocab)` of final hidden states `(..., hidden)`, as the model's forward
+    computes them (Gemma 2's soft-cap included).
+
+    A plain linear head is applied as W @ h^T: for a few rows against a 49k x 576 head that
+    is ~2.5x faster on CPU than F.linear's h @ W^T (27 -> 11 ms per decode step of SmolLM2).
+    """
+    head = lm.get_output_embeddings()
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if type(head) is torch.nn.Linear:
+        logits = (head.weight @ flat.T).T
+        if head.bias is not None:
+            logits = logits + head.bias
+    else:  # e.g. an adapter on the head
+        logits = head(flat)
+    logits = logits.float().reshape(*hidden.shape[:-1], -1)
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    return cap * torch.tanh(logits / cap) if cap else logits
 
 
 def distinct_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[Sequence[int]], list[int]]:
