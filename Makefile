@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spotrl-installed
 
-.PHONY: demo demo-tiny test setup
+.PHONY: demo demo-tiny test setup bench
 
 setup: $(STAMP)
 
@@ -30,3 +30,8 @@ demo-tiny: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# spotrl's trainer against TRL's GRPOTrainer on the same GRPO work (a benchmark, not a test; ~4 min).
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/trainer_vs_trl.py --model both --json .spotrl/bench-trainer-vs-trl.json

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from services.api.main import create_app
 from services.config import Settings
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: the tests share the machine's few cores with the processes they
+    start (pods, servers, ranks), and threads on a busy core wait on each other (measured 5-30x
+    slower per step with two threads on a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -308,7 +308,8 @@ def _fsync_tree(directory: Path) -> None:
                 os.close(fd)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Flush `directory`'s entries to disk: a rename into it is durable only once they are."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -334,7 +335,7 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def _rotate(root: Path, saved: Path, keep: int | None) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from trainer_core.checkpoint import fsync_dir
+
 
 class ObjectNotFoundError(KeyError):
     """No object has the key (or, for ``download_dir``, no object is under the prefix)."""
@@ -85,14 +87,6 @@ def _check_prefix(prefix: str) -> None:
     if prefix:
         _check_key(prefix.removesuffix("/"), what="prefix")
 
-
-def _fsync_dir(path: Path) -> None:
-    # The rename is durable only once its directory entry is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalObjectStore:
@@ -195,4 +189,4 @@ class LocalObjectStore:
             ) from None
         finally:
             Path(tmp).unlink(missing_ok=True)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)

@@ -39,16 +39,6 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """HF runs beside the server on a 2-core machine: OpenMP threads that spin while the other
-    process holds a core made HF greedy decoding 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def engine(server_url: str, smollm2: Policy) -> OpenAIEngine:
     return OpenAIEngine(server_url, server="llama.cpp", tokenizer=smollm2.tokenizer)

@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ from trainer_core.reward_model import (
 TRAIN_WORDS = ["cat", "dog", "sun", "tree", "blue", "red", "fish", "car", "hat", "cup"]
 HELD_OUT_WORDS = ["moon", "bird", "lamp", "rock", "gold", "snow"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The test machine's few cores are shared with other jobs; two intra-op threads on a busy
-    # core wait on each other (measured 30x slower per step than one thread here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def yes_no_pairs(words: list[str], n: int, seed: int) -> list[PreferencePair]:

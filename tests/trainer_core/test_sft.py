@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,15 +31,6 @@ MAPPING = [
     SFTExample("d?", "date"),
 ]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The test machine's few cores are shared with other jobs; two intra-op threads on a busy
-    # core wait on each other (measured 30x slower per step than one thread here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _greedy(policy: Policy, prompts: list[str]) -> list[tuple[str, str]]:

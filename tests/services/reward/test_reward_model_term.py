@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from services.backends.reward_cache import InProcessRewardCache
@@ -17,15 +15,6 @@ from services.rollout.worker import PromptMessage, RolloutWorker, StopSignal
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.reward_model import RewardModel, RewardModelConfig, run_train_rm
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The test machine's few cores are shared with other jobs; two intra-op threads on a busy
-    # core wait on each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
