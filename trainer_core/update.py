@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, PreTrainedModel
 
 from trainer_core.algos import (
+    AdaptiveKLController,
     AdvantageEstimator,
     FixedKLController,
     KLEstimator,
@@ -239,7 +240,7 @@ def train_on_batch(
     *,
     ref_model: nn.Module | None = None,
     value_head: ValueHead | None = None,
-    kl_controller: FixedKLController | None = None,
+    kl_controller: FixedKLController | AdaptiveKLController | None = None,
 ) -> dict[str, float]:
     """Update `model` (and, for PPO, `value_head`) on `samples`; returns metrics averaged over
     optimizer steps.

@@ -135,3 +135,21 @@ def test_switching_modes_holds_no_second_copy_of_the_weights(
     assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
     after = [p for p in model.parameters() if p.requires_grad]
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_an_adaptive_kl_controller_sets_and_adapts_the_coefficient(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    from trainer_core.algos import AdaptiveKLController
+
+    model = apply_lora(tiny_policy.model, LoraSettings(rank=4, alpha=8))
+    samples = _samples(tiny_policy, make_sample, model)
+    cfg = TrainConfig(learning_rate=1e-2)
+    optimizer = build_optimizer(model, cfg)
+    # The first update starts at the reference (KL 0, below target): the coefficient shrinks.
+    # After it the KL is far above the tiny target: the coefficient grows again.
+    controller = AdaptiveKLController(init_coef=0.1, target=1e-9, horizon=100)
+    first = train_on_batch(model, samples, cfg, optimizer, kl_controller=controller)
+    second = train_on_batch(model, samples, cfg, optimizer, kl_controller=controller)
+    assert first["actor/kl_ref"] == 0 and first["actor/kl_coef"] < 0.1
+    assert second["actor/kl_ref"] > 0 and second["actor/kl_coef"] == controller.value > first["actor/kl_coef"]
