@@ -35,7 +35,8 @@ from services.prompts import STORE_SCHEME, InvalidPromptsError, load_prompts
 from services.reward.functions import RewardInput, total_rewards
 from services.rollout.worker import build_samples, reward_source
 from services.runspec import PromptItem, RunSpec
-from services.training.job import train_config
+from services.training.job import kl_controller, train_config
+from trainer_core.algos import AdaptiveKLController
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.lora import LoraSettings, apply_lora, is_lora
 from trainer_core.generation import Completion, HFEngine, SamplingParams
@@ -111,6 +112,7 @@ class HybridEngine:
         self.ref_model = ref_model
         self.rollout = HFEngine(policy.model, policy.tokenizer)
         self.optimizer = build_optimizer(policy.model, cfg, value_head)
+        self.kl_controller: AdaptiveKLController | None = None  # with training.kl_target
 
     @property
     def model(self) -> torch.nn.Module:
@@ -124,7 +126,8 @@ class HybridEngine:
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
         return train_on_batch(
-            self.model, samples, self.cfg, self.optimizer, ref_model=self.ref_model, value_head=self.value_head
+            self.model, samples, self.cfg, self.optimizer, ref_model=self.ref_model, value_head=self.value_head,
+            kl_controller=self.kl_controller,
         )
 
 
@@ -230,6 +233,7 @@ def run_colocated(
     needs_ref = cfg.kl_coef > 0 and not is_lora(policy.model)
     ref_model = load_policy(spec.model, cache_dir=model_cache).model.to(dev).eval() if needs_ref else None
     engine = HybridEngine(policy, cfg, value_head=value_head, ref_model=ref_model)
+    engine.kl_controller = kl_controller(spec, None)
     config = {"spec": spec.model_dump(mode="json"), "train": asdict(cfg), "seed": seed, "run_id": run_id}
 
     history: list[IterationRecord] = []
@@ -243,6 +247,7 @@ def run_colocated(
                 f"(only {', '.join(sorted(_GOAL_FIELDS))} may change)"
             )
         history = [IterationRecord(**r) for r in state.metadata["history"]]
+        engine.kl_controller = kl_controller(spec, history[-1].metrics.get("actor/kl_coef") if history else None)
         elapsed_before = state.metadata["elapsed_seconds"]
         config["seed"] = state.config["seed"]
         log.info("resuming after iteration %d from %s", state.step, latest)

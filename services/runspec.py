@@ -126,6 +126,10 @@ class Training(BaseModel):
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="Estimator of KL to the reference policy.")
     kl_mode: Literal["loss", "reward"] = Field(default="loss", description="Apply kl_coef x KL as a loss term or as a per-token reward penalty.")
+    kl_target: float | None = Field(
+        default=None, gt=0.0, description="Adaptive KL: starting from kl_coef, steer the coefficient so that the measured KL approaches this (None = fixed kl_coef)."
+    )
+    kl_horizon: int = Field(default=10000, ge=1, description="Adaptive KL: samples over which the coefficient adapts by up to 20%.")
     off_policy: Literal["behaviour", "decoupled"] = Field(
         default="behaviour",
         description="behaviour: clip the ratio around the workers' log-probs; decoupled: clip around this update's "
@@ -135,6 +139,12 @@ class Training(BaseModel):
     max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
 
     _instance = field_validator("instance_type")(_known_instance_type)
+
+    @model_validator(mode="after")
+    def _check_kl(self) -> Training:
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("kl_target adapts kl_coef multiplicatively: give a starting kl_coef > 0")
+        return self
 
 
 class RunSpec(BaseModel):

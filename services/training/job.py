@@ -26,6 +26,7 @@ from services.backends.queue import Consumer, Queue, Record, next_offsets
 from services.names import TRAINER_GROUP, TRAINER_MEMBER, result_key, samples_topic, trainer_prefix
 from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
+from trainer_core.algos import AdaptiveKLController
 from trainer_core.lora import LoraSettings, apply_lora, is_lora
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import load_policy
@@ -91,6 +92,16 @@ def train_config(spec: RunSpec) -> TrainConfig:
         # Greedy sampling has no temperature; the behaviour log-probs are then of the plain logits.
         temperature=spec.sampling.temperature or 1.0,
     )
+
+
+def kl_controller(spec: RunSpec, last_coef: float | None) -> AdaptiveKLController | None:
+    """The adaptive KL controller of a run with `training.kl_target`, continuing from the
+    coefficient the previous iteration ended with (each iteration is its own process)."""
+    t = spec.training
+    if t.kl_target is None:
+        return None
+    return AdaptiveKLController(init_coef=last_coef if last_coef is not None else t.kl_coef, target=t.kl_target,
+                                horizon=t.kl_horizon)
 
 
 def take_batch(records: Sequence[Record], batch_samples: int, group_size: int) -> tuple[list[Record], dict[int, int]]:
@@ -189,8 +200,10 @@ def _train(
     needs_ref = cfg.kl_coef > 0 and not is_lora(policy.model)
     ref_model = load_policy(spec.model, cache_dir=model_cache).model.eval() if needs_ref else None
 
-    metrics = train_on_batch(policy.model, selection.kept, cfg, optimizer, ref_model=ref_model, value_head=value_head) \
-        if selection.kept else {}
+    previous_metrics = json.loads(previous).get("metrics", {})
+    controller = kl_controller(spec, previous_metrics.get("actor/kl_coef"))
+    metrics = train_on_batch(policy.model, selection.kept, cfg, optimizer, ref_model=ref_model, value_head=value_head,
+                             kl_controller=controller) if selection.kept else {}
     metrics.update(MemoryMonitor().sample())  # current and peak RSS (GPU memory on CUDA)
 
     with tempfile.TemporaryDirectory() as scratch:

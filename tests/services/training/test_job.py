@@ -128,3 +128,19 @@ def test_ppo_carries_its_critic_and_optimizer_across_iterations(world) -> None:
     assert any(t.abs().sum() > 0 for t in head.values()), "the critic learned (it starts at zero)"
     assert objects.exists(trainer_prefix(RUN, 2) + "optimizer.pt")
     assert not objects.exists(trainer_prefix(RUN, 1) + "optimizer.pt"), "only the latest optimizer state is kept"
+
+
+def test_an_adaptive_kl_coefficient_carries_across_iterations(world) -> None:
+    queue, objects, models = world
+    adaptive = spec(training={"lora_rank": 4, "kl_coef": 0.1, "kl_target": 1e-9, "kl_horizon": 8, "learning_rate": 1e-2})
+    coefs = []
+    for iteration in (1, 2):
+        produce_groups(queue, 2, version=iteration - 1)
+        result = run_training_job(run_id=RUN, iteration=iteration, spec=adaptive, queue=queue, objects=objects, model_cache=models)
+        coefs.append(result["metrics"]["actor/kl_coef"])
+    # v1 starts at the reference (KL 0 < target: x0.8 over a horizon of 8 samples); v2 starts from
+    # v1's coefficient and, with the policy moved, KL > target: x1.2.
+    assert coefs[0] == pytest.approx(0.1 * 0.8)
+    assert coefs[1] == pytest.approx(coefs[0] * 1.2)
+    with pytest.raises(ValueError, match="kl_coef > 0"):
+        spec(training={"kl_target": 0.1})
