@@ -9,6 +9,7 @@ every registered function therefore scores a batch.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,21 @@ def load_reward_model(path: str) -> RewardModel:
     """The reward model saved at `path`, loaded once per process (a rollout worker scores every
     batch of its run with it)."""
     return RewardModel.load(Path(path))
+
+
+def terms_fingerprint(terms: Sequence[Term]) -> str:
+    """What a cached reward depends on besides the prompt and response: the terms, and for a
+    reward model the files saved at its path (a model retrained into the same directory must not
+    be served its predecessor's cached scores)."""
+    described = []
+    for t in terms:
+        d = {"fn": t.fn, "weight": t.weight, "pattern": t.pattern, "target_tokens": t.target_tokens, "path": t.path}
+        if t.fn == "reward_model" and t.path:
+            d["files"] = sorted(
+                (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(t.path).iterdir() if f.is_file()
+            )
+        described.append(d)
+    return json.dumps(described, sort_keys=True)
 
 
 def reward_model_scores(term: Term, inputs: Sequence[RewardInput]) -> list[float]:

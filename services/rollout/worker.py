@@ -26,7 +26,7 @@ from services.backends.reward_cache import RewardCache, reward_cache_key
 from services.backends.state_store import StateStore
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.policy_store import fetch_policy
-from services.reward.functions import RewardInput, total_rewards
+from services.reward.functions import RewardInput, terms_fingerprint, total_rewards
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.generation import Completion, HFEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
@@ -219,7 +219,7 @@ class RolloutWorker:
     def _score(self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int]) -> list[float]:
         """Rewards through the shared cache: the same response to the same prompt is scored once."""
         n = self.spec.samples_per_prompt
-        terms_key = json.dumps([t.model_dump() for t in self.spec.reward], sort_keys=True)
+        terms_key = terms_fingerprint(self.spec.reward)
         keys = [
             reward_cache_key(terms_key, prompts[k // n].prompt, prompts[k // n].answer or "", texts[k])
             for k in range(len(texts))

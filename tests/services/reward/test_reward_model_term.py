@@ -121,3 +121,14 @@ def test_rollout_worker_scores_a_batch_through_the_cache(
     # Scored once: the second time every reward comes from the cache, without the model.
     monkeypatch.setitem(REWARD_FUNCTIONS, "reward_model", lambda term, inputs: pytest.fail("scored again"))
     assert worker._score(prompts, texts, [7, 6, 7, 6]) == rewards
+
+
+def test_the_cache_fingerprint_changes_when_the_reward_model_is_retrained(tmp_path: Path) -> None:
+    from services.reward.functions import terms_fingerprint
+
+    (tmp_path / "head.safetensors").write_bytes(b"v1")
+    terms = [RewardTerm.model_construct(fn="reward_model", weight=1.0, pattern=None, target_tokens=None, path=str(tmp_path))]
+    before = terms_fingerprint(terms)
+    assert terms_fingerprint(terms) == before
+    (tmp_path / "head.safetensors").write_bytes(b"v2 retrained")
+    assert terms_fingerprint(terms) != before
