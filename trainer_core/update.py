@@ -333,11 +333,21 @@ def _training_mode(model: nn.Module, gradient_checkpointing: bool) -> Iterator[N
     lm = causal_lm(model)
     if gradient_checkpointing:
         _set_activation_checkpointing(lm, True)
+    embeddings = lm.get_input_embeddings()
+    head = lm.get_output_embeddings()
+    # Tied embeddings (SmolLM2, Llama 3.2, Qwen2.5 small): the LM head's dense gradient reaches
+    # the shared weight first, and a sparse lookup gradient is then added into it in place;
+    # a dense lookup gradient would be a second vocab x hidden tensor at the peak of the backward.
+    tied = isinstance(embeddings, nn.Embedding) and head is not None and head.weight is embeddings.weight
     model.train()
+    if tied:
+        embeddings.sparse = True
     try:
         yield
     finally:
         model.eval()
+        if tied:
+            embeddings.sparse = False
         if gradient_checkpointing:
             _set_activation_checkpointing(lm, False)
 

@@ -272,3 +272,34 @@ def test_shared_prompt_prefix_gives_the_full_pass_update(
     assert m_shared["actor/pg_loss"] == pytest.approx(m_full["actor/pg_loss"], rel=1e-4, abs=1e-6)
     for a, b in zip(p_shared, p_full, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_tied_embeddings_take_their_lookup_gradient_sparse_with_the_same_update(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    """With tied input and output embeddings the lookup's gradient is added sparse into the LM
+    head's dense one (no second vocab x hidden tensor); the update is that of the dense path."""
+    from transformers import LlamaForCausalLM
+
+    class DenseLookup(torch.nn.Embedding):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+            return torch.nn.functional.embedding(input, self.weight, self.padding_idx, sparse=False)
+
+    config = copy.deepcopy(tiny_policy.model.config)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    updated = []
+    for lookup in ("sparse", "dense"):
+        model = copy.deepcopy(base)
+        if lookup == "dense":
+            model.get_input_embeddings().__class__ = DenseLookup
+        cfg = TrainConfig(micro_batch_size=8, max_grad_norm=1e9)
+        train_on_batch(model, samples, cfg, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert not model.get_input_embeddings().sparse  # dense again for generation
+        updated.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*updated, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(updated[0][0], base.get_input_embeddings().weight)
