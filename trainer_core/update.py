@@ -296,6 +296,7 @@ def train_on_batch(
                         )
                     )
                     share = _weight(rows.mask, cfg.loss_agg) / mini_weight
+                    release_freed_memory()
                     strategy.backward(loss * share * strategy.world_size)
                     for key, value in step_metrics.items():
                         totals[key] += share * value
