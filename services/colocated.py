@@ -35,7 +35,7 @@ from services.prompts import STORE_SCHEME, InvalidPromptsError, load_prompts
 from services.reward.functions import RewardInput, total_rewards
 from services.rollout.worker import build_samples, reward_source
 from services.runspec import PromptItem, RunSpec
-from services.training.job import kl_controller, train_config
+from services.training.job import build_value_head, kl_controller, train_config
 from trainer_core.algos import AdaptiveKLController
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.lora import LoraSettings, apply_lora, is_lora
@@ -226,7 +226,9 @@ def run_colocated(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     policy = load_policy(spec.model, cache_dir=model_cache)
     policy.model.to(dev).eval()
-    value_head = ValueHead(policy.model.config.hidden_size).to(dev) if cfg.algorithm == "ppo" else None
+    value_head = build_value_head(spec, policy, model_cache)
+    if value_head is not None:
+        value_head.to(dev)
     if spec.training.lora_rank:
         policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
     # A LoRA policy's reference is its own base weights, with the adapter disabled.

@@ -126,6 +126,10 @@ class Training(BaseModel):
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="Estimator of KL to the reference policy.")
     kl_mode: Literal["loss", "reward"] = Field(default="loss", description="Apply kl_coef x KL as a loss term or as a per-token reward penalty.")
+    critic: Literal["shared", "separate"] = Field(
+        default="shared",
+        description="PPO critic: a value head on the policy's own (detached) hidden states, or on a separate copy of the base model that it trains too.",
+    )
     kl_target: float | None = Field(
         default=None, gt=0.0, description="Adaptive KL: starting from kl_coef, steer the coefficient so that the measured KL approaches this (None = fixed kl_coef)."
     )

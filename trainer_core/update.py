@@ -133,13 +133,17 @@ class TrainConfig:
 
 
 class ValueHead(nn.Module):
-    """PPO critic: Linear(hidden, 1) on the policy's last hidden state.
+    """PPO critic: Linear(hidden, 1) on a last hidden state.
 
-    The hidden state is detached, so the critic's loss never disturbs the actor.
+    Shared (the default): on the policy's own hidden states, detached, so the critic's loss
+    never disturbs the actor and costs one linear layer. Separate: on the hidden states of its
+    own `backbone` (a causal LM, typically a copy of the base model), which it trains too: a
+    critic with its own features, at the cost of a second model's weights and passes.
     """
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, backbone: PreTrainedModel | None = None) -> None:
         super().__init__()
+        self.backbone = backbone
         self.linear = nn.Linear(hidden_size, 1)
         # Start by predicting 0: the first advantages are then plain discounted returns,
         # not returns minus the noise of a random critic.
@@ -148,7 +152,9 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         """`(batch, seq, hidden)` -> values `(batch, seq)`."""
-        return self.linear(hidden_states.detach().float()).squeeze(-1)
+        if self.backbone is None:
+            hidden_states = hidden_states.detach()
+        return self.linear(hidden_states.float()).squeeze(-1)
 
 
 def build_optimizer(
@@ -661,17 +667,24 @@ def _forward(
     # bf16 autocast is for accelerators and CPUs with bf16 units (AVX512-BF16/AMX): elsewhere
     # it is emulated and ~15x slower.
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        if cfg.share_prompt_prefix and not cfg.gradient_checkpointing:
-            hidden = _response_hidden_shared_prefix(lm, samples, response_len, device)
-        else:
-            hidden = _response_hidden(lm, samples, response_len, device)
+        hidden = _response_hidden_for(lm, samples, response_len, cfg, device)
         # The LM head runs on the real response tokens only, flattened: the prompt's logits, a
         # (prompt_len x vocab) tensor per sample, and padding never reach it.
         flat = _chunked_logprobs(model, hidden[mask], targets[mask], cfg, n_chunks)  # (n_tokens,)
+        if value_head is not None and value_head.backbone is not None:
+            hidden = _response_hidden_for(value_head.backbone, samples, response_len, cfg, device)  # the critic's own
     logprob = torch.zeros(mask.shape, device=device).masked_scatter(mask, flat)  # (batch, response_len)
-
-    values = None if value_head is None else value_head(hidden.float()) * mask  # (batch, response_len)
+    values = None if value_head is None else value_head(hidden) * mask  # (batch, response_len)
     return logprob, values
+
+
+def _response_hidden_for(
+    lm: PreTrainedModel, samples: Sequence[Sample], response_len: int, cfg: TrainConfig, device: torch.device
+) -> Tensor:
+    """`_response_hidden`, with shared prompt prefixes when the config allows them."""
+    if cfg.share_prompt_prefix and not cfg.gradient_checkpointing:
+        return _response_hidden_shared_prefix(lm, samples, response_len, device)
+    return _response_hidden(lm, samples, response_len, device)
 
 
 def _response_hidden(

@@ -29,7 +29,7 @@ from services.runspec import RunSpec
 from trainer_core.algos import AdaptiveKLController
 from trainer_core.lora import LoraSettings, apply_lora, is_lora
 from trainer_core.memory import MemoryMonitor
-from trainer_core.models import load_policy
+from trainer_core.models import Policy, load_policy
 from trainer_core.samples import Sample, decode_sample
 from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch
 
@@ -92,6 +92,15 @@ def train_config(spec: RunSpec) -> TrainConfig:
         # Greedy sampling has no temperature; the behaviour log-probs are then of the plain logits.
         temperature=spec.sampling.temperature or 1.0,
     )
+
+
+def build_value_head(spec: RunSpec, policy: Policy, model_cache: Path) -> ValueHead | None:
+    """The PPO critic the spec asks for (None for critic-free algorithms); a separate critic
+    starts from the base model's weights."""
+    if spec.algorithm.value != "ppo":
+        return None
+    backbone = load_policy(spec.model, cache_dir=model_cache).model if spec.training.critic == "separate" else None
+    return ValueHead(policy.model.config.hidden_size, backbone=backbone)
 
 
 def kl_controller(spec: RunSpec, last_coef: float | None) -> AdaptiveKLController | None:
@@ -189,7 +198,7 @@ def _train(
     if spec.training.lora_rank and not is_lora(policy.model):  # v0: the base model gets its adapter
         policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
     cfg = train_config(spec)
-    value_head = ValueHead(policy.model.config.hidden_size) if cfg.algorithm == "ppo" else None
+    value_head = build_value_head(spec, policy, model_cache)
     state_in = trainer_prefix(run_id, iteration - 1)
     if value_head is not None and (vh := _load_torch(objects, state_in + "value_head.pt")) is not None:
         value_head.load_state_dict(vh)

@@ -129,18 +129,27 @@ def test_fresh_samples_have_ratio_one(
     assert not tiny_policy.model.training
 
 
+@pytest.mark.parametrize("critic", ["shared", "separate"])
 def test_critic_never_disturbs_the_actor(
-    tiny_policy: Policy, make_sample: Callable[..., Sample]
+    tiny_policy: Policy, make_sample: Callable[..., Sample], critic: str
 ) -> None:
+    """Shared: on the policy's detached hidden states. Separate: on its own backbone, which the
+    value loss trains."""
     samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
     actors = []
     for vf_coef in (0.0, 100.0):
         model = copy.deepcopy(tiny_policy.model)
-        value_head = ValueHead(model.config.hidden_size)
-        cfg = TrainConfig(algorithm="ppo", vf_coef=vf_coef, max_grad_norm=1e9)
+        backbone = copy.deepcopy(tiny_policy.model) if critic == "separate" else None
+        value_head = ValueHead(model.config.hidden_size, backbone=backbone)
+        # Two steps: the head starts at zero, so only the second passes a gradient to the backbone.
+        cfg = TrainConfig(algorithm="ppo", vf_coef=vf_coef, max_grad_norm=1e9, epochs=2)
         trainable = list(model.parameters()) + list(value_head.parameters())
-        train_on_batch(model, samples, cfg, torch.optim.SGD(trainable, lr=0.1), value_head=value_head)
+        metrics = train_on_batch(model, samples, cfg, torch.optim.SGD(trainable, lr=0.1), value_head=value_head)
         actors.append([p.detach().clone() for p in model.parameters()])
+        if backbone is not None and vf_coef > 0:
+            assert metrics["critic/vf_loss"] > 0
+            moved = [not torch.equal(a, b) for a, b in zip(backbone.parameters(), tiny_policy.model.parameters(), strict=True)]
+            assert any(moved), "the separate critic's backbone learns from the value loss"
     # SGD: identical actor updates mean identical actor gradients.
     for a, b in zip(*actors, strict=True):
         assert torch.equal(a, b)

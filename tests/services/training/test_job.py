@@ -111,21 +111,22 @@ def test_a_job_finding_its_version_published_only_commits(world) -> None:
     assert not objects.exists(policy_prefix(RUN, 1) + "config.json"), "nothing was trained"
 
 
-def test_ppo_carries_its_critic_and_optimizer_across_iterations(world) -> None:
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_ppo_carries_its_critic_and_optimizer_across_iterations(world, critic: str) -> None:
     import io
-
-    import torch
 
     from services.names import trainer_prefix
 
     queue, objects, models = world
-    ppo = spec(algorithm="ppo", training={"learning_rate": 1e-3})
+    ppo = spec(algorithm="ppo", training={"learning_rate": 1e-3, "critic": critic})
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
         result = run_training_job(run_id=RUN, iteration=iteration, spec=ppo, queue=queue, objects=objects, model_cache=models)
         assert result["metrics"]["critic/vf_loss"] >= 0.0
     head = torch.load(io.BytesIO(objects.get_bytes(trainer_prefix(RUN, 2) + "value_head.pt")), weights_only=True)
     assert any(t.abs().sum() > 0 for t in head.values()), "the critic learned (it starts at zero)"
+    # A separate critic carries its own backbone; a shared one is just the linear head.
+    assert any(k.startswith("backbone.") for k in head) == (critic == "separate")
     assert objects.exists(trainer_prefix(RUN, 2) + "optimizer.pt")
     assert not objects.exists(trainer_prefix(RUN, 1) + "optimizer.pt"), "only the latest optimizer state is kept"
 
