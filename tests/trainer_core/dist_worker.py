@@ -33,6 +33,7 @@ class Scenario:
     tied: bool = False  # LM head tied to the input embeddings (as SmolLM2's is)
     micro_batch_tokens: int = 0  # token-budget micro-batches: counts differ between ranks
     gradient_checkpointing: bool = False
+    lora: bool = False  # a LoRA adapter trains; the reference is the base (adapter disabled)
 
 
 SCENARIOS = {
@@ -40,6 +41,7 @@ SCENARIOS = {
     "ppo": Scenario("ppo", micro_batch_tokens=30),
     "grpo-tied": Scenario("grpo", tied=True),
     "grpo-checkpointed": Scenario("grpo", gradient_checkpointing=True),
+    "grpo-lora": Scenario("grpo", lora=True),
 }
 
 
@@ -102,6 +104,16 @@ def build_models(cache_dir: Path, scenario: str) -> tuple[nn.Module, nn.Module, 
         for p in ref_model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     value_head = ValueHead(model.config.hidden_size) if spec.algorithm == "ppo" else None
+    if spec.lora:
+        from trainer_core.lora import LoraSettings, apply_lora
+
+        torch.manual_seed(2)  # the adapter's random A matrices, the same in every process
+        model = apply_lora(model, LoraSettings(rank=4, alpha=8))
+        with torch.no_grad():  # B starts at zero: move it, so the policy differs from its base
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.05 * torch.randn(p.shape))
+        ref_model = None
     return model, ref_model, value_head
 
 
