@@ -91,6 +91,11 @@ class RolloutPool(BaseModel):
     min_workers: int = Field(default=2, ge=0, le=1000, description="Workers kept while the run is active.")
     max_workers: int = Field(default=10, ge=1, le=1000, description="Upper bound of the pool; also the prompt topic's partition count.")
     prompts_per_batch: int = Field(default=8, ge=1, le=4096, description="Prompts a worker takes per poll; the pool is sized to cover the prompt backlog in such batches.")
+    engine: Literal["hf", "vllm"] = Field(
+        default="hf",
+        description="Sampler of each worker: hf (transformers in the worker, CPU or GPU) or vllm (vLLM on the worker's GPU, "
+        "pip install 'spotrl[gpu]'; untested on the CPU machines spotrl is developed on).",
+    )
 
     _instance = field_validator("instance_type")(_known_instance_type)
 

@@ -28,10 +28,12 @@ from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.policy_store import fetch_policy
 from services.reward.functions import RewardInput, terms_fingerprint, total_rewards
 from services.runspec import RewardTerm, RunSpec
+from trainer_core.engines import make_engine
 from trainer_core.generation import Completion, HFEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
-from trainer_core.models import encode_prompt
+from trainer_core.models import Policy, encode_prompt
 from trainer_core.samples import Sample, encode_sample
+from trainer_core.vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,17 @@ class PromptMessage:
     def decode(cls, data: bytes) -> PromptMessage:
         d = json.loads(data)
         return cls(prompt_id=d["prompt_id"], prompt=d["prompt"], answer=d.get("answer"))
+
+
+def rollout_engine(name: str, policy: Policy) -> HFEngine | VLLMEngine:
+    """A worker's sampler: `hf` over the policy's own model object, or `vllm` started from the
+    directory the base weights came from and given the policy's current weights (a merged LoRA
+    adapter included); both take each later version through `set_model`."""
+    if name == "hf":
+        return make_engine("hf", model=policy.model, tokenizer=policy.tokenizer)
+    engine = make_engine(name, model=policy.model.name_or_path, tokenizer=policy.tokenizer)
+    engine.set_model(policy.model)
+    return engine
 
 
 def reward_source(terms: Sequence[RewardTerm]) -> str:
@@ -141,7 +154,7 @@ class RolloutWorker:
         self.session_timeout_s = session_timeout_s
         self.stop = stop
         self.version = -1
-        self.engine: HFEngine | None = None
+        self.engine: HFEngine | VLLMEngine | None = None
         self.sampling = SamplingParams(
             temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
         )
@@ -184,7 +197,7 @@ class RolloutWorker:
         )
         policy.model.eval()
         if self.engine is None:
-            self.engine = HFEngine(policy.model, policy.tokenizer)
+            self.engine = rollout_engine(self.spec.rollout.engine, policy)
         else:
             self.engine.set_model(policy.model)
         self.version = version
