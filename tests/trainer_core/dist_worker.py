@@ -34,6 +34,7 @@ class Scenario:
     micro_batch_tokens: int = 0  # token-budget micro-batches: counts differ between ranks
     gradient_checkpointing: bool = False
     lora: bool = False  # a LoRA adapter trains; the reference is the base (adapter disabled)
+    shared_prompts: bool = False  # a group's samples share one prompt (run once, on its KV cache)
 
 
 SCENARIOS = {
@@ -42,23 +43,28 @@ SCENARIOS = {
     "grpo-tied": Scenario("grpo", tied=True),
     "grpo-checkpointed": Scenario("grpo", gradient_checkpointing=True),
     "grpo-lora": Scenario("grpo", lora=True),
+    "grpo-shared-prompts": Scenario("grpo", shared_prompts=True),
 }
 
 
-def make_batch(vocab: int, n: int = 8, group_size: int = 2, seed: int = 0) -> list[Sample]:
+def make_batch(vocab: int, n: int = 8, group_size: int = 2, seed: int = 0, shared_prompts: bool = False) -> list[Sample]:
     """`n` samples in groups of `group_size`, of varied lengths, with behaviour log-probs off the
-    policy's (about -4.6 for the untrained tiny model) so that some ratios are clipped."""
+    policy's (about -4.6 for the untrained tiny model) so that some ratios are clipped; with
+    `shared_prompts` the samples of a group share their prompt, as a GRPO group's do."""
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
         n_prompt, n_response = (int(x) for x in torch.randint(1, 12, (2,), generator=gen))
+        prompt_ids = torch.randint(3, vocab, (n_prompt,), generator=gen).tolist()
+        if shared_prompts and i % group_size:
+            prompt_ids = samples[-1].prompt_ids
         samples.append(
             Sample(
                 sample_id=f"s{i}",
                 run_id="run-1",
                 prompt_id=f"prompt-{i // group_size}",
                 group_id=f"g{i // group_size}",
-                prompt_ids=torch.randint(3, vocab, (n_prompt,), generator=gen).tolist(),
+                prompt_ids=prompt_ids,
                 response_ids=torch.randint(3, vocab, (n_response,), generator=gen).tolist(),
                 logprobs=(-4.6 + 0.3 * torch.randn(n_response, generator=gen)).tolist(),
                 reward=float(torch.rand((), generator=gen)),
@@ -81,7 +87,8 @@ def train_config(scenario: str) -> TrainConfig:
         algorithm=spec.algorithm,
         learning_rate=1e-3,
         mini_batch_size=4,
-        micro_batch_size=4 if spec.micro_batch_tokens else 1,
+        # A whole group per micro-batch when its samples share a prompt, so that it runs once.
+        micro_batch_size=4 if spec.micro_batch_tokens else 2 if spec.shared_prompts else 1,
         micro_batch_tokens=spec.micro_batch_tokens,
         gradient_checkpointing=spec.gradient_checkpointing,
         logprob_chunk_tokens=4,
@@ -155,7 +162,8 @@ def main() -> None:
                 model, cfg, zero_stage=int(stage), offload_optimizer=offload == "offload", value_head=value_head,
                 config_overrides=args.ds_config,
             )
-        samples = shard_samples(make_batch(model.config.vocab_size), env.rank, env.world_size)
+        batch = make_batch(model.config.vocab_size, shared_prompts=SCENARIOS[scenario].shared_prompts)
+        samples = shard_samples(batch, env.rank, env.world_size)
         metrics = train_on_batch(model, samples, cfg, strategy, ref_model=ref_model, value_head=value_head)
         weights = strategy.full_state_dict()
         if value_head is not None:

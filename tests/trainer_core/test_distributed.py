@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_worker import WORLD_SIZE, build_models, make_batch, single_process_order, train_config
+from dist_worker import SCENARIOS, WORLD_SIZE, build_models, make_batch, single_process_order, train_config
 from trainer_core.distributed import _import_deepspeed, deepspeed_config, init_distributed, shard_samples
 from trainer_core.models import load_policy
 from trainer_core.samples import Sample
@@ -38,10 +38,10 @@ REPO = Path(__file__).resolve().parents[2]
 # stage3_param_persistence_threshold whole; at 0 every parameter of the tiny model is partitioned
 # and gathered per module call, as a real model's would be.
 LAUNCHES: dict[str, tuple[list[str], dict[str, Any]]] = {
-    "fsdp2": (["grpo", "ppo", "grpo-tied", "grpo-checkpointed", "grpo-lora"], {}),
+    "fsdp2": (["grpo", "ppo", "grpo-tied", "grpo-checkpointed", "grpo-lora", "grpo-shared-prompts"], {}),
     "zero2-offload": (["grpo", "ppo", "grpo-lora"], {}),
     "zero3-offload": (
-        ["grpo", "ppo", "grpo-tied", "grpo-checkpointed"],
+        ["grpo", "ppo", "grpo-tied", "grpo-checkpointed", "grpo-shared-prompts"],
         {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
     ),
 }
@@ -74,7 +74,8 @@ def one_process(model_cache: Path) -> Callable[[str], dict[str, Any]]:
         if scenario not in results:
             cfg = train_config(scenario)
             model, ref_model, value_head = build_models(model_cache, scenario)
-            samples = single_process_order(make_batch(model.config.vocab_size), cfg)
+            batch = make_batch(model.config.vocab_size, shared_prompts=SCENARIOS[scenario].shared_prompts)
+            samples = single_process_order(batch, cfg)
             optimizer = build_optimizer(model, cfg, value_head)
             threads = torch.get_num_threads()
             # One thread, as each rank has: on a busy 2-core machine two spinning OpenMP threads
