@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer_core.lora import is_lora, load_adapter
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -115,7 +117,7 @@ def save_checkpoint(
     meta = {
         "format": FORMAT_VERSION,
         "step": step,
-        "adapter": _is_peft(model),
+        "adapter": is_lora(model),
         "config": _jsonable(config),
         "metadata": dict(metadata or {}),
         "saved_at": time.time(),
@@ -169,14 +171,14 @@ def load_checkpoint(
     model, _ = _model_and_tokenizer(policy_or_model)
     policy_dir = path / _POLICY_DIR
     if meta["adapter"]:
-        if not _is_peft(model) and optimizer is not None:
+        if not is_lora(model) and optimizer is not None:
             raise ValueError(
                 f"{path} holds a LoRA adapter and the model has none: load with optimizer=None, "
                 "then build the optimizer over state.model and load it with a second call"
             )
         model = _load_adapter(model, policy_dir)
     else:
-        if _is_peft(model):
+        if is_lora(model):
             raise ValueError(f"{path} holds full weights, but the model is a peft (LoRA) model")
         _load_full_weights(model, policy_dir)
     if policy_or_model is not model and hasattr(policy_or_model, "model"):
@@ -200,12 +202,6 @@ def _model_and_tokenizer(policy: Any) -> tuple[nn.Module, Any]:
     if isinstance(policy, nn.Module):
         return policy, None
     return policy.model, getattr(policy, "tokenizer", None)
-
-
-def _is_peft(model: nn.Module) -> bool:
-    # peft is optional: a model can only be a PeftModel if peft has been imported.
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def _jsonable(config: Any) -> Any:
@@ -234,11 +230,11 @@ def _load_full_weights(model: nn.Module, policy_dir: Path) -> None:
 
 def _load_adapter(model: nn.Module, policy_dir: Path) -> nn.Module:
     """Restore the saved adapter into a peft `model`, or wrap a base model with it."""
-    from peft import PeftModel, set_peft_model_state_dict
+    from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
-    if not _is_peft(model):
-        return PeftModel.from_pretrained(model, policy_dir, is_trainable=True)
+    if not is_lora(model):
+        return load_adapter(model, policy_dir, trainable=True)
     device = next(model.parameters()).device
     weights = load_peft_weights(str(policy_dir), device=str(device))
     result = set_peft_model_state_dict(model, weights, adapter_name=model.active_adapter)

@@ -5,7 +5,7 @@ token that closes each response); prompt tokens are context only. A micro-batch 
 one row without padding: each sequence restarts its `position_ids` at 0, from which transformers
 builds a block-diagonal causal mask (`masking_utils.find_packed_sequence_indices`), so no token
 attends across a sequence boundary. The LM head runs on response positions only, in chunks
-(`update._chunked_logprobs`), so no `(tokens x vocab)` fp32 tensor exists.
+(`update.chunked_logprobs`), so no `(tokens x vocab)` fp32 tensor exists.
 
 The sequence encoding and packed batches here are shared with `reward_model`.
 """
@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer_core.lora import causal_lm
 from trainer_core.models import Policy, encode_prompt, load_policy, save_policy, stop_token_ids
-from trainer_core.update import TrainConfig, _chunked_logprobs
+from trainer_core.update import chunked_logprobs
 
 SFT_CONFIG_FILE = "sft.json"  # written next to the fine-tuned policy: config and final metrics
 
@@ -200,9 +200,7 @@ def _response_nll(model: nn.Module, encoded: Sequence[_Encoded], cfg: SFTConfig)
         device=hidden.device,
     )
     targets = batch.input_ids.to(hidden.device).flatten()[positions + 1]
-    # A TrainConfig only to carry the chunk size to update's helper; temperature 1 = raw logits.
-    head_cfg = TrainConfig(logprob_chunk_tokens=cfg.logprob_chunk_tokens)
-    return -_chunked_logprobs(model, hidden[positions], targets, head_cfg)
+    return -chunked_logprobs(model, hidden[positions], targets, chunk_tokens=cfg.logprob_chunk_tokens)
 
 
 def sft_loss(policy: Policy, examples: Sequence[SFTExample], cfg: SFTConfig) -> float:

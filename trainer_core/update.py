@@ -380,7 +380,7 @@ def _weight(mask: Tensor, loss_agg: str) -> Tensor:
 
 
 def _micro_batches(
-    samples: Sequence[Sample], rows: range, cfg: TrainConfig, strategy: Strategy | None
+    samples: Sequence[Sample], rows: range, cfg: TrainConfig, strategy: Strategy
 ) -> list[list[int]]:
     """Sample indices of each micro-batch of the mini-batch `rows`: fixed-size runs, or token-budget
     batches of similar lengths; every rank makes as many as the rank that needs the most."""
@@ -389,7 +389,7 @@ def _micro_batches(
         lengths, max_samples=cfg.micro_batch_size, max_tokens=cfg.micro_batch_tokens, min_count=min_count
     )
     batches = plan(1)
-    if strategy is not None and strategy.world_size > 1:
+    if strategy.world_size > 1:
         most = int(strategy.all_reduce(torch.tensor(float(len(batches))), op="max"))
         batches = plan(most)
     return [[rows.start + i for i in batch] for batch in batches]
@@ -607,13 +607,20 @@ def _score(
     return (logprobs, values) if with_values else logprobs
 
 
-def _chunked_logprobs(
-    model: nn.Module, hidden: Tensor, targets: Tensor, cfg: TrainConfig, n_chunks: int = 0
+def chunked_logprobs(
+    model: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    n_chunks: int = 0,
 ) -> Tensor:
-    """Log-probs of `targets` `(n_tokens,)` from final hidden states `(n_tokens, hidden)`.
+    """Log-probs of `targets` `(n_tokens,)` from final hidden states `(n_tokens, hidden)`, of
+    the logits / `temperature`.
 
-    The LM head runs `cfg.logprob_chunk_tokens` tokens at a time, and under autograd each chunk
-    is checkpointed: its fp32 `(chunk, vocab)` logits are recomputed in the backward pass instead
+    The LM head runs `chunk_tokens` tokens at a time, and under autograd each chunk is
+    checkpointed: its fp32 `(chunk, vocab)` logits are recomputed in the backward pass instead
     of kept, so no `(tokens x vocab)` tensor ever exists (49k vocab x 8k tokens would be 1.6 GB).
     With `n_chunks` the head runs at least that many times (the last chunks empty).
     """
@@ -624,12 +631,12 @@ def _chunked_logprobs(
         logits = head(h).float()
         if cap:  # Gemma 2 soft-caps its logits in forward(); do as it does
             logits = cap * torch.tanh(logits / cap)
-        logits = logits / cfg.logit_temperature
+        logits = logits / temperature
         # target logit - logsumexp == log_softmax at the target, without a second vocab-sized tensor.
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
 
     pieces = []
-    size = cfg.logprob_chunk_tokens
+    size = chunk_tokens
     for start in range(0, max(targets.shape[0], n_chunks * size), size):
         h, t = hidden[start : start + size], targets[start : start + size]
         if torch.is_grad_enabled():
@@ -670,7 +677,10 @@ def _forward(
         hidden = _response_hidden_for(lm, samples, response_len, cfg, device)
         # The LM head runs on the real response tokens only, flattened: the prompt's logits, a
         # (prompt_len x vocab) tensor per sample, and padding never reach it.
-        flat = _chunked_logprobs(model, hidden[mask], targets[mask], cfg, n_chunks)  # (n_tokens,)
+        flat = chunked_logprobs(  # (n_tokens,)
+            model, hidden[mask], targets[mask],
+            chunk_tokens=cfg.logprob_chunk_tokens, temperature=cfg.logit_temperature, n_chunks=n_chunks,
+        )
         if value_head is not None and value_head.backbone is not None:
             hidden = _response_hidden_for(value_head.backbone, samples, response_len, cfg, device)  # the critic's own
     logprob = torch.zeros(mask.shape, device=device).masked_scatter(mask, flat)  # (batch, response_len)

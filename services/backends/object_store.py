@@ -88,7 +88,6 @@ def _check_prefix(prefix: str) -> None:
         _check_key(prefix.removesuffix("/"), what="prefix")
 
 
-
 class LocalObjectStore:
     """Objects as files under ``root``: key ``a/b/c`` is the file ``root/a/b/c``.
 

@@ -29,11 +29,10 @@ from services.policy_store import fetch_policy
 from services.reward.functions import RewardInput, terms_fingerprint, total_rewards
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.engines import make_engine
-from trainer_core.generation import Completion, HFEngine, SamplingParams
+from trainer_core.generation import Completion, GenerationEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import Policy, encode_prompt
 from trainer_core.samples import Sample, encode_sample
-from trainer_core.vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class PromptMessage:
         return cls(prompt_id=d["prompt_id"], prompt=d["prompt"], answer=d.get("answer"))
 
 
-def rollout_engine(name: str, policy: Policy) -> HFEngine | VLLMEngine:
+def rollout_engine(name: str, policy: Policy) -> GenerationEngine:
     """A worker's sampler: `hf` over the policy's own model object, or `vllm` started from the
     directory the base weights came from and given the policy's current weights (a merged LoRA
     adapter included); both take each later version through `set_model`."""
@@ -154,7 +153,9 @@ class RolloutWorker:
         self.session_timeout_s = session_timeout_s
         self.stop = stop
         self.version = -1
-        self.engine: HFEngine | VLLMEngine | None = None
+        self.engine: GenerationEngine | None = None
+        # Fixed for the worker's life, as its loaded reward model is (`load_reward_model`).
+        self._terms_key = terms_fingerprint(spec.reward)
         self.sampling = SamplingParams(
             temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
         )
@@ -232,7 +233,7 @@ class RolloutWorker:
     def _score(self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int]) -> list[float]:
         """Rewards through the shared cache: the same response to the same prompt is scored once."""
         n = self.spec.samples_per_prompt
-        terms_key = terms_fingerprint(self.spec.reward)
+        terms_key = self._terms_key
         keys = [
             reward_cache_key(terms_key, prompts[k // n].prompt, prompts[k // n].answer or "", texts[k])
             for k in range(len(texts))

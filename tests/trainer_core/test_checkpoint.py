@@ -12,6 +12,7 @@ from torch import nn
 from trainer_core import checkpoint as ckpt
 from trainer_core.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer_core.generation import HFEngine, SamplingParams
+from trainer_core.lora import is_lora
 from trainer_core.models import Policy, encode_prompt, load_policy
 from trainer_core.samples import Sample
 from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch
@@ -153,7 +154,7 @@ def test_lora_checkpoint_holds_only_the_adapter_and_resumes(
     with pytest.raises(ValueError, match="optimizer=None"):
         load_checkpoint(path, policy_or_model=plain, optimizer=build_optimizer(plain.model, cfg))
     state = load_checkpoint(path, policy_or_model=plain)
-    assert plain.model is state.model and ckpt._is_peft(state.model)
+    assert plain.model is state.model and is_lora(state.model)
     loaded = {k.replace(".default", ""): v for k, v in _lora_weights(state.model).items()}
     _assert_same(loaded, {k.replace(".default", ""): v for k, v in saved.items()})
 
