@@ -35,10 +35,10 @@ from services.prompts import STORE_SCHEME, InvalidPromptsError, load_prompts
 from services.reward.functions import RewardInput, total_rewards
 from services.rollout.worker import build_samples, reward_source
 from services.runspec import PromptItem, RunSpec
-from services.training.job import build_value_head, kl_controller, train_config
+from services.training.job import build_value_head, kl_controller, reference_model, train_config, with_adapter
 from trainer_core.algos import AdaptiveKLController
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer_core.lora import LoraSettings, apply_lora, is_lora
+from trainer_core.lora import is_lora
 from trainer_core.generation import Completion, HFEngine, SamplingParams
 from trainer_core.models import Policy, encode_prompt, load_policy, save_policy
 from trainer_core.samples import Sample
@@ -229,13 +229,8 @@ def run_colocated(
     value_head = build_value_head(spec, policy, model_cache)
     if value_head is not None:
         value_head.to(dev)
-    if spec.training.lora_rank:
-        policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
-    # A LoRA policy's reference is its own base weights, with the adapter disabled.
-    needs_ref = cfg.kl_coef > 0 and not is_lora(policy.model)
-    ref_model = load_policy(spec.model, cache_dir=model_cache).model.to(dev).eval() if needs_ref else None
-    engine = HybridEngine(policy, cfg, value_head=value_head, ref_model=ref_model)
-    engine.kl_controller = kl_controller(spec, None)
+    policy = with_adapter(spec, policy)
+    engine = HybridEngine(policy, cfg, value_head=value_head, ref_model=reference_model(spec, policy, model_cache))
     config = {"spec": spec.model_dump(mode="json"), "train": asdict(cfg), "seed": seed, "run_id": run_id}
 
     history: list[IterationRecord] = []
@@ -249,12 +244,13 @@ def run_colocated(
                 f"(only {', '.join(sorted(_GOAL_FIELDS))} may change)"
             )
         history = [IterationRecord(**r) for r in state.metadata["history"]]
-        engine.kl_controller = kl_controller(spec, history[-1].metrics.get("actor/kl_coef") if history else None)
         elapsed_before = state.metadata["elapsed_seconds"]
         config["seed"] = state.config["seed"]
         log.info("resuming after iteration %d from %s", state.step, latest)
     else:
         _seed_everything(seed)
+    # Adaptive KL continues from the coefficient the last iteration ended with.
+    engine.kl_controller = kl_controller(spec, history[-1].metrics.get("actor/kl_coef") if history else None)
 
     per_iteration = spec.batch_samples // spec.samples_per_prompt
     sampling = SamplingParams(

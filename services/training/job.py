@@ -94,6 +94,23 @@ def train_config(spec: RunSpec) -> TrainConfig:
     )
 
 
+def with_adapter(spec: RunSpec, policy: Policy) -> Policy:
+    """`policy` with the LoRA adapter a `training.lora_rank` spec trains: added to the base
+    model (v0); a later version already carries it."""
+    if spec.training.lora_rank and not is_lora(policy.model):
+        policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
+    return policy
+
+
+def reference_model(spec: RunSpec, policy: Policy, model_cache: Path) -> torch.nn.Module | None:
+    """The frozen base model a KL term compares against, on the policy's device; None without a
+    KL term, or for a LoRA policy, whose reference is its own base weights with the adapter off."""
+    if spec.training.kl_coef == 0 or is_lora(policy.model):
+        return None
+    device = next(policy.model.parameters()).device
+    return load_policy(spec.model, cache_dir=model_cache).model.to(device).eval()
+
+
 def build_value_head(spec: RunSpec, policy: Policy, model_cache: Path) -> ValueHead | None:
     """The PPO critic the spec asks for (None for critic-free algorithms); a separate critic
     starts from the base model's weights."""
@@ -194,9 +211,9 @@ def _train(
     log.info("iteration %d: %d samples read, %d kept, dropped %s", iteration, len(records), len(selection.kept),
              {k: len(v) for k, v in selection.dropped.items()})
 
-    policy = fetch_policy(objects, run_id, iteration - 1, base_model=spec.model, model_cache=model_cache, trainable=True)
-    if spec.training.lora_rank and not is_lora(policy.model):  # v0: the base model gets its adapter
-        policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
+    policy = with_adapter(
+        spec, fetch_policy(objects, run_id, iteration - 1, base_model=spec.model, model_cache=model_cache, trainable=True)
+    )
     cfg = train_config(spec)
     value_head = build_value_head(spec, policy, model_cache)
     state_in = trainer_prefix(run_id, iteration - 1)
@@ -205,9 +222,7 @@ def _train(
     optimizer = build_optimizer(policy.model, cfg, value_head)
     if (opt := _load_torch(objects, state_in + "optimizer.pt")) is not None:
         optimizer.load_state_dict(opt)
-    # A LoRA policy's reference is its own base weights, with the adapter disabled.
-    needs_ref = cfg.kl_coef > 0 and not is_lora(policy.model)
-    ref_model = load_policy(spec.model, cache_dir=model_cache).model.eval() if needs_ref else None
+    ref_model = reference_model(spec, policy, model_cache)
 
     previous_metrics = json.loads(previous).get("metrics", {})
     controller = kl_controller(spec, previous_metrics.get("actor/kl_coef"))
