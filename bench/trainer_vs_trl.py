@@ -73,8 +73,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import re
 import resource
 import subprocess
 import sys
@@ -88,9 +86,6 @@ MODELS = ("tiny", "smollm2-135m")
 TARGET_MODEL = "smollm2-135m"
 TARGET_LINE = "target on SmolLM2-135M: >= 2.0x TRL tokens/s at <= 0.7x its peak RSS"
 TARGET_SPEEDUP, TARGET_RSS_RATIO = 2.0, 0.7
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
 @dataclass
 class BenchConfig:
     """One model's benchmark settings, handed to each worker process as JSON."""
@@ -138,19 +133,18 @@ class StepRecord:
 
 
 def arithmetic_prompts(count: int, seed: int) -> list[tuple[str, str]]:
-    """`count` (prompt, answer) pairs "What is a + b?", as in services/demo.py."""
-    rng = random.Random(seed)
-    pairs = []
-    for _ in range(count):
-        a, b = rng.randint(1, 20), rng.randint(1, 20)
-        pairs.append((f"What is {a} + {b}? Reply with only the number.", str(a + b)))
-    return pairs
+    """`count` (prompt, answer) pairs "What is a + b?", the demo's prompts."""
+    from services.demo import arithmetic_prompts as demo_prompts
+
+    return [(item["prompt"], item["answer"]) for item in demo_prompts(count, seed)]
 
 
 def exact_match(text: str, answer: str) -> float:
-    """1.0 when the last number in `text` equals `answer`."""
-    numbers = _NUMBER.findall(text)
-    return float(bool(numbers) and abs(float(numbers[-1]) - float(answer)) < 1e-9)
+    """1.0 when the last number in `text` equals `answer` (the run reward of the same name)."""
+    from services.reward.functions import last_number
+
+    got = last_number(text)
+    return float(got is not None and abs(got - float(answer)) < 1e-9)
 
 
 # ---------------------------------------------------------------------------------------------

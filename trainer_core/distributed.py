@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -360,7 +361,9 @@ class DeepSpeedStrategy:
     def full_state_dict(self) -> dict[str, Tensor]:
         """The policy's whole parameters by name (a collective: call it on every rank)."""
         params = dict(self.model.named_parameters())
-        if self.zero_stage == 3:
-            with _import_deepspeed().zero.GatheredParameters(list(params.values())):
-                return {name: p.detach().clone() for name, p in params.items()}
-        return {name: p.detach().clone() for name, p in params.items()}
+        # ZeRO-3 partitions the parameters themselves: gather them for the copy.
+        gathered = (
+            _import_deepspeed().zero.GatheredParameters(list(params.values())) if self.zero_stage == 3 else nullcontext()
+        )
+        with gathered:
+            return {name: p.detach().clone() for name, p in params.items()}
