@@ -380,7 +380,7 @@ def _weight(mask: Tensor, loss_agg: str) -> Tensor:
 
 
 def _micro_batches(
-    samples: Sequence[Sample], rows: range, cfg: TrainConfig, strategy: Strategy
+    samples: Sequence[Sample], rows: range, cfg: TrainConfig, strategy: Strategy | None
 ) -> list[list[int]]:
     """Sample indices of each micro-batch of the mini-batch `rows`: fixed-size runs, or token-budget
     batches of similar lengths; every rank makes as many as the rank that needs the most."""
@@ -389,7 +389,7 @@ def _micro_batches(
         lengths, max_samples=cfg.micro_batch_size, max_tokens=cfg.micro_batch_tokens, min_count=min_count
     )
     batches = plan(1)
-    if strategy.world_size > 1:
+    if strategy is not None and strategy.world_size > 1:
         most = int(strategy.all_reduce(torch.tensor(float(len(batches))), op="max"))
         batches = plan(most)
     return [[rows.start + i for i in batch] for batch in batches]
