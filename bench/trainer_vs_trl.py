@@ -134,7 +134,7 @@ class StepRecord:
 
 def arithmetic_prompts(count: int, seed: int) -> list[tuple[str, str]]:
     """`count` (prompt, answer) pairs "What is a + b?", the demo's prompts."""
-    from services.demo import arithmetic_prompts as demo_prompts
+    from services.arithmetic import arithmetic_prompts as demo_prompts
 
     return [(item["prompt"], item["answer"]) for item in demo_prompts(count, seed)]
 

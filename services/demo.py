@@ -8,7 +8,6 @@ prints the cost report: what the run spent against an always-on on-demand cluste
 from __future__ import annotations
 
 import json
-import random
 import socket
 import threading
 import time
@@ -22,20 +21,11 @@ from rich.live import Live
 from rich.table import Table
 
 from services.api.main import create_app
+from services.arithmetic import arithmetic_prompts
 from services.config import Settings
 from trainer_core.models import load_policy
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
-
-
-def arithmetic_prompts(count: int, seed: int = 0) -> list[dict[str, str]]:
-    """``What is a + b?`` with one- and two-digit operands, and the sum as the answer."""
-    rng = random.Random(seed)
-    items = []
-    for _ in range(count):
-        a, b = rng.randint(1, 20), rng.randint(1, 20)
-        items.append({"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)})
-    return items
 
 
 def demo_spec(model: str) -> dict[str, Any]:

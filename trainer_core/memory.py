@@ -12,7 +12,8 @@ import ctypes
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -158,6 +159,38 @@ def release_freed_memory() -> None:
     except OSError:
         return
     libc.malloc_trim(0)
+
+
+@contextmanager
+def release_during_backward(layers: Sequence[nn.Module], every: int = 3) -> Iterator[None]:
+    """`release_freed_memory` each time a backward pass reaches the output of every `every`-th
+    module of `layers` (a model's decoder layers), for the duration of the block.
+
+    A backward pass frees activations layer by layer while it allocates gradients; the freed
+    activations stay in glibc's heaps as holes the gradients do not fill, so RSS peaks at the
+    end of the pass with all gradients plus most of the activations' memory. Measured on
+    SmolLM2-135M (GRPO, 8 samples): peak RSS 3.16 -> 2.87 GB for ~0.1 s per step.
+    """
+
+    def on_forward(_module: nn.Module, _args: object, output: object) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda _grad: release_freed_memory())
+
+    handles = [layer.register_forward_hook(on_forward) for layer in list(layers)[::every]]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks of a transformer: its `nn.ModuleList` holding the most parameters."""
+    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of layers")
+    return max(lists, key=lambda layers: sum(p.numel() for p in layers.parameters()))
 
 
 class MemoryMonitor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
@@ -38,7 +38,7 @@ from trainer_core.algos import (
 )
 from trainer_core.generation import cache_kwarg, distinct_prompts, left_pad
 from trainer_core.lora import causal_lm, reference_policy
-from trainer_core.memory import plan_micro_batches, release_freed_memory
+from trainer_core.memory import decoder_layers, plan_micro_batches, release_during_backward, release_freed_memory
 from trainer_core.samples import Sample
 
 
@@ -349,8 +349,11 @@ def _training_mode(model: nn.Module, gradient_checkpointing: bool) -> Iterator[N
     model.train()
     if tied:
         embeddings.sparse = True
+    # Host memory only: on an accelerator the activations live in the device's caching allocator.
+    on_host = next(lm.parameters()).device.type == "cpu"
     try:
-        yield
+        with release_during_backward(decoder_layers(lm)) if on_host else nullcontext():
+            yield
     finally:
         model.eval()
         if tied:
@@ -619,10 +622,12 @@ def chunked_logprobs(
     """Log-probs of `targets` `(n_tokens,)` from final hidden states `(n_tokens, hidden)`, of
     the logits / `temperature`.
 
-    The LM head runs `chunk_tokens` tokens at a time, and under autograd each chunk is
-    checkpointed: its fp32 `(chunk, vocab)` logits are recomputed in the backward pass instead
-    of kept, so no `(tokens x vocab)` tensor ever exists (49k vocab x 8k tokens would be 1.6 GB).
-    With `n_chunks` the head runs at least that many times (the last chunks empty).
+    The LM head runs `chunk_tokens` tokens at a time, and under autograd every chunk but the
+    last is checkpointed: its fp32 `(chunk, vocab)` logits are recomputed in the backward pass
+    instead of kept, so no `(tokens x vocab)` tensor ever exists (49k vocab x 8k tokens would be
+    1.6 GB). The last chunk's logits are kept: the backward pass reaches them first, so
+    recomputing them would save no memory. With `n_chunks` the head runs at least that many
+    times (the last chunks empty).
     """
     head = causal_lm(model).get_output_embeddings()
     cap = getattr(causal_lm(model).config, "final_logit_softcapping", None)
@@ -637,9 +642,10 @@ def chunked_logprobs(
 
     pieces = []
     size = chunk_tokens
-    for start in range(0, max(targets.shape[0], n_chunks * size), size):
+    starts = range(0, max(targets.shape[0], n_chunks * size), size)
+    for start in starts:
         h, t = hidden[start : start + size], targets[start : start + size]
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and start != starts[-1]:
             pieces.append(checkpoint(chunk_logprobs, h, t, use_reentrant=False))
         else:
             pieces.append(chunk_logprobs(h, t))

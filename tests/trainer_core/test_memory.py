@@ -6,15 +6,19 @@ import pytest
 import torch
 from torch import nn
 
+from trainer_core import memory
 from trainer_core.memory import (
     MemoryMonitor,
     MicroBatchProbeError,
     available_memory_gb,
+    decoder_layers,
     frozen_parameter_audit,
     is_oom_error,
     plan_micro_batch,
     probe_micro_batch,
+    release_during_backward,
 )
+from trainer_core.models import Policy
 
 
 class FakeOOM(RuntimeError):
@@ -128,3 +132,31 @@ def test_maybe_log_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
     lines = [r.getMessage() for r in caplog.records if r.name == "test_memory"]
     assert len(lines) == 2
     assert all(line.startswith("memory: ") and "peak" in line for line in lines)
+
+
+def test_decoder_layers_are_the_models_repeated_blocks(tiny_policy: Policy) -> None:
+    model = tiny_policy.model
+    assert decoder_layers(model) is model.model.layers
+    with pytest.raises(ValueError, match="no nn.ModuleList"):
+        decoder_layers(nn.Linear(2, 2))
+
+
+def test_release_during_backward_trims_at_every_nth_layer_then_unhooks(
+    tiny_policy: Policy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    monkeypatch.setattr(memory, "release_freed_memory", lambda: calls.append(1))
+    model = tiny_policy.model
+    layers = decoder_layers(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+
+    with release_during_backward(layers, every=2):
+        with torch.no_grad():  # no graph, nothing to hook
+            model(input_ids=ids)
+        assert calls == []
+        model(input_ids=ids).logits.sum().backward()
+    assert len(calls) == len(layers[::2]) > 0
+
+    calls.clear()
+    model(input_ids=ids).logits.sum().backward()
+    assert calls == []
