@@ -99,10 +99,15 @@ class TrainConfig:
     adv_estimator: str = ""  # a name in algos.ADV_ESTIMATORS; "" = the algorithm's own (grpo | gae)
     logprob_chunk_tokens: int = 1024  # response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward
-    # Run each distinct prompt of a micro-batch once and its samples' responses on its KV cache:
-    # a GRPO group's n samples share one prompt, so forward and backward see each prompt token
-    # once, not n times. Off under gradient checkpointing, whose layers drop the cache.
+    # Run each distinct prompt of a micro-batch once, its samples' responses attending to it: a
+    # GRPO group's n samples share one prompt, so forward and backward see each prompt token
+    # once, not n times. (Padded micro-batches share through a KV cache, which gradient
+    # checkpointing drops: there they run every prompt in full.)
     share_prompt_prefix: bool = True
+    # Micro-batches of at most this many tokens (shared prompts counted once) run as one packed
+    # row under a block mask: no padding. Longer ones run padded (their dense mask would cost
+    # row^2). 0 = always padded. Needs SDPA attention (the transformers default).
+    pack_max_tokens: int = 4096
 
     def __post_init__(self) -> None:
         # Each raises ValueError naming the bad value.
@@ -121,8 +126,8 @@ class TrainConfig:
             raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.micro_batch_tokens < 0 or self.is_cap <= 0 or self.clip_ratio_high < 0:
-            raise ValueError("micro_batch_tokens and clip_ratio_high must be >= 0, is_cap > 0")
+        if min(self.micro_batch_tokens, self.clip_ratio_high, self.pack_max_tokens) < 0 or self.is_cap <= 0:
+            raise ValueError("micro_batch_tokens, clip_ratio_high and pack_max_tokens must be >= 0, is_cap > 0")
         if self.dual_clip and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 (or 0 for none), got {self.dual_clip}")
 
@@ -663,44 +668,114 @@ def _forward(
     """Log-probs of each sample's response tokens under `model` (logits / temperature, fp32) and,
     with a value head, its values; both `(batch, response_len)`, zero on padding."""
     device = next(model.parameters()).device
-    n_chunks = 0
-    if strategy is not None and strategy.world_size > 1:
-        # Every rank calls the LM head as many times: ZeRO-3 gathers a module's parameters at
-        # each call, a collective that all ranks must make in the same order.
-        n_chunks = -(-sum(len(s.response_ids) for s in samples) // cfg.logprob_chunk_tokens)
-        n_chunks = int(strategy.all_reduce(torch.tensor(float(n_chunks)), op="max"))
     lm = causal_lm(model)
-    targets = torch.zeros(len(samples), response_len, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        targets[row, : len(sample.response_ids)] = torch.tensor(sample.response_ids)
-    targets = targets.to(device)
+    layout = _Layout.of(samples, cfg.share_prompt_prefix)
+    n_chunks = -(-sum(len(s.response_ids) for s in samples) // cfg.logprob_chunk_tokens)
+    if strategy is not None and strategy.world_size > 1:
+        # Every rank calls the LM head and the backbone as many times: ZeRO-3 gathers a module's
+        # parameters at each call, a collective that all ranks must make in the same order.
+        agreed = strategy.all_reduce(torch.tensor([float(n_chunks), float(layout.packed_tokens)]), op="max")
+        n_chunks, layout.packed_tokens = int(agreed[0]), int(agreed[1])
+    targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)  # (n_tokens,)
     lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
     mask = torch.arange(response_len, device=device) < lengths[:, None]  # (batch, response_len)
 
     # bf16 autocast is for accelerators and CPUs with bf16 units (AVX512-BF16/AMX): elsewhere
     # it is emulated and ~15x slower.
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        hidden = _response_hidden_for(lm, samples, response_len, cfg, device)
+        hidden = _response_hidden_for(lm, samples, layout, response_len, cfg, device)
         # The LM head runs on the real response tokens only, flattened: the prompt's logits, a
         # (prompt_len x vocab) tensor per sample, and padding never reach it.
         flat = chunked_logprobs(  # (n_tokens,)
-            model, hidden[mask], targets[mask],
+            model, hidden, targets,
             chunk_tokens=cfg.logprob_chunk_tokens, temperature=cfg.logit_temperature, n_chunks=n_chunks,
         )
         if value_head is not None and value_head.backbone is not None:
-            hidden = _response_hidden_for(value_head.backbone, samples, response_len, cfg, device)  # the critic's own
+            hidden = _response_hidden_for(value_head.backbone, samples, layout, response_len, cfg, device)
     logprob = torch.zeros(mask.shape, device=device).masked_scatter(mask, flat)  # (batch, response_len)
-    values = None if value_head is None else value_head(hidden) * mask  # (batch, response_len)
+    values = None
+    if value_head is not None:
+        values = torch.zeros(mask.shape, device=device).masked_scatter(mask, value_head(hidden))
     return logprob, values
 
 
+@dataclass
+class _Layout:
+    """Which prompt each sample continues: `prompts` run once each, `owner[i]` is sample i's."""
+
+    prompts: list[Sequence[int]]
+    owner: list[int]
+    packed_tokens: int  # the length of one row holding every prompt once, then every response
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample], share_prompt_prefix: bool) -> _Layout:
+        if share_prompt_prefix:
+            prompts, owner = distinct_prompts([s.prompt_ids for s in samples])
+        else:
+            prompts, owner = [s.prompt_ids for s in samples], list(range(len(samples)))
+        packed = sum(len(p) for p in prompts) + sum(len(s.response_ids) for s in samples)
+        return cls(prompts, owner, packed)
+
+
 def _response_hidden_for(
-    lm: PreTrainedModel, samples: Sequence[Sample], response_len: int, cfg: TrainConfig, device: torch.device
+    lm: PreTrainedModel,
+    samples: Sequence[Sample],
+    layout: _Layout,
+    response_len: int,
+    cfg: TrainConfig,
+    device: torch.device,
 ) -> Tensor:
-    """`_response_hidden`, with shared prompt prefixes when the config allows them."""
+    """Final hidden states at the positions that predict the response tokens, flattened sample
+    by sample `(n_tokens, hidden)`: from one packed row when it is short enough and the model
+    takes a custom mask (SDPA attention), else from padded rows (with shared prompt prefixes
+    when the config allows them)."""
+    if 0 < layout.packed_tokens <= cfg.pack_max_tokens and lm.config._attn_implementation == "sdpa":
+        return _response_hidden_packed(lm, samples, layout, device)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
+    mask = torch.arange(response_len, device=device) < lengths[:, None]
     if cfg.share_prompt_prefix and not cfg.gradient_checkpointing:
-        return _response_hidden_shared_prefix(lm, samples, response_len, device)
-    return _response_hidden(lm, samples, response_len, device)
+        return _response_hidden_shared_prefix(lm, samples, response_len, device)[mask]
+    return _response_hidden(lm, samples, response_len, device)[mask]
+
+
+def _response_hidden_packed(
+    lm: PreTrainedModel, samples: Sequence[Sample], layout: _Layout, device: torch.device
+) -> Tensor:
+    """`_response_hidden_for` from one row without padding: `layout.prompts` one after the
+    other, then each sample's response, under a block mask in which a prompt token sees its own
+    prompt causally and a response token its prompt plus its own response causally.
+
+    What each token attends to and its position are those of the padded passes, so the hidden
+    states are theirs; a prompt shared by a group runs once, and no compute goes to padding.
+    The mask is dense `(row, row)`, so rows are kept to `TrainConfig.pack_max_tokens`.
+    """
+    segments = [*layout.prompts, *(s.response_ids for s in samples)]
+    n_prompts = len(layout.prompts)
+    sizes = torch.tensor([len(seg) for seg in segments])
+    segment = torch.repeat_interleave(torch.arange(len(segments)), sizes)  # (row,)
+    starts = sizes.cumsum(0) - sizes  # (n_segments,)
+    offset = torch.arange(len(segment)) - starts[segment]  # index within its segment
+    # The prompt segment each segment attends to: a prompt its own, a response its sample's.
+    context = torch.cat([torch.arange(n_prompts), torch.tensor(layout.owner, dtype=torch.long)])
+    is_response = segment >= n_prompts
+    position = offset + torch.where(is_response, sizes[context[segment]], 0)
+    causal = (segment[:, None] == segment[None, :]) & (offset[None, :] <= offset[:, None])
+    sees_prompt = is_response[:, None] & (segment[None, :] == context[segment][:, None])
+    ids = torch.tensor([t for seg in segments for t in seg])
+    hidden = lm.base_model(
+        input_ids=ids[None].to(device),
+        attention_mask=(causal | sees_prompt)[None, None].to(device),  # (1, 1, row, row)
+        position_ids=position[None].to(device),
+        use_cache=False,
+    ).last_hidden_state[0]
+    # Response token 0 is predicted by its prompt's last token, token t by response token t - 1.
+    rows = []
+    for i, sample in enumerate(samples):
+        prompt = layout.owner[i]
+        start = int(starts[n_prompts + i])
+        rows.append(int(starts[prompt] + sizes[prompt]) - 1)
+        rows.extend(range(start, start + len(sample.response_ids) - 1))
+    return hidden[torch.tensor(rows, device=device)]
 
 
 def _response_hidden(

@@ -253,21 +253,24 @@ def test_chunked_logprobs_match_one_chunk_in_value_and_gradient(tiny_policy, mak
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize(("share", "pack"), [(True, False), (False, True), (True, True)], ids=["shared-kv", "packed", "packed-shared"])
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_shared_prompt_prefix_gives_the_full_pass_update(
-    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
+def test_shared_prompts_and_packing_give_the_padded_full_pass_update(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str, share: bool, pack: bool
 ) -> None:
-    """Each distinct prompt run once with its samples on its KV cache: the same log-probs,
-    values and update as running every prompt + response in full. Groups of 8 of 2 prompts of
-    different lengths (left padding), plus 8 samples of distinct random prompts."""
+    """Each distinct prompt run once (its samples on its KV cache, or attending to it in a
+    packed row), or every sample packed into one row without padding: the same log-probs,
+    values and update as running every prompt + response padded, in full. Groups of 8 of 2
+    prompts of different lengths, plus 8 samples of distinct random prompts."""
+    assert tiny_policy.model.config._attn_implementation == "sdpa", "packing needs SDPA's custom masks"
     params = SamplingParams(temperature=1.0, max_new_tokens=10)
     samples = _generated_samples(tiny_policy, make_sample, params, seed=3, reward=len)
     samples += _random_samples(make_sample, len(tiny_policy.tokenizer))
     results = []
-    for share in (False, True):
+    for layout in ({"share_prompt_prefix": False, "pack_max_tokens": 0}, {"share_prompt_prefix": share, "pack_max_tokens": 4096 if pack else 0}):
         model = copy.deepcopy(tiny_policy.model)
         value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
-        cfg = TrainConfig(algorithm=algorithm, share_prompt_prefix=share, micro_batch_size=12, max_grad_norm=1e9)
+        cfg = TrainConfig(algorithm=algorithm, micro_batch_size=12, max_grad_norm=1e9, **layout)
         response_len = max(len(s.response_ids) for s in samples)
         with torch.no_grad():
             scored = _forward(model, samples, response_len, cfg, value_head)
