@@ -146,6 +146,17 @@ class Training(BaseModel):
     )
     is_cap: float = Field(default=2.0, gt=0.0, description="Cap of the importance weight of stale tokens (off_policy: decoupled).")
     max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
+    processes: int = Field(
+        default=1, ge=1, le=64,
+        description="Training processes in the job's pod, one per GPU of instance_type, started by torchrun; > 1 trains data-parallel with `strategy`.",
+    )
+    strategy: Literal["fsdp2", "zero1", "zero2", "zero3"] = Field(
+        default="fsdp2",
+        description="Data-parallel strategy when processes > 1: torch FSDP2, or DeepSpeed ZeRO stage 1/2/3 (pip install 'spotrl[deepspeed]').",
+    )
+    offload_optimizer: bool = Field(
+        default=False, description="ZeRO only: keep the optimizer state and its step on the CPU (DeepSpeedCPUAdam)."
+    )
 
     _instance = field_validator("instance_type")(_known_instance_type)
 
@@ -153,6 +164,12 @@ class Training(BaseModel):
     def _check_kl(self) -> Training:
         if self.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_target adapts kl_coef multiplicatively: give a starting kl_coef > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> Training:
+        if self.offload_optimizer and not self.strategy.startswith("zero"):
+            raise ValueError("offload_optimizer is a ZeRO option: set strategy to zero1, zero2 or zero3")
         return self
 
 

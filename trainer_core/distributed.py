@@ -36,6 +36,7 @@ import os
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -49,6 +50,10 @@ from trainer_core.update import TrainConfig
 _T = TypeVar("_T")
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# What `save_optimizer_state` writes into its directory.
+_OPTIMIZER_FILE = "optimizer.pt"
+_CRITIC_OPTIMIZER_FILE = "critic_optimizer.pt"
+_DEEPSPEED_TAG = "zero"
 # Adam's defaults, shared by every optimizer here so that the strategies step as
 # `update.build_optimizer` does on one process (no weight decay: see there).
 _BETAS, _EPS = (0.9, 0.999), 1e-8
@@ -250,12 +255,36 @@ class FSDP2Strategy:
             for name, p in self.model.named_parameters()
         }
 
+    def save_optimizer_state(self, directory: Path) -> None:
+        """Write the AdamW state, whole and keyed by parameter name, to `directory/optimizer.pt`
+        (a collective: call it on every rank; rank 0 writes). Whole, it loads at any process
+        count."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {"actor": get_optimizer_state_dict(self.model, self.optimizer, options=options)}
+        if self._critic is not None:
+            state["critic"] = self._critic.optimizer.state_dict()
+        if self.rank == 0:
+            torch.save(state, directory / _OPTIMIZER_FILE)
+
+    def load_optimizer_state(self, directory: Path) -> None:
+        """Load what `save_optimizer_state` wrote (a collective; only rank 0 reads the file, and
+        each rank takes its shards of the state)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        state = torch.load(directory / _OPTIMIZER_FILE, weights_only=True) if self.rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state.get("actor", {}), options=options)
+        if self._critic is not None:
+            self._critic.optimizer.load_state_dict(broadcast_object(state.get("critic")))
+
 
 def _import_deepspeed() -> Any:
     try:
         import deepspeed
     except ImportError as error:
-        raise ImportError("DeepSpeedStrategy needs DeepSpeed: pip install deepspeed") from error
+        raise ImportError("DeepSpeedStrategy needs DeepSpeed: pip install 'spotrl[deepspeed]'") from error
     return deepspeed
 
 
@@ -309,7 +338,7 @@ class DeepSpeedStrategy:
     `config_overrides` merged in (nested dicts key by key). The engine wraps a `_ForwardRunner`,
     so every forward pass of `train_on_batch` runs as the engine's forward: ZeRO counts its
     micro-steps there (and ZeRO-3 gathers parameters module by module within it). Needs a process
-    group (`init_distributed`) and `pip install deepspeed`.
+    group (`init_distributed`) and `pip install 'spotrl[deepspeed]'`.
     """
 
     def __init__(
@@ -358,6 +387,21 @@ class DeepSpeedStrategy:
         norm = self.engine.get_global_grad_norm()
         return torch.tensor(float("nan") if norm is None else float(norm))
 
+    def save_optimizer_state(self, directory: Path) -> None:
+        """Write DeepSpeed's checkpoint (each rank its optimizer partition) under `directory`
+        (a collective: call it on every rank). It loads at the same process count."""
+        self.engine.save_checkpoint(str(directory), tag=_DEEPSPEED_TAG)
+        if self._critic is not None and self.rank == 0:
+            torch.save(self._critic.optimizer.state_dict(), directory / _CRITIC_OPTIMIZER_FILE)
+
+    def load_optimizer_state(self, directory: Path) -> None:
+        """Load what `save_optimizer_state` wrote (a collective; every rank reads its partition)."""
+        self.engine.load_checkpoint(
+            str(directory), tag=_DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if self._critic is not None:
+            self._critic.optimizer.load_state_dict(torch.load(directory / _CRITIC_OPTIMIZER_FILE, weights_only=True))
+
     def full_state_dict(self) -> dict[str, Tensor]:
         """The policy's whole parameters by name (a collective: call it on every rank)."""
         params = dict(self.model.named_parameters())
@@ -367,3 +411,34 @@ class DeepSpeedStrategy:
         )
         with gathered:
             return {name: p.detach().clone() for name, p in params.items()}
+
+
+STRATEGIES = ("fsdp2", "zero1", "zero2", "zero3")
+
+
+def build_strategy(
+    name: str,
+    model: nn.Module,
+    cfg: TrainConfig,
+    *,
+    value_head: nn.Module | None = None,
+    offload_optimizer: bool = False,
+) -> FSDP2Strategy | DeepSpeedStrategy:
+    """The data-parallel strategy called `name` (one of `STRATEGIES`) over `model`, already on
+    this rank's device. `offload_optimizer` keeps ZeRO's optimizer state and step on the CPU."""
+    if name == "fsdp2":
+        if offload_optimizer:
+            raise ValueError("offload_optimizer is a ZeRO option: use strategy zero1, zero2 or zero3")
+        return FSDP2Strategy(model, cfg, value_head=value_head)
+    if name in STRATEGIES:
+        return DeepSpeedStrategy(
+            model, cfg, zero_stage=int(name[-1]), offload_optimizer=offload_optimizer, value_head=value_head
+        )
+    raise ValueError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
+
+
+def broadcast_object(obj: _T | None) -> _T:
+    """Rank 0's `obj` on every rank (pickled; what other ranks pass is ignored)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -48,6 +48,15 @@ class PodSpec:
     labels: dict[str, str] = field(default_factory=dict)
 
 
+def cli_command(args: list[str], *, processes: int = 1, python: str = sys.executable) -> list[str]:
+    """The command of a pod running ``spotrl ARGS``: one process, or ``processes`` of them
+    started by torchrun on the pod's machine (one per GPU), which sets each one's rank."""
+    module = ["-m", "services.cli", *args]
+    if processes == 1:
+        return [python, *module]
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *module]
+
+
 @dataclass(frozen=True)
 class PodStatus:
     name: str

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 from collections import defaultdict
 
-from services.backends.launcher import PodSpec
+from services.backends.launcher import PodSpec, cli_command
 from services.backends.state_store import IterationRow, RunRow, RunStatus
 from services.config import Settings
 from services.cost.catalog import PriceCatalog, load_catalog
@@ -131,7 +130,8 @@ class Scheduler:
                 self.b.state.update_run(run_id, train_launch_committed=committed)
                 name = training_pod_name(run_id, iteration)
                 self._launch(run_id, name, "training", ["train-job", run_id, str(iteration)],
-                             spec.training.instance_type, "on-demand", {"iteration": str(iteration)})
+                             spec.training.instance_type, "on-demand", {"iteration": str(iteration)},
+                             processes=spec.training.processes)
             case p.StopPod(name):
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.ReapPod(pod):
@@ -154,7 +154,7 @@ class Scheduler:
                 self._finish(run_id, status, reason)
 
     def _launch(self, run_id: str, name: str, role: str, args: list[str], instance_type: str,
-                capacity_type: str, labels: dict[str, str]) -> None:
+                capacity_type: str, labels: dict[str, str], processes: int = 1) -> None:
         price = self.catalog.get(instance_type)
         started = time.time()
         self.b.launcher.launch(
@@ -162,7 +162,7 @@ class Scheduler:
                 name=name,
                 run_id=run_id,
                 role=role,
-                command=[sys.executable, "-m", "services.cli", *args],
+                command=cli_command(args, processes=processes),
                 env=self.settings.pod_env(),
                 instance_type=instance_type,
                 capacity_type=capacity_type,

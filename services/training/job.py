@@ -13,11 +13,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +30,7 @@ from services.names import TRAINER_GROUP, TRAINER_MEMBER, result_key, samples_to
 from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
 from trainer_core.algos import AdaptiveKLController
+from trainer_core.distributed import DistEnv, broadcast_object, build_strategy, init_distributed, shard_samples
 from trainer_core.lora import LoraSettings, apply_lora, is_lora
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import Policy, load_policy
@@ -34,6 +38,7 @@ from trainer_core.samples import Sample, decode_sample
 from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Policy versions kept in the object store; older ones are deleted after each publish.
 KEEP_POLICY_VERSIONS = 3
@@ -181,59 +186,149 @@ def _save_torch(objects: ObjectStore, key: str, obj: dict) -> None:
 def run_training_job(
     *, run_id: str, iteration: int, spec: RunSpec, queue: Queue, objects: ObjectStore, model_cache: Path
 ) -> dict:
-    """Train iteration ``iteration`` (v(N-1) -> vN) and return its result record."""
-    consumer = trainer_consumer(queue, run_id)
+    """Train iteration ``iteration`` (v(N-1) -> vN) and return its result record.
+
+    With ``training.processes`` > 1 every torchrun rank calls this: rank 0 reads the batch and
+    shares it, each rank trains its share of whole groups with ``training.strategy``, and rank 0
+    publishes, writes the result and commits.
+    """
+    ranks = Ranks.join(spec.training.processes)
+    consumer = trainer_consumer(queue, run_id) if ranks.leader else None
     try:
-        return _train(run_id, iteration, spec, queue, consumer, objects, model_cache)
+        return _train(run_id, iteration, spec, queue, consumer, objects, model_cache, ranks)
     finally:
-        consumer.close()
+        if consumer is not None:
+            consumer.close()
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This job process's place among the job's processes (`env` None: the only one)."""
+
+    env: DistEnv | None
+
+    @classmethod
+    def join(cls, processes: int) -> Ranks:
+        if processes == 1:
+            return cls(None)
+        env = init_distributed()
+        if env.world_size != processes:
+            raise RuntimeError(f"the run spec asks for {processes} training processes, torchrun started {env.world_size}")
+        return cls(env)
+
+    @property
+    def leader(self) -> bool:
+        return self.env is None or self.env.rank == 0
+
+    def share(self, obj: _T | None) -> _T:
+        """The leader's `obj` on every rank (a collective, so also a barrier)."""
+        return obj if self.env is None else broadcast_object(obj)
+
+
+def even_shares(samples: Sequence[Sample], world_size: int) -> tuple[list[Sample], list[str]]:
+    """`samples` less as few trailing groups as it takes for `shard_samples` to give every rank
+    as many samples in whole groups; and the ids of the samples left out."""
+    kept = list(samples)
+    while kept:
+        try:
+            shard_samples(kept, 0, world_size)
+            break
+        except ValueError:
+            last = kept[-1].group_id
+            kept = [s for s in kept if s.group_id != last]
+    kept_ids = {s.sample_id for s in kept}
+    return kept, [s.sample_id for s in samples if s.sample_id not in kept_ids]
 
 
 def _train(
-    run_id: str, iteration: int, spec: RunSpec, queue: Queue, consumer: Consumer, objects: ObjectStore, model_cache: Path
+    run_id: str,
+    iteration: int,
+    spec: RunSpec,
+    queue: Queue,
+    consumer: Consumer | None,
+    objects: ObjectStore,
+    model_cache: Path,
+    ranks: Ranks,
 ) -> dict:
     if objects.exists(result_key(run_id, iteration)):
         result = json.loads(objects.get_bytes(result_key(run_id, iteration)))
-        log.info("v%d already published: committing its offsets and exiting", iteration)
-        consumer.poll(1, timeout_s=0.0)  # join the group so that the partitions are ours
-        consumer.commit({int(p): o for p, o in result["offsets"].items()})
+        if consumer is not None:
+            log.info("v%d already published: committing its offsets and exiting", iteration)
+            consumer.poll(1, timeout_s=0.0)  # join the group so that the partitions are ours
+            consumer.commit({int(p): o for p, o in result["offsets"].items()})
         return result
 
     started = time.time()
-    records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], spec.batch_samples, spec.samples_per_prompt)
-    previous = objects.get_bytes(result_key(run_id, iteration - 1)) if iteration > 1 else b'{"trained_ids": []}'
-    selection = select_samples(
-        (decode_sample(r.value) for r in records),
-        seen=set(json.loads(previous)["trained_ids"]),
-        policy_version=iteration - 1,
-        staleness_bound=spec.staleness_bound,
-    )
-    log.info("iteration %d: %d samples read, %d kept, dropped %s", iteration, len(records), len(selection.kept),
-             {k: len(v) for k, v in selection.dropped.items()})
+    previous = json.loads(objects.get_bytes(result_key(run_id, iteration - 1)) if iteration > 1 else b'{"trained_ids": []}')
+    batch = None
+    if consumer is not None:
+        records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], spec.batch_samples, spec.samples_per_prompt)
+        selection = select_samples(
+            (decode_sample(r.value) for r in records),
+            seen=set(previous["trained_ids"]),
+            policy_version=iteration - 1,
+            staleness_bound=spec.staleness_bound,
+        )
+        if ranks.env is not None:
+            selection.kept, selection.dropped["uneven"] = even_shares(selection.kept, ranks.env.world_size)
+        log.info("iteration %d: %d samples read, %d kept, dropped %s", iteration, len(records), len(selection.kept),
+                 {k: len(v) for k, v in selection.dropped.items()})
+        batch = (len(records), offsets, selection)
+    samples_read, offsets, selection = ranks.share(batch)
 
     policy = with_adapter(
         spec, fetch_policy(objects, run_id, iteration - 1, base_model=spec.model, model_cache=model_cache, trainable=True)
     )
+    device = ranks.env.device if ranks.env is not None else torch.device("cpu")
+    policy.model.to(device)
     cfg = train_config(spec)
     value_head = build_value_head(spec, policy, model_cache)
     state_in = trainer_prefix(run_id, iteration - 1)
-    if value_head is not None and (vh := _load_torch(objects, state_in + "value_head.pt")) is not None:
-        value_head.load_state_dict(vh)
-    optimizer = build_optimizer(policy.model, cfg, value_head)
-    if (opt := _load_torch(objects, state_in + "optimizer.pt")) is not None:
-        optimizer.load_state_dict(opt)
+    if value_head is not None:
+        value_head.to(device)
+        if (vh := _load_torch(objects, state_in + "value_head.pt")) is not None:
+            value_head.load_state_dict(vh)
     ref_model = reference_model(spec, policy, model_cache)
-
-    previous_metrics = json.loads(previous).get("metrics", {})
-    controller = kl_controller(spec, previous_metrics.get("actor/kl_coef"))
-    metrics = train_on_batch(policy.model, selection.kept, cfg, optimizer, ref_model=ref_model, value_head=value_head,
-                             kl_controller=controller) if selection.kept else {}
-    metrics.update(MemoryMonitor().sample())  # current and peak RSS (GPU memory on CUDA)
-
-    with tempfile.TemporaryDirectory() as scratch:
-        publish_policy(objects, run_id, iteration, policy, Path(scratch))
+    controller = kl_controller(spec, previous.get("metrics", {}).get("actor/kl_coef"))
+    train = partial(train_on_batch, ref_model=ref_model, value_head=value_head, kl_controller=controller)
     state_out = trainer_prefix(run_id, iteration)
-    _save_torch(objects, state_out + "optimizer.pt", optimizer.state_dict())
+
+    if ranks.env is None:
+        optimizer = build_optimizer(policy.model, cfg, value_head)
+        if (opt := _load_torch(objects, state_in + "optimizer.pt")) is not None:
+            optimizer.load_state_dict(opt)
+        metrics = train(policy.model, selection.kept, cfg, optimizer) if selection.kept else {}
+        metrics.update(MemoryMonitor().sample())  # current and peak RSS (GPU memory on CUDA)
+        with tempfile.TemporaryDirectory() as scratch:
+            publish_policy(objects, run_id, iteration, policy, Path(scratch))
+        _save_torch(objects, state_out + "optimizer.pt", optimizer.state_dict())
+    else:
+        strategy = build_strategy(spec.training.strategy, policy.model, cfg, value_head=value_head,
+                                  offload_optimizer=spec.training.offload_optimizer)
+        # The ranks of a pod share its disk: the leader moves the optimizer state between it and the store.
+        scratch = model_cache / "runs" / run_id / f"trainer-v{iteration}"
+        resuming = bool(objects.list(state_in + "optimizer/"))
+        if ranks.leader:
+            shutil.rmtree(scratch, ignore_errors=True)
+            (scratch / "out").mkdir(parents=True)
+            if resuming:
+                objects.download_dir(state_in + "optimizer/", scratch / "in")
+        ranks.share(None)  # the files are in place
+        if resuming:
+            strategy.load_optimizer_state(scratch / "in")
+        shard = shard_samples(selection.kept, ranks.env.rank, ranks.env.world_size)
+        metrics = train(policy.model, shard, cfg, strategy) if shard else {}
+        metrics.update(MemoryMonitor().sample())  # rank 0's own memory
+        weights = strategy.full_state_dict()
+        strategy.save_optimizer_state(scratch / "out")
+        ranks.share(None)  # every rank has written its part
+        if ranks.leader:
+            _publish_weights(objects, run_id, iteration, spec, weights, model_cache)
+            objects.upload_dir(scratch / "out", state_out + "optimizer/")
+            shutil.rmtree(scratch)
+        else:
+            return {}  # the leader writes the result and commits
+
     if value_head is not None:
         _save_torch(objects, state_out + "value_head.pt", value_head.state_dict())
     result = {
@@ -241,7 +336,7 @@ def _train(
         "policy_version": iteration,
         "mean_reward": _mean(s.reward for s in selection.kept),
         "metrics": metrics,
-        "samples_read": len(records),
+        "samples_read": samples_read,
         "trained_ids": [s.sample_id for s in selection.kept],
         "dropped": selection.dropped,
         "offsets": {str(p): o for p, o in offsets.items()},
@@ -253,10 +348,25 @@ def _train(
 
     # Retention: the optimizer state is only ever read by the next iteration.
     if iteration > 1:
-        objects.delete_prefix(trainer_prefix(run_id, iteration - 1) + "optimizer.pt")
+        objects.delete_prefix(trainer_prefix(run_id, iteration - 1) + "optimizer")
     if iteration - KEEP_POLICY_VERSIONS >= 1:
         delete_policy(objects, run_id, iteration - KEEP_POLICY_VERSIONS, model_cache)
     return result
+
+
+def _publish_weights(
+    objects: ObjectStore, run_id: str, version: int, spec: RunSpec, weights: dict[str, torch.Tensor], model_cache: Path
+) -> None:
+    """Publish policy `version` from the whole trained `weights` (gathered from the ranks' shards),
+    loaded into a fresh copy of the policy it was trained from."""
+    policy = with_adapter(
+        spec, fetch_policy(objects, run_id, version - 1, base_model=spec.model, model_cache=model_cache, trainable=True)
+    )
+    unexpected = policy.model.load_state_dict(weights, strict=False).unexpected_keys
+    if unexpected:
+        raise RuntimeError(f"trained weights the policy does not have: {unexpected[:5]}")
+    with tempfile.TemporaryDirectory() as scratch:
+        publish_policy(objects, run_id, version, policy, Path(scratch))
 
 
 def _mean(values: Iterable[float]) -> float:
