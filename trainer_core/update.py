@@ -104,9 +104,10 @@ class TrainConfig:
     # once, not n times. (Padded micro-batches share through a KV cache, which gradient
     # checkpointing drops: there they run every prompt in full.)
     share_prompt_prefix: bool = True
-    # Micro-batches of at most this many tokens (shared prompts counted once) run as one packed
-    # row under a block mask: no padding. Longer ones run padded (their dense mask would cost
-    # row^2). 0 = always padded. Needs SDPA attention (the transformers default).
+    # Pack each prompt and its samples' responses into one row under a block mask, when every
+    # such row of a micro-batch is at most this many tokens: no padding inside a group. Longer
+    # rows run padded (a dense mask costs row^2). 0 = always padded. Needs SDPA attention (the
+    # transformers default).
     pack_max_tokens: int = 4096
 
     def __post_init__(self) -> None:
@@ -674,8 +675,8 @@ def _forward(
     if strategy is not None and strategy.world_size > 1:
         # Every rank calls the LM head and the backbone as many times: ZeRO-3 gathers a module's
         # parameters at each call, a collective that all ranks must make in the same order.
-        agreed = strategy.all_reduce(torch.tensor([float(n_chunks), float(layout.packed_tokens)]), op="max")
-        n_chunks, layout.packed_tokens = int(agreed[0]), int(agreed[1])
+        agreed = strategy.all_reduce(torch.tensor([float(n_chunks), float(layout.row_tokens)]), op="max")
+        n_chunks, layout.row_tokens = int(agreed[0]), int(agreed[1])
     targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)  # (n_tokens,)
     lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
     mask = torch.arange(response_len, device=device) < lengths[:, None]  # (batch, response_len)
@@ -705,7 +706,7 @@ class _Layout:
 
     prompts: list[Sequence[int]]
     owner: list[int]
-    packed_tokens: int  # the length of one row holding every prompt once, then every response
+    row_tokens: int  # the longest packed row: a prompt, then the responses of its samples
 
     @classmethod
     def of(cls, samples: Sequence[Sample], share_prompt_prefix: bool) -> _Layout:
@@ -713,8 +714,10 @@ class _Layout:
             prompts, owner = distinct_prompts([s.prompt_ids for s in samples])
         else:
             prompts, owner = [s.prompt_ids for s in samples], list(range(len(samples)))
-        packed = sum(len(p) for p in prompts) + sum(len(s.response_ids) for s in samples)
-        return cls(prompts, owner, packed)
+        rows = [len(p) for p in prompts]
+        for sample, prompt in zip(samples, owner, strict=True):
+            rows[prompt] += len(sample.response_ids)
+        return cls(prompts, owner, max(rows))
 
 
 def _response_hidden_for(
@@ -726,10 +729,10 @@ def _response_hidden_for(
     device: torch.device,
 ) -> Tensor:
     """Final hidden states at the positions that predict the response tokens, flattened sample
-    by sample `(n_tokens, hidden)`: from one packed row when it is short enough and the model
+    by sample `(n_tokens, hidden)`: from packed rows when they are short enough and the model
     takes a custom mask (SDPA attention), else from padded rows (with shared prompt prefixes
     when the config allows them)."""
-    if 0 < layout.packed_tokens <= cfg.pack_max_tokens and lm.config._attn_implementation == "sdpa":
+    if 0 < layout.row_tokens <= cfg.pack_max_tokens and lm.config._attn_implementation == "sdpa":
         return _response_hidden_packed(lm, samples, layout, device)
     lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
     mask = torch.arange(response_len, device=device) < lengths[:, None]
@@ -741,41 +744,54 @@ def _response_hidden_for(
 def _response_hidden_packed(
     lm: PreTrainedModel, samples: Sequence[Sample], layout: _Layout, device: torch.device
 ) -> Tensor:
-    """`_response_hidden_for` from one row without padding: `layout.prompts` one after the
-    other, then each sample's response, under a block mask in which a prompt token sees its own
-    prompt causally and a response token its prompt plus its own response causally.
+    """`_response_hidden_for` from packed rows: one per prompt of `layout`, holding the prompt
+    and then the responses of its samples, under a block mask in which a prompt token sees its
+    prompt causally and a response token the prompt plus its own response causally.
 
     What each token attends to and its position are those of the padded passes, so the hidden
-    states are theirs; a prompt shared by a group runs once, and no compute goes to padding.
-    The mask is dense `(row, row)`, so rows are kept to `TrainConfig.pack_max_tokens`.
+    states are theirs; a prompt shared by a group runs once, and only the rows' tails are
+    padding. The mask is dense `(row, row)`, so rows are kept to `TrainConfig.pack_max_tokens`.
     """
-    segments = [*layout.prompts, *(s.response_ids for s in samples)]
-    n_prompts = len(layout.prompts)
-    sizes = torch.tensor([len(seg) for seg in segments])
-    segment = torch.repeat_interleave(torch.arange(len(segments)), sizes)  # (row,)
-    starts = sizes.cumsum(0) - sizes  # (n_segments,)
-    offset = torch.arange(len(segment)) - starts[segment]  # index within its segment
-    # The prompt segment each segment attends to: a prompt its own, a response its sample's.
-    context = torch.cat([torch.arange(n_prompts), torch.tensor(layout.owner, dtype=torch.long)])
-    is_response = segment >= n_prompts
-    position = offset + torch.where(is_response, sizes[context[segment]], 0)
-    causal = (segment[:, None] == segment[None, :]) & (offset[None, :] <= offset[:, None])
-    sees_prompt = is_response[:, None] & (segment[None, :] == context[segment][:, None])
-    ids = torch.tensor([t for seg in segments for t in seg])
+    ids, position, mask, picks = _packed_rows(samples, layout)
     hidden = lm.base_model(
-        input_ids=ids[None].to(device),
-        attention_mask=(causal | sees_prompt)[None, None].to(device),  # (1, 1, row, row)
-        position_ids=position[None].to(device),
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),  # (rows, 1, width, width)
+        position_ids=position.to(device),
         use_cache=False,
-    ).last_hidden_state[0]
-    # Response token 0 is predicted by its prompt's last token, token t by response token t - 1.
-    rows = []
-    for i, sample in enumerate(samples):
-        prompt = layout.owner[i]
-        start = int(starts[n_prompts + i])
-        rows.append(int(starts[prompt] + sizes[prompt]) - 1)
-        rows.extend(range(start, start + len(sample.response_ids) - 1))
-    return hidden[torch.tensor(rows, device=device)]
+    ).last_hidden_state
+    return hidden.flatten(0, 1)[picks.to(device)]
+
+
+def _packed_rows(samples: Sequence[Sample], layout: _Layout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The packed rows of `_response_hidden_packed`: token ids and positions `(rows, width)`, the
+    mask `(rows, 1, width, width)`, and for each response token, sample by sample, the index in
+    the flattened rows of the token that predicts it (its prompt's last token for the first)."""
+    members: list[list[int]] = [[] for _ in layout.prompts]
+    for i, prompt in enumerate(layout.owner):
+        members[prompt].append(i)
+    width = layout.row_tokens
+    ids = torch.zeros(len(members), width, dtype=torch.long)
+    position = torch.zeros(len(members), width, dtype=torch.long)
+    # Padding attends to itself only (a row of no keys would be NaN); nothing attends to it.
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(members), 1, 1, 1)
+    picks: list[list[int]] = [[] for _ in samples]
+    for row, (prompt, group) in enumerate(zip(layout.prompts, members, strict=True)):
+        n_prompt = len(prompt)
+        ids[row, :n_prompt] = torch.tensor(prompt)
+        position[row, :n_prompt] = torch.arange(n_prompt)
+        mask[row, 0, :n_prompt, :n_prompt] = torch.ones(n_prompt, n_prompt, dtype=torch.bool).tril()
+        start = n_prompt
+        for i in group:
+            response = samples[i].response_ids
+            end = start + len(response)
+            ids[row, start:end] = torch.tensor(response)
+            position[row, start:end] = torch.arange(n_prompt, n_prompt + len(response))
+            mask[row, 0, start:end, :n_prompt] = True
+            mask[row, 0, start:end, start:end] = torch.ones(len(response), len(response), dtype=torch.bool).tril()
+            # Response token 0 is predicted by the prompt's last token, token t by token t - 1.
+            picks[i] = [row * width + n_prompt - 1, *range(row * width + start, row * width + end - 1)]
+            start = end
+    return ids, position, mask, torch.tensor([p for sample_picks in picks for p in sample_picks])
 
 
 def _response_hidden(

@@ -104,16 +104,17 @@ def _run_pods(settings: Settings, backends: Backends, run_id: str, processes: in
         assert run.returncode == 0, f"iteration {iteration} failed:\n{(run.stdout + run.stderr)[-6000:]}"
 
 
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install 'spotrl[deepspeed]'")
+
+
 @pytest.mark.parametrize(
     "training",
     [
         {"strategy": "fsdp2"},
-        pytest.param(
-            {"strategy": "zero2", "offload_optimizer": True},
-            marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install 'spotrl[deepspeed]'"),
-        ),
+        pytest.param({"strategy": "zero2", "offload_optimizer": True}, marks=needs_deepspeed),
+        pytest.param({"strategy": "zero3", "offload_optimizer": True}, marks=needs_deepspeed),
     ],
-    ids=["fsdp2", "zero2-offload"],
+    ids=["fsdp2", "zero2-offload", "zero3-offload"],
 )
 def test_a_two_process_job_publishes_what_one_process_does(
     tmp_path: Path, model_cache: Path, one_process: tuple[Backends, str], training: dict
