@@ -1,4 +1,5 @@
-"""Policy versions in the object store: publish v<N>, fetch any version (v0 is the spec's base model)."""
+"""Policy versions in the object store: publish v<N>, fetch any version to train (v0 is the
+spec's base model), or load one into a rollout worker's model in place."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 
 from services.backends.object_store import ObjectStore
 from services.names import policy_prefix
+from torch import nn
+
 from trainer_core.lora import is_adapter_dir, load_adapter
-from trainer_core.models import Policy, load_policy, save_policy
+from trainer_core.models import Policy, load_policy, load_weights, save_policy
 
 
 def publish_policy(objects: ObjectStore, run_id: str, version: int, policy: Policy, scratch: Path) -> None:
@@ -20,13 +23,31 @@ def publish_policy(objects: ObjectStore, run_id: str, version: int, policy: Poli
         objects.upload_dir(Path(tmp), policy_prefix(run_id, version))
 
 
-def fetch_policy(
-    objects: ObjectStore, run_id: str, version: int, *, base_model: str, model_cache: Path, trainable: bool = False
-) -> Policy:
-    """Load policy ``version`` of a run; version 0 is ``base_model`` itself. A published adapter
-    is applied to ``base_model``: kept as a trainable LoRA policy, or merged for generation."""
+def fetch_policy(objects: ObjectStore, run_id: str, version: int, *, base_model: str, model_cache: Path) -> Policy:
+    """Policy ``version`` of a run to train further; version 0 is ``base_model`` itself. A
+    published adapter is applied to ``base_model`` as a trainable LoRA policy."""
     if version == 0:
         return load_policy(base_model, cache_dir=model_cache)
+    local = policy_dir(objects, run_id, version, model_cache)
+    if not is_adapter_dir(local):
+        return load_policy(local, cache_dir=model_cache)
+    base = load_policy(base_model, cache_dir=model_cache)
+    return Policy(model=load_adapter(base.model, local, trainable=True), tokenizer=base.tokenizer)
+
+
+def load_version(model: nn.Module, local: Path) -> nn.Module:
+    """`model` (the base, or an earlier version of the same run) serving the version saved in
+    `local` (`policy_dir`), in place: full weights are copied into its parameters; an adapter
+    is injected into the base, or replaces the adapter's weights, unmerged. No second copy of
+    the model is made, so a rollout worker's device holds one."""
+    if is_adapter_dir(local):
+        return load_adapter(model, local, trainable=False)
+    load_weights(model, local)
+    return model
+
+
+def policy_dir(objects: ObjectStore, run_id: str, version: int, model_cache: Path) -> Path:
+    """The local directory of policy ``version`` (>= 1), downloaded on first use."""
     local = model_cache / "runs" / run_id / f"v{version}"
     if not local.exists():
         # Several pods may fetch the same version at once: download apart, then rename into place.
@@ -37,10 +58,7 @@ def fetch_policy(
             staging.rename(local)
         except OSError:  # another pod won the race
             shutil.rmtree(staging, ignore_errors=True)
-    if is_adapter_dir(local):
-        base = load_policy(base_model, cache_dir=model_cache)
-        return Policy(model=load_adapter(base.model, local, trainable=trainable), tokenizer=base.tokenizer)
-    return load_policy(local, cache_dir=model_cache)
+    return local
 
 
 def delete_policy(objects: ObjectStore, run_id: str, version: int, model_cache: Path) -> None:

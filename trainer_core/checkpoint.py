@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from trainer_core.lora import is_lora, load_adapter
+from trainer_core.models import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +177,11 @@ def load_checkpoint(
                 f"{path} holds a LoRA adapter and the model has none: load with optimizer=None, "
                 "then build the optimizer over state.model and load it with a second call"
             )
-        model = _load_adapter(model, policy_dir)
+        model = load_adapter(model, policy_dir, trainable=True)
     else:
         if is_lora(model):
             raise ValueError(f"{path} holds full weights, but the model is a peft (LoRA) model")
-        _load_full_weights(model, policy_dir)
+        load_weights(model, policy_dir)
     if policy_or_model is not model and hasattr(policy_or_model, "model"):
         policy_or_model.model = model
 
@@ -214,35 +215,6 @@ def _jsonable(config: Any) -> Any:
     # Round-trip so that the returned config is exactly what a later load gives (tuples become
     # lists, enums and paths strings).
     return json.loads(json.dumps(config, default=str))
-
-
-def _load_full_weights(model: nn.Module, policy_dir: Path) -> None:
-    """Copy the saved weights into `model`'s parameters.
-
-    Loaded through transformers' own `from_pretrained` (which knows the model's tied weights,
-    shards and key conversions) into a CPU copy, then copied across: one extra copy of the
-    weights in host memory for the length of the call.
-    """
-    dtype = next(model.parameters()).dtype
-    saved = type(model).from_pretrained(policy_dir, dtype=dtype)
-    model.load_state_dict(saved.state_dict())  # strict: the architectures must match exactly
-
-
-def _load_adapter(model: nn.Module, policy_dir: Path) -> nn.Module:
-    """Restore the saved adapter into a peft `model`, or wrap a base model with it."""
-    from peft import set_peft_model_state_dict
-    from peft.utils import load_peft_weights
-
-    if not is_lora(model):
-        return load_adapter(model, policy_dir, trainable=True)
-    device = next(model.parameters()).device
-    weights = load_peft_weights(str(policy_dir), device=str(device))
-    result = set_peft_model_state_dict(model, weights, adapter_name=model.active_adapter)
-    if result.unexpected_keys:
-        raise ValueError(
-            f"the adapter in {policy_dir} does not fit the model: unexpected {result.unexpected_keys[:5]}"
-        )
-    return model
 
 
 def _rng_state() -> dict[str, Any]:

@@ -51,13 +51,21 @@ def is_adapter_dir(path: Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def load_adapter(model: PreTrainedModel, adapter_dir: Path, *, trainable: bool) -> nn.Module:
-    """`model` with the adapter saved in `adapter_dir`: a trainable LoRA policy, or for
-    generation only the adapter merged into the weights in place (no adapter overhead per token)."""
-    from peft import PeftModel
+def load_adapter(model: nn.Module, adapter_dir: Path, *, trainable: bool) -> nn.Module:
+    """`model` with the adapter saved in `adapter_dir`, unmerged: a base model is wrapped (its
+    weights stay where they are; the adapter trainable or frozen), a peft model has its adapter's
+    weights replaced in place. Either way no weights of the base are copied."""
+    from peft import PeftModel, set_peft_model_state_dict
+    from peft.utils import load_peft_weights
 
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
-    return peft_model if trainable else peft_model.merge_and_unload()
+    if not is_lora(model):
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+    device = next(model.parameters()).device
+    weights = load_peft_weights(str(adapter_dir), device=str(device))
+    result = set_peft_model_state_dict(model, weights, adapter_name=model.active_adapter)
+    if result.unexpected_keys:
+        raise ValueError(f"the adapter in {adapter_dir} does not fit the model: unexpected {result.unexpected_keys[:5]}")
+    return model
 
 
 def is_lora(model: nn.Module) -> bool:

@@ -90,6 +90,18 @@ def save_policy(policy: Policy, out_dir: Path) -> None:
     policy.tokenizer.save_pretrained(out_dir)
 
 
+def load_weights(model: PreTrainedModel, model_dir: Path) -> None:
+    """Copy the weights saved in `model_dir` (`save_policy`) into `model`'s parameters in place.
+
+    Read through transformers' own `from_pretrained` (which knows the model's tied weights,
+    shards and key conversions) into a host copy, then copied across: the model itself, on
+    whatever device, is never duplicated.
+    """
+    dtype = next(model.parameters()).dtype
+    saved = type(model).from_pretrained(model_dir, dtype=dtype)
+    model.load_state_dict(saved.state_dict())  # strict: the architectures must match exactly
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of `text` as a user turn awaiting the assistant's reply, or plain ids
     when the tokenizer has no chat template."""

@@ -25,14 +25,15 @@ from services.backends.queue import CommitFailedError, Queue, Record, next_offse
 from services.backends.reward_cache import RewardCache, reward_cache_key
 from services.backends.state_store import StateStore
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
-from services.policy_store import fetch_policy
+from services.policy_store import load_version, policy_dir
 from services.reward.functions import RewardInput, terms_fingerprint, total_rewards
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.engines import make_engine
-from trainer_core.generation import Completion, GenerationEngine, SamplingParams
+from trainer_core.generation import Completion, HFEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
-from trainer_core.models import Policy, encode_prompt
+from trainer_core.models import Policy, encode_prompt, load_policy
 from trainer_core.samples import Sample, encode_sample
+from trainer_core.vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +55,13 @@ class PromptMessage:
         return cls(prompt_id=d["prompt_id"], prompt=d["prompt"], answer=d.get("answer"))
 
 
-def rollout_engine(name: str, policy: Policy) -> GenerationEngine:
-    """A worker's sampler: `hf` over the policy's own model object, or `vllm` started from the
-    directory the base weights came from and given the policy's current weights (a merged LoRA
-    adapter included); both take each later version through `set_model`."""
+def rollout_engine(name: str, policy: Policy) -> HFEngine | VLLMEngine:
+    """A worker's sampler over the run's base `policy`: `hf` over the policy's own model object,
+    `vllm` loaded from the directory the base weights came from. Later versions arrive through
+    `set_model` (full weights) or, on vLLM, `set_lora` (adapters)."""
     if name == "hf":
         return make_engine("hf", model=policy.model, tokenizer=policy.tokenizer)
-    engine = make_engine(name, model=policy.model.name_or_path, tokenizer=policy.tokenizer)
-    engine.set_model(policy.model)
-    return engine
+    return make_engine(name, model=policy.model.name_or_path, tokenizer=policy.tokenizer)
 
 
 def reward_source(terms: Sequence[RewardTerm]) -> str:
@@ -153,7 +152,8 @@ class RolloutWorker:
         self.session_timeout_s = session_timeout_s
         self.stop = stop
         self.version = -1
-        self.engine: GenerationEngine | None = None
+        self.engine: HFEngine | VLLMEngine | None = None
+        self._policy: Policy | None = None  # the one model this worker samples from
         # Fixed for the worker's life, as its loaded reward model is (`load_reward_model`).
         self._terms_key = terms_fingerprint(spec.reward)
         self.sampling = SamplingParams(
@@ -193,14 +193,18 @@ class RolloutWorker:
         version = self.state.policy_version(self.run_id)
         if version == self.version:
             return
-        policy = fetch_policy(
-            self.objects, self.run_id, version, base_model=self.spec.model, model_cache=self.model_cache
-        )
-        policy.model.eval()
         if self.engine is None:
-            self.engine = rollout_engine(self.spec.rollout.engine, policy)
-        else:
-            self.engine.set_model(policy.model)
+            self._policy = load_policy(self.spec.model, cache_dir=self.model_cache)
+            self._policy.model.eval()
+            self.engine = rollout_engine(self.spec.rollout.engine, self._policy)
+        if version > 0:
+            local = policy_dir(self.objects, self.run_id, version, self.model_cache)
+            if is_adapter_dir(local) and isinstance(self.engine, VLLMEngine):
+                self.engine.set_lora(local)  # vLLM applies adapters itself, swapped per version
+            else:
+                # Into the one model this worker holds: a new version never costs a second copy.
+                self._policy.model = load_version(self._policy.model, local).eval()
+                self.engine.set_model(self._policy.model)
         self.version = version
         log.info("worker %s serving policy v%d", self.worker_id, version)
 

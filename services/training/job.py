@@ -277,7 +277,7 @@ def _train(
     samples_read, offsets, selection = ranks.share(batch)
 
     policy = with_adapter(
-        spec, fetch_policy(objects, run_id, iteration - 1, base_model=spec.model, model_cache=model_cache, trainable=True)
+        spec, fetch_policy(objects, run_id, iteration - 1, base_model=spec.model, model_cache=model_cache)
     )
     device = ranks.env.device if ranks.env is not None else torch.device("cpu")
     policy.model.to(device)
@@ -360,7 +360,7 @@ def _publish_weights(
     """Publish policy `version` from the whole trained `weights` (gathered from the ranks' shards),
     loaded into a fresh copy of the policy it was trained from."""
     policy = with_adapter(
-        spec, fetch_policy(objects, run_id, version - 1, base_model=spec.model, model_cache=model_cache, trainable=True)
+        spec, fetch_policy(objects, run_id, version - 1, base_model=spec.model, model_cache=model_cache)
     )
     unexpected = policy.model.load_state_dict(weights, strict=False).unexpected_keys
     if unexpected:

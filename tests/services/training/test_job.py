@@ -12,8 +12,11 @@ import torch
 from services.backends.object_store import LocalObjectStore
 from services.backends.queue import SqliteQueue
 from services.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
+from services.policy_store import fetch_policy, load_version, policy_dir
 from services.runspec import RunSpec
 from services.training.job import run_training_job
+from trainer_core.lora import is_lora
+from trainer_core.models import load_policy
 from trainer_core.samples import Sample, encode_sample
 
 RUN = "run-job"
@@ -78,8 +81,6 @@ def test_stale_samples_are_dropped_and_counted(world) -> None:
 
 
 def test_lora_runs_publish_adapters_and_continue_training_them(world) -> None:
-    from services.policy_store import fetch_policy
-    from trainer_core.lora import is_lora
 
     queue, objects, models = world
     lora = spec(training={"lora_rank": 4, "kl_coef": 0.1, "learning_rate": 1e-2})
@@ -90,12 +91,39 @@ def test_lora_runs_publish_adapters_and_continue_training_them(world) -> None:
     published = objects.list(policy_prefix(RUN, 2))
     assert any(k.endswith("adapter_config.json") for k in published)
     assert not any(k.endswith("/model.safetensors") for k in published), "only the adapter is published"
-    trainable = fetch_policy(objects, RUN, 2, base_model="tiny", model_cache=models, trainable=True)
-    merged = fetch_policy(objects, RUN, 2, base_model="tiny", model_cache=models)
-    assert is_lora(trainable.model) and not is_lora(merged.model)
+    trainable = fetch_policy(objects, RUN, 2, base_model="tiny", model_cache=models)
+    assert is_lora(trainable.model) and any(p.requires_grad for p in trainable.model.parameters())
+
+    # A rollout worker loads each version into the one base model it holds: v1's adapter is
+    # injected, v2's replaces its weights; the base weights stay where they are.
+    served = load_policy("tiny", cache_dir=models).model
+    base_storage = {n: p.data_ptr() for n, p in served.named_parameters()}
+    for version in (1, 2):
+        served = load_version(served, policy_dir(objects, RUN, version, models))
+    assert is_lora(served) and not any(p.requires_grad for p in served.parameters())
+    assert {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.data_ptr()
+            for n, p in served.named_parameters() if "lora_" not in n} == base_storage
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
-        torch.testing.assert_close(merged.model(ids).logits, trainable.model(ids).logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(served(ids).logits, trainable.model(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_a_worker_loads_full_weight_versions_into_its_model_in_place(world) -> None:
+    queue, objects, models = world
+    for iteration in (1, 2):
+        produce_groups(queue, 2, version=iteration - 1)
+        run_training_job(run_id=RUN, iteration=iteration, spec=spec(training={"learning_rate": 1e-2}), queue=queue,
+                         objects=objects, model_cache=models)  # fmt: skip
+    served = load_policy("tiny", cache_dir=models).model
+    storage = [p.data_ptr() for p in served.parameters()]
+    for version in (1, 2):
+        assert load_version(served, policy_dir(objects, RUN, version, models)) is served
+    assert [p.data_ptr() for p in served.parameters()] == storage
+    want = fetch_policy(objects, RUN, 2, base_model="tiny", model_cache=models).model.state_dict()
+    initial = load_policy("tiny", cache_dir=models).model.state_dict()
+    for name, value in served.state_dict().items():
+        assert not torch.equal(want[name], initial[name]) or "norm" in name, f"{name} was not trained"
+        assert torch.equal(value, want[name]), name
 
 
 def test_a_job_finding_its_version_published_only_commits(world) -> None:
