@@ -90,7 +90,7 @@ def train(
         )
     from services.backends.object_store import LocalObjectStore
     from services.colocated import IterationRecord, ResumeError, SpecFileError, load_spec_file, run_colocated
-    from services.prompts import STORE_SCHEME, InvalidPromptsError
+    from services.prompts import InvalidPromptsError, is_store_uri
 
     try:
         spec = load_spec_file(colocated)
@@ -99,8 +99,7 @@ def train(
     _logging()
     settings = _settings(home)
     # store:// prompt sets are read from the embedded object store of --home.
-    from_store = isinstance(spec.prompts, str) and spec.prompts.startswith(STORE_SCHEME)
-    objects = LocalObjectStore(settings.home.resolve() / "objects") if from_store else None
+    objects = LocalObjectStore(settings.home.resolve() / "objects") if is_store_uri(spec.prompts) else None
 
     def show(record: IterationRecord) -> None:
         typer.echo(

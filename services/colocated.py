@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from services.backends.object_store import ObjectStore
 from services.cost.catalog import load_catalog
-from services.prompts import STORE_SCHEME, InvalidPromptsError, load_prompts
+from services.prompts import load_prompts
 from services.reward.functions import RewardInput, total_rewards
 from services.rollout.worker import build_samples, reward_source
 from services.runspec import PromptItem, RunSpec
@@ -216,9 +216,7 @@ def run_colocated(
     latest = latest_checkpoint(checkpoints)
     if latest is not None and not resume:
         raise ResumeError(f"{out_dir} already holds checkpoints ({latest.name}): pass resume, or use an empty directory")
-    if isinstance(spec.prompts, str) and spec.prompts.startswith(STORE_SCHEME) and objects is None:
-        raise InvalidPromptsError(f"prompts {spec.prompts!r} need an object store")
-    items = load_prompts(spec.prompts, objects)  # type: ignore[arg-type]  # unused unless store://
+    items = load_prompts(spec.prompts, objects)
     catalog = load_catalog()
     price = catalog.get(spec.training.instance_type)
 

@@ -33,10 +33,18 @@ def parse_jsonl(text: str, origin: str) -> list[PromptItem]:
     return items
 
 
-def load_prompts(source: list[PromptItem] | str, objects: ObjectStore) -> list[PromptItem]:
+def is_store_uri(source: list[PromptItem] | str) -> bool:
+    """True for prompts named as `store://<key>` in the object store."""
+    return isinstance(source, str) and source.startswith(STORE_SCHEME)
+
+
+def load_prompts(source: list[PromptItem] | str, objects: ObjectStore | None) -> list[PromptItem]:
+    """The prompt items of a run spec's `prompts` (`objects` is read for `store://` only)."""
     if isinstance(source, list):
         return source
-    if source.startswith(STORE_SCHEME):
+    if is_store_uri(source):
+        if objects is None:
+            raise InvalidPromptsError(f"prompts {source!r} are in an object store, and none was given")
         key = source[len(STORE_SCHEME):]
         try:
             return parse_jsonl(objects.get_bytes(key).decode(), source)

@@ -127,12 +127,3 @@ def total_rewards(terms: Sequence[Term], inputs: Sequence[RewardInput]) -> list[
         totals = [total + term.weight * score for total, score in zip(totals, scores, strict=True)]
     return totals
 
-
-def total_reward(
-    terms: Sequence[Term], response: str, n_tokens: int, answer: str | None, *, prompt: str | None = None
-) -> float:
-    """The weighted sum of the spec's reward terms for one response; a `reward_model` term
-    also needs its `prompt` (batches go faster through `total_rewards`)."""
-    if prompt is None and any(t.fn == "reward_model" for t in terms):
-        raise ValueError("the reward_model reward scores (prompt, response): pass `prompt`")
-    return total_rewards(terms, [RewardInput(prompt or "", response, n_tokens, answer)])[0]

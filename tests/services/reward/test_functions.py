@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.reward.functions import last_number, total_reward
+from services.reward.functions import RewardInput, last_number, total_rewards
 from services.runspec import RewardTerm
 
 
@@ -12,6 +12,10 @@ from services.runspec import RewardTerm
 )
 def test_last_number(text: str, expected: float | None) -> None:
     assert last_number(text) == expected
+
+
+def total_reward(terms: list[RewardTerm], response: str, n_tokens: int, answer: str | None) -> float:
+    return total_rewards(terms, [RewardInput("", response, n_tokens, answer)])[0]
 
 
 def test_exact_match_compares_last_numbers() -> None:

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.backends.reward_cache import InProcessRewardCache
-from services.reward.functions import REWARD_FUNCTIONS, RewardInput, load_reward_model, total_reward, total_rewards
+from services.reward.functions import REWARD_FUNCTIONS, RewardInput, load_reward_model, total_rewards
 from services.rollout.worker import PromptMessage, RolloutWorker, StopSignal
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.reward_model import RewardModel, RewardModelConfig, run_train_rm
@@ -59,13 +59,8 @@ def test_weights_combine_model_and_rule_terms(rm_dir: Path) -> None:
 
     # length_penalty: -(7 - 4) / 4 and -(6 - 4) / 4
     assert got == pytest.approx([0.5 * rm_scores[0] + 2.0 - 0.75, 0.5 * rm_scores[1] - 0.5], abs=1e-6)
-    assert total_reward(terms, "red yes", 7, None, prompt="sun?") == pytest.approx(got[0], abs=1e-6)
+    assert total_rewards(terms, inputs[:1]) == pytest.approx(got[:1], abs=1e-6)
     assert total_rewards(terms, []) == []
-
-
-def test_single_response_needs_the_prompt_for_a_model_term(rm_dir: Path) -> None:
-    with pytest.raises(ValueError, match="pass `prompt`"):
-        total_reward([RewardTerm(fn="reward_model", path=str(rm_dir))], "yes", 1, None)
 
 
 def test_reward_term_validates_the_model_directory(rm_dir: Path, tmp_path: Path) -> None:
