@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from trainer_core.fit import FitSettings, fit, mean_metrics
 from trainer_core.models import Policy, load_policy
 from trainer_core.sft import TokenBatch, encode_pair, read_jsonl
 
@@ -180,12 +181,17 @@ def check_reward_model_dir(path: Path) -> dict:
     return config
 
 
-def _pair_loss(
-    model: RewardModel, pairs: Sequence[PreferencePair], packed: bool
-) -> tuple[Tensor, dict[str, Tensor]]:
+# A preference pair as the model reads it: the chosen and the rejected sequence's token ids.
+_EncodedPair = tuple[list[int], list[int]]
+
+
+def _encode_pairs(model: RewardModel, pairs: Sequence[PreferencePair]) -> list[_EncodedPair]:
+    return [(model.encode(p.prompt, p.chosen), model.encode(p.prompt, p.rejected)) for p in pairs]
+
+
+def _pair_loss(model: RewardModel, pairs: Sequence[_EncodedPair], packed: bool) -> tuple[Tensor, dict[str, Tensor]]:
     """Bradley-Terry loss of `pairs`, chosen and rejected scored in one forward pass."""
-    sequences = [model.encode(p.prompt, p.chosen) for p in pairs] + [model.encode(p.prompt, p.rejected) for p in pairs]
-    rewards = model(sequences, packed=packed)  # (2 * n_pairs,): chosen then rejected
+    rewards = model([c for c, _ in pairs] + [r for _, r in pairs], packed=packed)  # chosen, then rejected
     return bradley_terry_loss(rewards[: len(pairs)], rewards[len(pairs) :])
 
 
@@ -195,16 +201,17 @@ def evaluate_reward_model(
     """`rm/loss`, `rm/accuracy` and `rm/margin` over `pairs`, without updating the model."""
     if not pairs:
         raise ValueError("evaluate_reward_model needs at least one pair")
+    encoded = _encode_pairs(model, pairs)
     totals = {"rm/loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, len(pairs), micro_batch_size):
-                mb_pairs = pairs[start : start + micro_batch_size]
-                loss, metrics = _pair_loss(model, mb_pairs, packed)
+            for start in range(0, len(encoded), micro_batch_size):
+                micro = encoded[start : start + micro_batch_size]
+                loss, metrics = _pair_loss(model, micro, packed)
                 for key, value in {"rm/loss": loss, **metrics}.items():
-                    totals[key] += value.item() * len(mb_pairs)
+                    totals[key] += value.item() * len(micro)
     finally:
         model.train(was_training)
     return {key: value / len(pairs) for key, value in totals.items()}
@@ -217,58 +224,35 @@ def train_reward_model(
     *,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, float]:
-    """Train `model` in place on `pairs`; returns `rm/loss`, `rm/accuracy` and `rm/margin` averaged
-    over the last epoch's optimizer steps (training-set figures), and perf metrics.
+    """Train `model` in place on `pairs`; returns `rm/loss`, `rm/accuracy`, `rm/margin` and
+    `rm/grad_norm` averaged over the last epoch's optimizer steps (training-set figures), and
+    perf metrics.
 
     `on_step(step, metrics)` is called after every optimizer step (for progress output).
     """
     if not pairs:
         raise ValueError("train_reward_model needs at least one preference pair")
     start_time = time.perf_counter()
-    params = [p for p in model.parameters() if p.requires_grad]
-    device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=device.type in ("cpu", "cuda")
-    )
-    generator = torch.Generator().manual_seed(cfg.seed)
-    step = 0
-    epoch_metrics: list[dict[str, float]] = []
 
-    model.train()
-    try:
-        for _ in range(cfg.epochs):
-            order = torch.randperm(len(pairs), generator=generator).tolist()
-            epoch_metrics = []
-            for b_start in range(0, len(order), cfg.batch_size):
-                b_pairs = [pairs[i] for i in order[b_start : b_start + cfg.batch_size]]
-                optimizer.zero_grad(set_to_none=True)
-                totals = {key: torch.zeros((), device=device) for key in ("rm/loss", "rm/accuracy", "rm/margin")}
-                for mb_start in range(0, len(b_pairs), cfg.micro_batch_size):
-                    mb_pairs = b_pairs[mb_start : mb_start + cfg.micro_batch_size]
-                    loss, metrics = _pair_loss(model, mb_pairs, cfg.packed)
-                    # Weighted by the micro-batch's share of pairs: the accumulated gradient is
-                    # that of the mean over the step's pairs.
-                    scale = len(mb_pairs) / len(b_pairs)
-                    (loss * scale).backward()
-                    for key, value in {"rm/loss": loss.detach(), **metrics}.items():
-                        totals[key] += scale * value
-                grad_norm = nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                optimizer.step()
-                step += 1
-                # .item() syncs with the device, once per optimizer step.
-                step_metrics = {key: value.item() for key, value in totals.items()}
-                step_metrics["rm/grad_norm"] = grad_norm.item()
-                epoch_metrics.append(step_metrics)
-                if on_step is not None:
-                    on_step(step, step_metrics)
-    finally:
-        model.eval()
+    def micro_loss(micro: Sequence[_EncodedPair], batch: Sequence[_EncodedPair]) -> tuple[Tensor, dict[str, Tensor]]:
+        loss, metrics = _pair_loss(model, micro, cfg.packed)
+        # Weighted by the micro-batch's share of pairs: the accumulated gradient is that of the
+        # mean over the step's pairs.
+        share = len(micro) / len(batch)
+        return loss * share, {key: share * value for key, value in {"rm/loss": loss.detach(), **metrics}.items()}
 
-    result = {key: sum(m[key] for m in epoch_metrics) / len(epoch_metrics) for key in epoch_metrics[0]}
-    result["rm/steps"] = float(step)
-    result["data/pairs"] = float(len(pairs))
-    result["perf/seconds"] = time.perf_counter() - start_time
-    return result
+    settings = FitSettings(
+        learning_rate=cfg.learning_rate, epochs=cfg.epochs, batch_size=cfg.batch_size,
+        micro_batch_size=cfg.micro_batch_size, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        seed=cfg.seed,
+    )  # fmt: skip
+    result = fit(model, _encode_pairs(model, pairs), micro_loss, settings, prefix="rm", on_step=on_step)
+    return {
+        **mean_metrics(result.last_epoch),
+        "rm/steps": float(result.steps),
+        "data/pairs": float(len(pairs)),
+        "perf/seconds": time.perf_counter() - start_time,
+    }
 
 
 def run_train_rm(

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
+from trainer_core.fit import FitSettings, fit, mean_metrics
 from trainer_core.lora import causal_lm
 from trainer_core.models import Policy, encode_prompt, load_policy, save_policy, stop_token_ids
 from trainer_core.update import chunked_logprobs
@@ -231,64 +232,33 @@ def train_sft(
 ) -> dict[str, float]:
     """Fine-tune `policy.model` in place on `examples`; returns the metrics of the run.
 
-    `sft/loss` is the mean over the last epoch's optimizer steps of each step's token-mean NLL;
-    `on_step(step, metrics)` is called after every optimizer step (for progress output).
-    Parameters with `requires_grad=False` (a frozen base under LoRA) are left alone.
+    `sft/loss` and `sft/grad_norm` are means over the last epoch's optimizer steps (each step's
+    loss is its token-mean NLL); `on_step(step, metrics)` is called after every optimizer step
+    (for progress output). Parameters with `requires_grad=False` (a frozen base under LoRA) are
+    left alone.
     """
     start_time = time.perf_counter()
-    model = policy.model
     encoded, truncated, dropped = _encode_examples(policy.tokenizer, examples, cfg.max_len)
     if not encoded:
         raise ValueError(f"none of the {len(examples)} examples leaves room for a response within max_len={cfg.max_len}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=device.type in ("cpu", "cuda")
-    )
-    warmup = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    )
-    generator = torch.Generator().manual_seed(cfg.seed)
-    step, n_tokens = 0, 0
-    epoch_losses: list[float] = []
-    grad_norms: list[float] = []
 
-    model.train()
-    try:
-        for _ in range(cfg.epochs):
-            order = torch.randperm(len(encoded), generator=generator).tolist()
-            epoch_losses = []
-            for b_start in range(0, len(order), cfg.batch_size):
-                b_examples = [encoded[i] for i in order[b_start : b_start + cfg.batch_size]]
-                b_tokens = sum(len(e.ids) - e.n_prompt for e in b_examples)
-                optimizer.zero_grad(set_to_none=True)
-                b_loss = torch.zeros((), device=device)
-                for mb_start in range(0, len(b_examples), cfg.micro_batch_size):
-                    nll = _response_nll(model, b_examples[mb_start : mb_start + cfg.micro_batch_size], cfg)
-                    # Summed over the micro-batch and divided by the whole step's response tokens:
-                    # the accumulated gradient is that of the token-mean over the step.
-                    mb_loss = nll.sum() / b_tokens
-                    mb_loss.backward()
-                    b_loss += mb_loss.detach()
-                grad_norm = nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                optimizer.step()
-                warmup.step()
-                step += 1
-                n_tokens += sum(len(e.ids) for e in b_examples)
-                # .item() syncs with the device, once per optimizer step.
-                step_metrics = {"sft/loss": b_loss.item(), "sft/grad_norm": grad_norm.item(), "sft/lr": warmup.get_last_lr()[0]}
-                epoch_losses.append(step_metrics["sft/loss"])
-                grad_norms.append(step_metrics["sft/grad_norm"])
-                if on_step is not None:
-                    on_step(step, step_metrics)
-    finally:
-        model.eval()
+    def micro_loss(micro: Sequence[_Encoded], batch: Sequence[_Encoded]) -> tuple[Tensor, dict[str, Tensor]]:
+        # Summed over the micro-batch and divided by the whole step's response tokens: the
+        # accumulated gradient is that of the token-mean over the step.
+        loss = _response_nll(policy.model, micro, cfg).sum() / sum(len(e.ids) - e.n_prompt for e in batch)
+        return loss, {"sft/loss": loss.detach()}
 
+    settings = FitSettings(
+        learning_rate=cfg.learning_rate, epochs=cfg.epochs, batch_size=cfg.batch_size,
+        micro_batch_size=cfg.micro_batch_size, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        seed=cfg.seed, warmup_steps=cfg.warmup_steps,
+    )  # fmt: skip
+    result = fit(policy.model, encoded, micro_loss, settings, prefix="sft", on_step=on_step)
     seconds = time.perf_counter() - start_time
+    n_tokens = cfg.epochs * sum(len(e.ids) for e in encoded)
     return {
-        "sft/loss": sum(epoch_losses) / len(epoch_losses),
-        "sft/grad_norm": sum(grad_norms) / len(grad_norms),
-        "sft/steps": float(step),
+        **mean_metrics(result.last_epoch),
+        "sft/steps": float(result.steps),
         "data/examples": float(len(encoded)),
         "data/truncated": float(truncated),
         "data/dropped": float(dropped),

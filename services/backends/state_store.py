@@ -8,7 +8,6 @@ opened on an older file brings it up to date before use.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager

@@ -29,6 +29,7 @@ from services.policy_store import load_version, policy_dir
 from services.reward.functions import RewardInput, terms_fingerprint, total_rewards
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.engines import make_engine
+from trainer_core.lora import is_adapter_dir
 from trainer_core.generation import Completion, HFEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import Policy, encode_prompt, load_policy
