@@ -189,7 +189,7 @@ def test_deepspeed_config_leaves_accumulation_to_the_caller() -> None:
 
 def test_missing_deepspeed_and_launcher_are_explained(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
-    with pytest.raises(ImportError, match="pip install deepspeed"):
+    with pytest.raises(ImportError, match=r"pip install 'spotrl\[deepspeed\]'"):
         _import_deepspeed()
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
