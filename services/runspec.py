@@ -113,7 +113,10 @@ class Training(BaseModel):
     learning_rate: float = Field(default=1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
     epochs: int = Field(default=1, ge=1, le=100, description="Passes over each batch.")
     mini_batch: int = Field(default=0, ge=0, description="Samples per optimizer step; 0 = the whole batch (one step per epoch).")
-    micro_batch: int = Field(default=8, ge=1, le=4096, description="Samples per forward/backward pass (gradient accumulation).")
+    micro_batch: int = Field(
+        default=8, ge=0, le=4096,
+        description="Samples per forward/backward pass (gradient accumulation); 0 = auto: the rule of thumb from the device's free memory, then on a GPU halved until a trial pass fits.",
+    )
     clip_ratio: float = Field(default=0.2, gt=0.0, le=10.0, description="PPO clip range of the importance ratio.")
     kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of the k3 KL-to-reference loss term (0 skips the reference model).")
     adv_estimator: Literal["", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(

@@ -14,6 +14,8 @@ from pathlib import Path
 from torch import nn
 from transformers import PreTrainedModel
 
+from trainer_core.memory import frozen_parameter_audit
+
 
 @dataclass(frozen=True)
 class LoraSettings:
@@ -43,6 +45,19 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def check_only_adapter_trains(model: nn.Module) -> None:
+    """Raise unless a LoRA `model`'s adapter weights are all that requires grad
+    (`memory.frozen_parameter_audit`): a base weight left trainable would silently be trained,
+    with full optimizer state for it."""
+    adapter = [name for name, _ in model.named_parameters() if "lora_" in name]
+    unfrozen = frozen_parameter_audit(model, adapter)
+    if unfrozen:
+        raise ValueError(
+            f"{len(unfrozen)} parameters outside the LoRA adapter require grad, e.g. {unfrozen[:3]}: "
+            "freeze them (requires_grad_(False)) or train without lora_rank"
+        )
 
 
 def is_adapter_dir(path: Path) -> bool:

@@ -38,7 +38,15 @@ from trainer_core.algos import (
 )
 from trainer_core.generation import cache_kwarg, distinct_prompts, left_pad
 from trainer_core.lora import causal_lm, reference_policy
-from trainer_core.memory import decoder_layers, plan_micro_batches, release_during_backward, release_freed_memory
+from trainer_core.memory import (
+    available_memory_gb,
+    decoder_layers,
+    plan_micro_batch,
+    plan_micro_batches,
+    probe_micro_batch,
+    release_during_backward,
+    release_freed_memory,
+)
 from trainer_core.samples import Sample
 
 
@@ -78,7 +86,7 @@ class TrainConfig:
     learning_rate: float = 1e-5  # AdamW learning rate of the policy (and value head)
     epochs: int = 1  # passes over the batch
     mini_batch_size: int = 0  # samples per optimizer step; 0 = the whole batch
-    micro_batch_size: int = 8  # samples per forward/backward (gradient accumulation)
+    micro_batch_size: int = 8  # samples per forward/backward (gradient accumulation); 0 = auto_micro_batch's
     micro_batch_tokens: int = 0  # > 0: dynamic micro-batches of at most this many padded tokens
     clip_ratio: float = 0.2  # PPO ratio clip: [1 - clip_ratio, 1 + clip_ratio_high]
     clip_ratio_high: float = 0.0  # 0 = clip_ratio (symmetric); DAPO's clip-higher uses e.g. 0.28
@@ -121,8 +129,8 @@ class TrainConfig:
             AdvantageEstimator(self.adv_estimator)
             if (self.adv_estimator == AdvantageEstimator.GAE) != (self.algorithm == Algorithm.PPO):
                 raise ValueError("gae advantages need the ppo critic, and ppo uses gae")
-        if self.epochs < 1 or self.micro_batch_size < 1 or self.mini_batch_size < 0:
-            raise ValueError("epochs and micro_batch_size must be >= 1, mini_batch_size >= 0")
+        if self.epochs < 1 or self.micro_batch_size < 0 or self.mini_batch_size < 0:
+            raise ValueError("epochs must be >= 1, micro_batch_size and mini_batch_size >= 0")
         if self.logprob_chunk_tokens < 1:
             raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.temperature < 0:
@@ -267,6 +275,8 @@ def train_on_batch(
     algorithm = Algorithm(cfg.algorithm)
     if not samples:
         raise ValueError("train_on_batch needs at least one sample")
+    if cfg.micro_batch_size == 0:
+        raise ValueError("micro_batch_size 0 means auto: set it to auto_micro_batch(model, samples, cfg) first")
     critic = value_head if algorithm is Algorithm.PPO else None
     if algorithm is Algorithm.PPO and critic is None:
         raise ValueError("ppo needs a value_head")
@@ -337,6 +347,35 @@ def train_on_batch(
     metrics["perf/seconds"] = time.perf_counter() - start
     metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / metrics["perf/seconds"]
     return metrics
+
+
+def auto_micro_batch(
+    model: nn.Module, samples: Sequence[Sample], cfg: TrainConfig, *, value_head: ValueHead | None = None
+) -> int:
+    """A micro-batch size for updating `model` on batches like `samples`: the rule of thumb
+    (`memory.plan_micro_batch`) from the device's free memory (available RAM on a CPU), at most
+    the batch; on a GPU then the largest of that, half of it, ... whose forward and backward pass
+    over the longest samples runs without running out of memory (the gradients are dropped)."""
+    device = next(model.parameters()).device
+    billions = sum(p.numel() for p in model.parameters()) / 1e9
+    start = min(len(samples), plan_micro_batch(device_memory_gb=available_memory_gb(device), params_billions=billions))
+    if device.type != "cuda":
+        return start
+    longest = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids), reverse=True)
+    return probe_micro_batch(lambda size: _trial_pass(model, longest[:size], cfg, value_head), start)
+
+
+def _trial_pass(model: nn.Module, samples: Sequence[Sample], cfg: TrainConfig, value_head: ValueHead | None) -> None:
+    """A forward and backward pass over `samples` as an update makes them; the gradients are
+    dropped and no weight changes."""
+    try:
+        with _training_mode(model, cfg.gradient_checkpointing):
+            logprob, values = _forward(model, samples, max(len(s.response_ids) for s in samples), cfg, value_head)
+            (logprob.sum() + (values.sum() if values is not None else 0)).backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        if value_head is not None:
+            value_head.zero_grad(set_to_none=True)
 
 
 @contextmanager

@@ -17,12 +17,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from services.backends.object_store import ObjectStore
 from services.backends.queue import Consumer, Queue, Record, next_offsets
@@ -31,11 +32,11 @@ from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
 from trainer_core.algos import AdaptiveKLController
 from trainer_core.distributed import DistEnv, broadcast_object, build_strategy, init_distributed, shard_samples
-from trainer_core.lora import LoraSettings, apply_lora, is_lora
+from trainer_core.lora import LoraSettings, apply_lora, check_only_adapter_trains, is_lora
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import Policy, load_policy
 from trainer_core.samples import Sample, decode_sample
-from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch
+from trainer_core.update import TrainConfig, ValueHead, auto_micro_batch, build_optimizer, train_on_batch
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -104,6 +105,8 @@ def with_adapter(spec: RunSpec, policy: Policy) -> Policy:
     model (v0); a later version already carries it."""
     if spec.training.lora_rank and not is_lora(policy.model):
         policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
+    if is_lora(policy.model):
+        check_only_adapter_trains(policy.model)
     return policy
 
 
@@ -224,6 +227,14 @@ class Ranks:
         """The leader's `obj` on every rank (a collective, so also a barrier)."""
         return obj if self.env is None else broadcast_object(obj)
 
+    def least(self, value: int) -> int:
+        """The smallest of every rank's `value` (a collective)."""
+        if self.env is None:
+            return value
+        box = torch.tensor(value, device=self.env.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN)
+        return int(box)
+
 
 def even_shares(samples: Sequence[Sample], world_size: int) -> tuple[list[Sample], list[str]]:
     """`samples` less as few trailing groups as it takes for `shard_samples` to give every rank
@@ -290,6 +301,11 @@ def _train(
             value_head.load_state_dict(vh)
     ref_model = reference_model(spec, policy, model_cache)
     controller = kl_controller(spec, previous.get("metrics", {}).get("actor/kl_coef"))
+    samples = selection.kept if ranks.env is None else shard_samples(selection.kept, ranks.env.rank, ranks.env.world_size)
+    if cfg.micro_batch_size == 0 and samples:
+        # Probed on the whole (unsharded) model: a size that fits it fits its shards.
+        cfg = replace(cfg, micro_batch_size=ranks.least(auto_micro_batch(policy.model, samples, cfg, value_head=value_head)))
+        log.info("micro-batches of %d samples (training.micro_batch 0: planned from free memory)", cfg.micro_batch_size)
     train = partial(train_on_batch, ref_model=ref_model, value_head=value_head, kl_controller=controller)
     state_out = trainer_prefix(run_id, iteration)
 
@@ -297,7 +313,7 @@ def _train(
         optimizer = build_optimizer(policy.model, cfg, value_head)
         if (opt := _load_torch(objects, state_in + "optimizer.pt")) is not None:
             optimizer.load_state_dict(opt)
-        metrics = train(policy.model, selection.kept, cfg, optimizer) if selection.kept else {}
+        metrics = train(policy.model, samples, cfg, optimizer) if samples else {}
         metrics.update(MemoryMonitor().sample())  # current and peak RSS (GPU memory on CUDA)
         with tempfile.TemporaryDirectory() as scratch:
             publish_policy(objects, run_id, iteration, policy, Path(scratch))
@@ -316,8 +332,7 @@ def _train(
         ranks.share(None)  # the files are in place
         if resuming:
             strategy.load_optimizer_state(scratch / "in")
-        shard = shard_samples(selection.kept, ranks.env.rank, ranks.env.world_size)
-        metrics = train(policy.model, shard, cfg, strategy) if shard else {}
+        metrics = train(policy.model, samples, cfg, strategy) if samples else {}
         metrics.update(MemoryMonitor().sample())  # rank 0's own memory
         weights = strategy.full_state_dict()
         strategy.save_optimizer_state(scratch / "out")

@@ -169,6 +169,15 @@ def test_the_hybrid_engine_holds_one_copy_of_the_weights(model_cache: Path) -> N
     assert any(not torch.equal(p, before[name]) for name, p in engine.rollout._model.named_parameters())
 
 
+def test_an_auto_micro_batch_is_sized_on_the_first_batch(model_cache: Path) -> None:
+    policy = load_policy("tiny", cache_dir=model_cache)
+    engine = HybridEngine(policy, TrainConfig(micro_batch_size=0))
+    prompt = encode_prompt(policy.tokenizer, "say a:")
+    completions = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=6))
+    engine.train([_sample(prompt, c.token_ids, c.logprobs, float(i % 2), "g") for i, c in enumerate(completions)])
+    assert engine.cfg.micro_batch_size == 4  # the whole batch: the tiny model fits many times over
+
+
 def test_spec_files_are_read_from_yaml_and_json(tmp_path: Path) -> None:
     (tmp_path / "spec.json").write_text(json.dumps(SPEC))
     (tmp_path / "spec.yaml").write_text("model: tiny\niterations: 1\nprompts:\n  - prompt: 'say a:'\n    answer: '1'\n")

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer_core.generation import HFEngine, SamplingParams
-from trainer_core.lora import LoraSettings, apply_lora, causal_lm, is_lora, reference_policy
+from trainer_core.lora import LoraSettings, apply_lora, causal_lm, check_only_adapter_trains, is_lora, reference_policy
 from trainer_core.memory import frozen_parameter_audit
 from trainer_core.models import Policy, encode_prompt
 from trainer_core.samples import Sample
@@ -153,3 +153,12 @@ def test_an_adaptive_kl_controller_sets_and_adapts_the_coefficient(
     second = train_on_batch(model, samples, cfg, optimizer, kl_controller=controller)
     assert first["actor/kl_ref"] == 0 and first["actor/kl_coef"] < 0.1
     assert second["actor/kl_ref"] > 0 and second["actor/kl_coef"] == controller.value > first["actor/kl_coef"]
+
+
+def test_the_freeze_audit_stops_a_lora_run_that_would_train_base_weights(tiny_policy: Policy) -> None:
+    model = apply_lora(tiny_policy.model, LoraSettings(rank=4))
+    check_only_adapter_trains(model)  # peft froze the base
+    base = next(p for name, p in model.named_parameters() if "lora_" not in name and "layers.0" in name)
+    base.requires_grad_(True)
+    with pytest.raises(ValueError, match="outside the LoRA adapter require grad"):
+        check_only_adapter_trains(model)

@@ -315,3 +315,43 @@ def test_tied_embeddings_take_their_lookup_gradient_sparse_with_the_same_update(
     for a, b in zip(*updated, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert not torch.equal(updated[0][0], base.get_input_embeddings().weight)
+
+
+def test_auto_micro_batch_plans_from_free_memory_on_cpu(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer_core import update
+    from trainer_core.memory import plan_micro_batch
+
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=8)
+    model = tiny_policy.model
+    billions = sum(p.numel() for p in model.parameters()) / 1e9
+    # Free memory for ~3 micro-batch units of this model by the rule of thumb.
+    tight = 3.5 * billions * 2 * 3 / 0.6
+    monkeypatch.setattr(update, "available_memory_gb", lambda device: tight)
+    assert update.auto_micro_batch(model, samples, TrainConfig(micro_batch_size=0)) == 3
+    assert plan_micro_batch(device_memory_gb=tight, params_billions=billions) == 3
+    monkeypatch.setattr(update, "available_memory_gb", lambda device: 1e6)
+    assert update.auto_micro_batch(model, samples, TrainConfig()) == len(samples), "never more than the batch"
+    with pytest.raises(ValueError, match="auto_micro_batch"):
+        train_on_batch(model, samples, TrainConfig(micro_batch_size=0), build_optimizer(model, TrainConfig()))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_trial_pass_leaves_no_gradient_and_no_change(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
+) -> None:
+    from trainer_core.update import _trial_pass
+
+    model = tiny_policy.model
+    value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reached = []
+    model.model.layers[0].mlp.down_proj.weight.register_hook(lambda grad: reached.append(grad.abs().sum().item()))
+    _trial_pass(model, _random_samples(make_sample, len(tiny_policy.tokenizer), n=4), TrainConfig(algorithm=algorithm), value_head)
+    assert reached and reached[0] > 0, "the backward pass ran through the first layer"
+    assert all(p.grad is None for p in model.parameters())
+    assert value_head is None or all(p.grad is None for p in value_head.parameters())
+    assert not model.training, "back in eval mode, ready to generate"
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name

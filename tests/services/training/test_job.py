@@ -139,6 +139,15 @@ def test_a_job_finding_its_version_published_only_commits(world) -> None:
     assert not objects.exists(policy_prefix(RUN, 1) + "config.json"), "nothing was trained"
 
 
+def test_micro_batch_zero_sizes_micro_batches_from_free_memory(world) -> None:
+    queue, objects, models = world
+    trained = produce_groups(queue, 2, version=0)
+    auto = spec(training={"micro_batch": 0})
+    result = run_training_job(run_id=RUN, iteration=1, spec=auto, queue=queue, objects=objects, model_cache=models)
+    assert sorted(result["trained_ids"]) == sorted(trained)
+    assert result["metrics"]["actor/grad_norm"] > 0
+
+
 @pytest.mark.parametrize("critic", ["shared", "separate"])
 def test_ppo_carries_its_critic_and_optimizer_across_iterations(world, critic: str) -> None:
     import io
