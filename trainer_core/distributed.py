@@ -192,27 +192,21 @@ class FSDP2Strategy:
         cfg: TrainConfig,
         *,
         value_head: nn.Module | None = None,
+        ref_model: nn.Module | None = None,
         device: torch.device | None = None,
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Strategy needs a process group: call init_distributed() first")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = device or next(model.parameters()).device
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        layer_types = set(getattr(causal_lm(model), "_no_split_modules", None) or ())
-        layers = [m for m in model.modules() if type(m).__name__ in layer_types]
-        if not layers:
-            raise ValueError(f"no decoder layers ({sorted(layer_types) or 'no _no_split_modules'}) to shard")
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        # The root is resharded after forward too (FSDP2 keeps a root gathered by default): the
-        # no-grad scoring passes would otherwise leave gathered copies that an optimizer step
-        # then makes stale. Backward gathers it again.
         self.model = model
-        self._root = fully_shard(_ForwardRunner(model), mesh=mesh, reshard_after_forward=True)
+        self._root = _fully_shard(model, mesh)
+        # A separate reference model (the KL term's) is sharded the same way: each rank holds
+        # 1/world_size of it too. The same `train_on_batch(ref_model=...)` must be passed.
+        self._ref_root = _fully_shard(ref_model, mesh) if ref_model is not None else None
         self._actor = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self._actor, lr=cfg.learning_rate, betas=_BETAS, eps=_EPS, weight_decay=0.0
@@ -224,6 +218,10 @@ class FSDP2Strategy:
 
     def forward(self, fn: Callable[[], _T]) -> _T:
         return self._root(fn)
+
+    def reference_forward(self, fn: Callable[[], _T]) -> _T:
+        # Without a sharded reference model the reference is the policy itself (LoRA, adapter off).
+        return (self._ref_root or self._root)(fn)
 
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
         return _all_reduce(value, op, self.device)
@@ -278,6 +276,23 @@ class FSDP2Strategy:
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state.get("actor", {}), options=options)
         if self._critic is not None:
             self._critic.optimizer.load_state_dict(broadcast_object(state.get("critic")))
+
+
+def _fully_shard(model: nn.Module, mesh: Any) -> nn.Module:
+    """Shard `model` with FSDP2, each decoder layer a unit of its own, and return the root unit: a
+    `_ForwardRunner` holding the rest (embeddings, final norm, LM head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_types = set(getattr(causal_lm(model), "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
+    if not layers:
+        raise ValueError(f"no decoder layers ({sorted(layer_types) or 'no _no_split_modules'}) to shard")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    # The root is resharded after forward too (FSDP2 keeps a root gathered by default): the
+    # no-grad scoring passes would otherwise leave gathered copies that an optimizer step
+    # then makes stale. Backward gathers it again.
+    return fully_shard(_ForwardRunner(model), mesh=mesh, reshard_after_forward=True)
 
 
 def _import_deepspeed() -> Any:
@@ -371,6 +386,10 @@ class DeepSpeedStrategy:
     def forward(self, fn: Callable[[], _T]) -> _T:
         return self.engine(fn)
 
+    def reference_forward(self, fn: Callable[[], _T]) -> _T:
+        # The reference model is not partitioned: each rank holds it whole.
+        return self.engine(fn)
+
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
         return _all_reduce(value, op, self.device)
 
@@ -422,14 +441,16 @@ def build_strategy(
     cfg: TrainConfig,
     *,
     value_head: nn.Module | None = None,
+    ref_model: nn.Module | None = None,
     offload_optimizer: bool = False,
 ) -> FSDP2Strategy | DeepSpeedStrategy:
     """The data-parallel strategy called `name` (one of `STRATEGIES`) over `model`, already on
-    this rank's device. `offload_optimizer` keeps ZeRO's optimizer state and step on the CPU."""
+    this rank's device. FSDP2 shards `ref_model` too; ZeRO leaves it whole on each rank.
+    `offload_optimizer` keeps ZeRO's optimizer state and step on the CPU."""
     if name == "fsdp2":
         if offload_optimizer:
             raise ValueError("offload_optimizer is a ZeRO option: use strategy zero1, zero2 or zero3")
-        return FSDP2Strategy(model, cfg, value_head=value_head)
+        return FSDP2Strategy(model, cfg, value_head=value_head, ref_model=ref_model)
     if name in STRATEGIES:
         return DeepSpeedStrategy(
             model, cfg, zero_stage=int(name[-1]), offload_optimizer=offload_optimizer, value_head=value_head

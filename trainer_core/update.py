@@ -203,6 +203,11 @@ class Strategy(Protocol):
         root's forward, and DeepSpeed's engine counts its micro-steps in its own forward."""
         ...
 
+    def reference_forward(self, fn: Callable[[], _T]) -> _T:
+        """`fn()`, one forward pass of the reference policy, as `forward` runs the policy's (a
+        strategy may hold the reference model sharded too)."""
+        ...
+
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
         """`value` reduced over ranks with "sum" or "max" (a new tensor; itself on one process)."""
         ...
@@ -234,6 +239,9 @@ class LocalStrategy:
         self._max_grad_norm = max_grad_norm
 
     def forward(self, fn: Callable[[], _T]) -> _T:
+        return fn()
+
+    def reference_forward(self, fn: Callable[[], _T]) -> _T:
         return fn()
 
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
@@ -489,7 +497,7 @@ def _prepare(
         ref_logprob = None
         if kl_coef > 0:
             with reference_policy(model, ref_model) as ref:
-                ref_logprob = _score(ref, samples, response_len, cfg, strategy=strategy)
+                ref_logprob = _score(ref, samples, response_len, cfg, strategy=strategy, forward=strategy.reference_forward)
         old_values = proximal = None
         if critic is not None or cfg.off_policy == OffPolicy.DECOUPLED:
             proximal, old_values = _score(
@@ -638,11 +646,13 @@ def _score(
     *,
     with_values: bool = False,
     strategy: Strategy | None = None,
+    forward: Callable[[Callable[[], _T]], _T] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor | None]:
     """Log-probs under `model` `(batch, response_len)`, and with `with_values` the value head's
     values too (None without one), computed micro-batch by micro-batch (no grad expected);
-    each forward pass runs through `strategy` when given, as many on every rank."""
-    run = strategy.forward if strategy is not None else (lambda fn: fn())
+    each forward pass runs through `forward`, else `strategy.forward` when given, as many on
+    every rank."""
+    run = forward or (strategy.forward if strategy is not None else (lambda fn: fn()))
     logprobs = torch.zeros(len(samples), response_len, device=next(model.parameters()).device)
     values = torch.zeros_like(logprobs) if value_head is not None else None
     for micro in _micro_batches(samples, range(len(samples)), cfg, strategy):

@@ -319,7 +319,7 @@ def _train(
             publish_policy(objects, run_id, iteration, policy, Path(scratch))
         _save_torch(objects, state_out + "optimizer.pt", optimizer.state_dict())
     else:
-        strategy = build_strategy(spec.training.strategy, policy.model, cfg, value_head=value_head,
+        strategy = build_strategy(spec.training.strategy, policy.model, cfg, value_head=value_head, ref_model=ref_model,
                                   offload_optimizer=spec.training.offload_optimizer)
         # The ranks of a pod share its disk: the leader moves the optimizer state between it and the store.
         scratch = model_cache / "runs" / run_id / f"trainer-v{iteration}"

@@ -155,7 +155,11 @@ def main() -> None:
         cfg = train_config(scenario)
         model, ref_model, value_head = build_models(args.cache_dir, scenario)
         if args.strategy == "fsdp2":
-            strategy = FSDP2Strategy(model, cfg, value_head=value_head)
+            strategy = FSDP2Strategy(model, cfg, value_head=value_head, ref_model=ref_model)
+            if ref_model is not None:  # sharded like the policy: each rank holds its part
+                from torch.distributed.tensor import DTensor
+
+                assert all(isinstance(p, DTensor) for p in ref_model.parameters()), "reference not sharded"
         else:
             stage, _, offload = args.strategy.removeprefix("zero").partition("-")
             strategy = DeepSpeedStrategy(

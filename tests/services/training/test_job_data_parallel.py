@@ -1,7 +1,8 @@
 """A training job of 2 processes (torchrun, gloo on CPU), started with the command the scheduler
-gives a training pod, against the same job in one process: two iterations on the same batches
-must publish the same policy. The second iteration starts from the optimizer state the first
-saved, so this also checks that the sharded state is written whole and read back.
+gives a training pod, against the same job in one process: two iterations on the same batches,
+with a KL term to the base model (sharded too under FSDP2), must publish the same policy. The
+second iteration starts from the optimizer state the first saved, so this also checks that the
+sharded state is written whole and read back.
 
 AdamW's first steps are about lr * sign(g) whatever the gradient's scale, so the gradient's
 scale is checked through `actor/grad_norm` and its direction through the weights, within 2% of
@@ -40,7 +41,7 @@ def spec(**training) -> RunSpec:
     return RunSpec.model_validate({
         "model": "tiny", "prompts": [{"prompt": "x"}], "samples_per_prompt": GROUP_SIZE,
         "batch_samples": GROUPS * GROUP_SIZE, "iterations": ITERATIONS,
-        "training": {"learning_rate": LR, "micro_batch": 4, "kl_coef": 0.0} | training,
+        "training": {"learning_rate": LR, "micro_batch": 4, "kl_coef": 0.05} | training,
     })  # fmt: skip
 
 
@@ -130,7 +131,7 @@ def test_a_two_process_job_publishes_what_one_process_does(
         want = json.loads(want_backends.objects.get_bytes(result_key(want_run, iteration)))
         assert got["trained_ids"] == want["trained_ids"] and got["dropped"]["uneven"] == []
         assert got["offsets"] == want["offsets"]
-        for key in ("actor/grad_norm", "actor/pg_loss", "reward/mean", "perf/tokens"):
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_ref", "reward/mean", "perf/tokens"):
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4, abs=1e-6), key
 
     def weights(b: Backends, run: str, version: int) -> dict[str, torch.Tensor]:
