@@ -68,13 +68,23 @@ class GenerationEngine(Protocol):
 
 
 class HFEngine:
-    """`GenerationEngine` over a transformers causal LM, with a KV cache and batched prompts."""
+    """`GenerationEngine` over a transformers causal LM, with a KV cache and batched prompts.
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    `autocast_bf16` runs the model's forward passes under bf16 autocast (the weights stay as
+    they are); None, the default, turns it on for CUDA devices with bf16 support, where it is
+    safe and several times faster, and off on CPUs, most of which emulate bf16. The recorded
+    behaviour log-probs are those of the sampler that drew the tokens, so an update that clips
+    or re-weights around them (`algos`) sees the mismatch instead of ignoring it.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, autocast_bf16: bool | None = None
+    ) -> None:
         self.tokenizer = tokenizer  # callers encode prompts and decode completions with it
         self._stop_ids = torch.tensor(stop_token_ids(tokenizer))
         # Rows that have finished keep being fed this token; their outputs are discarded.
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._autocast_bf16 = autocast_bf16
         self.set_model(model)
 
     def set_model(self, model: PreTrainedModel) -> None:
@@ -115,7 +125,10 @@ class HFEngine:
         step_tokens: list[torch.Tensor] = []  # max_new_tokens x (batch,)
         step_logprobs: list[torch.Tensor] = []
 
-        with torch.no_grad(), _eval_mode(model):
+        bf16 = self._autocast_bf16
+        if bf16 is None:
+            bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        with torch.no_grad(), _eval_mode(model), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             for _ in range(params.max_new_tokens):
                 if should_stop():
                     return None

@@ -69,6 +69,21 @@ def test_logprobs_match_a_teacher_forced_pass(tiny_policy: Policy, params: Sampl
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0)
 
 
+def test_bf16_autocast_records_its_own_logprobs_near_fp32_ones(tiny_policy: Policy) -> None:
+    """Under bf16 autocast (on by default on CUDA only) the recorded log-probs are the bf16
+    sampler's: near the fp32 policy's log-probs of the same tokens, yet not equal to them."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    prompts = _prompts(tiny_policy)
+    fp32 = HFEngine(tiny_policy.model, tiny_policy.tokenizer).generate(prompts, params, seed=0)
+    assert fp32 == HFEngine(tiny_policy.model, tiny_policy.tokenizer, autocast_bf16=False).generate(prompts, params, seed=0)
+    bf16 = HFEngine(tiny_policy.model, tiny_policy.tokenizer, autocast_bf16=True).generate(prompts, params, seed=0)
+    gaps = []
+    for prompt, completion in zip(prompts, bf16, strict=True):
+        exact = _teacher_forced_logprobs(tiny_policy.model, prompt, completion, params.temperature)
+        gaps.append((torch.tensor(completion.logprobs) - exact).abs().max().item())
+    assert 0 < max(gaps) < 0.1, gaps
+
+
 def test_greedy_is_deterministic_and_independent_of_batch_padding(tiny_policy: Policy) -> None:
     engine = HFEngine(tiny_policy.model, tiny_policy.tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
