@@ -364,6 +364,7 @@ class DeepSpeedStrategy:
         zero_stage: int = 2,
         offload_optimizer: bool = False,
         value_head: nn.Module | None = None,
+        ref_model: nn.Module | None = None,
         config_overrides: dict[str, Any] | None = None,
     ) -> None:
         deepspeed = _import_deepspeed()
@@ -373,12 +374,21 @@ class DeepSpeedStrategy:
         self.model = model
         self.zero_stage = zero_stage
         runner = _ForwardRunner(model)
+        config = _merged(deepspeed_config(cfg, zero_stage, offload_optimizer), config_overrides or {})
         self.engine, *_ = deepspeed.initialize(
-            model=runner,
-            model_parameters=[p for p in runner.parameters() if p.requires_grad],
-            config=_merged(deepspeed_config(cfg, zero_stage, offload_optimizer), config_overrides or {}),
+            model=runner, model_parameters=[p for p in runner.parameters() if p.requires_grad], config=config
         )
         self.device = self.engine.device
+        # Under ZeRO-3 a separate reference model (the KL term's) is partitioned too, in an
+        # engine of its own without an optimizer (as DeepSpeed-Chat runs its reference); the same
+        # `train_on_batch(ref_model=...)` must be passed. Stages 1-2 keep whole weights anyway.
+        self._ref_engine = None
+        if ref_model is not None and zero_stage == 3:
+            ref_config = {key: value for key, value in config.items() if key not in ("optimizer", "gradient_clipping")}
+            ref_config["zero_optimization"] = {
+                key: value for key, value in config["zero_optimization"].items() if key != "offload_optimizer"
+            }
+            self._ref_engine, *_ = deepspeed.initialize(model=_ForwardRunner(ref_model), config=ref_config)
         self._critic = (
             _ReplicatedCritic(value_head, cfg.learning_rate, cfg.max_grad_norm) if value_head is not None else None
         )
@@ -387,8 +397,9 @@ class DeepSpeedStrategy:
         return self.engine(fn)
 
     def reference_forward(self, fn: Callable[[], _T]) -> _T:
-        # The reference model is not partitioned: each rank holds it whole.
-        return self.engine(fn)
+        # Without a partitioned reference model the reference is whole on each rank, or is the
+        # policy itself (LoRA, adapter off).
+        return (self._ref_engine or self.engine)(fn)
 
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
         return _all_reduce(value, op, self.device)
@@ -445,7 +456,7 @@ def build_strategy(
     offload_optimizer: bool = False,
 ) -> FSDP2Strategy | DeepSpeedStrategy:
     """The data-parallel strategy called `name` (one of `STRATEGIES`) over `model`, already on
-    this rank's device. FSDP2 shards `ref_model` too; ZeRO leaves it whole on each rank.
+    this rank's device. FSDP2 and ZeRO-3 shard `ref_model` too.
     `offload_optimizer` keeps ZeRO's optimizer state and step on the CPU."""
     if name == "fsdp2":
         if offload_optimizer:
@@ -453,7 +464,8 @@ def build_strategy(
         return FSDP2Strategy(model, cfg, value_head=value_head, ref_model=ref_model)
     if name in STRATEGIES:
         return DeepSpeedStrategy(
-            model, cfg, zero_stage=int(name[-1]), offload_optimizer=offload_optimizer, value_head=value_head
+            model, cfg, zero_stage=int(name[-1]), offload_optimizer=offload_optimizer, value_head=value_head,
+            ref_model=ref_model,
         )
     raise ValueError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
 

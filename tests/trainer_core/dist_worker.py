@@ -164,8 +164,10 @@ def main() -> None:
             stage, _, offload = args.strategy.removeprefix("zero").partition("-")
             strategy = DeepSpeedStrategy(
                 model, cfg, zero_stage=int(stage), offload_optimizer=offload == "offload", value_head=value_head,
-                config_overrides=args.ds_config,
+                ref_model=ref_model, config_overrides=args.ds_config,
             )
+            if ref_model is not None and stage == "3":  # partitioned like the policy
+                assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in ref_model.parameters()), "reference not partitioned"
         batch = make_batch(model.config.vocab_size, shared_prompts=SCENARIOS[scenario].shared_prompts)
         samples = shard_samples(batch, env.rank, env.world_size)
         metrics = train_on_batch(model, samples, cfg, strategy, ref_model=ref_model, value_head=value_head)
