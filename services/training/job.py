@@ -104,7 +104,11 @@ def with_adapter(spec: RunSpec, policy: Policy) -> Policy:
     """`policy` with the LoRA adapter a `training.lora_rank` spec trains: added to the base
     model (v0); a later version already carries it."""
     if spec.training.lora_rank and not is_lora(policy.model):
-        policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
+        # A fixed seed for the adapter's random initial weights: every rank of a data-parallel
+        # job, and every rerun, starts from the same adapter.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
     if is_lora(policy.model):
         check_only_adapter_trains(policy.model)
     return policy

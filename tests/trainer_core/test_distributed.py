@@ -41,7 +41,7 @@ LAUNCHES: dict[str, tuple[list[str], dict[str, Any]]] = {
     "fsdp2": (["grpo", "ppo", "grpo-tied", "grpo-checkpointed", "grpo-lora", "grpo-shared-prompts"], {}),
     "zero2-offload": (["grpo", "ppo", "grpo-lora"], {}),
     "zero3-offload": (
-        ["grpo", "ppo", "grpo-tied", "grpo-checkpointed", "grpo-shared-prompts"],
+        ["grpo", "ppo", "grpo-tied", "grpo-checkpointed", "grpo-shared-prompts", "grpo-lora"],
         {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
     ),
 }

@@ -83,14 +83,22 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> tuple[Backends, str]:
-    run_id = "run-one-process"
-    _, backends = open_world(tmp_path_factory.mktemp("one"), run_id, spec(), model_cache)
-    for iteration in range(1, ITERATIONS + 1):
-        produce(backends, run_id, iteration)
-        run_training_job(run_id=run_id, iteration=iteration, spec=spec(), queue=backends.queue,
-                         objects=backends.objects, model_cache=model_cache)  # fmt: skip
-    return backends, run_id
+def one_process(tmp_path_factory: pytest.TempPathFactory, model_cache: Path):
+    """The one-process run of a spec (full fine-tuning, or with `lora_rank`), run on first use."""
+    runs: dict[int, tuple[Backends, str]] = {}
+
+    def get(lora_rank: int) -> tuple[Backends, str]:
+        if lora_rank not in runs:
+            run_id, run_spec = f"run-one-process-{lora_rank}", spec(lora_rank=lora_rank)
+            _, backends = open_world(tmp_path_factory.mktemp("one"), run_id, run_spec, model_cache)
+            for iteration in range(1, ITERATIONS + 1):
+                produce(backends, run_id, iteration)
+                run_training_job(run_id=run_id, iteration=iteration, spec=run_spec, queue=backends.queue,
+                                 objects=backends.objects, model_cache=model_cache)  # fmt: skip
+            runs[lora_rank] = backends, run_id
+        return runs[lora_rank]
+
+    return get
 
 
 def _run_pods(settings: Settings, backends: Backends, run_id: str, processes: int) -> None:
@@ -112,20 +120,21 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
     "training",
     [
         {"strategy": "fsdp2"},
+        {"strategy": "fsdp2", "lora_rank": 4},
         pytest.param({"strategy": "zero2", "offload_optimizer": True}, marks=needs_deepspeed),
         pytest.param({"strategy": "zero3", "offload_optimizer": True}, marks=needs_deepspeed),
     ],
-    ids=["fsdp2", "zero2-offload", "zero3-offload"],
+    ids=["fsdp2", "fsdp2-lora", "zero2-offload", "zero3-offload"],
 )
 def test_a_two_process_job_publishes_what_one_process_does(
-    tmp_path: Path, model_cache: Path, one_process: tuple[Backends, str], training: dict
+    tmp_path: Path, model_cache: Path, one_process, training: dict
 ) -> None:
     run_spec = spec(processes=2, **training)
-    run_id = f"run-{training['strategy']}"
+    run_id = f"run-{training['strategy']}-{run_spec.training.lora_rank}"
     settings, backends = open_world(tmp_path, run_id, run_spec, model_cache)
     _run_pods(settings, backends, run_id, processes=2)
 
-    want_backends, want_run = one_process
+    want_backends, want_run = one_process(run_spec.training.lora_rank)
     for iteration in range(1, ITERATIONS + 1):
         got = json.loads(backends.objects.get_bytes(result_key(run_id, iteration)))
         want = json.loads(want_backends.objects.get_bytes(result_key(want_run, iteration)))
@@ -138,9 +147,15 @@ def test_a_two_process_job_publishes_what_one_process_does(
         return fetch_policy(b.objects, run, version, base_model="tiny", model_cache=model_cache).model.state_dict()
 
     initial, want, got = weights(backends, run_id, 0), weights(want_backends, want_run, 2), weights(backends, run_id, 2)
+    assert got.keys() == want.keys()
     for name, value in want.items():
-        assert (value - initial[name]).abs().max() > LR, f"{name} did not move by about two steps"
+        if run_spec.training.lora_rank == 0:
+            assert (value - initial[name]).abs().max() > LR, f"{name} did not move by about two steps"
         torch.testing.assert_close(got[name], value, atol=0.02 * LR, rtol=0, msg=name)
+    if run_spec.training.lora_rank:  # the adapter trained (B starts at zero), the base did not
+        assert all(want[n].abs().max() > LR for n in want if "lora_B" in n)
+        assert all(torch.equal(want[n], initial[n.removeprefix("base_model.model.").replace(".base_layer", "")])
+                   for n in want if "lora_" not in n)
     backends.close()
 
 
