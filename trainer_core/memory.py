@@ -9,6 +9,7 @@ comes from `/proc/self/status` rather than psutil.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import time
@@ -154,11 +155,16 @@ def release_freed_memory() -> None:
     holes that later allocations do not fit: measured on SmolLM2-135M training, ~0.45 GB of RSS
     that no tensor holds. Called between the phases of a step (a few ms). No-op off glibc.
     """
+    if (libc := _glibc()) is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
-        return
-    libc.malloc_trim(0)
+        return None
 
 
 @contextmanager
