@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainer_core.lora import causal_lm
+from trainer_core.memory import decoder_layers
 from trainer_core.samples import Sample
 from trainer_core.update import TrainConfig
 
@@ -140,8 +141,9 @@ class _ForwardRunner(nn.Module):
         return fn()
 
 
-def _all_reduce(value: Tensor, op: str, device: torch.device) -> Tensor:
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+def all_reduce(value: Tensor, op: str, device: torch.device) -> Tensor:
+    """`value` reduced over the ranks with "sum", "max" or "min" (a new tensor)."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops:
         raise ValueError(f"all_reduce op must be one of {sorted(ops)}, got {op!r}")
     # The tensor travels on the backend's device (NCCL reduces GPU tensors only) and comes back
@@ -224,7 +226,7 @@ class FSDP2Strategy:
         return (self._ref_root or self._root)(fn)
 
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
-        return _all_reduce(value, op, self.device)
+        return all_reduce(value, op, self.device)
 
     def backward(self, loss: Tensor) -> None:
         loss.backward()
@@ -283,11 +285,7 @@ def _fully_shard(model: nn.Module, mesh: Any) -> nn.Module:
     `_ForwardRunner` holding the rest (embeddings, final norm, LM head)."""
     from torch.distributed.fsdp import fully_shard
 
-    layer_types = set(getattr(causal_lm(model), "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
-    if not layers:
-        raise ValueError(f"no decoder layers ({sorted(layer_types) or 'no _no_split_modules'}) to shard")
-    for layer in layers:
+    for layer in decoder_layers(causal_lm(model)):
         fully_shard(layer, mesh=mesh)
     # The root is resharded after forward too (FSDP2 keeps a root gathered by default): the
     # no-grad scoring passes would otherwise leave gathered copies that an optimizer step
@@ -402,7 +400,7 @@ class DeepSpeedStrategy:
         return (self._ref_engine or self.engine)(fn)
 
     def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor:
-        return _all_reduce(value, op, self.device)
+        return all_reduce(value, op, self.device)
 
     def backward(self, loss: Tensor) -> None:
         # train_on_batch has weighted the loss already: no division by accumulation steps.

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 
 from services.backends.object_store import ObjectStore
 from services.backends.queue import Consumer, Queue, Record, next_offsets
@@ -31,7 +30,14 @@ from services.names import TRAINER_GROUP, TRAINER_MEMBER, result_key, samples_to
 from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
 from trainer_core.algos import AdaptiveKLController
-from trainer_core.distributed import DistEnv, broadcast_object, build_strategy, init_distributed, shard_samples
+from trainer_core.distributed import (
+    DistEnv,
+    all_reduce,
+    broadcast_object,
+    build_strategy,
+    init_distributed,
+    shard_samples,
+)
 from trainer_core.lora import LoraSettings, apply_lora, check_only_adapter_trains, is_lora
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import Policy, load_policy
@@ -233,11 +239,7 @@ class Ranks:
 
     def least(self, value: int) -> int:
         """The smallest of every rank's `value` (a collective)."""
-        if self.env is None:
-            return value
-        box = torch.tensor(value, device=self.env.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MIN)
-        return int(box)
+        return value if self.env is None else int(all_reduce(torch.tensor(value), "min", self.env.device))
 
 
 def even_shares(samples: Sequence[Sample], world_size: int) -> tuple[list[Sample], list[str]]:

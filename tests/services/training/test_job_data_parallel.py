@@ -121,16 +121,17 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
     [
         {"strategy": "fsdp2"},
         {"strategy": "fsdp2", "lora_rank": 4},
+        {"strategy": "fsdp2", "micro_batch": 0},  # sized on each rank, the least taken
         pytest.param({"strategy": "zero2", "offload_optimizer": True}, marks=needs_deepspeed),
         pytest.param({"strategy": "zero3", "offload_optimizer": True}, marks=needs_deepspeed),
     ],
-    ids=["fsdp2", "fsdp2-lora", "zero2-offload", "zero3-offload"],
+    ids=["fsdp2", "fsdp2-lora", "fsdp2-auto-micro-batch", "zero2-offload", "zero3-offload"],
 )
 def test_a_two_process_job_publishes_what_one_process_does(
     tmp_path: Path, model_cache: Path, one_process, training: dict
 ) -> None:
     run_spec = spec(processes=2, **training)
-    run_id = f"run-{training['strategy']}-{run_spec.training.lora_rank}"
+    run_id = f"run-{training['strategy']}-{run_spec.training.lora_rank}-{run_spec.training.micro_batch}"
     settings, backends = open_world(tmp_path, run_id, run_spec, model_cache)
     _run_pods(settings, backends, run_id, processes=2)
 
