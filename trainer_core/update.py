@@ -733,7 +733,7 @@ def _forward(
     # bf16 autocast is for accelerators and CPUs with bf16 units (AVX512-BF16/AMX): elsewhere
     # it is emulated and ~15x slower.
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        hidden = _response_hidden_for(lm, samples, layout, response_len, cfg, device)
+        hidden = _response_hidden_for(lm, samples, layout, mask, cfg)
         # The LM head runs on the real response tokens only, flattened: the prompt's logits, a
         # (prompt_len x vocab) tensor per sample, and padding never reach it.
         flat = chunked_logprobs(  # (n_tokens,)
@@ -741,7 +741,7 @@ def _forward(
             chunk_tokens=cfg.logprob_chunk_tokens, temperature=cfg.logit_temperature, n_chunks=n_chunks,
         )
         if value_head is not None and value_head.backbone is not None:
-            hidden = _response_hidden_for(value_head.backbone, samples, layout, response_len, cfg, device)
+            hidden = _response_hidden_for(value_head.backbone, samples, layout, mask, cfg)
     logprob = torch.zeros(mask.shape, device=device).masked_scatter(mask, flat)  # (batch, response_len)
     values = None
     if value_head is not None:
@@ -770,24 +770,18 @@ class _Layout:
 
 
 def _response_hidden_for(
-    lm: PreTrainedModel,
-    samples: Sequence[Sample],
-    layout: _Layout,
-    response_len: int,
-    cfg: TrainConfig,
-    device: torch.device,
+    lm: PreTrainedModel, samples: Sequence[Sample], layout: _Layout, mask: Tensor, cfg: TrainConfig
 ) -> Tensor:
     """Final hidden states at the positions that predict the response tokens, flattened sample
-    by sample `(n_tokens, hidden)`: from packed rows when they are short enough and the model
-    takes a custom mask (SDPA attention), else from padded rows (with shared prompt prefixes
-    when the config allows them)."""
+    by sample `(n_tokens, hidden)` (the True entries of the response `mask` `(batch,
+    response_len)`): from packed rows when they are short enough and the model takes a custom
+    mask (SDPA attention), else from padded rows (with shared prompt prefixes when the config
+    allows them)."""
     if 0 < layout.row_tokens <= cfg.pack_max_tokens and lm.config._attn_implementation == "sdpa":
-        return _response_hidden_packed(lm, samples, layout, device)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
-    mask = torch.arange(response_len, device=device) < lengths[:, None]
+        return _response_hidden_packed(lm, samples, layout, mask.device)
     if cfg.share_prompt_prefix and not cfg.gradient_checkpointing:
-        return _response_hidden_shared_prefix(lm, samples, response_len, device)[mask]
-    return _response_hidden(lm, samples, response_len, device)[mask]
+        return _response_hidden_shared_prefix(lm, samples, layout, mask.shape[1], mask.device)[mask]
+    return _response_hidden(lm, samples, mask.shape[1], mask.device)[mask]
 
 
 def _response_hidden_packed(
@@ -867,17 +861,16 @@ def _response_hidden(
 
 
 def _response_hidden_shared_prefix(
-    lm: PreTrainedModel, samples: Sequence[Sample], response_len: int, device: torch.device
+    lm: PreTrainedModel, samples: Sequence[Sample], layout: _Layout, response_len: int, device: torch.device
 ) -> Tensor:
-    """`_response_hidden` with each distinct prompt run once.
+    """`_response_hidden` with each of `layout.prompts` (the distinct ones) run once.
 
-    The distinct prompts (left-padded) go through the backbone filling a KV cache; the cache rows
-    are then repeated for the samples of each prompt, and the right-padded responses run on top
-    of it. Attention sees exactly what a full pass sees, and under autograd the gradients of all
-    of a prompt's samples flow back into its one prefix computation.
+    The prompts (left-padded) go through the backbone filling a KV cache; the cache rows are then
+    repeated for the samples of each prompt, and the right-padded responses run on top of it.
+    Attention sees exactly what a full pass sees, and under autograd the gradients of all of a
+    prompt's samples flow back into its one prefix computation.
     """
-    unique, owner = distinct_prompts([s.prompt_ids for s in samples])
-    prompt_ids, prompt_mask = left_pad(unique, 0, device)  # (n_unique, prompt_len)
+    prompt_ids, prompt_mask = left_pad(layout.prompts, 0, device)  # (n_prompts, prompt_len)
     backbone = lm.base_model
     cache = DynamicCache(config=lm.config)
     cache_arg = {cache_kwarg(backbone): cache}
@@ -888,7 +881,7 @@ def _response_hidden_shared_prefix(
         use_cache=True,
         **cache_arg,
     ).last_hidden_state
-    rows = torch.tensor(owner, device=device)
+    rows = torch.tensor(layout.owner, device=device)
     cache.batch_select_indices(rows)
 
     response_ids = torch.zeros(len(samples), response_len, dtype=torch.long)
