@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer_core.durable import fsync, fsync_tree
 from trainer_core.lora import is_lora, load_adapter
 from trainer_core.models import load_weights
 
@@ -135,7 +136,7 @@ def save_checkpoint(
             torch.save(value_head.state_dict(), tmp / _VALUE_HEAD)
         torch.save(_rng_state(), tmp / _RNG)
         (tmp / _META).write_text(json.dumps(meta, indent=2))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _rename_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -264,27 +265,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         )
 
 
-def _fsync_tree(directory: Path) -> None:
-    """Flush every file under `directory` to disk, so the rename never publishes a checkpoint
-    whose contents a power loss could still drop."""
-    for dirpath, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Flush `directory`'s entries to disk: a rename into it is durable only once they are."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _new_dir(parent: Path, prefix: str) -> Path:
     """A fresh, uniquely named directory; unlike `tempfile.mkdtemp` (always 0700) it gets the
     umask's permissions, which the checkpoint keeps after the rename."""
@@ -303,7 +283,7 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    fsync_dir(final.parent)
+    fsync(final.parent)
 
 
 def _rotate(root: Path, saved: Path, keep: int | None) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from trainer_core.checkpoint import fsync_dir
+from trainer_core.durable import fsync
 
 
 class ObjectNotFoundError(KeyError):
@@ -188,4 +188,4 @@ class LocalObjectStore:
             ) from None
         finally:
             Path(tmp).unlink(missing_ok=True)
-        fsync_dir(path.parent)
+        fsync(path.parent)
