@@ -86,6 +86,7 @@ class _NewStorageBytes(TorchDispatchMode):
         super().__init__()
         self.known = set(known)
         self.bytes = 0
+        self.largest = 0  # the largest new storage: unlike the sum, independent of address reuse
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
@@ -93,6 +94,7 @@ class _NewStorageBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.known:
                 self.known.add(t.untyped_storage().data_ptr())
                 self.bytes += t.untyped_storage().nbytes()
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
         return out
 
 
@@ -127,7 +129,12 @@ def test_switching_modes_holds_no_second_copy_of_the_weights(
 
     with _count_new_storage(model) as counter:
         engine.generate([samples[0].prompt_ids], SamplingParams(max_new_tokens=8), seed=1)
-    assert counter.bytes < 0.05 * weight_bytes, (counter.bytes, weight_bytes)
+    # A copy of any weight matrix (a bf16 cast, a merged adapter, a deepcopy) would be one storage
+    # at least as large as the smallest of them; the sum of new storages is a second, looser
+    # bound (it varies a little with how the allocator reuses freed addresses).
+    smallest_matrix = min(p.nbytes for name, p in model.named_parameters() if p.dim() == 2 and "lora_" not in name)
+    assert counter.largest < smallest_matrix, (counter.largest, smallest_matrix)
+    assert counter.bytes < 0.1 * weight_bytes, (counter.bytes, weight_bytes)
     assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
     # Back to training after generating: same storages, the update still lands on them.
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
