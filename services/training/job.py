@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from torch.distributed import destroy_process_group
 
 from services.backends.object_store import ObjectStore
 from services.backends.queue import Consumer, Queue, Record, next_offsets
@@ -213,7 +212,6 @@ def run_training_job(
     finally:
         if consumer is not None:
             consumer.close()
-        ranks.leave()
 
 
 @dataclass(frozen=True)
@@ -230,11 +228,6 @@ class Ranks:
         if env.world_size != processes:
             raise RuntimeError(f"the run spec asks for {processes} training processes, torchrun started {env.world_size}")
         return cls(env)
-
-    def leave(self) -> None:
-        """Close the process group `join` opened (a rank exiting with it open can abort)."""
-        if self.env is not None:
-            destroy_process_group()
 
     @property
     def leader(self) -> bool:
@@ -283,9 +276,9 @@ def _train(
         return result
 
     started = time.time()
+    previous = json.loads(objects.get_bytes(result_key(run_id, iteration - 1)) if iteration > 1 else b'{"trained_ids": []}')
     batch = None
     if consumer is not None:
-        previous = json.loads(objects.get_bytes(result_key(run_id, iteration - 1)) if iteration > 1 else b'{"trained_ids": []}')
         records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], spec.batch_samples, spec.samples_per_prompt)
         selection = select_samples(
             (decode_sample(r.value) for r in records),
@@ -297,8 +290,8 @@ def _train(
             selection.kept, selection.dropped["uneven"] = even_shares(selection.kept, ranks.env.world_size)
         log.info("iteration %d: %d samples read, %d kept, dropped %s", iteration, len(records), len(selection.kept),
                  {k: len(v) for k, v in selection.dropped.items()})
-        batch = (len(records), offsets, selection, previous.get("metrics", {}).get("actor/kl_coef"))
-    samples_read, offsets, selection, last_kl_coef = ranks.share(batch)
+        batch = (len(records), offsets, selection)
+    samples_read, offsets, selection = ranks.share(batch)
 
     policy = with_adapter(
         spec, fetch_policy(objects, run_id, iteration - 1, base_model=spec.model, model_cache=model_cache)
@@ -313,7 +306,7 @@ def _train(
         if (vh := _load_torch(objects, state_in + "value_head.pt")) is not None:
             value_head.load_state_dict(vh)
     ref_model = reference_model(spec, policy, model_cache)
-    controller = kl_controller(spec, last_kl_coef)
+    controller = kl_controller(spec, previous.get("metrics", {}).get("actor/kl_coef"))
     samples = selection.kept if ranks.env is None else shard_samples(selection.kept, ranks.env.rank, ranks.env.world_size)
     if cfg.micro_batch_size == 0 and samples:
         # Probed on the whole (unsharded) model: a size that fits it fits its shards.
@@ -336,13 +329,14 @@ def _train(
                                   offload_optimizer=spec.training.offload_optimizer)
         # The ranks of a pod share its disk: the leader moves the optimizer state between it and the store.
         scratch = model_cache / "runs" / run_id / f"trainer-v{iteration}"
-        resuming = None
+        resuming = bool(objects.list(state_in + "optimizer/"))
         if ranks.leader:
             shutil.rmtree(scratch, ignore_errors=True)
             (scratch / "out").mkdir(parents=True)
-            if resuming := bool(objects.list(state_in + "optimizer/")):
+            if resuming:
                 objects.download_dir(state_in + "optimizer/", scratch / "in")
-        if ranks.share(resuming):  # once the files are in place
+        ranks.share(None)  # the files are in place
+        if resuming:
             strategy.load_optimizer_state(scratch / "in")
         metrics = train(policy.model, samples, cfg, strategy) if samples else {}
         metrics.update(MemoryMonitor().sample())  # rank 0's own memory
