@@ -84,13 +84,17 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dim() == 2
         and x.shape[0] <= MAX_ROWS
-        and x.device.type == weight.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and weight.is_contiguous()
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and _weight_fits(weight)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not torch.is_autocast_enabled("cpu")
         and kernel() is not None
     )
+
+
+def _weight_fits(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,13 +108,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @contextmanager
 def decoding_linears(model: nn.Module) -> Iterator[None]:
-    """Within the block, each `nn.Linear` of `model` runs small batches of rows through the
-    kernel (anything else through `F.linear` as usual). The modules' own forward comes back on
-    exit; a module whose forward is already replaced (by accelerate hooks, say) is left alone."""
-    if kernel() is None:
+    """Within the block, each `nn.Linear` of `model` with fp32 CPU weights runs small batches of
+    fp32 rows through the kernel (anything else through `F.linear` as usual).
+
+    Made for a decode loop, it decides once, on entry, so that each of the loop's thousands of
+    products pays for one row count check only: under autograd or autocast it changes nothing.
+    The modules' own forward comes back on exit; a module whose forward is already replaced (by
+    accelerate hooks, say) is left alone.
+    """
+    if kernel() is None or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         yield
         return
-    patched = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
+    patched = [
+        m for m in model.modules()
+        if type(m) is nn.Linear and "forward" not in vars(m) and _weight_fits(m.weight)
+    ]
     for module in patched:
         module.forward = functools.partial(_forward, module)
     try:
@@ -121,7 +133,7 @@ def decoding_linears(model: nn.Module) -> Iterator[None]:
 
 
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
-    if fits(flat, module.weight):
-        return linear(flat, module.weight, module.bias).view(*x.shape[:-1], -1)
+    rows = x.numel() // x.shape[-1]
+    if rows <= MAX_ROWS and x.dtype == torch.float32:
+        return linear(x.reshape(rows, -1), module.weight, module.bias).view(*x.shape[:-1], -1)
     return F.linear(x, module.weight, module.bias)

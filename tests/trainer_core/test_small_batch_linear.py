@@ -57,12 +57,21 @@ def test_decoding_linears_routes_small_batches_and_restores_the_modules() -> Non
 
 
 def test_decoding_linears_leaves_a_replaced_forward_alone() -> None:
+    layer, hooked_layer = nn.Linear(8, 8), nn.Linear(8, 8)
+    hooked = hooked_layer.forward
+    hooked_layer.forward = hooked  # what accelerate's hooks do: an instance attribute
+    model = nn.Sequential(layer, hooked_layer)
+    with torch.no_grad(), decoding_linears(model):
+        assert "forward" in vars(layer) and vars(hooked_layer)["forward"] is hooked
+    assert vars(hooked_layer)["forward"] is hooked
+
+
+def test_decoding_linears_changes_nothing_under_autograd_or_autocast() -> None:
     layer = nn.Linear(8, 8)
-    hooked = layer.forward
-    layer.forward = hooked  # what accelerate's hooks do: an instance attribute
     with decoding_linears(layer):
-        assert vars(layer)["forward"] is hooked
-    assert vars(layer)["forward"] is hooked
+        assert "forward" not in vars(layer)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), decoding_linears(layer):
+        assert "forward" not in vars(layer)
 
 
 def test_the_kernel_is_cached_per_source(tmp_path, monkeypatch) -> None:
