@@ -116,13 +116,13 @@ def decoding_linears(model: nn.Module) -> Iterator[None]:
     The modules' own forward comes back on exit; a module whose forward is already replaced (by
     accelerate hooks, say) is left alone.
     """
-    if kernel() is None or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
-        yield
-        return
     patched = [
         m for m in model.modules()
         if type(m) is nn.Linear and "forward" not in vars(m) and _weight_fits(m.weight)
     ]
+    # A model on a GPU has nothing to patch, and never builds the kernel.
+    if not patched or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or kernel() is None:
+        patched = []
     for module in patched:
         module.forward = functools.partial(_forward, module)
     try:
