@@ -105,7 +105,9 @@ def _launch(strategy: str, model_cache: Path, out_dir: Path) -> dict[str, Any]:
     scenarios, ds_config = LAUNCHES[strategy]
     out = out_dir / "results.pt"
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
+    # PYTHONFAULTHANDLER: a rank that crashes (an intermittent SIGABRT has been seen) prints the
+    # Python stack of each of its threads.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, PYTHONFAULTHANDLER="1")
     # DeepSpeed JIT-builds its C++ ops (CPU Adam, shared-memory comm) on first use, minutes on
     # 2 cores: cached with the virtual environment, so later runs load them in a second.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
@@ -115,7 +117,8 @@ def _launch(strategy: str, model_cache: Path, out_dir: Path) -> dict[str, Any]:
         "--cache-dir", str(model_cache), "--out", str(out), "--ds-config", json.dumps(ds_config),
     ]  # fmt: skip
     run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
-    assert run.returncode == 0, f"{strategy} ranks failed:\n{(run.stdout + run.stderr)[-6000:]}"
+    output = "\n".join(line for line in (run.stdout + run.stderr).splitlines() if "Loading weights" not in line)
+    assert run.returncode == 0, f"{strategy} ranks failed:\n{output[-8000:]}"
     return torch.load(out)
 
 
