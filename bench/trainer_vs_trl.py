@@ -31,7 +31,8 @@ What "the same work" means (per step, for both trainers)
   measured steps (default 5).
 
 Differences that are each trainer's own design and stay in: spotrl samples with its own KV-cache
-loop (`HFEngine`) and keeps the behaviour log-probs; TRL calls `model.generate` and, with
+loop (`HFEngine`, whose decode products run through its small-batch CPU kernel,
+`trainer_core.small_batch_linear`) and keeps the behaviour log-probs; TRL calls `model.generate` and, with
 num_iterations 1, reuses the training forward's detached log-probs as the old ones; TRL also
 computes per-token entropy for its metrics, and builds its trainer on `transformers.Trainer`.
 Sampling draws different random completions in the two processes, so completion lengths (and
