@@ -244,6 +244,10 @@ def train_job(run_id: str, iteration: int) -> None:
             objects=backends.objects,
             model_cache=settings.resolved_model_cache(),
         )
+    if spec.training.processes > 1:
+        from trainer_core.distributed import exit_rank
+
+        exit_rank()  # a torchrun rank's normal exit can abort in gloo's threads: see exit_rank
 
 
 @app.command()

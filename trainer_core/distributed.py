@@ -32,12 +32,14 @@ does), and stepped by a torch AdamW.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -97,6 +99,24 @@ def init_distributed(backend: str | None = None) -> DistEnv:
             backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
         )
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End this rank's process now, flushing logs and stdio but skipping the interpreter's
+    finalization.
+
+    A gloo rank that exits normally can abort ("terminate called without an active exception",
+    SIGABRT): a worker thread of the process group drops the last reference to a finished
+    collective's tensors while the interpreter is being torn down, and freeing them needs the
+    GIL, which a finalizing interpreter refuses by ending the thread (pytorch/pytorch#179291;
+    `destroy_process_group` does not help while a device mesh still holds the group). The 2-rank
+    tests hit it about once in 20 launches; the one caught with a Python stack was past the end
+    of the rank's work. Call this once everything the rank writes is durable.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shard_samples(samples: Sequence[Sample], rank: int, world_size: int) -> list[Sample]:

@@ -137,7 +137,7 @@ def single_process_order(samples: list[Sample], cfg: TrainConfig) -> list[Sample
 
 
 def main() -> None:
-    from trainer_core.distributed import DeepSpeedStrategy, FSDP2Strategy, init_distributed, shard_samples
+    from trainer_core.distributed import DeepSpeedStrategy, FSDP2Strategy, exit_rank, init_distributed, shard_samples
     from trainer_core.update import train_on_batch
 
     parser = argparse.ArgumentParser()
@@ -177,7 +177,7 @@ def main() -> None:
         results[scenario] = {"metrics": metrics, "weights": weights}
     if env.rank == 0:
         torch.save(results, args.out)
-    torch.distributed.destroy_process_group()
+    exit_rank()  # as a training job's ranks end
 
 
 if __name__ == "__main__":

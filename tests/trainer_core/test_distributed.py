@@ -198,3 +198,19 @@ def test_missing_deepspeed_and_launcher_are_explained(monkeypatch: pytest.Monkey
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         init_distributed()
+
+
+def test_exit_rank_flushes_what_the_rank_wrote_and_keeps_its_code() -> None:
+    program = (
+        "import logging, sys\n"
+        "from trainer_core.distributed import exit_rank\n"
+        "logging.basicConfig(stream=sys.stderr, level=logging.INFO)\n"
+        "logging.getLogger('job').info('published v3')\n"
+        "print('result written', end='')\n"  # no newline: still in stdout's buffer
+        "exit_rank(3)\n"
+        "print('not reached')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3
+    assert run.stdout == "result written"
+    assert "published v3" in run.stderr
