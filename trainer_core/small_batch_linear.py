@@ -23,7 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,13 +33,15 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # beyond this, products are compute-bound and MKL's blocking wins
+# Rows up to which the kernel runs. For a 1536 x 576 weight on the development machines it
+# beats MKL by 2.3x at 8 rows, 1.3x at 32 and 1.1x at 48; at 64 they are even.
+MAX_ROWS = 32
 _SOURCE = Path(__file__).with_name("small_batch_linear.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
 @functools.cache
-def kernel() -> ctypes._CFuncPtr | None:
+def kernel() -> Callable[..., None] | None:
     """The compiled `small_batch_linear` C function, or None (with the reason logged once)
     where it cannot be built or run here."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
