@@ -102,17 +102,19 @@ def init_distributed(backend: str | None = None) -> DistEnv:
 
 
 def exit_rank(code: int = 0) -> NoReturn:
-    """End this rank's process now, flushing logs and stdio but skipping the interpreter's
-    finalization.
+    """End this rank's process now: close the process group (NCCL then frees its communicators),
+    flush logs and stdio, and skip the interpreter's finalization.
 
     A gloo rank that exits normally can abort ("terminate called without an active exception",
     SIGABRT): a worker thread of the process group drops the last reference to a finished
     collective's tensors while the interpreter is being torn down, and freeing them needs the
     GIL, which a finalizing interpreter refuses by ending the thread (pytorch/pytorch#179291;
-    `destroy_process_group` does not help while a device mesh still holds the group). The 2-rank
-    tests hit it about once in 20 launches; the one caught with a Python stack was past the end
-    of the rank's work. Call this once everything the rank writes is durable.
+    `destroy_process_group` alone does not prevent it while a device mesh still holds the group).
+    The 2-rank tests hit it about once in 20 launches; the one caught with a Python stack was
+    past the end of the rank's work. Call this once everything the rank writes is durable.
     """
+    if dist.is_initialized():
+        dist.destroy_process_group()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
