@@ -23,7 +23,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from trainer_core.lora import is_lora
 from trainer_core.generation import Completion, HFEngine, SamplingParams
 from trainer_core.models import Policy, encode_prompt, load_policy, save_policy
 from trainer_core.samples import Sample
-from trainer_core.update import TrainConfig, ValueHead, auto_micro_batch, build_optimizer, train_on_batch
+from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch, with_auto_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,8 @@ class HybridEngine:
         return completions
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
-        if self.cfg.micro_batch_size == 0:  # auto: sized once, on the first batch
-            size = auto_micro_batch(self.model, samples, self.cfg, value_head=self.value_head)
-            log.info("micro-batches of %d samples (training.micro_batch 0: planned from free memory)", size)
-            self.cfg = replace(self.cfg, micro_batch_size=size)
+        # micro_batch_size 0 (auto) is sized once, on the first batch.
+        self.cfg = with_auto_micro_batch(self.cfg, self.model, samples, value_head=self.value_head)
         return train_on_batch(
             self.model, samples, self.cfg, self.optimizer, ref_model=self.ref_model, value_head=self.value_head,
             kl_controller=self.kl_controller,

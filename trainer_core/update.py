@@ -9,11 +9,12 @@ across data-parallel ranks in `trainer_core.distributed`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import partial
 from typing import Protocol, TypeVar
@@ -50,6 +51,7 @@ from trainer_core.memory import (
 from trainer_core.samples import Sample
 
 
+log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
@@ -371,6 +373,23 @@ def auto_micro_batch(
         return start
     longest = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids), reverse=True)
     return probe_micro_batch(lambda size: _trial_pass(model, longest[:size], cfg, value_head), start)
+
+
+def with_auto_micro_batch(
+    cfg: TrainConfig,
+    model: nn.Module,
+    samples: Sequence[Sample],
+    *,
+    value_head: ValueHead | None = None,
+    agree: Callable[[int], int] = lambda size: size,
+) -> TrainConfig:
+    """`cfg` as it is, or, when its micro_batch_size is 0 (auto), with `auto_micro_batch`'s size
+    for `samples`, passed through `agree` (data-parallel ranks take the least of theirs)."""
+    if cfg.micro_batch_size:
+        return cfg
+    size = agree(auto_micro_batch(model, samples, cfg, value_head=value_head))
+    log.info("micro-batches of %d samples (micro_batch_size 0: planned from free memory)", size)
+    return replace(cfg, micro_batch_size=size)
 
 
 def _trial_pass(model: nn.Module, samples: Sequence[Sample], cfg: TrainConfig, value_head: ValueHead | None) -> None:

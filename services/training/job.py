@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -42,7 +42,7 @@ from trainer_core.lora import LoraSettings, apply_lora, check_only_adapter_train
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models import Policy, load_policy
 from trainer_core.samples import Sample, decode_sample
-from trainer_core.update import TrainConfig, ValueHead, auto_micro_batch, build_optimizer, train_on_batch
+from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch, with_auto_micro_batch
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -308,10 +308,9 @@ def _train(
     ref_model = reference_model(spec, policy, model_cache)
     controller = kl_controller(spec, previous.get("metrics", {}).get("actor/kl_coef"))
     samples = selection.kept if ranks.env is None else shard_samples(selection.kept, ranks.env.rank, ranks.env.world_size)
-    if cfg.micro_batch_size == 0 and samples:
+    if samples:
         # Probed on the whole (unsharded) model: a size that fits it fits its shards.
-        cfg = replace(cfg, micro_batch_size=ranks.least(auto_micro_batch(policy.model, samples, cfg, value_head=value_head)))
-        log.info("micro-batches of %d samples (training.micro_batch 0: planned from free memory)", cfg.micro_batch_size)
+        cfg = with_auto_micro_batch(cfg, policy.model, samples, value_head=value_head, agree=ranks.least)
     train = partial(train_on_batch, ref_model=ref_model, value_head=value_head, kl_controller=controller)
     state_out = trainer_prefix(run_id, iteration)
 
