@@ -23,7 +23,7 @@ What "the same work" means (per step, for both trainers)
   is given the same list). Reward: 1.0 when the completion's last number equals a + b.
 - Update: GRPO advantages, clipped surrogate (eps 0.2), no KL term and no reference model
   (beta = 0), one forward/backward over all 8 samples and one AdamW step per batch (spotrl:
-  one `train_on_batch`, mini_batch_size 0, micro_batch_size 8; TRL: per_device_train_batch_size
+  one `train_on_batch`, mini_batch 0, micro_batch 8; TRL: per_device_train_batch_size
   8, gradient_accumulation_steps 1, steps_per_generation 1, num_iterations 1), gradient-norm clip
   1.0, the same constant learning rate, no weight decay. Each trainer keeps its own optimizer
   implementation (both end up on torch's fused AdamW on torch >= 2.8).
@@ -32,7 +32,7 @@ What "the same work" means (per step, for both trainers)
 
 Differences that are each trainer's own design and stay in: spotrl samples with its own KV-cache
 loop (`HFEngine`, whose decode products run through its small-batch CPU kernel,
-`trainer_core.small_batch_linear`) and keeps the behaviour log-probs; TRL calls `model.generate` and, with
+`trainer_core.engines.small_batch_linear`) and keeps the behaviour log-probs; TRL calls `model.generate` and, with
 num_iterations 1, reuses the training forward's detached log-probs as the old ones; TRL also
 computes per-token entropy for its metrics, and builds its trainer on `transformers.Trainer`.
 Sampling draws different random completions in the two processes, so completion lengths (and
@@ -181,9 +181,10 @@ def _setup_torch(cfg: BenchConfig):
 def run_spotrl(cfg: BenchConfig) -> dict[str, Any]:
     """Run `cfg.total_steps` full spotrl GRPO steps; returns per-step records and memory."""
     torch = _setup_torch(cfg)
-    from trainer_core.generation import HFEngine, SamplingParams
-    from trainer_core.models import encode_prompt, load_policy
-    from trainer_core.update import TrainConfig, build_optimizer, train_on_batch
+    from trainer_core.engines.hf import HFEngine, SamplingParams
+    from trainer_core.models.loading import encode_prompt, load_policy
+    from contracts.training import TrainConfig
+    from trainer_core.rl.update import build_optimizer, train_on_batch
 
     policy = load_policy(cfg.model, cache_dir=Path(cfg.cache_dir))
     model, tokenizer = policy.model, policy.tokenizer
@@ -193,8 +194,8 @@ def run_spotrl(cfg: BenchConfig) -> dict[str, Any]:
         algorithm="grpo",
         learning_rate=cfg.learning_rate,
         epochs=1,
-        mini_batch_size=0,  # the whole batch: one optimizer step per batch
-        micro_batch_size=cfg.batch_size,  # one forward/backward, like TRL's batch of 8
+        mini_batch=0,  # the whole batch: one optimizer step per batch
+        micro_batch=cfg.batch_size,  # one forward/backward, like TRL's batch of 8
         clip_ratio=cfg.clip_ratio,
         kl_coef=0.0,
         temperature=cfg.temperature,
@@ -236,7 +237,7 @@ def run_spotrl(cfg: BenchConfig) -> dict[str, Any]:
 def _scored_samples(tokenizer, pairs, prompts, completions, step: int, group_size: int) -> list:
     """One step's spotrl samples: completion i continues prompts[i], which is pair i // group_size;
     each carries its exact-match reward and behaviour log-probs, grouped by prompt."""
-    from trainer_core.samples import Sample
+    from contracts.samples import Sample
 
     samples = []
     for i, (prompt_ids, completion) in enumerate(zip(prompts, completions, strict=True)):
@@ -289,7 +290,7 @@ def run_trl(cfg: BenchConfig) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer_core.models import encode_prompt, load_policy, stop_token_ids
+    from trainer_core.models.loading import encode_prompt, load_policy, stop_token_ids
 
     policy = load_policy(cfg.model, cache_dir=Path(cfg.cache_dir))
     model, tokenizer = policy.model, policy.tokenizer
@@ -406,7 +407,7 @@ def _check_same_prompt_ids(trainer, rows: list[dict[str, Any]], tokenizer) -> No
     Calls the method GRPOTrainer itself uses (`_tokenize_prompts`, private in TRL 1.16), so the
     check follows whatever TRL really feeds its model.
     """
-    from trainer_core.models import encode_prompt
+    from trainer_core.models.loading import encode_prompt
 
     trl_ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in rows])
     for row, ids in zip(rows, trl_ids, strict=True):
@@ -436,7 +437,7 @@ def _time_generate(model, recorder) -> None:
 def prepare_model(cfg: BenchConfig) -> dict[str, Any]:
     """Materialise the model in the cache (a GGUF dequantise for SmolLM2) before the measured
     workers start, so neither worker's peak RSS includes a conversion."""
-    from trainer_core.models import load_policy
+    from trainer_core.models.loading import load_policy
 
     load_policy(cfg.model, cache_dir=Path(cfg.cache_dir))
     return {}

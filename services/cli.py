@@ -1,4 +1,4 @@
-"""The ``spotrl`` command: serve, demo, colocated training, and the entry points of the pods the scheduler starts."""
+"""The ``spotrl`` command: serve, scheduler, demo, colocated training, and the entry points of the pods the scheduler starts."""
 
 from __future__ import annotations
 
@@ -40,15 +40,46 @@ def _logging() -> None:
 def serve(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    scheduler: Annotated[
+        bool,
+        typer.Option(
+            "--scheduler/--no-scheduler",
+            help="Run the reconcile loop in this process too; --no-scheduler serves the API alone, beside `spotrl scheduler` processes.",
+        ),
+    ] = True,
     home: HomeOption = None,
 ) -> None:
-    """Run the REST API and the scheduler on the embedded backends."""
+    """Run the REST API (and, unless --no-scheduler, the scheduler) on the embedded backends."""
     import uvicorn
 
     from services.api.main import create_app
 
     _logging()
-    uvicorn.run(create_app(_settings(home)), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(_settings(home), with_scheduler=scheduler), host=host, port=port, log_level="info")
+
+
+@app.command("scheduler")
+def scheduler_command(home: HomeOption = None) -> None:
+    """Run the scheduler's reconcile loop alone: one of several leads, the others stand by.
+
+    The holder of the scheduler lease in the state store reconciles; a standby takes over within
+    a lease period when it dies. SIGTERM or Ctrl-C stops it cleanly and releases the lease.
+    """
+    import threading
+
+    from services.scheduler.loop import Scheduler
+    from services.wiring import open_backends
+
+    _logging()
+    settings = _settings(home)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    backends = open_backends(settings)
+    try:
+        Scheduler(backends, settings).run_forever(stop)  # releases the lease on the way out
+    finally:
+        backends.close()
 
 
 @app.command()
@@ -151,7 +182,7 @@ def sft(
     home: HomeOption = None,
 ) -> None:
     """Supervised fine-tuning: the loss counts the response tokens only (step 1 of SFT -> RM -> PPO)."""
-    from trainer_core.sft import SFTConfig, run_sft
+    from trainer_core.supervised.sft import SFTConfig, run_sft
 
     cfg = SFTConfig(learning_rate=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch, max_len=max_len, seed=seed)
     metrics = run_sft(model, data, out, cfg, cache_dir=_settings(home).resolved_model_cache(), on_step=_print_step)
@@ -173,7 +204,7 @@ def train_rm(
     home: HomeOption = None,
 ) -> None:
     """Train a pairwise (Bradley-Terry) reward model: loss -log sigmoid(r_chosen - r_rejected)."""
-    from trainer_core.reward_model import RewardModelConfig, run_train_rm
+    from trainer_core.supervised.reward_model import RewardModelConfig, run_train_rm
 
     cfg = RewardModelConfig(
         learning_rate=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch, max_len=max_len, seed=seed
@@ -245,7 +276,7 @@ def train_job(run_id: str, iteration: int) -> None:
             model_cache=settings.resolved_model_cache(),
         )
     if spec.training.processes > 1:
-        from trainer_core.distributed import exit_rank
+        from trainer_core.rl.distributed import exit_rank
 
         exit_rank()  # a torchrun rank's normal exit can abort in gloo's threads: see exit_rank
 

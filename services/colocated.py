@@ -35,14 +35,15 @@ from services.prompts import load_prompts
 from services.reward.functions import RewardInput, total_rewards
 from services.rollout.worker import build_samples, reward_source
 from services.runspec import PromptItem, RunSpec
-from services.training.job import build_value_head, kl_controller, reference_model, train_config, with_adapter
+from services.training.job import build_value_head, kl_controller, reference_model, with_adapter
 from trainer_core.algos import AdaptiveKLController
-from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer_core.lora import is_lora
-from trainer_core.generation import Completion, HFEngine, SamplingParams
-from trainer_core.models import Policy, encode_prompt, load_policy, save_policy
-from trainer_core.samples import Sample
-from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch, with_auto_micro_batch
+from trainer_core.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_core.models.lora import is_lora
+from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
+from trainer_core.models.loading import Policy, encode_prompt, load_policy, save_policy
+from contracts.samples import Sample
+from contracts.training import TrainConfig
+from trainer_core.rl.update import ValueHead, build_optimizer, train_on_batch, with_auto_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class HybridEngine:
         return completions
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
-        # micro_batch_size 0 (auto) is sized once, on the first batch.
+        # micro_batch 0 (auto) is sized once, on the first batch.
         self.cfg = with_auto_micro_batch(self.cfg, self.model, samples, value_head=self.value_head)
         return train_on_batch(
             self.model, samples, self.cfg, self.optimizer, ref_model=self.ref_model, value_head=self.value_head,
@@ -222,7 +223,7 @@ def run_colocated(
     catalog = load_catalog()
     price = catalog.get(spec.training.instance_type)
 
-    cfg = train_config(spec)
+    cfg = spec.training
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     policy = load_policy(spec.model, cache_dir=model_cache)
     policy.model.to(dev).eval()
@@ -231,7 +232,7 @@ def run_colocated(
         value_head.to(dev)
     policy = with_adapter(spec, policy)
     engine = HybridEngine(policy, cfg, value_head=value_head, ref_model=reference_model(spec, policy, model_cache))
-    config = {"spec": spec.model_dump(mode="json"), "train": asdict(cfg), "seed": seed, "run_id": run_id}
+    config = {"spec": spec.model_dump(mode="json"), "seed": seed, "run_id": run_id}
 
     history: list[IterationRecord] = []
     elapsed_before = 0.0

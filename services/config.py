@@ -20,6 +20,7 @@ class Settings(BaseSettings):
     state_url: str | None = Field(default=None, description="SQLAlchemy URL of the state store; default: SQLite in home.")
     model_cache: Path | None = Field(default=None, description="Where converted base models are cached; default: home/models.")
     tick_seconds: float = Field(default=0.5, gt=0, description="Scheduler reconcile interval.")
+    lease_seconds: float = Field(default=10.0, gt=0, description="How long the leading scheduler's lease lasts unrenewed: a standby scheduler takes over this long after the leader dies. Several ticks long, so a slow tick does not lose it.")
     session_timeout_s: float = Field(default=60.0, gt=0, description="A rollout worker that has not polled for this long (it polls between batches) loses its prompts to the others.")
     stop_grace_s: float = Field(default=30.0, gt=0, description="Seconds a pod gets after SIGTERM before SIGKILL (a spot notice).")
     api_token: str | None = Field(default=None, description="When set, the API requires `Authorization: Bearer <token>`.")

@@ -20,12 +20,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from contracts.status import RunStatus
 from services.api.main import create_app
 from services.arithmetic import arithmetic_prompts
 from services.config import Settings
-from trainer_core.models import load_policy
-
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+from trainer_core.models.loading import load_policy
 
 
 def demo_spec(model: str) -> dict[str, Any]:
@@ -69,8 +68,10 @@ class _Server(uvicorn.Server):
 def _progress(run: dict[str, Any]) -> Group:
     head = Table.grid(padding=(0, 2))
     s = run["samples"]
+    status = RunStatus(run["status"])
     head.add_row(
-        f"[bold]{run['id']}[/] {run['status']}",
+        # While stopping, say why: the run waits for its pods to go.
+        f"[bold]{run['id']}[/] {status}" + (f" ({run['status_reason']})" if status.is_stopping() else ""),
         f"policy v{run['policy_version']}",
         f"samples produced {s['produced']} · trained {s['trained']} · dropped {s['dropped']}",
         f"spent ${run['spent_dollars']:.4f}",
@@ -104,7 +105,7 @@ def _cost_table(cost: dict[str, Any]) -> Table:
 
 
 def _follow(client: httpx.Client, run: dict[str, Any], live: Live) -> dict[str, Any]:
-    while run["status"] not in TERMINAL:
+    while not RunStatus(run["status"]).is_terminal():
         time.sleep(1.0)
         run = client.get(f"/v1/runs/{run['id']}").json()
         live.update(_progress(run))

@@ -11,8 +11,8 @@ from services.backends.object_store import ObjectStore
 from services.names import policy_prefix
 from torch import nn
 
-from trainer_core.lora import is_adapter_dir, load_adapter
-from trainer_core.models import Policy, load_policy, load_weights, save_policy
+from trainer_core.models.lora import is_adapter_dir, load_adapter
+from trainer_core.models.loading import Policy, load_policy, load_weights, save_policy
 
 
 def publish_policy(objects: ObjectStore, run_id: str, version: int, policy: Policy, scratch: Path) -> None:

@@ -28,7 +28,9 @@ def _one_torch_thread() -> Iterator[None]:
 def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # Converted base models are shared by the tests of a session; run state is per test.
     cache = tmp_path_factory.getbasetemp() / "models"
-    return Settings(home=tmp_path / "home", model_cache=cache, tick_seconds=0.2, session_timeout_s=3.0, stop_grace_s=10.0)
+    # A short lease: a test that "kills" a scheduler waits one lease period for its successor.
+    return Settings(home=tmp_path / "home", model_cache=cache, tick_seconds=0.2, lease_seconds=2.0,
+                    session_timeout_s=3.0, stop_grace_s=10.0)
 
 
 @pytest.fixture
@@ -39,3 +41,26 @@ async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as client:
             client.app = app  # type: ignore[attr-defined]
             yield client
+
+
+@pytest.fixture
+def wait_for():  # returns `wait` below
+    """`wait_for(predicate, timeout_s=30.0, message=...)` polls `predicate` until it returns
+    something truthy, and returns that; the test fails once `timeout_s` has passed.
+
+    For tests that wait on another process or thread: assert on the event awaited (a state, a
+    file, a log line, a record), never on how long it took. The deadline only bounds a hang, so
+    it is generous: a busy CI machine must not fail a correct test.
+    """
+    import time
+    from collections.abc import Callable
+
+    def wait(predicate: Callable[[], object], timeout_s: float = 30.0, message: str = "the condition held") -> object:
+        deadline = time.monotonic() + timeout_s
+        while not (value := predicate()):
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout_s} s waiting until {message}")
+            time.sleep(0.05)
+        return value
+
+    return wait

@@ -24,8 +24,9 @@ from services.backends.object_store import LocalObjectStore
 from services.backends.queue import SqliteQueue
 from services.backends.state_store import StateStore
 from services.names import leftover_key, prompts_topic, result_key, samples_topic
-from services.rollout.worker import PromptMessage
-from trainer_core.samples import decode_sample
+from contracts.job_result import JobResult
+from contracts.messages import PromptMessage
+from contracts.samples import decode_sample
 
 pytestmark = pytest.mark.slow
 
@@ -119,9 +120,9 @@ def assert_every_sample_accounted_for(home: Path, run: dict) -> None:
     trained: list[str] = []
     dropped: list[str] = []
     for it in run["iterations"]:
-        result = json.loads(objects.get_bytes(result_key(run_id, it["iteration"])))
-        trained += result["trained_ids"]
-        dropped += [i for ids in result["dropped"].values() for i in ids]
+        result = JobResult.from_json(objects.get_bytes(result_key(run_id, it["iteration"])))
+        trained += result.trained_ids
+        dropped += [*result.dropped.duplicate, *result.dropped.stale, *result.dropped.uneven]
     if objects.exists(leftover_key(run_id)):
         dropped += json.loads(objects.get_bytes(leftover_key(run_id)))["run_ended"]
     assert len(trained) == len(set(trained)), "a sample was trained twice"

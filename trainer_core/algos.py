@@ -8,10 +8,11 @@ Shapes: `batch` samples, `response_len` response tokens (right-padded, `mask` 1 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from enum import StrEnum
 
 import torch
 from torch import Tensor
+
+from contracts.training import AdvantageEstimator, KLEstimator, LossAggMode
 
 # Log-ratios are clamped before exp(): a stale or badly-off sample must not overflow to inf
 # and poison the whole batch (verl clamps likewise).
@@ -37,13 +38,6 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 # --- advantage estimators --------------------------------------------------------------------
 
 
-class AdvantageEstimator(StrEnum):
-    GRPO = "grpo"
-    GAE = "gae"
-    DR_GRPO = "dr_grpo"
-    RLOO = "rloo"
-    REINFORCE_PP = "reinforce_pp"
-    REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
 
 
 # Every estimator takes the same keywords, (token_rewards, response_mask, group_ids, values,
@@ -254,10 +248,6 @@ def compute_advantages(
 # --- KL estimators ---------------------------------------------------------------------------
 
 
-class KLEstimator(StrEnum):
-    K1 = "k1"
-    K2 = "k2"
-    K3 = "k3"
 
 
 # Estimators of KL(pi || pi_ref) from log-probs of tokens sampled from pi
@@ -356,10 +346,6 @@ def value_loss(
 # --- loss aggregation ------------------------------------------------------------------------
 
 
-class LossAggMode(StrEnum):
-    TOKEN_MEAN = "token-mean"
-    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
-    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 
 
 # Aggregators of a per-token loss (verl `agg_loss`). Sequences without a real token are left

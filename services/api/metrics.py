@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from contracts.status import RunStatus
 from services.backends.launcher import PodPhase
-from services.backends.state_store import RunStatus
 from services.names import TRAINER_GROUP, samples_topic
 from services.wiring import Backends
 

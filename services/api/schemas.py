@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from contracts.status import RunStatus
+
 
 class SampleCounts(BaseModel):
     produced: int = Field(description="Samples queued by rollout workers.")
@@ -28,7 +30,7 @@ class IterationPublic(BaseModel):
 class RunPublic(BaseModel):
     id: str
     name: str | None
-    status: str
+    status: RunStatus = Field(description=" ".join(f"{s.value}: {s.meaning}" for s in RunStatus))
     status_reason: str | None
     created_at: float
     started_at: float | None
@@ -38,6 +40,10 @@ class RunPublic(BaseModel):
     iterations: list[IterationPublic]
     spent_dollars: float
     spec: dict[str, Any]
+    last_error: str | None = Field(
+        default=None,
+        description="The scheduler's latest temporary or unexpected error on this run, while it retries; null once it reconciles cleanly.",
+    )
 
 
 class RunsPublic(BaseModel):

@@ -48,6 +48,7 @@ def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
         iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in state.iterations(row.id)],
         spent_dollars=spent_dollars(state, row.id, time.time()),
         spec=row.spec,
+        last_error=row.last_error,
     )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from trainer_core.durable import fsync
+from contracts.durable import fsync
 
 
 class ObjectNotFoundError(KeyError):

@@ -1,4 +1,4 @@
-"""The state store: runs, iterations and the cost ledger, through SQLAlchemy.
+"""The state store: runs, iterations, the cost ledger and leases, through SQLAlchemy.
 
 One code path for both adapters: SQLite (embedded default, a file shared by the API,
 scheduler and pods on one machine) and PostgreSQL (production), chosen by the URL.
@@ -12,46 +12,30 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
     JSON,
-    Boolean,
     Float,
     ForeignKey,
     Integer,
     String,
     create_engine,
+    delete,
     event,
     func,
+    insert,
+    inspect,
+    or_,
     select,
     text,
+    update,
 )
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-
-class RunStatus(StrEnum):
-    """Persisted run status. Allowed transitions are in ``_TRANSITIONS``."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    def is_terminal(self) -> bool:
-        return self in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
-
-
-_TRANSITIONS: dict[RunStatus, set[RunStatus]] = {
-    RunStatus.PENDING: {RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.FAILED},
-    RunStatus.RUNNING: {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED},
-    RunStatus.SUCCEEDED: set(),
-    RunStatus.FAILED: set(),
-    RunStatus.CANCELLED: set(),
-}
+from contracts.status import RunStatus
 
 
 class IllegalTransitionError(Exception):
@@ -85,8 +69,7 @@ class RunRow(Base):
     samples_trained: Mapped[int] = mapped_column(Integer, default=0)
     samples_dropped: Mapped[int] = mapped_column(Integer, default=0)
     last_mean_reward: Mapped[float | None] = mapped_column(Float)
-    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
-    # Set when the run has met an end condition but its pods are still stopping.
+    # While CANCELLING or ENDING: the terminal status the run will get once its pods are gone.
     ending_status: Mapped[str | None] = mapped_column(String(16))
     ending_reason: Mapped[str | None] = mapped_column(String(500))
     train_failures: Mapped[int] = mapped_column(Integer, default=0)
@@ -95,6 +78,8 @@ class RunRow(Base):
     # Trainer-group committed offsets (summed) when the running training job was launched:
     # until they move, that job still holds one batch of the sample backlog.
     train_launch_committed: Mapped[int] = mapped_column(Integer, default=0)
+    # The scheduler's latest temporary or unexpected error on this run; cleared once it reconciles.
+    last_error: Mapped[str | None] = mapped_column(String(500))
 
 
 class IterationRow(Base):
@@ -128,6 +113,16 @@ class LedgerRow(Base):
     ended_at: Mapped[float | None] = mapped_column(Float)
 
 
+class LeaseRow(Base):
+    """A named lease: ``holder`` leads until ``expires_at`` (wall-clock seconds) unless it renews."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[float] = mapped_column(Float)
+
+
 @dataclass(frozen=True)
 class LedgerEntry:
     """Who ran on what, for how long, at what price. Open entries are billed up to ``now``."""
@@ -156,7 +151,31 @@ def _m001_initial(conn: Connection) -> None:
     Base.metadata.create_all(conn)
 
 
-MIGRATIONS: Sequence[Callable[[Connection], None]] = (_m001_initial,)
+def _m002_leases_and_stopping_statuses(conn: Connection) -> None:
+    """The scheduler's leader lease, ``runs.last_error``, and CANCELLING/ENDING as statuses.
+
+    Runs that were stopping under version 1 (status RUNNING beside ``cancel_requested`` or
+    ``ending_status``) get the stopping status, and the flag goes. A file created fresh already
+    has the current tables from version 1 (it creates the models' tables), hence the checks.
+    """
+    LeaseRow.__table__.create(conn, checkfirst=True)
+    columns = {c["name"] for c in inspect(conn).get_columns("runs")}
+    if "last_error" not in columns:
+        conn.execute(text("ALTER TABLE runs ADD COLUMN last_error VARCHAR(500)"))
+    if "cancel_requested" in columns:
+        conn.execute(
+            text(
+                "UPDATE runs SET"
+                " status = CASE WHEN COALESCE(ending_status, 'CANCELLED') = 'CANCELLED' THEN 'CANCELLING' ELSE 'ENDING' END,"
+                " ending_status = COALESCE(ending_status, 'CANCELLED'),"
+                " ending_reason = COALESCE(ending_reason, 'cancelled by the user')"
+                " WHERE status IN ('PENDING', 'RUNNING') AND (ending_status IS NOT NULL OR cancel_requested)"
+            )
+        )
+        conn.execute(text("ALTER TABLE runs DROP COLUMN cancel_requested"))
+
+
+MIGRATIONS: Sequence[Callable[[Connection], None]] = (_m001_initial, _m002_leases_and_stopping_statuses)
 
 
 def migrate(engine: Engine) -> int:
@@ -212,7 +231,6 @@ class StateStore:
             samples_produced=0,
             samples_trained=0,
             samples_dropped=0,
-            cancel_requested=False,
             train_failures=0,
             next_train_at=0.0,
             worker_slots_used=0,
@@ -232,14 +250,14 @@ class StateStore:
     def list_runs(self, *, active_only: bool = False) -> list[RunRow]:
         query = select(RunRow).order_by(RunRow.created_at)
         if active_only:
-            query = query.where(RunRow.status.in_([RunStatus.PENDING.value, RunStatus.RUNNING.value]))
+            query = query.where(RunRow.status.in_([s.value for s in RunStatus if not s.is_terminal()]))
         with self._session() as s:
             return list(s.scalars(query))
 
     def update_run(self, run_id: str, **fields: Any) -> RunRow:
-        """Set plain fields; status changes go through ``set_status``."""
+        """Set plain fields; status changes go through ``set_status`` and ``begin_ending``."""
         if "status" in fields:
-            raise ValueError("use set_status() to change a run's status")
+            raise ValueError("use set_status() or begin_ending() to change a run's status")
         with self._session() as s:
             row = s.get(RunRow, run_id)
             if row is None:
@@ -249,15 +267,16 @@ class StateStore:
             return row
 
     def set_status(self, run_id: str, status: RunStatus, reason: str | None = None) -> RunRow:
+        """Start a run (RUNNING) or end it (a terminal status); stopping goes through ``begin_ending``."""
+        if status.is_stopping():
+            raise ValueError(f"use begin_ending() to make a run {status.value}: it needs the status it ends with")
         now = time.time()
         with self._session() as s:
-            row = s.get(RunRow, run_id, with_for_update=True)
-            if row is None:
-                raise RunNotFoundError(run_id)
+            row = _locked_run(s, run_id)
             current = RunStatus(row.status)
             if status == current:
                 return row
-            if status not in _TRANSITIONS[current]:
+            if not current.can_become(status):
                 raise IllegalTransitionError(f"run {run_id} is {current.value}; it cannot become {status.value}")
             row.status = status.value
             row.status_reason = reason
@@ -267,16 +286,21 @@ class StateStore:
                 row.ended_at = now
             return row
 
-    def request_cancel(self, run_id: str) -> RunRow:
-        """Mark a run for cancellation; the scheduler stops its pods and then ends it."""
+    def begin_ending(self, run_id: str, status: RunStatus, reason: str) -> RunRow:
+        """Decide that a run ends with the terminal ``status``: it reads CANCELLING or ENDING
+        while the scheduler stops its pods. See ``_begin_ending`` for which decision stands."""
         with self._session() as s:
-            row = s.get(RunRow, run_id, with_for_update=True)
-            if row is None:
-                raise RunNotFoundError(run_id)
-            if RunStatus(row.status).is_terminal():
+            return _begin_ending(_locked_run(s, run_id), status, reason)
+
+    def request_cancel(self, run_id: str) -> RunRow:
+        """Cancel a run: it reads CANCELLING while the scheduler stops its pods, then CANCELLED."""
+        with self._session() as s:
+            row = _locked_run(s, run_id)
+            current = RunStatus(row.status)
+            if current.is_terminal():
                 raise IllegalTransitionError(f"run {run_id} is already {row.status}; there is nothing to cancel")
-            row.cancel_requested = True
-            return row
+            reason = "cancelled before it started" if current == RunStatus.PENDING else "cancelled by the user"
+            return _begin_ending(row, RunStatus.CANCELLED, reason)
 
     # --- iterations ---------------------------------------------------------------------
     def record_iteration(self, row: IterationRow, *, samples_dropped_extra: int = 0) -> None:
@@ -371,3 +395,68 @@ class StateStore:
             return s.scalar(
                 select(func.count()).select_from(LedgerRow).where(LedgerRow.run_id == run_id, LedgerRow.ended_at.is_(None))
             ) or 0
+
+    # --- leases -------------------------------------------------------------------------
+    def acquire_lease(self, name: str, holder: str, seconds: float) -> bool:
+        """Take or renew the lease ``name`` for ``seconds``; True when ``holder`` holds it now.
+
+        A compare-and-set: the UPDATE matches only a lease that ``holder`` has or that expired,
+        and a missing lease is created by an INSERT that the primary key lets one holder win.
+        Expiry is wall-clock time of the callers: their clocks must agree to well within ``seconds``.
+        """
+        now = time.time()
+        values = {"holder": holder, "expires_at": now + seconds}
+        with self._engine.begin() as conn:
+            held = conn.execute(
+                update(LeaseRow)
+                .where(LeaseRow.name == name, or_(LeaseRow.holder == holder, LeaseRow.expires_at < now))
+                .values(**values)
+            ).rowcount
+        if held:
+            return True
+        try:
+            # Its own transaction: on PostgreSQL a failed INSERT aborts the transaction it is in.
+            with self._engine.begin() as conn:
+                conn.execute(insert(LeaseRow).values(name=name, **values))
+        except IntegrityError:  # another holder has the lease, or created it just now
+            return False
+        return True
+
+    def release_lease(self, name: str, holder: str) -> None:
+        """Give the lease up so that another holder takes it at once; a lease not held is left alone."""
+        with self._engine.begin() as conn:
+            conn.execute(delete(LeaseRow).where(LeaseRow.name == name, LeaseRow.holder == holder))
+
+    def lease_holder(self, name: str) -> str | None:
+        """Who holds the lease ``name`` now; None when nobody does (never taken, released or expired)."""
+        with self._session() as s:
+            lease = s.get(LeaseRow, name)
+            return lease.holder if lease is not None and lease.expires_at >= time.time() else None
+
+
+def _locked_run(s: Session, run_id: str) -> RunRow:
+    row = s.get(RunRow, run_id, with_for_update=True)
+    if row is None:
+        raise RunNotFoundError(run_id)
+    return row
+
+
+def _begin_ending(row: RunRow, status: RunStatus, reason: str) -> RunRow:
+    """Mark ``row`` stopping, to end as ``status``. The first decision stands (a cancel of an
+    ENDING run changes nothing), except that a failure replaces any other: a run that cannot go
+    on is never reported cancelled or succeeded. An ended run is left as it is."""
+    if not status.is_terminal():
+        raise ValueError(f"a run ends with a terminal status, not {status.value}")
+    current = RunStatus(row.status)
+    if current.is_terminal():
+        return row
+    if current.is_stopping() and not (status == RunStatus.FAILED and row.ending_status != RunStatus.FAILED.value):
+        return row
+    stopping = RunStatus.CANCELLING if status == RunStatus.CANCELLED else RunStatus.ENDING
+    if stopping != current and not current.can_become(stopping):
+        raise IllegalTransitionError(f"run {row.id} is {current.value}; it cannot become {stopping.value}")
+    row.status = stopping.value
+    row.status_reason = reason
+    row.ending_status = status.value
+    row.ending_reason = reason
+    return row

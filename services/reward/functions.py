@@ -2,7 +2,7 @@
 
 Rule rewards are pure functions of the response (text and token count) and the prompt's
 reference answer. The `reward_model` reward scores (prompt, response) with a trained reward
-model (`trainer_core.reward_model`), loaded once per process and run over a batch at a time;
+model (`trainer_core.supervised.reward_model`), loaded once per process and run over a batch at a time;
 every registered function therefore scores a batch.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from trainer_core.reward_model import RewardModel
+from trainer_core.supervised.reward_model import RewardModel
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

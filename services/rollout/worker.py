@@ -11,15 +11,15 @@ the batch in hand is finished if it can be before the grace deadline, and abando
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.messages import PromptMessage
+from contracts.samples import Sample, encode_sample
 from services.backends.object_store import ObjectStore
 from services.backends.queue import CommitFailedError, Queue, Record, next_offsets
 from services.backends.reward_cache import RewardCache, reward_cache_key
@@ -29,31 +29,13 @@ from services.policy_store import load_version, policy_dir
 from services.reward.functions import RewardInput, terms_fingerprint, total_rewards
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.engines import make_engine
-from trainer_core.lora import is_adapter_dir
-from trainer_core.generation import Completion, HFEngine, SamplingParams
+from trainer_core.models.lora import is_adapter_dir
+from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
-from trainer_core.models import Policy, encode_prompt, load_policy
-from trainer_core.samples import Sample, encode_sample
-from trainer_core.vllm_engine import VLLMEngine
+from trainer_core.models.loading import Policy, encode_prompt, load_policy
+from trainer_core.engines.vllm import VLLMEngine
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PromptMessage:
-    """A prompt as queued on ``<run>.prompts``."""
-
-    prompt_id: str
-    prompt: str
-    answer: str | None
-
-    def encode(self) -> bytes:
-        return json.dumps({"prompt_id": self.prompt_id, "prompt": self.prompt, "answer": self.answer}).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> PromptMessage:
-        d = json.loads(data)
-        return cls(prompt_id=d["prompt_id"], prompt=d["prompt"], answer=d.get("answer"))
 
 
 def rollout_engine(name: str, policy: Policy) -> HFEngine | VLLMEngine:

@@ -1,8 +1,12 @@
 """The reconcile loop: observe each run, ask ``plan`` what to do, apply it.
 
 Everything it knows comes from the state store, the queue and the launcher on every tick, so
-it can be stopped and restarted at any moment. Errors rise to ``tick``: a temporary one is
-logged and the run is retried next tick; a ``PermanentError`` fails the run.
+it can be stopped and restarted at any moment, and a standby scheduler can take over: only the
+holder of the scheduler lease (``services.scheduler.lease``) reconciles.
+
+Errors rise to ``tick`` (``services.errors``): a ``TemporaryError`` is retried after its delay,
+doubling while it recurs, with its reason shown on the run; a ``PermanentError`` fails the run;
+any other exception is unexpected: logged once and retried next tick.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
+from contracts.status import RunStatus
 from services.backends.launcher import PodSpec, cli_command
-from services.backends.state_store import IterationRow, RunRow, RunStatus
+from services.backends.state_store import IterationRow, RunRow
 from services.config import Settings
 from services.cost.catalog import PriceCatalog, load_catalog
-from services.errors import PermanentError
+from services.errors import PermanentError, TemporaryError
 from services.names import (
     ROLLOUT_GROUP,
     TRAINER_GROUP,
@@ -30,16 +36,30 @@ from services.names import (
     samples_topic,
     training_pod_name,
 )
-from services.rollout.worker import PromptMessage
+from contracts.job_result import JobResult
+from contracts.messages import PromptMessage
 from services.runspec import RunSpec
 from services.scheduler import plan as p
-from services.training.job import read_backlog, trainer_consumer
+from services.scheduler.lease import Leadership
+from services.training.backlog import read_backlog, trainer_consumer
 from services.wiring import Backends
-from trainer_core.samples import decode_sample
+from contracts.samples import decode_sample
 
 log = logging.getLogger(__name__)
 
 LOG_LINES_KEPT = 2000
+# A run that keeps raising TemporaryError waits its delay doubled per failure, at most this long.
+TEMPORARY_RETRY_CAP_S = 120.0
+
+
+@dataclass
+class _Trouble:
+    """What went wrong with one run since it last reconciled cleanly (this process's memory only:
+    a new leader starts afresh, which costs at most one early retry and one more log line)."""
+
+    temporary_failures: int = 0
+    retry_at: float = 0.0  # monotonic; the run is skipped until then
+    logged: set[tuple[str, str]] = field(default_factory=set)  # unexpected (type, message) already logged
 
 
 class Scheduler:
@@ -47,29 +67,75 @@ class Scheduler:
         self.b = backends
         self.settings = settings
         self.catalog = catalog or load_catalog()
+        self.leadership = Leadership(backends.state, settings.lease_seconds)
         self._prompt_sets: dict[str, list[dict]] = {}
+        self._trouble: dict[str, _Trouble] = {}
 
     # --- the loop ---------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self.tick()
-            stop.wait(self.settings.tick_seconds)
+        """Tick until ``stop``; then give the lease up, so that a standby takes over at once."""
+        try:
+            while not stop.is_set():
+                self.tick()
+                stop.wait(self.settings.tick_seconds)
+        finally:
+            self.leadership.release()
 
     def tick(self) -> None:
+        """Reconcile each active run once, if this scheduler leads. A run's error stays with that run."""
+        if not self.leadership.hold():
+            return
         pods_by_run = defaultdict(list)
         for pod in self.b.launcher.list():
             pods_by_run[pod.run_id].append(pod)
         runs = {r.id: r for r in self.b.state.list_runs(active_only=True)}
         for run_id in pods_by_run.keys() - runs.keys():  # terminal runs whose pods outlived them
             runs[run_id] = self.b.state.get_run(run_id)
+        self._trouble = {run_id: t for run_id, t in self._trouble.items() if run_id in runs}
         for row in runs.values():
+            if not self.leadership.leads():  # this tick outlasted the lease: a new leader may be acting
+                return
+            trouble = self._trouble.get(row.id)
+            if trouble is not None and time.monotonic() < trouble.retry_at:
+                continue
             try:
                 self.reconcile(row, pods_by_run.get(row.id, []))
+            except TemporaryError as e:
+                self._retry_later(row, e)
             except PermanentError as e:
                 log.error("run %s failed: %s", row.id, e)
-                self.b.state.update_run(row.id, ending_status=RunStatus.FAILED.value, ending_reason=str(e))
-            except Exception:  # temporary: the next tick retries from fresh state
-                log.exception("reconciling run %s failed; retrying next tick", row.id)
+                self.b.state.begin_ending(row.id, RunStatus.FAILED, str(e))
+            except Exception as e:  # unexpected: the next tick retries from fresh state
+                self._unexpected(row, e)
+            else:
+                self._recovered(row)
+
+    def _retry_later(self, row: RunRow, error: TemporaryError) -> None:
+        trouble = self._trouble.setdefault(row.id, _Trouble())
+        trouble.temporary_failures += 1
+        delay = min(TEMPORARY_RETRY_CAP_S, error.delay * 2 ** (trouble.temporary_failures - 1))
+        trouble.retry_at = time.monotonic() + delay
+        log.warning("run %s: %s; retrying in %.1f s", row.id, error.reason, delay)
+        self._show_error(row, error.reason)
+
+    def _unexpected(self, row: RunRow, error: Exception) -> None:
+        """Log an unexpected error with its traceback once, not every tick while it recurs."""
+        key = (type(error).__name__, str(error))
+        trouble = self._trouble.setdefault(row.id, _Trouble())
+        if key not in trouble.logged:
+            trouble.logged.add(key)
+            log.exception("reconciling run %s failed; retrying every tick (logged once)", row.id)
+        self._show_error(row, f"{type(error).__name__}: {error}")
+
+    def _show_error(self, row: RunRow, error: str) -> None:
+        error = error[:500]  # the column's width
+        if row.last_error != error:
+            self.b.state.update_run(row.id, last_error=error)
+
+    def _recovered(self, row: RunRow) -> None:
+        self._trouble.pop(row.id, None)
+        if row.last_error is not None:
+            self.b.state.update_run(row.id, last_error=None)
 
     def reconcile(self, row: RunRow, pods: list) -> list[p.Action]:
         spec = RunSpec.from_stored(row.spec)
@@ -80,7 +146,6 @@ class Scheduler:
             iterations_done=row.iterations_done,
             last_mean_reward=row.last_mean_reward,
             prompts_published=row.prompts_published,
-            cancel_requested=row.cancel_requested,
             ending_status=RunStatus(row.ending_status) if row.ending_status else None,
             ending_reason=row.ending_reason,
             train_failures=row.train_failures,
@@ -96,7 +161,7 @@ class Scheduler:
 
     def observe(self, row: RunRow, pods: list) -> p.Observed:
         now = time.time()
-        started = row.status != RunStatus.PENDING.value
+        started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
         samples = samples_topic(row.id)
         return p.Observed(
             pods=pods,
@@ -149,7 +214,7 @@ class Scheduler:
                 self.b.state.update_run(run_id, samples_produced=produced)
             case p.BeginEnding(run_id, status, reason):
                 log.info("run %s ending: %s (%s)", run_id, status.value, reason)
-                self.b.state.update_run(run_id, ending_status=status.value, ending_reason=reason)
+                self.b.state.begin_ending(run_id, status, reason)
             case p.FinishRun(run_id, status, reason):
                 self._finish(run_id, status, reason)
 
@@ -196,24 +261,23 @@ class Scheduler:
         key = result_key(run_id, iteration)
         if not self.b.objects.exists(key):
             raise PermanentError(f"training job {iteration} exited 0 without publishing {key}")
-        r = json.loads(self.b.objects.get_bytes(key))
-        m = r["metrics"]
+        r = JobResult.from_json(self.b.objects.get_bytes(key))
         self.b.state.record_iteration(
             IterationRow(
                 run_id=run_id,
                 iteration=iteration,
-                policy_version=r["policy_version"],
-                mean_reward=r["mean_reward"],
-                kl=m.get("actor/kl_ref", 0.0) or m.get("actor/ppo_kl", 0.0),
-                loss=m.get("actor/loss", 0.0),
-                seconds=r["seconds"],
-                samples_trained=len(r["trained_ids"]),
-                samples_dropped=sum(len(ids) for ids in r["dropped"].values()),
-                metrics=m,
-                ended_at=r["ended_at"],
+                policy_version=r.policy_version,
+                mean_reward=r.mean_reward,
+                kl=r.kl,
+                loss=r.metrics.get("actor/loss", 0.0),
+                seconds=r.seconds,
+                samples_trained=len(r.trained_ids),
+                samples_dropped=r.dropped.count(),
+                metrics=r.metrics,
+                ended_at=r.ended_at,
             )
         )
-        log.info("run %s: iteration %d done, mean reward %.3f", run_id, iteration, r["mean_reward"])
+        log.info("run %s: iteration %d done, mean reward %.3f", run_id, iteration, r.mean_reward)
 
     def _finish(self, run_id: str, status: RunStatus, reason: str) -> None:
         """Count what is still queued as dropped (nobody will train it), then end the run."""

@@ -16,8 +16,12 @@ rollout min 1 / max 2, prompts_per_batch=2):
 6. training-1 Succeeded            -> RecordIteration(1), ReapPod(training-1)
 7. sample backlog 8                -> LaunchTraining(2); no more prompts are needed, so the pool goes to 0
 8. training-2 Succeeded            -> RecordIteration(2), ReapPod
-9. iterations reached              -> BeginEnding(SUCCEEDED), StopPod for pods still alive
+9. iterations reached              -> BeginEnding(SUCCEEDED) (the run reads ENDING), StopPod for pods still alive
 10. no pods alive                  -> FinishRun(SUCCEEDED): leftover samples counted as dropped
+
+A cancel is the state store's doing (the run reads CANCELLING, to end CANCELLED); from then on,
+as in ENDING, ``plan`` only stops and reaps pods (a successful training job is still recorded:
+its policy version is published) and finishes the run once none is left.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from contracts.status import RunStatus
 from services.backends.launcher import PodPhase, PodStatus
-from services.backends.state_store import RunStatus
 from services.runspec import RunSpec
 
 ROLE_ROLLOUT = "rollout"
@@ -51,8 +55,7 @@ class RunState:
     iterations_done: int
     last_mean_reward: float | None
     prompts_published: int
-    cancel_requested: bool
-    ending_status: RunStatus | None
+    ending_status: RunStatus | None  # while CANCELLING or ENDING: the terminal status to end with
     ending_reason: str | None
     train_failures: int
     next_train_at: float
@@ -172,8 +175,6 @@ def plan(run: RunState, observed: Observed) -> list[Action]:
         return [StopPod(p.name) for p in alive] + [ReapPod(p) for p in done]
 
     if run.status == RunStatus.PENDING:
-        if run.cancel_requested:
-            return [FinishRun(run.run_id, RunStatus.CANCELLED, "cancelled before it started")]
         return [StartRun(run.run_id)]
 
     actions: list[Action] = []
@@ -187,7 +188,7 @@ def plan(run: RunState, observed: Observed) -> list[Action]:
     ending = _end_condition(run, observed)
     if ending is not None:
         status, reason = ending
-        if run.ending_status is None:
+        if not run.status.is_stopping():
             actions.append(BeginEnding(run.run_id, status, reason))
         if alive:
             return actions + [StopPod(p.name) for p in alive]
@@ -203,7 +204,7 @@ def _reap(run: RunState, done: Sequence[PodStatus], now: float) -> list[Action]:
             iteration = int(pod.labels["iteration"])
             if pod.phase == PodPhase.SUCCEEDED:
                 actions.append(RecordIteration(run.run_id, iteration))
-            elif iteration > run.iterations_done:
+            elif iteration > run.iterations_done and not run.status.is_stopping():  # not one we stopped
                 failures = run.train_failures + 1
                 if failures > run.spec.training.max_retries:
                     actions.append(
@@ -222,10 +223,8 @@ def _reap(run: RunState, done: Sequence[PodStatus], now: float) -> list[Action]:
 
 def _end_condition(run: RunState, observed: Observed) -> tuple[RunStatus, str] | None:
     spec = run.spec
-    if run.ending_status is not None:
+    if run.status.is_stopping() and run.ending_status is not None:
         return run.ending_status, run.ending_reason or ""
-    if run.cancel_requested:
-        return RunStatus.CANCELLED, "cancelled by the user"
     if spec.iterations is not None and run.iterations_done >= spec.iterations:
         return RunStatus.SUCCEEDED, f"trained {run.iterations_done} iterations"
     if (

@@ -11,7 +11,6 @@ committing trains nothing twice.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import shutil
 import tempfile
@@ -24,13 +23,17 @@ from typing import TypeVar
 
 import torch
 
+from contracts.job_result import DroppedSamples, JobResult
+from contracts.samples import Sample, decode_sample
+from contracts.training import Algorithm, Critic
 from services.backends.object_store import ObjectStore
-from services.backends.queue import Consumer, Queue, Record, next_offsets
-from services.names import TRAINER_GROUP, TRAINER_MEMBER, result_key, samples_topic, trainer_prefix
+from services.backends.queue import Consumer, Queue
+from services.names import result_key, trainer_prefix
 from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
+from services.training.backlog import read_backlog, take_batch, trainer_consumer
 from trainer_core.algos import AdaptiveKLController
-from trainer_core.distributed import (
+from trainer_core.rl.distributed import (
     DistEnv,
     all_reduce,
     broadcast_object,
@@ -38,19 +41,16 @@ from trainer_core.distributed import (
     init_distributed,
     shard_samples,
 )
-from trainer_core.lora import LoraSettings, apply_lora, check_only_adapter_trains, is_lora
+from trainer_core.models.lora import LoraSettings, apply_lora, check_only_adapter_trains, is_lora
 from trainer_core.memory import MemoryMonitor
-from trainer_core.models import Policy, load_policy
-from trainer_core.samples import Sample, decode_sample
-from trainer_core.update import TrainConfig, ValueHead, build_optimizer, train_on_batch, with_auto_micro_batch
+from trainer_core.models.loading import Policy, load_policy
+from trainer_core.rl.update import ValueHead, build_optimizer, train_on_batch, with_auto_micro_batch
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 # Policy versions kept in the object store; older ones are deleted after each publish.
 KEEP_POLICY_VERSIONS = 3
-# The job polls once at start and commits minutes later: a session this long keeps its membership.
-TRAINER_SESSION_S = 24 * 3600.0
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Selection:
     """Which samples of a batch are trained, and which are dropped and why."""
 
     kept: list[Sample] = field(default_factory=list)
-    dropped: dict[str, list[str]] = field(default_factory=lambda: {"duplicate": [], "stale": []})
+    dropped: DroppedSamples = field(default_factory=DroppedSamples)
 
 
 def select_samples(
@@ -70,9 +70,9 @@ def select_samples(
     seen = set(seen)
     for s in samples:
         if s.sample_id in seen:
-            selection.dropped["duplicate"].append(s.sample_id)
+            selection.dropped.duplicate.append(s.sample_id)
         elif policy_version - s.policy_version > staleness_bound:
-            selection.dropped["stale"].append(s.sample_id)
+            selection.dropped.stale.append(s.sample_id)
             seen.add(s.sample_id)
         else:
             selection.kept.append(s)
@@ -80,30 +80,6 @@ def select_samples(
     return selection
 
 
-def train_config(spec: RunSpec) -> TrainConfig:
-    t = spec.training
-    return TrainConfig(
-        algorithm=spec.algorithm.value,
-        learning_rate=t.learning_rate,
-        epochs=t.epochs,
-        mini_batch_size=t.mini_batch,
-        micro_batch_size=t.micro_batch,
-        clip_ratio=t.clip_ratio,
-        kl_coef=t.kl_coef,
-        autocast_bf16=t.autocast_bf16,
-        adv_estimator=t.adv_estimator,
-        micro_batch_tokens=t.micro_batch_tokens,
-        gradient_checkpointing=t.gradient_checkpointing,
-        clip_ratio_high=t.clip_ratio_high,
-        dual_clip=t.dual_clip,
-        loss_agg=t.loss_agg,
-        kl_estimator=t.kl_estimator,
-        kl_mode=t.kl_mode,
-        off_policy=t.off_policy,
-        is_cap=t.is_cap,
-        # Greedy sampling has no temperature; the behaviour log-probs are then of the plain logits.
-        temperature=spec.sampling.temperature or 1.0,
-    )
 
 
 def with_adapter(spec: RunSpec, policy: Policy) -> Policy:
@@ -132,9 +108,9 @@ def reference_model(spec: RunSpec, policy: Policy, model_cache: Path) -> torch.n
 def build_value_head(spec: RunSpec, policy: Policy, model_cache: Path) -> ValueHead | None:
     """The PPO critic the spec asks for (None for critic-free algorithms); a separate critic
     starts from the base model's weights."""
-    if spec.algorithm.value != "ppo":
+    if spec.training.algorithm != Algorithm.PPO:
         return None
-    backbone = load_policy(spec.model, cache_dir=model_cache).model if spec.training.critic == "separate" else None
+    backbone = load_policy(spec.model, cache_dir=model_cache).model if spec.training.critic == Critic.SEPARATE else None
     return ValueHead(policy.model.config.hidden_size, backbone=backbone)
 
 
@@ -148,40 +124,10 @@ def kl_controller(spec: RunSpec, last_coef: float | None) -> AdaptiveKLControlle
                                 horizon=t.kl_horizon)
 
 
-def take_batch(records: Sequence[Record], batch_samples: int, group_size: int) -> tuple[list[Record], dict[int, int]]:
-    """The oldest ``batch_samples`` records, extended to whole groups, and the offsets committing them.
-
-    Taken in produce order, so the records of each partition are a prefix (a commit can only
-    move forward); a group's records are contiguous in one partition (they share its key).
-    """
-    taken: list[Record] = []
-    for r in sorted(records, key=lambda r: (r.timestamp, r.partition, r.offset)):
-        if len(taken) >= batch_samples and len(taken) % group_size == 0:
-            break
-        taken.append(r)
-    return taken, next_offsets(taken)
 
 
-def trainer_consumer(queue: Queue, run_id: str) -> Consumer:
-    return queue.consumer(
-        samples_topic(run_id), TRAINER_GROUP, member_id=TRAINER_MEMBER, session_timeout_s=TRAINER_SESSION_S
-    )
 
 
-def read_backlog(queue: Queue, consumer: Consumer, run_id: str) -> tuple[list[Record], dict[int, int]]:
-    """Every record queued for the trainer group now, and the offsets that commit them."""
-    topic = samples_topic(run_id)
-    end = queue.end_offsets(topic)
-    committed = queue.committed(topic, TRAINER_GROUP)
-    want = sum(end[p] - committed.get(p, 0) for p in end)
-    records: list[Record] = []
-    positions = dict(committed)
-    while len(records) < want:
-        for r in consumer.poll(1000, timeout_s=1.0):
-            if r.offset < end[r.partition]:
-                records.append(r)
-                positions[r.partition] = r.offset + 1
-    return records, {p: o for p, o in positions.items() if o > committed.get(p, 0)}
 
 
 def _load_torch(objects: ObjectStore, key: str) -> dict | None:
@@ -198,8 +144,8 @@ def _save_torch(objects: ObjectStore, key: str, obj: dict) -> None:
 
 def run_training_job(
     *, run_id: str, iteration: int, spec: RunSpec, queue: Queue, objects: ObjectStore, model_cache: Path
-) -> dict:
-    """Train iteration ``iteration`` (v(N-1) -> vN) and return its result record.
+) -> JobResult | None:
+    """Train iteration ``iteration`` (v(N-1) -> vN) and return its result (None on ranks other than 0).
 
     With ``training.processes`` > 1 every torchrun rank calls this: rank 0 reads the batch and
     shares it, each rank trains its share of whole groups with ``training.strategy``, and rank 0
@@ -266,30 +212,30 @@ def _train(
     objects: ObjectStore,
     model_cache: Path,
     ranks: Ranks,
-) -> dict:
+) -> JobResult | None:
     if objects.exists(result_key(run_id, iteration)):
-        result = json.loads(objects.get_bytes(result_key(run_id, iteration)))
+        result = JobResult.from_json(objects.get_bytes(result_key(run_id, iteration)))
         if consumer is not None:
             log.info("v%d already published: committing its offsets and exiting", iteration)
             consumer.poll(1, timeout_s=0.0)  # join the group so that the partitions are ours
-            consumer.commit({int(p): o for p, o in result["offsets"].items()})
+            consumer.commit(result.offsets)
         return result
 
     started = time.time()
-    previous = json.loads(objects.get_bytes(result_key(run_id, iteration - 1)) if iteration > 1 else b'{"trained_ids": []}')
+    previous = JobResult.from_json(objects.get_bytes(result_key(run_id, iteration - 1))) if iteration > 1 else None
     batch = None
     if consumer is not None:
         records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], spec.batch_samples, spec.samples_per_prompt)
         selection = select_samples(
             (decode_sample(r.value) for r in records),
-            seen=set(previous["trained_ids"]),
+            seen=set(previous.trained_ids) if previous else set(),
             policy_version=iteration - 1,
             staleness_bound=spec.staleness_bound,
         )
         if ranks.env is not None:
-            selection.kept, selection.dropped["uneven"] = even_shares(selection.kept, ranks.env.world_size)
-        log.info("iteration %d: %d samples read, %d kept, dropped %s", iteration, len(records), len(selection.kept),
-                 {k: len(v) for k, v in selection.dropped.items()})
+            selection.kept, selection.dropped.uneven = even_shares(selection.kept, ranks.env.world_size)
+        log.info("iteration %d: %d samples read, %d kept, %d dropped", iteration, len(records), len(selection.kept),
+                 selection.dropped.count())
         batch = (len(records), offsets, selection)
     samples_read, offsets, selection = ranks.share(batch)
 
@@ -298,7 +244,7 @@ def _train(
     )
     device = ranks.env.device if ranks.env is not None else torch.device("cpu")
     policy.model.to(device)
-    cfg = train_config(spec)
+    cfg = spec.training
     value_head = build_value_head(spec, policy, model_cache)
     state_in = trainer_prefix(run_id, iteration - 1)
     if value_head is not None:
@@ -306,7 +252,7 @@ def _train(
         if (vh := _load_torch(objects, state_in + "value_head.pt")) is not None:
             value_head.load_state_dict(vh)
     ref_model = reference_model(spec, policy, model_cache)
-    controller = kl_controller(spec, previous.get("metrics", {}).get("actor/kl_coef"))
+    controller = kl_controller(spec, previous.metrics.get("actor/kl_coef") if previous else None)
     samples = selection.kept if ranks.env is None else shard_samples(selection.kept, ranks.env.rank, ranks.env.world_size)
     if samples:
         # Probed on the whole (unsharded) model: a size that fits it fits its shards.
@@ -347,23 +293,23 @@ def _train(
             objects.upload_dir(scratch / "out", state_out + "optimizer/")
             shutil.rmtree(scratch)
         else:
-            return {}  # the leader writes the result and commits
+            return None  # the leader writes the result and commits
 
     if value_head is not None:
         _save_torch(objects, state_out + "value_head.pt", value_head.state_dict())
-    result = {
-        "iteration": iteration,
-        "policy_version": iteration,
-        "mean_reward": _mean(s.reward for s in selection.kept),
-        "metrics": metrics,
-        "samples_read": samples_read,
-        "trained_ids": [s.sample_id for s in selection.kept],
-        "dropped": selection.dropped,
-        "offsets": {str(p): o for p, o in offsets.items()},
-        "seconds": time.time() - started,
-        "ended_at": time.time(),
-    }
-    objects.put_bytes(result_key(run_id, iteration), json.dumps(result).encode())
+    result = JobResult(
+        iteration=iteration,
+        policy_version=iteration,
+        mean_reward=_mean(s.reward for s in selection.kept),
+        metrics=metrics,
+        samples_read=samples_read,
+        trained_ids=[s.sample_id for s in selection.kept],
+        dropped=selection.dropped,
+        offsets=offsets,
+        seconds=time.time() - started,
+        ended_at=time.time(),
+    )
+    objects.put_bytes(result_key(run_id, iteration), result.to_json())
     consumer.commit(offsets)
 
     # Retention: the optimizer state is only ever read by the next iteration.

@@ -21,11 +21,11 @@ from services.colocated import (
 )
 from services.cost.catalog import load_catalog
 from services.runspec import RunSpec
-from trainer_core.checkpoint import list_checkpoints
-from trainer_core.generation import SamplingParams
-from trainer_core.models import encode_prompt, load_policy
-from trainer_core.samples import Sample
-from trainer_core.update import TrainConfig
+from trainer_core.models.checkpoint import list_checkpoints
+from trainer_core.engines.hf import SamplingParams
+from trainer_core.models.loading import encode_prompt, load_policy
+from contracts.samples import Sample
+from contracts.training import TrainConfig
 
 SPEC = {
     "model": "tiny",
@@ -171,11 +171,11 @@ def test_the_hybrid_engine_holds_one_copy_of_the_weights(model_cache: Path) -> N
 
 def test_an_auto_micro_batch_is_sized_on_the_first_batch(model_cache: Path) -> None:
     policy = load_policy("tiny", cache_dir=model_cache)
-    engine = HybridEngine(policy, TrainConfig(micro_batch_size=0))
+    engine = HybridEngine(policy, TrainConfig(micro_batch=0))
     prompt = encode_prompt(policy.tokenizer, "say a:")
     completions = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=6))
     engine.train([_sample(prompt, c.token_ids, c.logprobs, float(i % 2), "g") for i, c in enumerate(completions)])
-    assert engine.cfg.micro_batch_size == 4  # the whole batch: the tiny model fits many times over
+    assert engine.cfg.micro_batch == 4  # the whole batch: the tiny model fits many times over
 
 
 def test_spec_files_are_read_from_yaml_and_json(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from services.cli import app
-from trainer_core.models import load_policy
-from trainer_core.reward_model import RewardModel
+from trainer_core.models.loading import load_policy
+from trainer_core.supervised.reward_model import RewardModel
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:

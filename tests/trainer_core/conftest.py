@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_core.models import Policy, load_policy
-from trainer_core.samples import Sample
+from trainer_core.models.loading import Policy, load_policy
+from contracts.samples import Sample
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from trainer_core.memory import (
     probe_micro_batch,
     release_during_backward,
 )
-from trainer_core.models import Policy
+from trainer_core.models.loading import Policy
 
 
 class FakeOOM(RuntimeError):

@@ -25,18 +25,24 @@ ADAPTERS = {"local": Adapter(open=lambda root: LocalLauncher(root / "pods"), pyt
 
 
 # Workloads that print "ready" once their signal handling is in place, so a test can stop them.
+# Exits 0 on SIGTERM, but only once the file named by $RELEASE exists: the test says when, so it
+# sees the pod still running after stop() returned. (An adapter whose pods do not share the test's
+# file system needs another way to release it.)
 TRAPS_SIGTERM = """
-import signal, sys, time
+import os, signal, sys, time
 def bye(signum, frame):
     print("bye", flush=True)
+    while not os.path.exists(os.environ["RELEASE"]):
+        time.sleep(0.05)
     sys.exit(0)
 signal.signal(signal.SIGTERM, bye)
 print("ready", flush=True)
 time.sleep(60)
 """
+# Logs each SIGTERM and carries on: only a SIGKILL ends it.
 IGNORES_SIGTERM = """
 import signal, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, lambda signum, frame: print("SIGTERM ignored", flush=True))
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -96,7 +102,7 @@ def status(launcher: Launcher, name: str) -> PodStatus:
     return pod
 
 
-def wait_until_ended(launcher: Launcher, name: str, timeout_s: float = 15.0) -> PodStatus:
+def wait_until_ended(launcher: Launcher, name: str, timeout_s: float = 30.0) -> PodStatus:
     deadline = time.monotonic() + timeout_s
     while (pod := status(launcher, name)).phase is PodPhase.RUNNING:
         assert time.monotonic() < deadline, f"pod {name} still running after {timeout_s} s"
@@ -104,7 +110,7 @@ def wait_until_ended(launcher: Launcher, name: str, timeout_s: float = 15.0) -> 
     return pod
 
 
-def wait_for_log(launcher: Launcher, name: str, text: str, timeout_s: float = 15.0) -> None:
+def wait_for_log(launcher: Launcher, name: str, text: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while text not in launcher.logs(name):
         assert time.monotonic() < deadline, f"{text!r} not in the log of {name}: {launcher.logs(name)!r}"
@@ -152,19 +158,20 @@ def test_a_pod_that_exits_non_zero_fails(launcher: Launcher, spec: Callable[...,
 
 
 def test_stop_sends_sigterm_and_a_trapping_workload_exits_cleanly(
-    launcher: Launcher, spec: Callable[..., PodSpec]
+    launcher: Launcher, spec: Callable[..., PodSpec], tmp_path: Path
 ) -> None:
-    launcher.launch(spec("graceful", TRAPS_SIGTERM))
+    release = tmp_path / "release"
+    launcher.launch(spec("graceful", TRAPS_SIGTERM, env={"RELEASE": str(release)}))
     wait_for_log(launcher, "graceful", "ready")
 
-    start = time.monotonic()
     launcher.stop("graceful", grace_s=30)
-    assert time.monotonic() - start < 1  # stop does not wait for the pod
+    # stop did not wait for the pod: the pod cannot end before `release` exists.
+    assert status(launcher, "graceful").phase is PodPhase.RUNNING
+    wait_for_log(launcher, "graceful", "bye")  # the SIGTERM reached the workload's handler
+    release.touch()
     pod = wait_until_ended(launcher, "graceful")
 
-    assert pod.phase is PodPhase.SUCCEEDED and pod.exit_code == 0
-    assert time.monotonic() - start < 10  # well within the grace period
-    assert "bye" in launcher.logs("graceful")
+    assert pod.phase is PodPhase.SUCCEEDED and pod.exit_code == 0  # it ended itself: no SIGKILL came
 
 
 def test_a_workload_ignoring_sigterm_is_killed_after_the_grace_period(
@@ -174,13 +181,13 @@ def test_a_workload_ignoring_sigterm_is_killed_after_the_grace_period(
     wait_for_log(launcher, "stubborn", "ready")
 
     stopped_at = time.time()
-    launcher.stop("stubborn", grace_s=1.0)
-    time.sleep(0.5)
-    assert status(launcher, "stubborn").phase is PodPhase.RUNNING  # SIGTERM was ignored
+    launcher.stop("stubborn", grace_s=3.0)
+    wait_for_log(launcher, "stubborn", "SIGTERM ignored")  # the SIGTERM came first, and did not end it
     pod = wait_until_ended(launcher, "stubborn")
 
-    assert pod.phase is PodPhase.FAILED and pod.exit_code == -signal.SIGKILL
-    assert pod.ended_at is not None and pod.ended_at - stopped_at >= 1.0
+    assert pod.phase is PodPhase.FAILED and pod.exit_code == -signal.SIGKILL  # not -SIGTERM
+    # Killed no earlier than the grace period allows (a lower bound: a slow machine only adds to it).
+    assert pod.ended_at is not None and pod.ended_at - stopped_at >= 3.0
 
 
 def test_launching_an_existing_name_is_a_no_op(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
@@ -288,7 +295,7 @@ def test_local_a_sigkilled_workload_fails_with_minus_9(local: Launcher) -> None:
     assert pod.phase is PodPhase.FAILED and pod.exit_code == -9 and pod.pid == pid
 
 
-def test_local_a_pod_whose_supervisor_died_fails_and_its_workload_dies_too(local: Launcher) -> None:
+def test_local_a_pod_whose_supervisor_died_fails_and_its_workload_dies_too(local: Launcher, wait_for) -> None:
     local.launch(local_spec("orphan", SLEEPS))
     wait_for_log(local, "orphan", "ready")
     pid = status(local, "orphan").pid
@@ -298,10 +305,7 @@ def test_local_a_pod_whose_supervisor_died_fails_and_its_workload_dies_too(local
     os.kill(supervisor, signal.SIGKILL)
     pod = wait_until_ended(local, "orphan")
     assert pod.phase is PodPhase.FAILED and pod.exit_code is None and pod.ended_at is None
-    deadline = time.monotonic() + 5
-    while process_runs(pid):
-        assert time.monotonic() < deadline, "the workload outlived its supervisor"
-        time.sleep(0.05)
+    wait_for(lambda: not process_runs(pid), message="the workload died with its supervisor")
 
 
 def test_local_stop_and_delete_end_the_whole_process_tree(local: Launcher, tmp_path: Path) -> None:
@@ -317,13 +321,14 @@ def test_local_stop_and_delete_end_the_whole_process_tree(local: Launcher, tmp_p
     assert not process_runs(workload) and not process_runs(child)
 
 
-def test_local_finished_supervisors_are_reaped(local: Launcher) -> None:
+def test_local_finished_supervisors_are_reaped(local: Launcher, wait_for) -> None:
     for i in range(3):
         local.launch(local_spec(f"quick-{i}", "pass"))
     for i in range(3):
         wait_until_ended(local, f"quick-{i}")
-    deadline = time.monotonic() + 5
-    while my_zombies():  # a supervisor exits just after writing exit.json
-        assert time.monotonic() < deadline, f"zombie children: {my_zombies()}"
-        local.list()
-        time.sleep(0.05)
+
+    def reaped() -> bool:  # a supervisor exits just after writing exit.json
+        local.list()  # reaps the launcher's finished children
+        return not my_zombies()
+
+    wait_for(reaped, message="no supervisor is left a zombie")

@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from contracts.status import TRANSITIONS, RunStatus
 from services.backends.state_store import (
     MIGRATIONS,
     IllegalTransitionError,
     IterationRow,
     RunNotFoundError,
-    RunStatus,
     StateStore,
 )
 
@@ -35,16 +35,63 @@ def test_status_transitions(store: StateStore) -> None:
     assert store.get_run("r1").status == "PENDING"
     store.set_status("r1", RunStatus.RUNNING)
     assert store.get_run("r1").started_at is not None
+    with pytest.raises(IllegalTransitionError, match="RUNNING; it cannot become SUCCEEDED"):
+        store.set_status("r1", RunStatus.SUCCEEDED)  # an end goes through ENDING: pods stop first
+    store.begin_ending("r1", RunStatus.SUCCEEDED, "done")
+    row = store.get_run("r1")
+    assert (row.status, row.status_reason, row.ending_status, row.ended_at) == ("ENDING", "done", "SUCCEEDED", None)
+    assert [r.id for r in store.list_runs(active_only=True)] == ["r1"]  # still reconciled
     store.set_status("r1", RunStatus.SUCCEEDED, "done")
     row = store.get_run("r1")
     assert (row.status, row.status_reason) == ("SUCCEEDED", "done")
     assert row.ended_at is not None
+    assert store.list_runs(active_only=True) == []
     with pytest.raises(IllegalTransitionError):
         store.set_status("r1", RunStatus.RUNNING)
     with pytest.raises(IllegalTransitionError, match="nothing to cancel"):
         store.request_cancel("r1")
     with pytest.raises(RunNotFoundError):
         store.get_run("nope")
+
+
+def test_every_status_means_something_and_terminal_ones_go_nowhere() -> None:
+    assert set(TRANSITIONS) == set(RunStatus)
+    for status in RunStatus:
+        assert status.meaning
+        assert (TRANSITIONS[status] == frozenset()) == status.is_terminal()
+        assert all(status.can_become(nxt) for nxt in TRANSITIONS[status])
+
+
+def test_cancel_reads_cancelling_until_the_pods_are_gone(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    store.set_status("r1", RunStatus.RUNNING)
+    row = store.request_cancel("r1")
+    assert (row.status, row.ending_status, row.status_reason) == ("CANCELLING", "CANCELLED", "cancelled by the user")
+    assert store.request_cancel("r1").status == "CANCELLING"  # again: unchanged
+    with pytest.raises(IllegalTransitionError):
+        store.set_status("r1", RunStatus.RUNNING)  # a late StartRun cannot revive it
+    store.set_status("r1", RunStatus.CANCELLED, "cancelled by the user")
+    assert store.get_run("r1").status == "CANCELLED"
+
+    store.create_run("r2", name=None, spec={})
+    assert store.request_cancel("r2").status_reason == "cancelled before it started"
+
+
+def test_first_ending_stands_but_a_failure_replaces_it(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    store.set_status("r1", RunStatus.RUNNING)
+    store.begin_ending("r1", RunStatus.SUCCEEDED, "trained 2 iterations")
+    assert store.request_cancel("r1").status == "ENDING"  # already stopping: the cancel changes nothing
+    assert store.get_run("r1").ending_status == "SUCCEEDED"
+    row = store.begin_ending("r1", RunStatus.FAILED, "result missing")
+    assert (row.status, row.ending_status, row.ending_reason) == ("ENDING", "FAILED", "result missing")
+
+    store.create_run("r2", name=None, spec={})
+    store.request_cancel("r2")
+    row = store.begin_ending("r2", RunStatus.FAILED, "broken")
+    assert (row.status, row.ending_status) == ("ENDING", "FAILED")
+    with pytest.raises(ValueError):
+        store.begin_ending("r2", RunStatus.RUNNING, "not an end")
 
 
 def test_record_iteration_is_atomic_and_idempotent(store: StateStore) -> None:

@@ -11,9 +11,10 @@ from pydantic import ValidationError
 
 from services.backends.reward_cache import InProcessRewardCache
 from services.reward.functions import REWARD_FUNCTIONS, RewardInput, load_reward_model, total_rewards
-from services.rollout.worker import PromptMessage, RolloutWorker, StopSignal
+from contracts.messages import PromptMessage
+from services.rollout.worker import RolloutWorker, StopSignal
 from services.runspec import RewardTerm, RunSpec
-from trainer_core.reward_model import RewardModel, RewardModelConfig, run_train_rm
+from trainer_core.supervised.reward_model import RewardModel, RewardModelConfig, run_train_rm
 
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from services.rollout.worker import rollout_engine
 from services.runspec import RunSpec
-from trainer_core.generation import HFEngine
-from trainer_core.models import load_policy
+from trainer_core.engines.hf import HFEngine
+from trainer_core.models.loading import load_policy
 
 
 def test_the_hf_engine_samples_from_the_policy_object_itself(tmp_path: Path) -> None:

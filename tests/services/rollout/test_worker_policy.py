@@ -14,8 +14,8 @@ from services.rollout.worker import RolloutWorker, StopSignal
 from services.runspec import RunSpec
 from services.training.job import run_training_job
 from services.wiring import open_backends
-from trainer_core.lora import is_lora
-from trainer_core.samples import Sample, encode_sample
+from trainer_core.models.lora import is_lora
+from contracts.samples import Sample, encode_sample
 
 RUN = "run-worker"
 

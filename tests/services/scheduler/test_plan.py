@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from contracts.status import RunStatus
 from services.backends.launcher import PodPhase, PodStatus
-from services.backends.state_store import RunStatus
 from services.runspec import RunSpec
 from services.scheduler.plan import (
     BeginEnding,
@@ -45,7 +45,7 @@ SPEC = RunSpec.model_validate(
 def run(**changes) -> RunState:
     base = RunState(
         run_id="r", status=RunStatus.RUNNING, spec=SPEC, iterations_done=0, last_mean_reward=None,
-        prompts_published=0, cancel_requested=False, ending_status=None, ending_reason=None,
+        prompts_published=0, ending_status=None, ending_reason=None,
         train_failures=0, next_train_at=0.0, worker_slots_used=0, samples_produced=0,
     )
     return dataclasses.replace(base, **changes)
@@ -70,11 +70,14 @@ T1 = pod("r-train-1", "training", iteration="1")
 T1_OK = pod("r-train-1", "training", PodPhase.SUCCEEDED, 0, iteration="1")
 T1_FAIL = pod("r-train-1", "training", PodPhase.FAILED, 1, iteration="1")
 W0_DEAD = pod("r-rollout-0", "rollout", PodPhase.FAILED, -9, slot="0")
+CANCELLING = run(status=RunStatus.CANCELLING, prompts_published=2, worker_slots_used=1,
+                 ending_status=RunStatus.CANCELLED, ending_reason="cancelled by the user")
 
 CASES = [
     ("pending run starts", run(status=RunStatus.PENDING), seen(), [StartRun("r")]),
-    ("pending run cancelled ends at once", run(status=RunStatus.PENDING, cancel_requested=True), seen(),
-     [FinishRun("r", RunStatus.CANCELLED, "cancelled before it started")]),
+    ("run cancelled while pending ends at once",
+     run(status=RunStatus.CANCELLING, ending_status=RunStatus.CANCELLED, ending_reason="cancelled before it started"),
+     seen(), [FinishRun("r", RunStatus.CANCELLED, "cancelled before it started")]),
     ("empty queue: one batch of prompts, pool sized to it", run(), seen(),
      [PublishPrompts("r", 0, 2), LaunchWorker("r", 0)]),
     ("prompts queued and a worker on them: nothing to do", run(prompts_published=2, worker_slots_used=1),
@@ -109,10 +112,20 @@ CASES = [
      seen([W0, W1], samples=8), [StopPod("r-rollout-0"), StopPod("r-rollout-1"), LaunchTraining("r", 2)]),
     ("iterations reached: stop pods", run(iterations_done=2), seen([W0]),
      [BeginEnding("r", RunStatus.SUCCEEDED, "trained 2 iterations"), StopPod("r-rollout-0")]),
-    ("ending and all pods gone: finish", run(iterations_done=2, ending_status=RunStatus.SUCCEEDED, ending_reason="trained 2 iterations"),
+    ("ending and all pods gone: finish", run(status=RunStatus.ENDING, iterations_done=2, ending_status=RunStatus.SUCCEEDED,
+                                             ending_reason="trained 2 iterations"),
      seen([]), [FinishRun("r", RunStatus.SUCCEEDED, "trained 2 iterations")]),
-    ("cancel stops everything, training included", run(cancel_requested=True), seen([W0, T1]),
-     [BeginEnding("r", RunStatus.CANCELLED, "cancelled by the user"), StopPod("r-rollout-0"), StopPod("r-train-1")]),
+    ("cancel stops everything, training included", CANCELLING, seen([W0, T1], prompts=2, samples=8),
+     [StopPod("r-rollout-0"), StopPod("r-train-1")]),
+    ("cancelling: a job that finished is still recorded, nothing is launched", CANCELLING, seen([T1_OK], samples=8),
+     [RecordIteration("r", 1), ReapPod(T1_OK)]),
+    ("cancelling: a stopped job is reaped, not counted as a failure", dataclasses.replace(CANCELLING, train_failures=1),
+     seen([W0, T1_FAIL]), [ReapPod(T1_FAIL)]),
+    ("cancelling and all pods gone: cancelled", CANCELLING, seen([], samples=8),
+     [FinishRun("r", RunStatus.CANCELLED, "cancelled by the user")]),
+    ("ending keeps its end though the budget is spent meanwhile",
+     run(status=RunStatus.ENDING, iterations_done=2, ending_status=RunStatus.SUCCEEDED, ending_reason="trained 2 iterations"),
+     seen([W0], spent=9.0), [StopPod("r-rollout-0")]),
     ("budget spent fails the run", run(iterations_done=1), seen([], spent=5.0),
      [BeginEnding("r", RunStatus.FAILED, "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)"),
       FinishRun("r", RunStatus.FAILED, "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)")]),

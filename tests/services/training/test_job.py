@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from contracts.job_result import JobResult
 import uuid
 from pathlib import Path
 
@@ -15,9 +15,9 @@ from services.names import TRAINER_GROUP, policy_prefix, result_key, samples_top
 from services.policy_store import fetch_policy, load_version, policy_dir
 from services.runspec import RunSpec
 from services.training.job import run_training_job
-from trainer_core.lora import is_lora
-from trainer_core.models import load_policy
-from trainer_core.samples import Sample, encode_sample
+from trainer_core.models.lora import is_lora
+from trainer_core.models.loading import load_policy
+from contracts.samples import Sample, encode_sample
 
 RUN = "run-job"
 
@@ -55,12 +55,12 @@ def test_trains_one_batch_publishes_then_commits(world) -> None:
     first = produce_groups(queue, 2, version=0)
     later = produce_groups(queue, 1, version=0)
     result = run_training_job(run_id=RUN, iteration=1, spec=spec(), queue=queue, objects=objects, model_cache=models)
-    assert sorted(result["trained_ids"]) == sorted(first), "exactly one batch, the oldest groups"
+    assert sorted(result.trained_ids) == sorted(first), "exactly one batch, the oldest groups"
     assert objects.exists(policy_prefix(RUN, 1) + "config.json")
-    assert json.loads(objects.get_bytes(result_key(RUN, 1)))["trained_ids"] == result["trained_ids"]
+    assert JobResult.from_json(objects.get_bytes(result_key(RUN, 1))) == result
     assert queue.backlog(samples_topic(RUN), TRAINER_GROUP) == len(later)
-    assert result["metrics"]["actor/pg_clipfrac"] >= 0.0
-    assert result["metrics"]["perf/peak_memory_bytes"] >= result["metrics"]["perf/memory_bytes"] > 0
+    assert result.metrics["actor/pg_clipfrac"] >= 0.0
+    assert result.metrics["perf/peak_memory_bytes"] >= result.metrics["perf/memory_bytes"] > 0
 
 
 def test_stale_samples_are_dropped_and_counted(world) -> None:
@@ -73,11 +73,11 @@ def test_stale_samples_are_dropped_and_counted(world) -> None:
     kept = produce_groups(queue, 1, version=1)  # one version behind: trained, with the correction
     decoupled = spec(training={"off_policy": "decoupled", "is_cap": 2.0})
     result = run_training_job(run_id=RUN, iteration=3, spec=decoupled, queue=queue, objects=objects, model_cache=models)
-    assert result["dropped"]["stale"] == stale
-    assert result["trained_ids"] == kept
+    assert result.dropped.stale == stale
+    assert result.trained_ids == kept
     # The workers' log-probs (-4.0) are not the proximal policy's (about -4.6 on the tiny model):
     # each token is re-weighted by pi_proximal / pi_behaviour, about e^-0.6.
-    assert 0.3 < result["metrics"]["actor/is_weight_mean"] < 0.9
+    assert 0.3 < result.metrics["actor/is_weight_mean"] < 0.9
 
 
 def test_lora_runs_publish_adapters_and_continue_training_them(world) -> None:
@@ -87,7 +87,7 @@ def test_lora_runs_publish_adapters_and_continue_training_them(world) -> None:
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
         result = run_training_job(run_id=RUN, iteration=iteration, spec=lora, queue=queue, objects=objects, model_cache=models)
-    assert result["metrics"]["actor/kl_ref"] > 0, "v1's adapter moved the policy away from the base"
+    assert result.metrics["actor/kl_ref"] > 0, "v1's adapter moved the policy away from the base"
     published = objects.list(policy_prefix(RUN, 2))
     assert any(k.endswith("adapter_config.json") for k in published)
     assert not any(k.endswith("/model.safetensors") for k in published), "only the adapter is published"
@@ -131,10 +131,11 @@ def test_a_job_finding_its_version_published_only_commits(world) -> None:
     queue, objects, models = world
     ids = produce_groups(queue, 2, version=0)
     end = queue.end_offsets(samples_topic(RUN))
-    published = {"iteration": 1, "trained_ids": ids, "offsets": {str(p): o for p, o in end.items()}, "marker": "first"}
-    objects.put_bytes(result_key(RUN, 1), json.dumps(published).encode())
+    published = JobResult(iteration=1, policy_version=1, mean_reward=0.5, metrics={"marker": 1.0}, samples_read=len(ids),
+                          trained_ids=ids, offsets=end, seconds=1.0, ended_at=1.0)
+    objects.put_bytes(result_key(RUN, 1), published.to_json())
     result = run_training_job(run_id=RUN, iteration=1, spec=spec(), queue=queue, objects=objects, model_cache=models)
-    assert result["marker"] == "first"
+    assert result == published
     assert queue.backlog(samples_topic(RUN), TRAINER_GROUP) == 0
     assert not objects.exists(policy_prefix(RUN, 1) + "config.json"), "nothing was trained"
 
@@ -144,8 +145,8 @@ def test_micro_batch_zero_sizes_micro_batches_from_free_memory(world) -> None:
     trained = produce_groups(queue, 2, version=0)
     auto = spec(training={"micro_batch": 0})
     result = run_training_job(run_id=RUN, iteration=1, spec=auto, queue=queue, objects=objects, model_cache=models)
-    assert sorted(result["trained_ids"]) == sorted(trained)
-    assert result["metrics"]["actor/grad_norm"] > 0
+    assert sorted(result.trained_ids) == sorted(trained)
+    assert result.metrics["actor/grad_norm"] > 0
 
 
 @pytest.mark.parametrize("critic", ["shared", "separate"])
@@ -159,7 +160,7 @@ def test_ppo_carries_its_critic_and_optimizer_across_iterations(world, critic: s
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
         result = run_training_job(run_id=RUN, iteration=iteration, spec=ppo, queue=queue, objects=objects, model_cache=models)
-        assert result["metrics"]["critic/vf_loss"] >= 0.0
+        assert result.metrics["critic/vf_loss"] >= 0.0
     head = torch.load(io.BytesIO(objects.get_bytes(trainer_prefix(RUN, 2) + "value_head.pt")), weights_only=True)
     assert any(t.abs().sum() > 0 for t in head.values()), "the critic learned (it starts at zero)"
     # A separate critic carries its own backbone; a shared one is just the linear head.
@@ -175,7 +176,7 @@ def test_an_adaptive_kl_coefficient_carries_across_iterations(world) -> None:
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
         result = run_training_job(run_id=RUN, iteration=iteration, spec=adaptive, queue=queue, objects=objects, model_cache=models)
-        coefs.append(result["metrics"]["actor/kl_coef"])
+        coefs.append(result.metrics["actor/kl_coef"])
     # v1 starts at the reference (KL 0 < target: x0.8 over a horizon of 8 samples); v2 starts from
     # v1's coefficient and, with the policy moved, KL > target: x1.2.
     assert coefs[0] == pytest.approx(0.1 * 0.8)

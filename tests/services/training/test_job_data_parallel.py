@@ -6,7 +6,7 @@ sharded state is written whole and read back.
 
 AdamW's first steps are about lr * sign(g) whatever the gradient's scale, so the gradient's
 scale is checked through `actor/grad_norm` and its direction through the weights, within 2% of
-one step (as in tests/trainer_core/test_distributed.py).
+one step (as in tests/trainer_core/rl/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import torch
 
 from services.backends.launcher import cli_command
 from services.config import Settings
+from contracts.job_result import JobResult
 from services.names import result_key, samples_topic
 from services.policy_store import fetch_policy
 from services.runspec import RunSpec
 from services.training.job import even_shares, run_training_job
 from services.wiring import Backends, open_backends
-from trainer_core.models import load_policy
-from trainer_core.samples import Sample, encode_sample
+from trainer_core.models.loading import load_policy
+from contracts.samples import Sample, encode_sample
 
 REPO = Path(__file__).resolve().parents[3]
 LR = 1e-3
@@ -140,10 +141,10 @@ def test_a_two_process_job_publishes_what_one_process_does(
 
     want_backends, want_run = one_process(run_spec.training.lora_rank)
     for iteration in range(1, ITERATIONS + 1):
-        got = json.loads(backends.objects.get_bytes(result_key(run_id, iteration)))
-        want = json.loads(want_backends.objects.get_bytes(result_key(want_run, iteration)))
-        assert got["trained_ids"] == want["trained_ids"] and got["dropped"]["uneven"] == []
-        assert got["offsets"] == want["offsets"]
+        got = JobResult.from_json(backends.objects.get_bytes(result_key(run_id, iteration)))
+        want = JobResult.from_json(want_backends.objects.get_bytes(result_key(want_run, iteration)))
+        assert got.trained_ids == want.trained_ids and got.dropped.uneven == []
+        assert got.offsets == want.offsets
         for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_ref", "reward/mean", "perf/tokens"):
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4, abs=1e-6), key
 

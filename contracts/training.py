@@ -1,0 +1,201 @@
+"""The trainer's configuration: the ``training`` section of a run spec, declared once.
+
+The API validates it (and shows it in the OpenAPI document), the scheduler reads the job's
+shape from it, and the training job and colocated runs hand it to ``trainer_core`` as it is.
+No torch here: the control plane imports this module.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
+
+
+class Algorithm(StrEnum):
+    GRPO = "grpo"  # critic-free: advantages relative to the prompt's group
+    PPO = "ppo"  # a learned critic (value head), advantages by GAE
+
+
+class AdvantageEstimator(StrEnum):
+    GRPO = "grpo"  # (r - group mean) / group std (Shao et al. 2024)
+    GAE = "gae"  # generalised advantage estimation with the critic (Schulman et al. 2016)
+    DR_GRPO = "dr_grpo"  # r - group mean, no std division (Liu et al. 2025)
+    RLOO = "rloo"  # r - mean of the group's other samples (Ahmadian et al. 2024)
+    REINFORCE_PP = "reinforce_pp"  # discounted returns whitened over the batch (Hu 2025)
+    REINFORCE_PP_BASELINE = "reinforce_pp_baseline"  # group mean subtracted, then whitened over the batch
+
+
+class KLEstimator(StrEnum):
+    """Estimators of KL(pi || pi_ref) from sampled tokens (Schulman 2020, "Approximating KL Divergence")."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
+class LossAggMode(StrEnum):
+    TOKEN_MEAN = "token-mean"  # every real token weighs the same (DAPO)
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # sum over a sequence's tokens, mean over sequences
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # mean over a sequence's tokens, then over sequences (GRPO)
+
+
+class KLMode(StrEnum):
+    LOSS = "loss"  # kl_coef * KL(pi || ref) added to the loss (GRPO)
+    REWARD = "reward"  # kl_coef * KL(behaviour || ref) subtracted from the token rewards (classic PPO)
+
+
+class OffPolicy(StrEnum):
+    """How the loss corrects for samples drawn by an older policy version."""
+
+    # The clipped ratio is taken against the behaviour log-probs the workers recorded.
+    BEHAVIOUR = "behaviour"
+    # Decoupled PPO (Hilton et al. 2021) with truncated IS: the ratio is clipped around the
+    # proximal policy (this update's starting weights, scored once more), and each token is
+    # weighted by min(pi_proximal / pi_behaviour, is_cap). Costs one extra no-grad forward pass.
+    DECOUPLED = "decoupled"
+
+
+class Critic(StrEnum):
+    SHARED = "shared"  # a value head on the policy's own (detached) hidden states
+    SEPARATE = "separate"  # a value head on a separate copy of the base model, trained too
+
+
+class Strategy(StrEnum):
+    """Data-parallel strategy of a job with more than one process."""
+
+    FSDP2 = "fsdp2"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+
+class TrainConfig(BaseModel):
+    """Hyper-parameters of one RL update, and the shape of the job that runs it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- set from the run, not in the section: one declaration each, in the run spec ---------
+    algorithm: SkipJsonSchema[Algorithm] = Field(default=Algorithm.GRPO, exclude=True, description="The run's `algorithm`.")
+    temperature: SkipJsonSchema[float] = Field(
+        default=1.0, ge=0.0, exclude=True,
+        description="The run's `sampling.temperature`: the behaviour log-probs are of logits / temperature.",
+    )
+
+    # --- the update ----------------------------------------------------------------------------
+    learning_rate: float = Field(default=1e-5, ge=0.0, le=1.0, description="AdamW learning rate of the policy (and value head).")
+    epochs: int = Field(default=1, ge=1, le=100, description="Passes over each batch.")
+    mini_batch: int = Field(default=0, ge=0, description="Samples per optimizer step; 0 = the whole batch (one step per epoch).")
+    micro_batch: int = Field(
+        default=8, ge=0, le=4096,
+        description="Samples per forward/backward pass (gradient accumulation); 0 = auto: the rule of thumb from the "
+        "device's free memory, then on a GPU halved until a trial pass fits.",
+    )
+    micro_batch_tokens: int = Field(
+        default=0, ge=0,
+        description="Token budget of a micro-batch (padded rows x longest row); > 0 replaces micro_batch with dynamic "
+        "micro-batches of similar lengths.",
+    )
+    clip_ratio: float = Field(default=0.2, gt=0.0, le=10.0, description="PPO clip range of the importance ratio: [1 - clip_ratio, 1 + clip_ratio_high].")
+    clip_ratio_high: float = Field(
+        default=0.0, ge=0.0, le=10.0, description="Upper clip of the ratio, 1 + clip_ratio_high (0 = clip_ratio; DAPO's clip-higher uses 0.28)."
+    )
+    dual_clip: float = Field(default=0.0, ge=0.0, description="Dual-clip bound c > 1 on negative-advantage token losses (0 = off).")
+    loss_agg: LossAggMode = Field(default=LossAggMode.TOKEN_MEAN, description="How token losses are averaged: over all tokens, or per sequence then over sequences.")
+    adv_estimator: AdvantageEstimator | None = Field(
+        default=None, description="Advantage estimator of a critic-free run (None = grpo); ppo always uses gae."
+    )
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="PPO discount over response tokens.")
+    lam: float = Field(default=0.95, ge=0.0, le=1.0, description="PPO GAE lambda.")
+    vf_coef: float = Field(default=0.5, ge=0.0, description="Weight of the value loss (PPO).")
+    value_clip: float = Field(default=0.2, gt=0.0, description="How far a value prediction may move from the old one (PPO).")
+    entropy_coef: float = Field(default=0.0, ge=0.0, description="Weight of the entropy bonus subtracted from the policy loss (0 = none).")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient-norm clip per optimizer step.")
+    kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of KL to the reference policy (0 skips the reference model).")
+    kl_estimator: KLEstimator = Field(default=KLEstimator.K3, description="Estimator of KL to the reference policy.")
+    kl_mode: KLMode = Field(default=KLMode.LOSS, description="Apply kl_coef x KL as a loss term or as a per-token reward penalty.")
+    kl_target: float | None = Field(
+        default=None, gt=0.0,
+        description="Adaptive KL: starting from kl_coef, steer the coefficient so that the measured KL approaches this (None = fixed kl_coef).",
+    )
+    kl_horizon: int = Field(default=10000, ge=1, description="Adaptive KL: samples over which the coefficient adapts by up to 20%.")
+    off_policy: OffPolicy = Field(
+        default=OffPolicy.BEHAVIOUR,
+        description="behaviour: clip the ratio around the workers' log-probs; decoupled: clip around this update's starting "
+        "policy and weight tokens by min(pi_proximal / pi_behaviour, is_cap) (one extra forward pass).",
+    )
+    is_cap: float = Field(default=2.0, gt=0.0, description="Cap of the importance weight of stale tokens (off_policy: decoupled).")
+
+    # --- the model -----------------------------------------------------------------------------
+    lora_rank: int = Field(
+        default=0, ge=0, le=1024,
+        description="Train a LoRA adapter of this rank on every linear layer instead of all weights (0 = full fine-tuning); "
+        "the frozen base is the KL reference.",
+    )
+    lora_alpha: float = Field(default=32.0, gt=0.0, description="LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_rank.")
+    critic: Critic = Field(
+        default=Critic.SHARED,
+        description="PPO critic: a value head on the policy's own (detached) hidden states, or on a separate copy of the base "
+        "model that it trains too.",
+    )
+
+    # --- compute and memory --------------------------------------------------------------------
+    autocast_bf16: bool = Field(default=False, description="Forward passes under bf16 autocast; weights and optimizer stay fp32.")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute each layer's activations in the backward pass: less memory, ~30% more compute."
+    )
+    logprob_chunk_tokens: int = Field(
+        default=1024, ge=1, description="Response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits."
+    )
+    # Padded micro-batches share through a KV cache, which gradient checkpointing drops: there
+    # they run every prompt in full.
+    share_prompt_prefix: bool = Field(
+        default=True,
+        description="Run each distinct prompt of a micro-batch once, its samples' responses attending to it (a GRPO group "
+        "pays for its prompt once, forward and backward).",
+    )
+    pack_max_tokens: int = Field(
+        default=4096, ge=0,
+        description="Pack each prompt and its samples' responses into one row under a block mask when every such row of a "
+        "micro-batch is at most this many tokens (no padding inside a group); longer rows run padded; 0 = always padded.",
+    )
+
+    # --- the job -------------------------------------------------------------------------------
+    instance_type: str = Field(default="p4d.24xlarge", min_length=1, max_length=64, description="Catalog instance type of the training job (on-demand).")
+    processes: int = Field(
+        default=1, ge=1, le=64,
+        description="Training processes in the job's pod, one per GPU of instance_type, started by torchrun; > 1 trains "
+        "data-parallel with `strategy`.",
+    )
+    strategy: Strategy = Field(
+        default=Strategy.FSDP2,
+        description="Data-parallel strategy when processes > 1: torch FSDP2, or DeepSpeed ZeRO stage 1/2/3 "
+        "(pip install 'spotrl[deepspeed]').",
+    )
+    offload_optimizer: bool = Field(default=False, description="ZeRO only: keep the optimizer state and its step on the CPU (DeepSpeedCPUAdam).")
+    max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.adv_estimator is not None and (self.adv_estimator == AdvantageEstimator.GAE) != (self.algorithm == Algorithm.PPO):
+            raise ValueError("gae advantages need the ppo critic, and ppo uses gae")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or 0 for none), got {self.dual_clip}")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("kl_target adapts kl_coef multiplicatively: give a starting kl_coef > 0")
+        if self.offload_optimizer and self.strategy == Strategy.FSDP2:
+            raise ValueError("offload_optimizer is a ZeRO option: set strategy to zero1, zero2 or zero3")
+        return self
+
+    @property
+    def advantage_estimator(self) -> AdvantageEstimator:
+        """The configured estimator, or the algorithm's own: GRPO's group baseline, PPO's GAE."""
+        if self.adv_estimator is not None:
+            return self.adv_estimator
+        return AdvantageEstimator.GAE if self.algorithm == Algorithm.PPO else AdvantageEstimator.GRPO
+
+    @property
+    def logit_temperature(self) -> float:
+        """Divisor of the logits: greedy sampling (T = 0) records log-probs of the raw logits."""
+        return self.temperature or 1.0

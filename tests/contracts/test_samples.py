@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import pytest
+
+from contracts.samples import Sample, decode_sample, encode_sample
+
+
+def _sample(**overrides: object) -> Sample:
+    fields = dict(
+        sample_id="9f1c2b3a4d5e6f708192a3b4c5d6e7f8",
+        run_id="run-ü",  # non-ASCII survives the header
+        prompt_id="p-7",
+        group_id="g-7",
+        prompt_ids=[1, 2, 3, 49151],
+        response_ids=[5, 2_000_000_000, 2],
+        logprobs=[-0.1, -12.345678901, 0.0],
+        reward=0.1 + 0.2,  # not representable in float32; must survive exactly
+        reward_source="math-verify",
+        policy_version=42,
+        worker_id="spot-3",
+        generation_seconds=1.25,
+        created_at=1_712_345_678.123456,
+    )
+    fields.update(overrides)
+    return Sample(**fields)
+
+
+def test_round_trip_keeps_everything_but_float32_logprobs() -> None:
+    sample = _sample()
+    decoded = decode_sample(encode_sample(sample))
+    assert dataclasses.replace(decoded, logprobs=sample.logprobs) == sample
+    assert decoded.logprobs == [struct.unpack("f", struct.pack("f", x))[0] for x in sample.logprobs]
+
+
+def test_round_trip_of_empty_response() -> None:
+    sample = _sample(response_ids=[], logprobs=[])
+    assert decode_sample(encode_sample(sample)) == sample
+
+
+def test_arrays_are_packed_binary() -> None:
+    sample = _sample(response_ids=list(range(1000)), logprobs=[-1.0] * 1000)
+    # 8 bytes per response token, plus a few hundred for the header and prompt.
+    assert len(encode_sample(sample)) < 8 * 1000 + 400
+
+
+def test_rejects_mismatched_logprobs() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        encode_sample(_sample(logprobs=[-0.1]))
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [lambda b: b[:-1], lambda b: b"XXXX" + b[4:], lambda b: b[:3]],
+    ids=["truncated", "magic", "short"],
+)
+def test_rejects_corrupt_payload(mangle) -> None:
+    with pytest.raises(ValueError):
+        decode_sample(mangle(encode_sample(_sample())))

@@ -1,0 +1,358 @@
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from trainer_core.engines.hf import HFEngine, SamplingParams
+from trainer_core.models.loading import Policy, encode_prompt
+from contracts.samples import Sample
+from contracts.training import TrainConfig
+from trainer_core.rl.update import ValueHead, _forward, build_optimizer, train_on_batch
+
+GRPO_KEYS = {
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/kl_ref",
+    "actor/grad_norm",
+    "actor/loss",
+    "reward/mean",
+    "perf/tokens",
+    "perf/seconds",
+    "perf/tokens_per_s",
+}
+PPO_KEYS = GRPO_KEYS | {"critic/vf_loss", "critic/vf_clipfrac"}
+
+
+def _random_samples(
+    make_sample: Callable[..., Sample], vocab: int, n: int = 8, seed: int = 0
+) -> list[Sample]:
+    """Samples of varied prompt and response lengths whose behaviour log-probs are off the
+    policy's (about -4.6 for the untrained tiny model), so some ratios get clipped."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        n_prompt, n_response = (int(x) for x in torch.randint(1, 12, (2,), generator=gen))
+        samples.append(
+            make_sample(
+                prompt_ids=torch.randint(3, vocab, (n_prompt,), generator=gen).tolist(),
+                response_ids=torch.randint(3, vocab, (n_response,), generator=gen).tolist(),
+                logprobs=(-4.6 + 0.3 * torch.randn(n_response, generator=gen)).tolist(),
+                reward=float(torch.rand((), generator=gen)),
+                group_id=f"g{i % 2}",
+            )
+        )
+    return samples
+
+
+def _generated_samples(
+    policy: Policy,
+    make_sample: Callable[..., Sample],
+    params: SamplingParams,
+    seed: int,
+    reward: Callable[[list[int]], float],
+) -> list[Sample]:
+    """8 samples of each of 2 prompts from the policy itself, one GRPO group per prompt."""
+    n = 8
+    engine = HFEngine(policy.model, policy.tokenizer)
+    prompts = [encode_prompt(policy.tokenizer, t) for t in ("say a:", "aaa?") for _ in range(n)]
+    completions = engine.generate(prompts, params, seed=seed)
+    return [
+        make_sample(
+            prompt_ids=p,
+            response_ids=c.token_ids,
+            logprobs=c.logprobs,
+            reward=reward(c.token_ids),
+            group_id=f"g{i // n}",
+        )
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_micro_batching_does_not_change_the_update(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    ref_model = copy.deepcopy(tiny_policy.model)
+    with torch.no_grad():  # a reference that differs, so the KL term has a gradient
+        for p in ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    results = []
+    # Fixed micro-batches of 2 and of 8 (the whole batch), and token-budget ones of <= 40 padded tokens.
+    for micro, budget in ((2, 0), (8, 0), (8, 40)):
+        model = copy.deepcopy(tiny_policy.model)
+        value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
+        cfg = TrainConfig(
+            algorithm=algorithm, micro_batch=micro, micro_batch_tokens=budget, kl_coef=0.1, max_grad_norm=1e9
+        )
+        # SGD, so parameters move linearly in the gradient (Adam's first step is ~lr * sign(g),
+        # which magnifies float noise in near-zero gradients).
+        trainable = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
+        optimizer = torch.optim.SGD(trainable, lr=0.1)
+        metrics = train_on_batch(
+            model, samples, cfg, optimizer, ref_model=ref_model, value_head=value_head
+        )
+        # Gradients are freed after the step: they would otherwise sit in memory through generation.
+        assert all(p.grad is None for p in trainable)
+        params = [p.detach().clone() for p in trainable]
+        results.append((metrics, params))
+
+    (m8, p8) = results[1]
+    assert set(m8) == (PPO_KEYS if algorithm == "ppo" else GRPO_KEYS)
+    assert 0 < m8["actor/pg_clipfrac"] < 1 and m8["actor/kl_ref"] > 0
+    for m, p in results[::2]:
+        for key in m8:
+            if not key.startswith("perf/"):
+                assert m[key] == pytest.approx(m8[key], rel=1e-4, abs=1e-6), key
+        # SGD at lr 0.1: equal updates mean equal gradients.
+        for a, b in zip(p, p8, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fresh_samples_have_ratio_one(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], temperature: float
+) -> None:
+    """The trainer's log-probs of freshly sampled tokens equal the engine's behaviour log-probs."""
+    params = SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=12)
+    samples = _generated_samples(tiny_policy, make_sample, params, seed=1, reward=len)
+    cfg = TrainConfig(temperature=temperature, micro_batch=5)
+    metrics = train_on_batch(
+        tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg)
+    )
+    assert abs(metrics["actor/ppo_kl"]) < 1e-5
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["perf/tokens"] == sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    assert not tiny_policy.model.training
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_critic_never_disturbs_the_actor(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], critic: str
+) -> None:
+    """Shared: on the policy's detached hidden states. Separate: on its own backbone, which the
+    value loss trains."""
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    actors = []
+    for vf_coef in (0.0, 100.0):
+        model = copy.deepcopy(tiny_policy.model)
+        backbone = copy.deepcopy(tiny_policy.model) if critic == "separate" else None
+        value_head = ValueHead(model.config.hidden_size, backbone=backbone)
+        # Two steps: the head starts at zero, so only the second passes a gradient to the backbone.
+        cfg = TrainConfig(algorithm="ppo", vf_coef=vf_coef, max_grad_norm=1e9, epochs=2)
+        trainable = list(model.parameters()) + list(value_head.parameters())
+        metrics = train_on_batch(model, samples, cfg, torch.optim.SGD(trainable, lr=0.1), value_head=value_head)
+        actors.append([p.detach().clone() for p in model.parameters()])
+        if backbone is not None and vf_coef > 0:
+            assert metrics["critic/vf_loss"] > 0
+            moved = [not torch.equal(a, b) for a, b in zip(backbone.parameters(), tiny_policy.model.parameters(), strict=True)]
+            assert any(moved), "the separate critic's backbone learns from the value loss"
+    # SGD: identical actor updates mean identical actor gradients.
+    for a, b in zip(*actors, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_mini_batches_and_epochs_set_the_number_of_steps(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=8)
+    cfg = TrainConfig(
+        mini_batch=3, micro_batch=2, epochs=2
+    )  # 3 + 3 + 2 samples per epoch
+    optimizer = build_optimizer(tiny_policy.model, cfg)
+    train_on_batch(tiny_policy.model, samples, cfg, optimizer)
+    assert {int(optimizer.state[p]["step"]) for p in tiny_policy.model.parameters()} == {6}
+
+
+def test_kl_to_an_identical_reference_is_zero(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    cfg = TrainConfig(kl_coef=0.5)
+    ref = copy.deepcopy(tiny_policy.model)
+    metrics = train_on_batch(
+        tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg), ref_model=ref
+    )
+    assert metrics["actor/kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["actor/loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
+
+
+def test_config_and_inputs_are_checked(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=2)
+    model = tiny_policy.model
+    with pytest.raises(ValueError):
+        TrainConfig(algorithm="dpo")
+    cfg = TrainConfig(kl_coef=0.1)
+    with pytest.raises(ValueError, match="ref_model"):
+        train_on_batch(model, samples, cfg, build_optimizer(model, cfg))
+    cfg = TrainConfig(algorithm="ppo")
+    with pytest.raises(ValueError, match="value_head"):
+        train_on_batch(model, samples, cfg, build_optimizer(model, cfg))
+
+
+def _fraction_of_a(policy: Policy) -> Callable[[list[int]], float]:
+    a = policy.tokenizer.convert_tokens_to_ids("a")
+    return lambda ids: sum(t == a for t in ids) / len(ids)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_updates_raise_the_reward_on_a_toy_task(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
+) -> None:
+    """Sample, score (fraction of response tokens that are "a"), update, repeat."""
+    torch.manual_seed(0)
+    value_head = ValueHead(tiny_policy.model.config.hidden_size) if algorithm == "ppo" else None
+    cfg = TrainConfig(algorithm=algorithm, learning_rate=1e-2, micro_batch=16)
+    optimizer = build_optimizer(tiny_policy.model, cfg, value_head)
+    reward = _fraction_of_a(tiny_policy)
+    rewards = []
+    for iteration in range(16):
+        samples = _generated_samples(
+            tiny_policy, make_sample, SamplingParams(max_new_tokens=8), iteration, reward
+        )
+        metrics = train_on_batch(tiny_policy.model, samples, cfg, optimizer, value_head=value_head)
+        rewards.append(metrics["reward/mean"])
+    assert max(rewards[:3]) < 0.1
+    assert sum(rewards[-3:]) / 3 > 0.6
+
+
+def test_configured_advantage_estimator_is_used(tiny_policy, make_sample) -> None:
+    from trainer_core.rl.update import build_optimizer, train_on_batch
+
+    samples = [make_sample([5, 6], [7, 8], [-4.0, -4.0], float(k % 2), group_id="g") for k in range(4)]
+    metrics = {}
+    for name in ("grpo", "rloo"):
+        cfg = TrainConfig(algorithm="grpo", adv_estimator=name, learning_rate=0.0)
+        metrics[name] = train_on_batch(tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg))
+    # Same data, different advantages: grpo scales by the group std (±0.87 for [0,1,0,1]), rloo does not (±0.67).
+    assert metrics["grpo"]["actor/pg_loss"] != metrics["rloo"]["actor/pg_loss"]
+    with pytest.raises(ValueError, match="gae"):
+        TrainConfig(algorithm="grpo", adv_estimator="gae")
+
+
+def test_chunked_logprobs_match_one_chunk_in_value_and_gradient(tiny_policy, make_sample) -> None:
+    from trainer_core.rl.update import _forward
+
+    samples = [make_sample([5, 6, 7], [8, 9, 10, 11][: 2 + k % 3], [-1.0] * (2 + k % 3), 1.0) for k in range(5)]
+    results = []
+    for chunk in (3, 1024):  # 3 splits the 15 tokens into 5 checkpointed chunks
+        tiny_policy.model.zero_grad()
+        logprob, _ = _forward(tiny_policy.model, samples, 4, TrainConfig(logprob_chunk_tokens=chunk), None)
+        logprob.sum().backward()
+        grads = [p.grad.clone() for p in tiny_policy.model.parameters() if p.grad is not None]
+        results.append((logprob.detach(), grads))
+    (lp_small, g_small), (lp_big, g_big) = results
+    torch.testing.assert_close(lp_small, lp_big)
+    assert (lp_small[0, 2:] == 0).all(), "padding positions stay zero"
+    for a, b in zip(g_small, g_big, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(("share", "pack"), [(True, False), (False, True), (True, True)], ids=["shared-kv", "packed", "packed-shared"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_shared_prompts_and_packing_give_the_padded_full_pass_update(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str, share: bool, pack: bool
+) -> None:
+    """Each distinct prompt run once (its samples on its KV cache, or attending to it in a
+    packed row), or every sample packed into one row without padding: the same log-probs,
+    values and update as running every prompt + response padded, in full. Groups of 8 of 2
+    prompts of different lengths, plus 8 samples of distinct random prompts."""
+    assert tiny_policy.model.config._attn_implementation == "sdpa", "packing needs SDPA's custom masks"
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    samples = _generated_samples(tiny_policy, make_sample, params, seed=3, reward=len)
+    samples += _random_samples(make_sample, len(tiny_policy.tokenizer))
+    results = []
+    for layout in ({"share_prompt_prefix": False, "pack_max_tokens": 0}, {"share_prompt_prefix": share, "pack_max_tokens": 4096 if pack else 0}):
+        model = copy.deepcopy(tiny_policy.model)
+        value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
+        cfg = TrainConfig(algorithm=algorithm, micro_batch=12, max_grad_norm=1e9, **layout)
+        response_len = max(len(s.response_ids) for s in samples)
+        with torch.no_grad():
+            scored = _forward(model, samples, response_len, cfg, value_head)
+        trainable = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
+        metrics = train_on_batch(model, samples, cfg, torch.optim.SGD(trainable, lr=0.1), value_head=value_head)
+        results.append((scored, metrics, [p.detach().clone() for p in trainable]))
+    (full, m_full, p_full), (shared, m_shared, p_shared) = results
+    torch.testing.assert_close(shared[0], full[0], atol=1e-5, rtol=1e-5)
+    if algorithm == "ppo":
+        torch.testing.assert_close(shared[1], full[1], atol=1e-5, rtol=1e-5)
+    assert m_shared["actor/pg_loss"] == pytest.approx(m_full["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    for a, b in zip(p_shared, p_full, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_tied_embeddings_take_their_lookup_gradient_sparse_with_the_same_update(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    """With tied input and output embeddings the lookup's gradient is added sparse into the LM
+    head's dense one (no second vocab x hidden tensor); the update is that of the dense path."""
+    from transformers import LlamaForCausalLM
+
+    class DenseLookup(torch.nn.Embedding):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+            return torch.nn.functional.embedding(input, self.weight, self.padding_idx, sparse=False)
+
+    config = copy.deepcopy(tiny_policy.model.config)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    updated = []
+    for lookup in ("sparse", "dense"):
+        model = copy.deepcopy(base)
+        if lookup == "dense":
+            model.get_input_embeddings().__class__ = DenseLookup
+        cfg = TrainConfig(micro_batch=8, max_grad_norm=1e9)
+        train_on_batch(model, samples, cfg, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert not model.get_input_embeddings().sparse  # dense again for generation
+        updated.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*updated, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(updated[0][0], base.get_input_embeddings().weight)
+
+
+def test_auto_micro_batch_plans_from_free_memory_on_cpu(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer_core.rl import update
+    from trainer_core.memory import plan_micro_batch
+
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=8)
+    model = tiny_policy.model
+    billions = sum(p.numel() for p in model.parameters()) / 1e9
+    # Free memory for ~3 micro-batch units of this model by the rule of thumb.
+    tight = 3.5 * billions * 2 * 3 / 0.6
+    monkeypatch.setattr(update, "available_memory_gb", lambda device: tight)
+    assert update.auto_micro_batch(model, samples, TrainConfig(micro_batch=0)) == 3
+    assert plan_micro_batch(device_memory_gb=tight, params_billions=billions) == 3
+    monkeypatch.setattr(update, "available_memory_gb", lambda device: 1e6)
+    assert update.auto_micro_batch(model, samples, TrainConfig()) == len(samples), "never more than the batch"
+    with pytest.raises(ValueError, match="auto_micro_batch"):
+        train_on_batch(model, samples, TrainConfig(micro_batch=0), build_optimizer(model, TrainConfig()))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_trial_pass_leaves_no_gradient_and_no_change(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
+) -> None:
+    from trainer_core.rl.update import _trial_pass
+
+    model = tiny_policy.model
+    value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reached = []
+    model.model.layers[0].mlp.down_proj.weight.register_hook(lambda grad: reached.append(grad.abs().sum().item()))
+    _trial_pass(model, _random_samples(make_sample, len(tiny_policy.tokenizer), n=4), TrainConfig(algorithm=algorithm), value_head)
+    assert reached and reached[0] > 0, "the backward pass ran through the first layer"
+    assert all(p.grad is None for p in model.parameters())
+    assert value_head is None or all(p.grad is None for p in value_head.parameters())
+    assert not model.training, "back in eval mode, ready to generate"
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
