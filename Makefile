@@ -28,7 +28,9 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	$(VENV)/bin/spotrl demo --model tiny
 
+# The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 # spotrl's trainer against TRL's GRPOTrainer on the same GRPO work (a benchmark, not a test; ~4 min).

@@ -184,7 +184,8 @@ def run_spotrl(cfg: BenchConfig) -> dict[str, Any]:
     from trainer_core.engines.hf import HFEngine, SamplingParams
     from trainer_core.models.loading import encode_prompt, load_policy
     from contracts.training import TrainConfig
-    from trainer_core.rl.update import build_optimizer, train_on_batch
+    from trainer_core.rl.strategy import build_optimizer
+    from trainer_core.rl.update import train_on_batch
 
     policy = load_policy(cfg.model, cache_dir=Path(cfg.cache_dir))
     model, tokenizer = policy.model, policy.tokenizer

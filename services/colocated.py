@@ -1,9 +1,9 @@
 """Colocated mode (``spotrl train --colocated SPEC``): rollout and training in one process on
 one device, with no queue, no scheduler and no object store between them.
 
-The hybrid engine keeps one copy of the actor's weights: `HFEngine` samples from the very
-model object that `train_on_batch` updates in place (generation runs it in eval mode under
-no_grad with a KV cache; training switches it to train mode and back). So every batch is
+The hybrid engine (`trainer_core.rl.hybrid`) keeps one copy of the actor's weights: `HFEngine`
+samples from the very model object that `train_on_batch` updates in place (generation runs it
+in eval mode under no_grad with a KV cache; training switches it to train mode and back). So every batch is
 exactly on-policy, and the device holds the weights once, plus the optimizer state.
 
 One iteration is what the disaggregated run does across pods, in one place: take the next
@@ -36,14 +36,11 @@ from services.reward.functions import RewardInput, total_rewards
 from services.rollout.worker import build_samples, reward_source
 from services.runspec import PromptItem, RunSpec
 from services.training.job import build_value_head, kl_controller, reference_model, with_adapter
-from trainer_core.algos import AdaptiveKLController
+from trainer_core.engines.hf import Completion, SamplingParams
 from trainer_core.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_core.models.loading import encode_prompt, load_policy, save_policy
 from trainer_core.models.lora import is_lora
-from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
-from trainer_core.models.loading import Policy, encode_prompt, load_policy, save_policy
-from contracts.samples import Sample
-from contracts.training import TrainConfig
-from trainer_core.rl.update import ValueHead, build_optimizer, train_on_batch, with_auto_micro_batch
+from trainer_core.rl.hybrid import HybridEngine
 
 log = logging.getLogger(__name__)
 
@@ -89,49 +86,6 @@ def load_spec_file(path: Path) -> RunSpec:
         return RunSpec.model_validate(data)
     except ValidationError as e:
         raise SpecFileError(f"{path} is not a valid run spec:\n{e}") from None
-
-
-class HybridEngine:
-    """One set of actor weights serving generation and training.
-
-    `generate` samples from `model` with `HFEngine` (eval mode, no grad, KV cache); `train`
-    updates the same parameters in place with `train_on_batch`. No copy is made at the switch,
-    so no weight sync is needed and the rollout after an update samples from the new weights.
-    """
-
-    def __init__(
-        self,
-        policy: Policy,
-        cfg: TrainConfig,
-        *,
-        value_head: ValueHead | None = None,
-        ref_model: torch.nn.Module | None = None,
-    ) -> None:
-        self.policy = policy
-        self.cfg = cfg
-        self.value_head = value_head
-        self.ref_model = ref_model
-        self.rollout = HFEngine(policy.model, policy.tokenizer)
-        self.optimizer = build_optimizer(policy.model, cfg, value_head)
-        self.kl_controller: AdaptiveKLController | None = None  # with training.kl_target
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.policy.model
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        """One completion per prompt, drawn from the global torch RNG (checkpointed with the run)."""
-        completions = self.rollout.generate(prompts, params)
-        assert completions is not None  # no should_stop given
-        return completions
-
-    def train(self, samples: Sequence[Sample]) -> dict[str, float]:
-        # micro_batch 0 (auto) is sized once, on the first batch.
-        self.cfg = with_auto_micro_batch(self.cfg, self.model, samples, value_head=self.value_head)
-        return train_on_batch(
-            self.model, samples, self.cfg, self.optimizer, ref_model=self.ref_model, value_head=self.value_head,
-            kl_controller=self.kl_controller,
-        )
 
 
 @dataclass(frozen=True)
@@ -223,7 +177,39 @@ def run_colocated(
     catalog = load_catalog()
     price = catalog.get(spec.training.instance_type)
 
-    cfg = spec.training
+    engine = _build_engine(spec, model_cache, device)
+    config = {"spec": spec.model_dump(mode="json"), "seed": seed, "run_id": run_id}
+    # Resumed last, so that nothing drawn during the setup above shifts the restored RNG streams.
+    history, elapsed_before = _resume(latest, engine, config) if latest is not None else ([], 0.0)
+    if latest is None:
+        _seed_everything(seed)
+    # Adaptive KL continues from the coefficient the last iteration ended with.
+    engine.kl_controller = kl_controller(spec, history[-1].metrics.get("actor/kl_coef") if history else None)
+
+    def elapsed() -> float:
+        """Wall seconds of the whole run, its segments before a resume included."""
+        return elapsed_before + time.monotonic() - started
+
+    while (reason := stop_reason(spec, history, elapsed() * price.on_demand / 3600.0)) is None:
+        history.append(record := _iteration(engine, spec, len(history) + 1, items, run_id))
+        save_checkpoint(
+            checkpoints, record.iteration, policy=engine.policy, optimizer=engine.optimizer, value_head=engine.value_head,
+            config=config, metadata={"history": [asdict(r) for r in history], "elapsed_seconds": elapsed()},
+            keep=keep_checkpoints,
+        )
+        if on_iteration is not None:
+            on_iteration(record)
+
+    policy_dir = _save_final_policy(engine, out_dir / POLICY_DIR)
+    cost = CostLine(
+        instance_type=price.instance_type, price_per_hour=price.on_demand, currency=catalog.currency, wall_seconds=elapsed()
+    )
+    return ColocatedResult(iterations=history, stop_reason=reason, policy_dir=policy_dir, cost=cost)
+
+
+def _build_engine(spec: RunSpec, model_cache: Path, device: str | None) -> HybridEngine:
+    """The spec's policy (with its LoRA adapter, if any), critic and reference model on `device`
+    (default: CUDA when there is one), in one hybrid engine."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     policy = load_policy(spec.model, cache_dir=model_cache)
     policy.model.to(dev).eval()
@@ -231,66 +217,33 @@ def run_colocated(
     if value_head is not None:
         value_head.to(dev)
     policy = with_adapter(spec, policy)
-    engine = HybridEngine(policy, cfg, value_head=value_head, ref_model=reference_model(spec, policy, model_cache))
-    config = {"spec": spec.model_dump(mode="json"), "seed": seed, "run_id": run_id}
-
-    history: list[IterationRecord] = []
-    elapsed_before = 0.0
-    if latest is not None:
-        # Last, so that nothing drawn during the setup above shifts the restored RNG streams.
-        state = load_checkpoint(latest, policy_or_model=policy, optimizer=engine.optimizer, value_head=value_head)
-        if state.config is None or _without_goal(state.config["spec"]) != _without_goal(config["spec"]):
-            raise ResumeError(
-                f"{latest} was written for a different run spec; resume with the spec it was started with "
-                f"(only {', '.join(sorted(_GOAL_FIELDS))} may change)"
-            )
-        history = [IterationRecord(**r) for r in state.metadata["history"]]
-        elapsed_before = state.metadata["elapsed_seconds"]
-        config["seed"] = state.config["seed"]
-        log.info("resuming after iteration %d from %s", state.step, latest)
-    else:
-        _seed_everything(seed)
-    # Adaptive KL continues from the coefficient the last iteration ended with.
-    engine.kl_controller = kl_controller(spec, history[-1].metrics.get("actor/kl_coef") if history else None)
-
-    per_iteration = spec.batch_samples // spec.samples_per_prompt
-    sampling = SamplingParams(
-        temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
+    return HybridEngine(
+        policy, spec.training, value_head=value_head, ref_model=reference_model(spec, policy, model_cache)
     )
 
-    def elapsed() -> float:
-        """Wall seconds of the whole run, its segments before a resume included."""
-        return elapsed_before + time.monotonic() - started
 
-    while (reason := stop_reason(spec, history, elapsed() * price.on_demand / 3600.0)) is None:
-        iteration = len(history) + 1
-        record = _iteration(engine, spec, iteration, iteration_prompts(items, iteration, per_iteration), sampling, run_id)
-        history.append(record)
-        save_checkpoint(
-            checkpoints,
-            iteration,
-            policy=policy,
-            optimizer=engine.optimizer,
-            value_head=value_head,
-            config=config,
-            metadata={"history": [asdict(r) for r in history], "elapsed_seconds": elapsed()},
-            keep=keep_checkpoints,
+def _resume(latest: Path, engine: HybridEngine, config: dict) -> tuple[list[IterationRecord], float]:
+    """Load the checkpoint `latest` into `engine` (weights, optimizer, critic, RNG states); returns
+    the run's history and its wall seconds so far, and sets `config`'s seed to the run's."""
+    state = load_checkpoint(latest, policy_or_model=engine.policy, optimizer=engine.optimizer, value_head=engine.value_head)
+    if state.config is None or _without_goal(state.config["spec"]) != _without_goal(config["spec"]):
+        raise ResumeError(
+            f"{latest} was written for a different run spec; resume with the spec it was started with "
+            f"(only {', '.join(sorted(_GOAL_FIELDS))} may change)"
         )
-        if on_iteration is not None:
-            on_iteration(record)
+    config["seed"] = state.config["seed"]
+    log.info("resuming after iteration %d from %s", state.step, latest)
+    return [IterationRecord(**r) for r in state.metadata["history"]], state.metadata["elapsed_seconds"]
 
-    policy_dir = out_dir / POLICY_DIR
+
+def _save_final_policy(engine: HybridEngine, policy_dir: Path) -> Path:
+    """Write the trained policy to `policy_dir` as a plain model directory (a LoRA adapter merged
+    in: the run is over, and any run can start from it)."""
+    policy = engine.policy
     if is_lora(policy.model):
-        # The run is over: merged, the policy is a plain model directory any run can start from.
         policy.model = policy.model.merge_and_unload()
     save_policy(policy, policy_dir)
-    cost = CostLine(
-        instance_type=price.instance_type,
-        price_per_hour=price.on_demand,
-        currency=catalog.currency,
-        wall_seconds=elapsed(),
-    )
-    return ColocatedResult(iterations=history, stop_reason=reason, policy_dir=policy_dir, cost=cost)
+    return policy_dir
 
 
 def _without_goal(spec: dict) -> dict:
@@ -303,14 +256,13 @@ def _seed_everything(seed: int) -> None:
 
 
 def _iteration(
-    engine: HybridEngine,
-    spec: RunSpec,
-    iteration: int,
-    prompts: Sequence[tuple[str, PromptItem]],
-    sampling: SamplingParams,
-    run_id: str,
+    engine: HybridEngine, spec: RunSpec, iteration: int, items: Sequence[PromptItem], run_id: str
 ) -> IterationRecord:
-    """Sample, score and train one batch."""
+    """Sample, score and train the batch of iteration `iteration` (from 1) of the prompt set `items`."""
+    prompts = iteration_prompts(items, iteration, spec.batch_samples // spec.samples_per_prompt)
+    sampling = SamplingParams(
+        temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
+    )
     n = spec.samples_per_prompt
     tokenizer = engine.policy.tokenizer
     prompt_ids = [encode_prompt(tokenizer, item.prompt) for _, item in prompts]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -160,23 +160,35 @@ class RunSpec(BaseModel):
             raise ValueError("give a JSONL path, a store:// URI or an inline list")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _training_of_this_run(cls, data: Any) -> Any:
+        """The trainer's `algorithm` and `temperature` are the run's (one declaration each): they
+        are put into the training section before it is validated, so its checks see them."""
+        if not isinstance(data, dict):
+            return data
+        training = data.get("training", {})
+        if isinstance(training, TrainConfig):
+            training = training.model_dump()
+        if not isinstance(training, dict):
+            return data  # the section's own validation says what is wrong
+        for name, source in (("algorithm", "algorithm"), ("temperature", "sampling.temperature")):
+            if name in training:
+                raise ValueError(f"training.{name} is set by the run's `{source}`: give it there")
+        sampling = data.get("sampling", {})
+        default_temperature = Sampling.model_fields["temperature"].default
+        temperature = (
+            sampling.get("temperature", default_temperature) if isinstance(sampling, dict)
+            else getattr(sampling, "temperature", default_temperature)
+        )
+        run = {"algorithm": data.get("algorithm", cls.model_fields["algorithm"].default), "temperature": temperature}
+        return {**data, "training": {**training, **run}}
+
     @field_validator("training")
     @classmethod
-    def _check_training(cls, v: TrainConfig) -> TrainConfig:
-        for name, source in (("algorithm", "algorithm"), ("temperature", "sampling.temperature")):
-            if name in v.model_fields_set:
-                raise ValueError(f"training.{name} is set by the run's `{source}`: give it there")
+    def _known_training_instance(cls, v: TrainConfig) -> TrainConfig:
         _known_instance_type(v.instance_type)
         return v
-
-    @model_validator(mode="after")
-    def _training_of_this_run(self) -> RunSpec:
-        """The trainer's algorithm and temperature are the run's (one declaration each): set, then
-        checked together with the rest of the section."""
-        self.training = TrainConfig.model_validate(
-            {**self.training.model_dump(), "algorithm": self.algorithm, "temperature": self.sampling.temperature}
-        )
-        return self
 
     @model_validator(mode="after")
     def _check_goal(self) -> RunSpec:

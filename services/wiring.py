@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from services.backends.launcher import Launcher, LocalLauncher
 from services.backends.object_store import LocalObjectStore, ObjectStore
-from services.backends.queue import Queue, SqliteQueue
+from services.backends.queue import Queue
 from services.backends.reward_cache import RewardCache, SqliteRewardCache
+from services.backends.sqlite_queue import SqliteQueue
 from services.backends.state_store import StateStore
 from services.config import Settings
 

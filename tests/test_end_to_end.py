@@ -21,7 +21,7 @@ import pytest
 
 from services.backends.launcher import LocalLauncher, PodPhase
 from services.backends.object_store import LocalObjectStore
-from services.backends.queue import SqliteQueue
+from services.backends.sqlite_queue import SqliteQueue
 from services.backends.state_store import StateStore
 from services.names import leftover_key, prompts_topic, result_key, samples_topic
 from contracts.job_result import JobResult

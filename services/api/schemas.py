@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, Field
 
 from contracts.status import RunStatus
+from services.runspec import RunSpec
 
 
 class SampleCounts(BaseModel):
@@ -39,7 +38,7 @@ class RunPublic(BaseModel):
     samples: SampleCounts
     iterations: list[IterationPublic]
     spent_dollars: float
-    spec: dict[str, Any]
+    spec: RunSpec = Field(description="The run spec as submitted (defaults filled in).")
     last_error: str | None = Field(
         default=None,
         description="The scheduler's latest temporary or unexpected error on this run, while it retries; null once it reconciles cleanly.",

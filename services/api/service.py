@@ -7,7 +7,8 @@ import uuid
 from dataclasses import asdict
 
 from services.api.schemas import CostPublic, IterationPublic, LedgerEntryPublic, RunPublic, SampleCounts
-from services.backends.state_store import RunRow, StateStore
+from services.backends.state_schema import RunRow
+from services.backends.state_store import StateStore
 from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
 from services.names import prompts_key
@@ -47,7 +48,7 @@ def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
         samples=SampleCounts(produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped),
         iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in state.iterations(row.id)],
         spent_dollars=spent_dollars(state, row.id, time.time()),
-        spec=row.spec,
+        spec=RunSpec.from_stored(row.spec),
         last_error=row.last_error,
     )
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
 from services.backends.launcher import PodSpec, cli_command
-from services.backends.state_store import IterationRow, RunRow
+from services.backends.state_schema import IterationRow, RunRow
 from services.config import Settings
 from services.cost.catalog import PriceCatalog, load_catalog
 from services.errors import PermanentError, TemporaryError
@@ -163,13 +163,15 @@ class Scheduler:
         now = time.time()
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
         samples = samples_topic(row.id)
+        ledger = self.b.state.ledger(row.id)
         return p.Observed(
             pods=pods,
             prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
             sample_backlog=self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
             samples_produced=sum(self.b.queue.end_offsets(samples).values()) if started else 0,
             trainer_committed=sum(self.b.queue.committed(samples, TRAINER_GROUP).values()) if started else 0,
-            spent_dollars=sum(e.dollars(now) for e in self.b.state.ledger(row.id)),
+            spent_dollars=sum(e.dollars(now) for e in ledger),
+            billed=frozenset(e.pod for e in ledger),
             now=now,
         )
 
@@ -199,6 +201,8 @@ class Scheduler:
                              processes=spec.training.processes)
             case p.StopPod(name):
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
+            case p.BillPod(pod):
+                self._bill(pod.run_id, pod.name, pod.role, pod.instance_type, pod.capacity_type, pod.started_at)
             case p.ReapPod(pod):
                 self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time())
                 # Pods and their logs go away together; keep the log where `spotrl logs` finds it.
@@ -220,7 +224,6 @@ class Scheduler:
 
     def _launch(self, run_id: str, name: str, role: str, args: list[str], instance_type: str,
                 capacity_type: str, labels: dict[str, str], processes: int = 1) -> None:
-        price = self.catalog.get(instance_type)
         started = time.time()
         self.b.launcher.launch(
             PodSpec(
@@ -234,6 +237,10 @@ class Scheduler:
                 labels=labels,
             )
         )
+        self._bill(run_id, name, role, instance_type, capacity_type, started)
+
+    def _bill(self, run_id: str, name: str, role: str, instance_type: str, capacity_type: str, started: float) -> None:
+        price = self.catalog.get(instance_type)
         self.b.state.open_ledger(
             run_id=run_id,
             role=role,

@@ -73,6 +73,7 @@ class Observed:
     sample_backlog: int  # samples queued and not yet committed by the trainer group
     samples_produced: int  # every sample ever queued for the run
     spent_dollars: float
+    billed: frozenset[str]  # pods with a ledger entry, open or closed
     now: float
     trainer_committed: int = 0  # trainer-group committed offsets, summed over partitions
 
@@ -105,6 +106,14 @@ class LaunchTraining:
 @dataclass(frozen=True)
 class StopPod:
     name: str
+
+
+@dataclass(frozen=True)
+class BillPod:
+    """Open the ledger entry of a pod that has none, from its start: its scheduler died between
+    launching and billing it (a standby took over)."""
+
+    pod: PodStatus
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,7 @@ Action = (
     | LaunchWorker
     | LaunchTraining
     | StopPod
+    | BillPod
     | ReapPod
     | RecordIteration
     | RecordTrainingFailure
@@ -166,7 +176,12 @@ Action = (
 
 
 def plan(run: RunState, observed: Observed) -> list[Action]:
-    """Decide this tick's actions for one run."""
+    """Decide this tick's actions for one run: every pod billed, then its life's next step."""
+    unbilled: list[Action] = [BillPod(p) for p in observed.pods if p.name not in observed.billed]
+    return unbilled + _next_step(run, observed)
+
+
+def _next_step(run: RunState, observed: Observed) -> list[Action]:
     alive = [p for p in observed.pods if p.phase == PodPhase.RUNNING]
     done = [p for p in observed.pods if p.phase != PodPhase.RUNNING]
 

@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 
 from services.cli import app
 from services.colocated import (
-    HybridEngine,
     IterationRecord,
     ResumeError,
     SpecFileError,
@@ -22,10 +21,7 @@ from services.colocated import (
 from services.cost.catalog import load_catalog
 from services.runspec import RunSpec
 from trainer_core.models.checkpoint import list_checkpoints
-from trainer_core.engines.hf import SamplingParams
-from trainer_core.models.loading import encode_prompt, load_policy
-from contracts.samples import Sample
-from contracts.training import TrainConfig
+from trainer_core.models.loading import load_policy
 
 SPEC = {
     "model": "tiny",
@@ -80,9 +76,19 @@ def test_a_colocated_run_checkpoints_every_iteration_and_writes_a_loadable_polic
     last = _weights(out / "checkpoints" / "step-00000002" / "policy", model_cache)
     assert all(torch.equal(trained[k], last[k]) for k in trained)
 
+    # Billed for its wall time on the spec's training instance, on-demand (the arithmetic: below).
     price = load_catalog().get("p4d.24xlarge").on_demand
+    assert (result.cost.instance_type, result.cost.price_per_hour, result.cost.currency) == ("p4d.24xlarge", price, "USD")
     assert result.cost.wall_seconds > 0
-    assert result.cost.dollars == pytest.approx(result.cost.wall_seconds * price / 3600)
+
+
+def test_the_cost_line_bills_wall_seconds_at_the_hourly_price() -> None:
+    from services.colocated import CostLine
+
+    half_hour = CostLine(instance_type="x9.test", price_per_hour=2.0, currency="USD", wall_seconds=1800.0)
+    assert half_hour.dollars == pytest.approx(1.00)  # 1800 s at $2.00/h
+    assert str(half_hour) == "cost: 1800.0 s wall x 2.0000 USD/h (x9.test, on-demand) = 1.0000 USD"
+    assert CostLine("x9.test", 21.96, "USD", wall_seconds=90.0).dollars == pytest.approx(0.549)  # 90 s at $21.96/h
 
 
 def test_a_resumed_run_ends_with_the_same_weights(
@@ -139,43 +145,6 @@ def test_runs_stop_at_the_target_reward_or_the_budget() -> None:
     assert stop_reason(spec, [record(1, 0.2), record(2, 0.5)]) == "target_mean_reward"
     assert stop_reason(spec, [record(1, 0.2)], dollars=1.0) == "budget_dollars"
     assert stop_reason(spec, [record(i, 0.1) for i in range(1, 6)]) == "iterations"
-
-
-def _sample(prompt_ids: list[int], response_ids: list[int], logprobs: list[float], reward: float, group: str) -> Sample:
-    return Sample(
-        sample_id=f"{group}-{reward}", run_id="r", prompt_id="p", group_id=group, prompt_ids=prompt_ids,
-        response_ids=response_ids, logprobs=logprobs, reward=reward, reward_source="test", policy_version=0,
-        worker_id="w", generation_seconds=0.0, created_at=0.0,
-    )  # fmt: skip
-
-
-def test_the_hybrid_engine_holds_one_copy_of_the_weights(model_cache: Path) -> None:
-    policy = load_policy("tiny", cache_dir=model_cache)
-    engine = HybridEngine(policy, TrainConfig(learning_rate=1e-2))
-    assert engine.rollout._model is engine.model is policy.model
-    storage = {name: p.data_ptr() for name, p in engine.model.named_parameters()}
-    before = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
-
-    prompt = encode_prompt(policy.tokenizer, "say a:")
-    torch.manual_seed(0)
-    completions = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=6))
-    assert not engine.model.training
-    assert {name: p.data_ptr() for name, p in engine.model.named_parameters()} == storage
-    samples = [_sample(prompt, c.token_ids, c.logprobs, float(i % 2), "g") for i, c in enumerate(completions)]
-    engine.train(samples)
-    assert not engine.model.training
-    assert {name: p.data_ptr() for name, p in engine.model.named_parameters()} == storage
-    # Updated in place: the rollout side sees the new weights without any reload.
-    assert any(not torch.equal(p, before[name]) for name, p in engine.rollout._model.named_parameters())
-
-
-def test_an_auto_micro_batch_is_sized_on_the_first_batch(model_cache: Path) -> None:
-    policy = load_policy("tiny", cache_dir=model_cache)
-    engine = HybridEngine(policy, TrainConfig(micro_batch=0))
-    prompt = encode_prompt(policy.tokenizer, "say a:")
-    completions = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=6))
-    engine.train([_sample(prompt, c.token_ids, c.logprobs, float(i % 2), "g") for i, c in enumerate(completions)])
-    assert engine.cfg.micro_batch == 4  # the whole batch: the tiny model fits many times over
 
 
 def test_spec_files_are_read_from_yaml_and_json(tmp_path: Path) -> None:

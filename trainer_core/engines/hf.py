@@ -110,9 +110,42 @@ class HFEngine:
         # the adapter in use and the weights unmerged (no second copy for generation).
         model = causal_lm(self._model)
         device = next(model.parameters()).device
-        stop_ids = self._stop_ids.to(device)
         generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+        bf16 = self._autocast_bf16
+        if bf16 is None:
+            bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        with (
+            torch.no_grad(),
+            _eval_mode(model),
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
+            small_batch_linear.decoding_linears(model),
+        ):
+            decoded = self._decode(model, prompts, params, generator, should_stop)
+        if decoded is None:
+            return None
+        tokens, logprobs, lengths, finished = decoded
+        return [
+            Completion(
+                token_ids=tokens[i][:n],
+                logprobs=logprobs[i][:n],
+                finish_reason="stop" if done else "length",
+            )
+            for i, (n, done) in enumerate(zip(lengths, finished, strict=True))
+        ]
 
+    def _decode(
+        self,
+        model: PreTrainedModel,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        should_stop: Callable[[], bool],
+    ) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]] | None:
+        """The decode loop of `generate`: each row's sampled tokens and their log-probs, `(batch,
+        steps)` as lists, its length up to and including its stop token, and whether it stopped;
+        None if `should_stop()` turned True meanwhile."""
+        device = next(model.parameters()).device
+        stop_ids = self._stop_ids.to(device)
         # A GRPO group asks for n completions of one prompt: each distinct prompt is prefilled
         # once, and its rows share that prefix's KV cache from the first sampled token on.
         unique, owner = distinct_prompts(prompts)
@@ -125,56 +158,36 @@ class HFEngine:
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         step_tokens: list[torch.Tensor] = []  # max_new_tokens x (batch,)
         step_logprobs: list[torch.Tensor] = []
-
-        bf16 = self._autocast_bf16
-        if bf16 is None:
-            bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        with (
-            torch.no_grad(),
-            _eval_mode(model),
-            torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
-            small_batch_linear.decoding_linears(model),
-        ):
-            for _ in range(params.max_new_tokens):
-                if should_stop():
-                    return None
-                hidden = model.base_model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=True,
-                    **{self._cache_kwarg: cache},
-                ).last_hidden_state
-                logits = lm_logits(model, hidden[:, -1])  # (batch, vocab), the last position only
-                if len(unique) < batch and logits.shape[0] == len(unique):  # after the prefill
-                    rows = torch.tensor(owner, device=device)
-                    cache.batch_select_indices(rows)
-                    logits, attention_mask, position_ids = logits[rows], attention_mask[rows], position_ids[rows]
-                token, logprob = _sample(logits, params, generator)
-                token = token.masked_fill(finished, self._pad_id)
-                step_tokens.append(token)
-                step_logprobs.append(logprob)
-                lengths += (~finished).long()
-                finished |= torch.isin(token, stop_ids)
-                # A CPU-GPU sync per step; it lets a batch of short answers stop early.
-                if bool(finished.all()):
-                    break
-                input_ids = token[:, None]
-                attention_mask = torch.cat(
-                    [attention_mask, attention_mask.new_ones(batch, 1)], dim=1
-                )
-                position_ids = position_ids[:, -1:] + 1
-
+        for _ in range(params.max_new_tokens):
+            if should_stop():
+                return None
+            hidden = model.base_model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            ).last_hidden_state
+            logits = lm_logits(model, hidden[:, -1])  # (batch, vocab), the last position only
+            if len(unique) < batch and logits.shape[0] == len(unique):  # after the prefill
+                rows = torch.tensor(owner, device=device)
+                cache.batch_select_indices(rows)
+                logits, attention_mask, position_ids = logits[rows], attention_mask[rows], position_ids[rows]
+            token, logprob = _sample(logits, params, generator)
+            token = token.masked_fill(finished, self._pad_id)
+            step_tokens.append(token)
+            step_logprobs.append(logprob)
+            lengths += (~finished).long()
+            finished |= torch.isin(token, stop_ids)
+            # A CPU-GPU sync per step; it lets a batch of short answers stop early.
+            if bool(finished.all()):
+                break
+            input_ids = token[:, None]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
         tokens = torch.stack(step_tokens, dim=1).tolist()  # (batch, steps)
         logprobs = torch.stack(step_logprobs, dim=1).tolist()
-        return [
-            Completion(
-                token_ids=tokens[i][:n],
-                logprobs=logprobs[i][:n],
-                finish_reason="stop" if done else "length",
-            )
-            for i, (n, done) in enumerate(zip(lengths.tolist(), finished.tolist(), strict=True))
-        ]
+        return tokens, logprobs, lengths.tolist(), finished.tolist()
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:

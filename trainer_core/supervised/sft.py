@@ -5,7 +5,7 @@ token that closes each response); prompt tokens are context only. A micro-batch 
 one row without padding: each sequence restarts its `position_ids` at 0, from which transformers
 builds a block-diagonal causal mask (`masking_utils.find_packed_sequence_indices`), so no token
 attends across a sequence boundary. The LM head runs on response positions only, in chunks
-(`update.chunked_logprobs`), so no `(tokens x vocab)` fp32 tensor exists.
+(`logprobs.chunked_logprobs`), so no `(tokens x vocab)` fp32 tensor exists.
 
 The sequence encoding and packed batches here are shared with `reward_model`.
 """
@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer_core.supervised.fit import FitSettings, fit, mean_metrics
 from trainer_core.models.lora import causal_lm
 from trainer_core.models.loading import Policy, encode_prompt, load_policy, save_policy, stop_token_ids
-from trainer_core.rl.update import chunked_logprobs
+from trainer_core.logprobs import chunked_logprobs
 
 SFT_CONFIG_FILE = "sft.json"  # written next to the fine-tuned policy: config and final metrics
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from services.backends.state_store import RunStatus
+from contracts.status import RunStatus
+from services.backends.launcher import PodSpec
+from services.scheduler.loop import Scheduler
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "What is 1 + 1?", "answer": "2"}]
 
@@ -84,7 +87,8 @@ async def test_unknown_run_is_404(api: httpx.AsyncClient) -> None:
 
 async def test_cancel_then_cancel_finished_is_409(api: httpx.AsyncClient) -> None:
     run_id = (await api.post("/v1/runs", json=spec())).json()["id"]
-    assert (await api.post(f"/v1/runs/{run_id}/cancel")).status_code == 200
+    r = await api.post(f"/v1/runs/{run_id}/cancel")
+    assert (r.status_code, r.json()["status"], r.json()["status_reason"]) == (200, "CANCELLING", "cancelled before it started")
     api.app.state.backends.state.set_status(run_id, RunStatus.CANCELLED)  # what the scheduler does next
     r = await api.post(f"/v1/runs/{run_id}/cancel")
     assert r.status_code == 409
@@ -135,3 +139,40 @@ async def test_prompts_from_the_object_store(api: httpx.AsyncClient) -> None:
     r = await api.post("/v1/runs", json=spec(prompts="store://datasets/missing.jsonl"))
     assert r.status_code == 422
     assert "no object 'datasets/missing.jsonl'" in r.json()["detail"][0]["msg"]
+
+
+async def test_cancelled_run_reads_cancelling_until_its_pods_are_gone(api: httpx.AsyncClient, settings, tmp_path: Path,
+                                                                       wait_for) -> None:
+    backends = api.app.state.backends
+    scheduler = Scheduler(backends, settings)  # ticked by the test, step by step
+    run_id = (await api.post("/v1/runs", json=spec())).json()["id"]
+    scheduler.tick()
+    assert (await api.get(f"/v1/runs/{run_id}")).json()["status"] == "RUNNING"
+    # A stand-in rollout pod that ignores SIGTERM and exits once the test opens its gate.
+    gate = tmp_path / "gate"
+    wait = f"import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)"
+    backends.launcher.launch(PodSpec(name=f"{run_id}-rollout-0", run_id=run_id, role="rollout", command=[sys.executable, "-c", wait],
+                                     env={}, instance_type="g6.xlarge", capacity_type="spot", labels={"slot": "0"}))
+    backends.state.update_run(run_id, worker_slots_used=1)
+
+    assert (await api.post(f"/v1/runs/{run_id}/cancel")).json()["status"] == "CANCELLING"
+    scheduler.tick()  # stops the pod, which keeps running
+    run = (await api.get(f"/v1/runs/{run_id}")).json()
+    assert (run["status"], run["status_reason"], run["ended_at"]) == ("CANCELLING", "cancelled by the user", None)
+    assert [p.name for p in backends.launcher.list(run_id)] == [f"{run_id}-rollout-0"]
+
+    gate.touch()
+    wait_for(lambda: scheduler.tick() or RunStatus(backends.state.get_run(run_id).status).is_terminal(),
+             message="the run ended once its pod was gone")
+    run = (await api.get(f"/v1/runs/{run_id}")).json()
+    assert (run["status"], run["status_reason"]) == ("CANCELLED", "cancelled by the user")
+    assert backends.launcher.list(run_id) == []
+
+
+async def test_openapi_status_is_an_enum_of_every_status(api: httpx.AsyncClient) -> None:
+    schemas = (await api.get("/openapi.json")).json()["components"]["schemas"]
+    status = schemas["RunPublic"]["properties"]["status"]
+    ref = status.get("$ref") or status["allOf"][0]["$ref"]
+    assert schemas[ref.rsplit("/", 1)[1]]["enum"] == [s.value for s in RunStatus]
+    assert "CANCELLING: " in status["description"]
+    assert schemas["RunPublic"]["properties"]["last_error"]["anyOf"] == [{"type": "string"}, {"type": "null"}]

@@ -16,10 +16,10 @@ from services.backends.queue import (
     MemberFencedError,
     Queue,
     Record,
-    SqliteQueue,
     UnknownTopicError,
     next_offsets,
 )
+from services.backends.sqlite_queue import SqliteQueue
 
 PARTITIONS = 4
 

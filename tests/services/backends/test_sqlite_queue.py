@@ -8,13 +8,14 @@ import threading
 import time
 from pathlib import Path
 
-from services.backends.queue import Record, SqliteQueue, next_offsets
+from services.backends.queue import Record, next_offsets
+from services.backends.sqlite_queue import SqliteQueue
 
 # Opens the queue, says so, and produces once the parent says go (a line on stdin), so both overlap.
 PRODUCER = """
 import sys, time
 from pathlib import Path
-from services.backends.queue import SqliteQueue
+from services.backends.sqlite_queue import SqliteQueue
 
 queue = SqliteQueue(Path(sys.argv[1]))
 tag, n = sys.argv[2], int(sys.argv[3])
@@ -30,7 +31,7 @@ queue.close()
 CONSUMER = """
 import sys, time
 from pathlib import Path
-from services.backends.queue import SqliteQueue
+from services.backends.sqlite_queue import SqliteQueue
 
 consumer = SqliteQueue(Path(sys.argv[1])).consumer("t", "g", member_id="a-doomed", session_timeout_s=2.0)
 got = []

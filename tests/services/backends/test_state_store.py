@@ -1,18 +1,16 @@
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
 
 from contracts.status import TRANSITIONS, RunStatus
-from services.backends.state_store import (
-    MIGRATIONS,
-    IllegalTransitionError,
-    IterationRow,
-    RunNotFoundError,
-    StateStore,
-)
+from services.backends.state_schema import MIGRATIONS, IterationRow
+from services.backends.state_store import IllegalTransitionError, RunNotFoundError, StateStore
 
 
 @pytest.fixture
@@ -120,3 +118,64 @@ def test_ledger_open_close(store: StateStore) -> None:
     assert (entry.started_at, entry.ended_at) == (100.0, 150.0)
     assert entry.dollars(now=10_000.0) == pytest.approx(0.05)
     assert store.open_ledger_count("r1") == 0
+
+
+def test_lease_has_one_holder_until_it_expires_or_is_released(store: StateStore) -> None:
+    assert store.acquire_lease("scheduler", "a", seconds=60)
+    assert store.acquire_lease("scheduler", "a", seconds=60)  # a renews
+    assert not store.acquire_lease("scheduler", "b", seconds=60)
+    assert store.acquire_lease("other", "b", seconds=60)  # leases are independent
+    store.release_lease("scheduler", "b")  # not b's to release
+    assert store.lease_holder("scheduler") == "a"
+    store.release_lease("scheduler", "a")
+    assert store.lease_holder("scheduler") is None
+    assert store.acquire_lease("scheduler", "b", seconds=-1.0)  # b takes it; it runs out at once, as if b died
+    assert store.lease_holder("scheduler") is None
+    assert store.acquire_lease("scheduler", "a", seconds=60)  # expired: a takes over
+    assert not store.acquire_lease("scheduler", "b", seconds=60)  # and b cannot renew what it lost
+
+
+@pytest.mark.parametrize("expired_lease_exists", [False, True], ids=["insert-race", "update-race"])
+def test_lease_contenders_racing_get_one_winner(tmp_path: Path, expired_lease_exists: bool) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    if expired_lease_exists:
+        with closing(StateStore(url)) as s:
+            s.acquire_lease("scheduler", "dead", seconds=-1.0)
+    stores = [StateStore(url) for _ in range(6)]  # one per contender, as separate processes would have
+    start = threading.Barrier(len(stores))
+
+    def contend(i: int) -> bool:
+        start.wait()
+        return stores[i].acquire_lease("scheduler", f"holder-{i}", seconds=60)
+
+    try:
+        with ThreadPoolExecutor(len(stores)) as pool:
+            won = [i for i, ok in enumerate(pool.map(contend, range(len(stores)))) if ok]
+        assert len(won) == 1, won
+        assert stores[0].lease_holder("scheduler") == f"holder-{won[0]}"
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_version_1_file_is_upgraded_with_stopping_runs_kept_stopping(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    with closing(StateStore(url)) as s:
+        for run_id in ("cancelled", "ending", "running"):
+            s.create_run(run_id, name=None, spec={})
+            s.set_status(run_id, RunStatus.RUNNING)
+    with create_engine(url).begin() as conn:  # back to version 1: the flag beside RUNNING, no leases
+        conn.execute(text("DROP TABLE leases"))
+        conn.execute(text("ALTER TABLE runs DROP COLUMN last_error"))
+        conn.execute(text("ALTER TABLE runs ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT 0"))
+        conn.execute(text("UPDATE runs SET cancel_requested = 1 WHERE id = 'cancelled'"))
+        conn.execute(text("UPDATE runs SET ending_status = 'FAILED', ending_reason = 'budget' WHERE id = 'ending'"))
+        conn.execute(text("DELETE FROM schema_version WHERE version > 1"))
+    with closing(StateStore(url)) as s:
+        got = {r.id: (r.status, r.ending_status, r.ending_reason, r.last_error) for r in s.list_runs()}
+        assert got == {
+            "cancelled": ("CANCELLING", "CANCELLED", "cancelled by the user", None),
+            "ending": ("ENDING", "FAILED", "budget", None),
+            "running": ("RUNNING", None, None, None),
+        }
+        assert s.acquire_lease("scheduler", "a", seconds=60)

@@ -19,7 +19,10 @@ def test_the_hf_engine_samples_from_the_policy_object_itself(tmp_path: Path) -> 
     assert isinstance(engine, HFEngine) and engine._model is policy.model
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="covers machines without vLLM")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None,
+    reason="vLLM is installed (a GPU machine, spotrl[gpu]): this test is of the error on machines without it",
+)
 def test_a_vllm_worker_without_vllm_says_how_to_install_it(tmp_path: Path) -> None:
     spec = RunSpec.model_validate({"model": "tiny", "prompts": [{"prompt": "x"}], "iterations": 1, "rollout": {"engine": "vllm"}})
     with pytest.raises(ImportError, match=r"pip install 'spotrl\[gpu\]'"):

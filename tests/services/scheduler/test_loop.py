@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from contracts.status import RunStatus
 from services.api import service
-from services.backends.state_store import RunStatus
 from services.config import Settings
 from services.runspec import RunSpec
 from services.scheduler.loop import Scheduler

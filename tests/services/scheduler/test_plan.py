@@ -11,6 +11,7 @@ from services.backends.launcher import PodPhase, PodStatus
 from services.runspec import RunSpec
 from services.scheduler.plan import (
     BeginEnding,
+    BillPod,
     FinishRun,
     LaunchTraining,
     LaunchWorker,
@@ -59,9 +60,9 @@ def pod(name: str, role: str, phase: PodPhase = PodPhase.RUNNING, exit_code: int
     )
 
 
-def seen(pods=(), prompts=0, samples=0, produced=0, spent=0.0) -> Observed:
+def seen(pods=(), prompts=0, samples=0, produced=0, spent=0.0, unbilled=()) -> Observed:
     return Observed(pods=list(pods), prompt_backlog=prompts, sample_backlog=samples, samples_produced=produced,
-                    spent_dollars=spent, now=NOW)
+                    spent_dollars=spent, billed=frozenset(p.name for p in pods if p not in unbilled), now=NOW)
 
 
 W0 = pod("r-rollout-0", "rollout", slot="0")
@@ -129,6 +130,8 @@ CASES = [
     ("budget spent fails the run", run(iterations_done=1), seen([], spent=5.0),
      [BeginEnding("r", RunStatus.FAILED, "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)"),
       FinishRun("r", RunStatus.FAILED, "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)")]),
+    ("a pod its dead scheduler did not bill is billed first", run(prompts_published=2, worker_slots_used=1),
+     seen([W0, T1], samples=8, unbilled=[T1]), [BillPod(T1), PublishPrompts("r", 2, 2)]),
     ("terminal run with a leftover pod: stop it, start nothing", run(status=RunStatus.SUCCEEDED), seen([W0], samples=8),
      [StopPod("r-rollout-0")]),
 ]

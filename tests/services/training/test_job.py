@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.backends.object_store import LocalObjectStore
-from services.backends.queue import SqliteQueue
+from services.backends.sqlite_queue import SqliteQueue
 from services.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
 from services.policy_store import fetch_policy, load_version, policy_dir
 from services.runspec import RunSpec
@@ -59,7 +59,9 @@ def test_trains_one_batch_publishes_then_commits(world) -> None:
     assert objects.exists(policy_prefix(RUN, 1) + "config.json")
     assert JobResult.from_json(objects.get_bytes(result_key(RUN, 1))) == result
     assert queue.backlog(samples_topic(RUN), TRAINER_GROUP) == len(later)
-    assert result.metrics["actor/pg_clipfrac"] >= 0.0
+    # The workers' log-probs (-4.0) are above the policy's (-4.59 to -4.81 on the tiny model): every
+    # ratio is below 0.8, so the clip binds exactly on the tokens of negative advantage, half of them.
+    assert result.metrics["actor/pg_clipfrac"] == pytest.approx(0.5)
     assert result.metrics["perf/peak_memory_bytes"] >= result.metrics["perf/memory_bytes"] > 0
 
 
@@ -157,16 +159,23 @@ def test_ppo_carries_its_critic_and_optimizer_across_iterations(world, critic: s
 
     queue, objects, models = world
     ppo = spec(algorithm="ppo", training={"learning_rate": 1e-3, "critic": critic})
+    vf_losses = []
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
         result = run_training_job(run_id=RUN, iteration=iteration, spec=ppo, queue=queue, objects=objects, model_cache=models)
-        assert result.metrics["critic/vf_loss"] >= 0.0
+        vf_losses.append(result.metrics["critic/vf_loss"])
+    # v1: the head starts at zero, so every value is 0 and a 3-token response of reward R has the
+    # GAE returns (0.95^2 R, 0.95 R, R) (gamma 1, lam 0.95). Rewards 0, 1, 0, 1 over 4 x 3 tokens:
+    # 0.5 * mean squared error = 0.5 * (0.95^4 + 0.95^2 + 1) / 6 = 0.2264.
+    assert vf_losses[0] == pytest.approx(0.5 * (0.95**4 + 0.95**2 + 1) / 6, rel=1e-5)
+    # v2 starts from v1's trained critic, nearer the same returns (a fresh one would give 0.2264 again).
+    assert vf_losses[1] < 0.99 * vf_losses[0]
     head = torch.load(io.BytesIO(objects.get_bytes(trainer_prefix(RUN, 2) + "value_head.pt")), weights_only=True)
     assert any(t.abs().sum() > 0 for t in head.values()), "the critic learned (it starts at zero)"
     # A separate critic carries its own backbone; a shared one is just the linear head.
     assert any(k.startswith("backbone.") for k in head) == (critic == "separate")
-    assert objects.exists(trainer_prefix(RUN, 2) + "optimizer.pt")
-    assert not objects.exists(trainer_prefix(RUN, 1) + "optimizer.pt"), "only the latest optimizer state is kept"
+    assert objects.exists(trainer_prefix(RUN, 2) + "optimizer/optimizer.pt")
+    assert not objects.list(trainer_prefix(RUN, 1) + "optimizer"), "only the latest optimizer state is kept"
 
 
 def test_an_adaptive_kl_coefficient_carries_across_iterations(world) -> None:
@@ -183,3 +192,25 @@ def test_an_adaptive_kl_coefficient_carries_across_iterations(world) -> None:
     assert coefs[1] == pytest.approx(coefs[0] * 1.2)
     with pytest.raises(ValueError, match="kl_coef > 0"):
         spec(training={"kl_target": 0.1})
+
+
+def test_the_next_iteration_continues_the_stored_optimizer_state(world) -> None:
+    """Iteration 2 steps on from iteration 1's AdamW state (step 2), stored under the trainer
+    prefix's optimizer/, or at the trainer prefix's optimizer.pt where one-process jobs of
+    earlier releases stored it."""
+    import io
+
+    from services.names import trainer_prefix
+
+    queue, objects, models = world
+    for iteration in (1, 2):
+        produce_groups(queue, 2, version=iteration - 1)
+        if iteration == 2:  # as an earlier release left it
+            stored = trainer_prefix(RUN, 1) + "optimizer/optimizer.pt"
+            objects.put_bytes(trainer_prefix(RUN, 1) + "optimizer.pt", objects.get_bytes(stored))
+            objects.delete_prefix(trainer_prefix(RUN, 1) + "optimizer/")
+        run_training_job(run_id=RUN, iteration=iteration, spec=spec(), queue=queue, objects=objects, model_cache=models)
+        state = torch.load(io.BytesIO(objects.get_bytes(trainer_prefix(RUN, iteration) + "optimizer/optimizer.pt")),
+                           weights_only=True)  # fmt: skip
+        assert {int(s["step"]) for s in state["state"].values()} == {iteration}
+    assert not objects.list(trainer_prefix(RUN, 1) + "optimizer")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from contracts.job_result import DroppedSamples
 from contracts.samples import Sample
-from services.training.job import select_samples
+from services.training.selection import select_samples
 
 
 def sample(sid: str, version: int) -> Sample:

@@ -15,7 +15,9 @@ from trainer_core.models.lora import is_lora
 from trainer_core.models.loading import Policy, encode_prompt, load_policy
 from contracts.samples import Sample
 from contracts.training import TrainConfig
-from trainer_core.rl.update import ValueHead, build_optimizer, train_on_batch
+from trainer_core.rl.critic import ValueHead
+from trainer_core.rl.strategy import build_optimizer
+from trainer_core.rl.update import train_on_batch
 
 PROMPTS = ("say a:", "aaa?", "b then a", "a!")
 

@@ -18,7 +18,9 @@ from trainer_core.memory import frozen_parameter_audit
 from trainer_core.models.loading import Policy, encode_prompt
 from contracts.samples import Sample
 from contracts.training import TrainConfig
-from trainer_core.rl.update import _score, build_optimizer, train_on_batch
+from trainer_core.rl.batch import _score
+from trainer_core.rl.strategy import build_optimizer
+from trainer_core.rl.update import train_on_batch
 
 
 def _samples(policy: Policy, make_sample: Callable[..., Sample], model: torch.nn.Module, seed: int = 0) -> list[Sample]:

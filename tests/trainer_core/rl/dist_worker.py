@@ -23,7 +23,7 @@ from torch import nn
 from trainer_core.models.loading import load_policy
 from contracts.samples import Sample
 from contracts.training import TrainConfig
-from trainer_core.rl.update import ValueHead
+from trainer_core.rl.critic import ValueHead
 
 WORLD_SIZE = 2
 
@@ -138,7 +138,9 @@ def single_process_order(samples: list[Sample], cfg: TrainConfig) -> list[Sample
 
 
 def main() -> None:
-    from trainer_core.rl.distributed import DeepSpeedStrategy, FSDP2Strategy, exit_rank, init_distributed, shard_samples
+    from trainer_core.rl.distributed import exit_rank, init_distributed, shard_samples
+    from trainer_core.rl.fsdp2 import FSDP2Strategy
+    from trainer_core.rl.zero import DeepSpeedStrategy
     from contracts.training import TrainConfig
     from trainer_core.rl.update import train_on_batch
 

@@ -10,7 +10,10 @@ from trainer_core.engines.hf import HFEngine, SamplingParams
 from trainer_core.models.loading import Policy, encode_prompt
 from contracts.samples import Sample
 from contracts.training import TrainConfig
-from trainer_core.rl.update import ValueHead, _forward, build_optimizer, train_on_batch
+from trainer_core.logprobs import response_scores
+from trainer_core.rl.critic import ValueHead
+from trainer_core.rl.strategy import build_optimizer
+from trainer_core.rl.update import train_on_batch
 
 GRPO_KEYS = {
     "actor/pg_loss",
@@ -104,6 +107,13 @@ def test_micro_batching_does_not_change_the_update(
     (m8, p8) = results[1]
     assert set(m8) == (PPO_KEYS if algorithm == "ppo" else GRPO_KEYS)
     assert 0 < m8["actor/pg_clipfrac"] < 1 and m8["actor/kl_ref"] > 0
+    if algorithm == "ppo":
+        # The value head starts at zero: all values 0, so the GAE return of token t of a response
+        # is (gamma * lam)^(tokens after t) * reward, and no value is clipped.
+        decay = cfg.gamma * cfg.lam
+        returns = [decay ** (len(s.response_ids) - 1 - t) * s.reward for s in samples for t in range(len(s.response_ids))]
+        assert m8["critic/vf_loss"] == pytest.approx(0.5 * sum(r * r for r in returns) / len(returns), rel=1e-5)
+        assert m8["critic/vf_clipfrac"] == 0.0
     for m, p in results[::2]:
         for key in m8:
             if not key.startswith("perf/"):
@@ -223,35 +233,26 @@ def test_updates_raise_the_reward_on_a_toy_task(
 
 
 def test_configured_advantage_estimator_is_used(tiny_policy, make_sample) -> None:
-    from trainer_core.rl.update import build_optimizer, train_on_batch
-
-    samples = [make_sample([5, 6], [7, 8], [-4.0, -4.0], float(k % 2), group_id="g") for k in range(4)]
+    probe = make_sample([5, 6], [7, 8], [0.0, 0.0], 0.0)
+    with torch.no_grad():
+        policy_logprob = response_scores(tiny_policy.model, [probe], 2, TrainConfig()).logprob[0]
+    # Behaviour log-probs log(2) above the policy's: every token's ratio is 0.5.
+    behaviour = (policy_logprob + torch.tensor(2.0).log()).tolist()
+    samples = [make_sample([5, 6], [7, 8], behaviour, float(k % 2), group_id="g") for k in range(4)]
     metrics = {}
     for name in ("grpo", "rloo"):
         cfg = TrainConfig(algorithm="grpo", adv_estimator=name, learning_rate=0.0)
         metrics[name] = train_on_batch(tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg))
-    # Same data, different advantages: grpo scales by the group std (±0.87 for [0,1,0,1]), rloo does not (±0.67).
-    assert metrics["grpo"]["actor/pg_loss"] != metrics["rloo"]["actor/pg_loss"]
+    # Same data, different advantages: grpo scales by the group std (±0.5 / sqrt(1/3) = ±0.87 for
+    # [0,1,0,1]), rloo does not (1 - 1/3 = ±0.67). At ratio 0.5 a token of advantage +|A| costs
+    # -0.5 |A| (unclipped) and one of -|A| costs +0.8 |A| (clipped at 1 - 0.2): pg_loss = 0.15 |A|.
+    assert metrics["grpo"]["actor/pg_loss"] == pytest.approx(0.15 * 0.8660, abs=1e-4)
+    assert metrics["rloo"]["actor/pg_loss"] == pytest.approx(0.15 * 0.6667, abs=1e-4)
+    for m in metrics.values():
+        assert m["actor/pg_clipfrac"] == pytest.approx(0.5)  # the negative-advantage half
+        assert m["actor/ppo_kl"] == pytest.approx(0.6931, abs=1e-4)  # -log 0.5
     with pytest.raises(ValueError, match="gae"):
         TrainConfig(algorithm="grpo", adv_estimator="gae")
-
-
-def test_chunked_logprobs_match_one_chunk_in_value_and_gradient(tiny_policy, make_sample) -> None:
-    from trainer_core.rl.update import _forward
-
-    samples = [make_sample([5, 6, 7], [8, 9, 10, 11][: 2 + k % 3], [-1.0] * (2 + k % 3), 1.0) for k in range(5)]
-    results = []
-    for chunk in (3, 1024):  # 3 splits the 15 tokens into 5 checkpointed chunks
-        tiny_policy.model.zero_grad()
-        logprob, _ = _forward(tiny_policy.model, samples, 4, TrainConfig(logprob_chunk_tokens=chunk), None)
-        logprob.sum().backward()
-        grads = [p.grad.clone() for p in tiny_policy.model.parameters() if p.grad is not None]
-        results.append((logprob.detach(), grads))
-    (lp_small, g_small), (lp_big, g_big) = results
-    torch.testing.assert_close(lp_small, lp_big)
-    assert (lp_small[0, 2:] == 0).all(), "padding positions stay zero"
-    for a, b in zip(g_small, g_big, strict=True):
-        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize(("share", "pack"), [(True, False), (False, True), (True, True)], ids=["shared-kv", "packed", "packed-shared"])
@@ -274,7 +275,7 @@ def test_shared_prompts_and_packing_give_the_padded_full_pass_update(
         cfg = TrainConfig(algorithm=algorithm, micro_batch=12, max_grad_norm=1e9, **layout)
         response_len = max(len(s.response_ids) for s in samples)
         with torch.no_grad():
-            scored = _forward(model, samples, response_len, cfg, value_head)
+            scored = response_scores(model, samples, response_len, cfg, value_head)
         trainable = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
         metrics = train_on_batch(model, samples, cfg, torch.optim.SGD(trainable, lr=0.1), value_head=value_head)
         results.append((scored, metrics, [p.detach().clone() for p in trainable]))
@@ -318,41 +319,33 @@ def test_tied_embeddings_take_their_lookup_gradient_sparse_with_the_same_update(
     assert not torch.equal(updated[0][0], base.get_input_embeddings().weight)
 
 
-def test_auto_micro_batch_plans_from_free_memory_on_cpu(
-    tiny_policy: Policy, make_sample: Callable[..., Sample], monkeypatch: pytest.MonkeyPatch
+def test_an_entropy_bonus_changes_the_gradient_by_exactly_its_term(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
 ) -> None:
-    from trainer_core.rl import update
-    from trainer_core.memory import plan_micro_batch
+    """entropy_coef c subtracts c x the token-mean entropy of the policy from the loss: one SGD
+    step at lr 1 then moves each weight by c x dH/dw more than without it, where H is computed
+    here from the full logits of plain forward passes, sample by sample."""
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    coef = 0.5
+    entropies = []
+    for sample in samples:  # the policy's entropy at each response token, from the full logits
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+        logits = tiny_policy.model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()  # predicts the response
+        entropies.append(torch.distributions.Categorical(logits=logits).entropy())
+    mean_entropy = torch.cat(entropies).mean()  # token-mean over the batch
+    params = list(tiny_policy.model.parameters())
+    d_entropy = torch.autograd.grad(mean_entropy, params, allow_unused=True)
 
-    samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=8)
-    model = tiny_policy.model
-    billions = sum(p.numel() for p in model.parameters()) / 1e9
-    # Free memory for ~3 micro-batch units of this model by the rule of thumb.
-    tight = 3.5 * billions * 2 * 3 / 0.6
-    monkeypatch.setattr(update, "available_memory_gb", lambda device: tight)
-    assert update.auto_micro_batch(model, samples, TrainConfig(micro_batch=0)) == 3
-    assert plan_micro_batch(device_memory_gb=tight, params_billions=billions) == 3
-    monkeypatch.setattr(update, "available_memory_gb", lambda device: 1e6)
-    assert update.auto_micro_batch(model, samples, TrainConfig()) == len(samples), "never more than the batch"
-    with pytest.raises(ValueError, match="auto_micro_batch"):
-        train_on_batch(model, samples, TrainConfig(micro_batch=0), build_optimizer(model, TrainConfig()))
-
-
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_a_trial_pass_leaves_no_gradient_and_no_change(
-    tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str
-) -> None:
-    from trainer_core.rl.update import _trial_pass
-
-    model = tiny_policy.model
-    value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    reached = []
-    model.model.layers[0].mlp.down_proj.weight.register_hook(lambda grad: reached.append(grad.abs().sum().item()))
-    _trial_pass(model, _random_samples(make_sample, len(tiny_policy.tokenizer), n=4), TrainConfig(algorithm=algorithm), value_head)
-    assert reached and reached[0] > 0, "the backward pass ran through the first layer"
-    assert all(p.grad is None for p in model.parameters())
-    assert value_head is None or all(p.grad is None for p in value_head.parameters())
-    assert not model.training, "back in eval mode, ready to generate"
-    for name, p in model.named_parameters():
-        assert torch.equal(p, before[name]), name
+    stepped, metrics = [], []
+    for entropy_coef in (0.0, coef):
+        model = copy.deepcopy(tiny_policy.model)
+        cfg = TrainConfig(entropy_coef=entropy_coef, max_grad_norm=1e9)
+        metrics.append(train_on_batch(model, samples, cfg, torch.optim.SGD(model.parameters(), lr=1.0)))
+        stepped.append([p.detach() for p in model.parameters()])
+    assert "actor/entropy" not in metrics[0], "no entropy work without the bonus"
+    assert metrics[1]["actor/entropy"] == pytest.approx(mean_entropy.item(), rel=1e-5)
+    assert metrics[1]["actor/loss"] == pytest.approx(metrics[1]["actor/pg_loss"] - coef * mean_entropy.item(), rel=1e-5)
+    for without, with_bonus, grad in zip(*stepped, d_entropy, strict=True):
+        expected = coef * grad if grad is not None else torch.zeros_like(without)
+        torch.testing.assert_close(with_bonus - without, expected, atol=1e-6, rtol=1e-4)
+    assert any(grad is not None and grad.abs().max() > 1e-4 for grad in d_entropy), "the term is not trivial"

@@ -1,0 +1,136 @@
+"""The state store's tables and their numbered migrations (SQLAlchemy, for SQLite and PostgreSQL).
+
+A store opened on an older file brings it up to date before use (``migrate``); migrations are
+append-only, one schema version each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, inspect, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class RunRow(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(64))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    status_reason: Mapped[str | None] = mapped_column(String(500))
+    created_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    # The latest published policy version; 0 is the base model named in the spec.
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    iterations_done: Mapped[int] = mapped_column(Integer, default=0)
+    prompts_published: Mapped[int] = mapped_column(Integer, default=0)
+    samples_produced: Mapped[int] = mapped_column(Integer, default=0)
+    samples_trained: Mapped[int] = mapped_column(Integer, default=0)
+    samples_dropped: Mapped[int] = mapped_column(Integer, default=0)
+    last_mean_reward: Mapped[float | None] = mapped_column(Float)
+    # While CANCELLING or ENDING: the terminal status the run will get once its pods are gone.
+    ending_status: Mapped[str | None] = mapped_column(String(16))
+    ending_reason: Mapped[str | None] = mapped_column(String(500))
+    train_failures: Mapped[int] = mapped_column(Integer, default=0)
+    next_train_at: Mapped[float] = mapped_column(Float, default=0.0)
+    worker_slots_used: Mapped[int] = mapped_column(Integer, default=0)
+    # Trainer-group committed offsets (summed) when the running training job was launched:
+    # until they move, that job still holds one batch of the sample backlog.
+    train_launch_committed: Mapped[int] = mapped_column(Integer, default=0)
+    # The scheduler's latest temporary or unexpected error on this run; cleared once it reconciles.
+    last_error: Mapped[str | None] = mapped_column(String(500))
+
+
+class IterationRow(Base):
+    __tablename__ = "iterations"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    iteration: Mapped[int] = mapped_column(Integer, primary_key=True)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    mean_reward: Mapped[float] = mapped_column(Float)
+    kl: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float] = mapped_column(Float)
+    seconds: Mapped[float] = mapped_column(Float)
+    samples_trained: Mapped[int] = mapped_column(Integer)
+    samples_dropped: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    ended_at: Mapped[float] = mapped_column(Float)
+
+
+class LedgerRow(Base):
+    __tablename__ = "ledger"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    pod: Mapped[str] = mapped_column(String(128), index=True)
+    instance_type: Mapped[str] = mapped_column(String(64))
+    capacity_type: Mapped[str] = mapped_column(String(16))
+    price_per_hour: Mapped[float] = mapped_column(Float)
+    price_source: Mapped[str] = mapped_column(String(300))
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+
+
+class LeaseRow(Base):
+    """A named lease: ``holder`` leads until ``expires_at`` (wall-clock seconds) unless it renews."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[float] = mapped_column(Float)
+
+
+# --- migrations ---------------------------------------------------------------------------
+# Append only: each entry upgrades the schema by one version. Version 1 is the initial schema.
+def _m001_initial(conn: Connection) -> None:
+    Base.metadata.create_all(conn)
+
+
+def _m002_leases_and_stopping_statuses(conn: Connection) -> None:
+    """The scheduler's leader lease, ``runs.last_error``, and CANCELLING/ENDING as statuses.
+
+    Runs that were stopping under version 1 (status RUNNING beside ``cancel_requested`` or
+    ``ending_status``) get the stopping status, and the flag goes. A file created fresh already
+    has the current tables from version 1 (it creates the models' tables), hence the checks.
+    """
+    LeaseRow.__table__.create(conn, checkfirst=True)
+    columns = {c["name"] for c in inspect(conn).get_columns("runs")}
+    if "last_error" not in columns:
+        conn.execute(text("ALTER TABLE runs ADD COLUMN last_error VARCHAR(500)"))
+    if "cancel_requested" in columns:
+        conn.execute(
+            text(
+                "UPDATE runs SET"
+                " status = CASE WHEN COALESCE(ending_status, 'CANCELLED') = 'CANCELLED' THEN 'CANCELLING' ELSE 'ENDING' END,"
+                " ending_status = COALESCE(ending_status, 'CANCELLED'),"
+                " ending_reason = COALESCE(ending_reason, 'cancelled by the user'),"
+                " status_reason = COALESCE(ending_reason, 'cancelled by the user')"
+                " WHERE status IN ('PENDING', 'RUNNING') AND (ending_status IS NOT NULL OR cancel_requested)"
+            )
+        )
+        conn.execute(text("ALTER TABLE runs DROP COLUMN cancel_requested"))
+
+
+MIGRATIONS: Sequence[Callable[[Connection], None]] = (_m001_initial, _m002_leases_and_stopping_statuses)
+
+
+def migrate(engine: Engine) -> int:
+    """Bring the schema to the latest version; returns it. Safe to run from several processes."""
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"))
+        current = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0
+        for version, step in enumerate(MIGRATIONS[current:], start=current + 1):
+            step(conn)
+            conn.execute(text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": version})
+    return len(MIGRATIONS)
