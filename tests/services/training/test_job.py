@@ -214,3 +214,33 @@ def test_the_next_iteration_continues_the_stored_optimizer_state(world) -> None:
                            weights_only=True)  # fmt: skip
         assert {int(s["step"]) for s in state["state"].values()} == {iteration}
     assert not objects.list(trainer_prefix(RUN, 1) + "optimizer")
+
+
+def test_the_job_trains_with_the_specs_training_section(world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The section a client sent is the config the update runs with: no field is copied by hand,
+    so none is dropped on the way (tests/services/api/test_training_section.py carries each field
+    from the API to the stored spec)."""
+    from services.training import job
+
+    queue, objects, models = world
+    produce_groups(queue, 2, version=0)
+    training = {
+        "learning_rate": 3e-5, "epochs": 2, "mini_batch": 4, "micro_batch": 2, "clip_ratio": 0.3, "clip_ratio_high": 0.28,
+        "dual_clip": 3.0, "loss_agg": "seq-mean-token-sum", "adv_estimator": "rloo", "entropy_coef": 0.01,
+        "max_grad_norm": 0.5, "kl_coef": 0.05, "kl_estimator": "k2", "kl_mode": "reward", "kl_target": 0.1,
+        "kl_horizon": 500, "off_policy": "decoupled", "is_cap": 3.0, "lora_rank": 4, "lora_alpha": 16.0,
+        "gradient_checkpointing": True, "logprob_chunk_tokens": 2, "share_prompt_prefix": False, "pack_max_tokens": 16,
+    }
+    run_spec = spec(sampling={"temperature": 0.7}, training=training)
+    seen = []
+
+    def recording(model, samples, cfg, *args, **kwargs):
+        seen.append(cfg)
+        return train_on_batch(model, samples, cfg, *args, **kwargs)
+
+    train_on_batch = job.train_on_batch
+    monkeypatch.setattr(job, "train_on_batch", recording)
+    run_training_job(run_id=RUN, iteration=1, spec=run_spec, queue=queue, objects=objects, model_cache=models)
+    assert seen == [run_spec.training]
+    assert {k: v for k, v in seen[0].model_dump(mode="json").items() if k in training} == training
+    assert (seen[0].algorithm, seen[0].temperature) == ("grpo", 0.7)
