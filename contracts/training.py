@@ -74,26 +74,26 @@ class Strategy(StrEnum):
 class TrainConfig(BaseModel):
     """Hyper-parameters of one RL update, and the shape of the job that runs it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every number finite
 
     # --- set from the run, not in the section: one declaration each, in the run spec ---------
     algorithm: SkipJsonSchema[Algorithm] = Field(default=Algorithm.GRPO, exclude=True, description="The run's `algorithm`.")
     temperature: SkipJsonSchema[float] = Field(
-        default=1.0, ge=0.0, exclude=True,
+        default=1.0, ge=0.0, le=5.0, exclude=True,
         description="The run's `sampling.temperature`: the behaviour log-probs are of logits / temperature.",
     )
 
     # --- the update ----------------------------------------------------------------------------
     learning_rate: float = Field(default=1e-5, ge=0.0, le=1.0, description="AdamW learning rate of the policy (and value head).")
     epochs: int = Field(default=1, ge=1, le=100, description="Passes over each batch.")
-    mini_batch: int = Field(default=0, ge=0, description="Samples per optimizer step; 0 = the whole batch (one step per epoch).")
+    mini_batch: int = Field(default=0, ge=0, le=1_000_000, description="Samples per optimizer step; 0 = the whole batch (one step per epoch).")
     micro_batch: int = Field(
         default=8, ge=0, le=4096,
         description="Samples per forward/backward pass (gradient accumulation); 0 = auto: the rule of thumb from the "
         "device's free memory, then on a GPU halved until a trial pass fits.",
     )
     micro_batch_tokens: int = Field(
-        default=0, ge=0,
+        default=0, ge=0, le=100_000_000,
         description="Token budget of a micro-batch (padded rows x longest row); > 0 replaces micro_batch with dynamic "
         "micro-batches of similar lengths.",
     )
@@ -101,31 +101,31 @@ class TrainConfig(BaseModel):
     clip_ratio_high: float = Field(
         default=0.0, ge=0.0, le=10.0, description="Upper clip of the ratio, 1 + clip_ratio_high (0 = clip_ratio; DAPO's clip-higher uses 0.28)."
     )
-    dual_clip: float = Field(default=0.0, ge=0.0, description="Dual-clip bound c > 1 on negative-advantage token losses (0 = off).")
+    dual_clip: float = Field(default=0.0, ge=0.0, le=100.0, description="Dual-clip bound c > 1 on negative-advantage token losses (0 = off).")
     loss_agg: LossAggMode = Field(default=LossAggMode.TOKEN_MEAN, description="How token losses are averaged: over all tokens, or per sequence then over sequences.")
     adv_estimator: AdvantageEstimator | None = Field(
         default=None, description="Advantage estimator of a critic-free run (None = grpo); ppo always uses gae."
     )
     gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="PPO discount over response tokens.")
     lam: float = Field(default=0.95, ge=0.0, le=1.0, description="PPO GAE lambda.")
-    vf_coef: float = Field(default=0.5, ge=0.0, description="Weight of the value loss (PPO).")
-    value_clip: float = Field(default=0.2, gt=0.0, description="How far a value prediction may move from the old one (PPO).")
-    entropy_coef: float = Field(default=0.0, ge=0.0, description="Weight of the entropy bonus subtracted from the policy loss (0 = none).")
-    max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient-norm clip per optimizer step.")
-    kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of KL to the reference policy (0 skips the reference model).")
+    vf_coef: float = Field(default=0.5, ge=0.0, le=100.0, description="Weight of the value loss (PPO).")
+    value_clip: float = Field(default=0.2, gt=0.0, le=100.0, description="How far a value prediction may move from the old one (PPO).")
+    entropy_coef: float = Field(default=0.0, ge=0.0, le=10.0, description="Weight of the entropy bonus subtracted from the policy loss (0 = none).")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6, description="Gradient-norm clip per optimizer step.")
+    kl_coef: float = Field(default=0.0, ge=0.0, le=100.0, description="Weight of KL to the reference policy (0 skips the reference model).")
     kl_estimator: KLEstimator = Field(default=KLEstimator.K3, description="Estimator of KL to the reference policy.")
     kl_mode: KLMode = Field(default=KLMode.LOSS, description="Apply kl_coef x KL as a loss term or as a per-token reward penalty.")
     kl_target: float | None = Field(
-        default=None, gt=0.0,
+        default=None, gt=0.0, le=100.0,
         description="Adaptive KL: starting from kl_coef, steer the coefficient so that the measured KL approaches this (None = fixed kl_coef).",
     )
-    kl_horizon: int = Field(default=10000, ge=1, description="Adaptive KL: samples over which the coefficient adapts by up to 20%.")
+    kl_horizon: int = Field(default=10000, ge=1, le=1_000_000_000, description="Adaptive KL: samples over which the coefficient adapts by up to 20%.")
     off_policy: OffPolicy = Field(
         default=OffPolicy.BEHAVIOUR,
         description="behaviour: clip the ratio around the workers' log-probs; decoupled: clip around this update's starting "
         "policy and weight tokens by min(pi_proximal / pi_behaviour, is_cap) (one extra forward pass).",
     )
-    is_cap: float = Field(default=2.0, gt=0.0, description="Cap of the importance weight of stale tokens (off_policy: decoupled).")
+    is_cap: float = Field(default=2.0, gt=0.0, le=1000.0, description="Cap of the importance weight of stale tokens (off_policy: decoupled).")
 
     # --- the model -----------------------------------------------------------------------------
     lora_rank: int = Field(
@@ -133,7 +133,7 @@ class TrainConfig(BaseModel):
         description="Train a LoRA adapter of this rank on every linear layer instead of all weights (0 = full fine-tuning); "
         "the frozen base is the KL reference.",
     )
-    lora_alpha: float = Field(default=32.0, gt=0.0, description="LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_rank.")
+    lora_alpha: float = Field(default=32.0, gt=0.0, le=10_000.0, description="LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_rank.")
     critic: Critic = Field(
         default=Critic.SHARED,
         description="PPO critic: a value head on the policy's own (detached) hidden states, or on a separate copy of the base "
@@ -146,7 +146,7 @@ class TrainConfig(BaseModel):
         default=False, description="Recompute each layer's activations in the backward pass: less memory, ~30% more compute."
     )
     logprob_chunk_tokens: int = Field(
-        default=1024, ge=1, description="Response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits."
+        default=1024, ge=1, le=1_000_000, description="Response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits."
     )
     # Padded micro-batches share through a KV cache, which gradient checkpointing drops: there
     # they run every prompt in full.
@@ -156,7 +156,7 @@ class TrainConfig(BaseModel):
         "pays for its prompt once, forward and backward).",
     )
     pack_max_tokens: int = Field(
-        default=4096, ge=0,
+        default=4096, ge=0, le=1_000_000,
         description="Pack each prompt and its samples' responses into one row under a block mask when every such row of a "
         "micro-batch is at most this many tokens (no padding inside a group); longer rows run padded; 0 = always padded.",
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -47,15 +48,60 @@ def serve(
             help="Run the reconcile loop in this process too; --no-scheduler serves the API alone, beside `spotrl scheduler` processes.",
         ),
     ] = True,
+    insecure_no_auth: Annotated[
+        bool,
+        typer.Option("--insecure-no-auth", help="Development only: listen beyond loopback with no tokens file, open to anyone who can reach it."),
+    ] = False,
     home: HomeOption = None,
 ) -> None:
     """Run the REST API (and, unless --no-scheduler, the scheduler) on the embedded backends."""
     import uvicorn
 
+    from services.api.auth import TokensFileError
     from services.api.main import create_app
 
+    settings = _settings(home)
+    loopback = host == "localhost" or _is_loopback(host)
+    if not loopback and settings.tokens_file is None and not insecure_no_auth:
+        raise typer.BadParameter(
+            f"refusing to listen on {host} without tokens: anyone who reaches it could spend this cluster's GPUs. "
+            "Make tokens with `spotrl token add --tenant NAME --file tokens.json` and set SPOTRL_TOKENS_FILE, "
+            "or pass --insecure-no-auth on a development machine.",
+            param_hint="--host",
+        )
     _logging()
-    uvicorn.run(create_app(_settings(home), with_scheduler=scheduler), host=host, port=port, log_level="info")
+    try:
+        app = create_app(settings, with_scheduler=scheduler)
+    except TokensFileError as e:
+        raise typer.BadParameter(str(e), param_hint="SPOTRL_TOKENS_FILE") from None
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+token_app = typer.Typer(no_args_is_help=True, help="The API's bearer tokens (stored hashed in a tokens file).")
+app.add_typer(token_app, name="token")
+
+
+@token_app.command("add")
+def token_add(
+    tenant: Annotated[str, typer.Option(help="Tenant the token acts for: it sees that tenant's runs and objects only.")],
+    file: Annotated[Path, typer.Option("--file", help="Tokens file (created 0600); the API reads it from SPOTRL_TOKENS_FILE.")],
+    admin: Annotated[bool, typer.Option("--admin", help="An admin token: sees every tenant's runs and /metrics.")] = False,
+    label: Annotated[str, typer.Option(help="A note kept beside the hash, e.g. who holds the token.")] = "",
+) -> None:
+    """Make a token, store its hash in FILE and print the token: the only time it is shown."""
+    from services.api.auth import TokensFileError, add_token
+
+    try:
+        typer.echo(add_token(file, tenant=tenant, admin=admin, label=label))
+    except TokensFileError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command("scheduler")

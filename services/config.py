@@ -6,6 +6,7 @@ launcher inherit ``SPOTRL_HOME`` and so find the same queue, store and objects.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 
@@ -23,8 +24,25 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=10.0, gt=0, description="How long the leading scheduler's lease lasts unrenewed: a standby scheduler takes over this long after the leader dies. Several ticks long, so a slow tick does not lose it.")
     session_timeout_s: float = Field(default=60.0, gt=0, description="A rollout worker that has not polled for this long (it polls between batches) loses its prompts to the others.")
     stop_grace_s: float = Field(default=30.0, gt=0, description="Seconds a pod gets after SIGTERM before SIGKILL (a spot notice).")
-    api_token: str | None = Field(default=None, description="When set, the API requires `Authorization: Bearer <token>`.")
+    tokens_file: Path | None = Field(
+        default=None,
+        description="The API's bearer tokens, stored hashed, each with its tenant (`spotrl token add` writes it; in Kubernetes, a "
+        "mounted secret). Unset: no auth, one tenant, and `spotrl serve` listens on loopback only.",
+    )
+    data_dirs: str = Field(
+        default="",
+        description="Server directories a run spec may name paths in (model, prompts, reward model), separated by the OS path "
+        "separator (':'); empty: no server path is accepted, prompt sets are uploaded with POST /v1/datasets.",
+    )
+    max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body the API reads (a run spec); larger ones get 413 unread.")
+    max_dataset_bytes: int = Field(default=64 << 20, ge=1024, description="Largest prompt set a client may upload (POST /v1/datasets) or a spec may name.")
+    max_rollout_workers: int = Field(default=64, ge=1, description="Most rollout workers one run may ask for (rollout.max_workers).")
+    max_training_processes: int = Field(default=8, ge=1, description="Most processes one training job may ask for (training.processes).")
     pod_threads: int = Field(default=1, ge=1, description="torch threads per local pod: local pods share this machine's cores, and oversubscribed threads slow every pod down.")
+
+    def allowed_data_dirs(self) -> list[Path]:
+        """The directories of ``data_dirs``, resolved (symbolic links followed)."""
+        return [Path(d).resolve() for d in self.data_dirs.split(os.pathsep) if d.strip()]
 
     def pod_env(self) -> dict[str, str]:
         """What a pod needs to find the same backends as the process that launched it."""

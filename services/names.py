@@ -28,6 +28,11 @@ def prompts_key(run_id: str) -> str:
     return f"runs/{run_id}/prompts.jsonl"
 
 
+def tenant_object_key(tenant: str, key: str) -> str:
+    """Where a tenant's ``store://<key>`` lives: a tenant names objects in its own part of the store only."""
+    return f"tenants/{tenant}/{key}"
+
+
 def policy_prefix(run_id: str, version: int) -> str:
     return f"runs/{run_id}/policy/v{version}/"
 

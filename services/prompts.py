@@ -1,32 +1,54 @@
-"""Prompt sets: read a run's prompts from an inline list, a JSONL file or an object-store URI."""
+"""Prompt sets: read a run's prompts from an inline list, a JSONL file or an object-store URI.
+
+A prompt set is bounded (``max_bytes``, ``MAX_PROMPTS``) and its errors name the line and the
+field, never the content: a file on the server may hold what its reader must not see.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from services.backends.object_store import ObjectNotFoundError, ObjectStore
-from services.runspec import PromptItem
+from services.backends.state_schema import DEFAULT_TENANT
+from services.names import tenant_object_key
+from services.runspec import MAX_INLINE_PROMPTS, PromptItem
+from services.server_paths import ServerPathError, check_object_key, check_server_path
 
 STORE_SCHEME = "store://"
+# A stored spec's `prompts` when they were given inline: the set itself is kept beside the run
+# (``names.prompts_key``), not in every read of the run.
+INLINE = "inline"
+MAX_PROMPTS = 1_000_000
+DEFAULT_MAX_BYTES = 64 << 20
 
 
 class InvalidPromptsError(ValueError):
     """The prompts of a run spec cannot be read; the message says which line and why."""
 
 
-def parse_jsonl(text: str, origin: str) -> list[PromptItem]:
+def parse_jsonl(data: bytes, origin: str) -> list[PromptItem]:
+    """The prompt items of JSONL ``data``; errors name the line and the field, not the content."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise InvalidPromptsError(f"{origin} is not UTF-8 text (a JSONL file of {{\"prompt\": ..., \"answer\": ...}} lines)") from None
     items = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        if len(items) == MAX_PROMPTS:
+            raise InvalidPromptsError(f"{origin} holds more than {MAX_PROMPTS} prompts")
         try:
-            items.append(PromptItem.model_validate(json.loads(line)))
-        except (json.JSONDecodeError, ValidationError) as e:
+            items.append(PromptItem.model_validate_json(line))
+        except ValidationError as e:
+            first = e.errors(include_input=False, include_url=False, include_context=False)[0]
+            where = ".".join(map(str, first["loc"])) or "the line"
             raise InvalidPromptsError(
-                f'{origin} line {number} is not a {{"prompt": ..., "answer": ...}} object: {e}'
+                f'{origin} line {number} is not a {{"prompt": ..., "answer": ...}} object: {where}: {first["msg"]}'
             ) from None
     if not items:
         raise InvalidPromptsError(f"{origin} holds no prompts")
@@ -38,22 +60,45 @@ def is_store_uri(source: list[PromptItem] | str) -> bool:
     return isinstance(source, str) and source.startswith(STORE_SCHEME)
 
 
-def load_prompts(source: list[PromptItem] | str, objects: ObjectStore | None) -> list[PromptItem]:
-    """The prompt items of a run spec's `prompts` (`objects` is read for `store://` only)."""
+def load_prompts(
+    source: list[PromptItem] | str,
+    objects: ObjectStore | None,
+    *,
+    tenant: str = DEFAULT_TENANT,
+    allowed_dirs: Sequence[Path] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> list[PromptItem]:
+    """The prompt items of a run spec's `prompts`: `store://<key>` is read from ``tenant``'s part
+    of ``objects``, a path only inside ``allowed_dirs`` (None: anywhere, for a local command)."""
     if isinstance(source, list):
         return source
-    if is_store_uri(source):
-        if objects is None:
-            raise InvalidPromptsError(f"prompts {source!r} are in an object store, and none was given")
-        key = source[len(STORE_SCHEME):]
-        try:
-            return parse_jsonl(objects.get_bytes(key).decode(), source)
-        except ObjectNotFoundError:
-            raise InvalidPromptsError(f"no object {key!r} in the object store") from None
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise InvalidPromptsError(f"prompt file {source!r} does not exist on the server (give an absolute JSONL path)")
-    return parse_jsonl(path.read_text(), source)
+    try:
+        if is_store_uri(source):
+            if objects is None:
+                raise InvalidPromptsError("prompts in an object store need one, and none was given")
+            key = check_object_key(source[len(STORE_SCHEME):])
+            try:
+                data = objects.get_bytes(tenant_object_key(tenant, key))
+            except ObjectNotFoundError:
+                raise InvalidPromptsError(f"no object {key!r} among this tenant's objects (upload it with POST /v1/datasets)") from None
+            return parse_jsonl(data, "the prompt set")
+        path = check_server_path(source, allowed_dirs)
+    except ServerPathError as e:
+        raise InvalidPromptsError(str(e)) from None
+    return parse_jsonl(_read_bounded(path, max_bytes), "the prompt file")
+
+
+def _read_bounded(path: Path, max_bytes: int) -> bytes:
+    if not path.is_file():  # not a directory, device or pipe (a pipe would block the reader)
+        raise InvalidPromptsError("the prompt file is not a regular file on the server (give an absolute JSONL path)")
+    try:
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except (OSError, ValueError):
+        raise InvalidPromptsError("the prompt file cannot be read as a file on the server (give an absolute JSONL path)") from None
+    if len(data) > max_bytes:
+        raise InvalidPromptsError(f"the prompt file is larger than the {max_bytes}-byte limit")
+    return data
 
 
 def to_jsonl(items: list[PromptItem]) -> bytes:

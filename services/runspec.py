@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contracts.model_sources import check_model_source, check_reward_model_dir
+from contracts.model_sources import BUILTIN_MODELS
 from contracts.training import Algorithm, TrainConfig
 from services.cost.catalog import load_catalog
+
+
+MAX_INLINE_PROMPTS = 10_000
+MAX_PATH_CHARS = 1024
+# Every model of the spec: numbers are finite (no NaN or infinity), unknown fields are refused.
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _known_instance_type(v: str) -> str:
@@ -39,31 +44,31 @@ class RolloutEngine(StrEnum):
 class PromptItem(BaseModel):
     """One line of a prompt set: ``{"prompt": ..., "answer": ...}``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
-    prompt: str = Field(min_length=1, description="Text given to the policy.")
-    answer: str | None = Field(default=None, description="Reference answer for verifiable rewards.")
+    prompt: str = Field(min_length=1, max_length=100_000, description="Text given to the policy.")
+    answer: str | None = Field(default=None, max_length=10_000, description="Reference answer for verifiable rewards.")
 
 
 class RewardTerm(BaseModel):
     """One built-in reward function and its weight; a run's reward is the weighted sum."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     fn: RewardFn = Field(
         description="exact_match: 1 when the last number in the response equals the answer's; "
         "regex: 1 when `pattern` matches the response; length_penalty: -max(0, tokens - target_tokens) / target_tokens; "
         "reward_model: the score of the reward model saved at `path` for (prompt, response)."
     )
-    weight: float = Field(default=1.0, description="Multiplier of this term in the sum.")
-    pattern: str | None = Field(default=None, description="Regular expression (regex only); matched with re.search.")
-    target_tokens: int | None = Field(default=None, gt=0, description="Length beyond which the penalty grows (length_penalty only).")
+    weight: float = Field(default=1.0, ge=-1e6, le=1e6, description="Multiplier of this term in the sum.")
+    pattern: str | None = Field(default=None, max_length=1000, description="Regular expression (regex only); matched with re.search.")
+    target_tokens: int | None = Field(default=None, gt=0, le=1_000_000, description="Length beyond which the penalty grows (length_penalty only).")
     path: str | None = Field(
-        default=None, description="Directory of a reward model saved by `spotrl train-rm`, as the rollout workers see it (reward_model only)."
+        default=None, max_length=MAX_PATH_CHARS, description="Directory of a reward model saved by `spotrl train-rm`, as the rollout workers see it (reward_model only)."
     )
 
     @model_validator(mode="after")
-    def _check_args(self, info: ValidationInfo) -> RewardTerm:
+    def _check_args(self) -> RewardTerm:
         if self.fn == RewardFn.REGEX:
             if not self.pattern:
                 raise ValueError("the regex reward needs `pattern`")
@@ -76,14 +81,11 @@ class RewardTerm(BaseModel):
         if self.fn == RewardFn.REWARD_MODEL:
             if not self.path:
                 raise ValueError("the reward_model reward needs `path`, a directory saved by `spotrl train-rm`")
-            # Checked on submission; a stored spec is re-read as it is (workers report a vanished model).
-            if not (info.context or {}).get("stored"):
-                check_reward_model_dir(Path(self.path))
         return self
 
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     temperature: float = Field(default=1.0, ge=0.0, le=5.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -91,12 +93,12 @@ class Sampling(BaseModel):
 
 
 class RolloutPool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     instance_type: str = Field(default="g6.xlarge", description="Catalog instance type of each rollout worker.")
     spot: bool = Field(default=True, description="Run rollout workers on spot capacity.")
-    min_workers: int = Field(default=2, ge=0, le=1000, description="Workers kept while the run is active.")
-    max_workers: int = Field(default=10, ge=1, le=1000, description="Upper bound of the pool; also the prompt topic's partition count.")
+    min_workers: int = Field(default=2, ge=0, le=1024, description="Workers kept while the run is active.")
+    max_workers: int = Field(default=10, ge=1, le=1024, description="Upper bound of the pool; also the prompt topic's partition count.")
     prompts_per_batch: int = Field(default=8, ge=1, le=4096, description="Prompts a worker takes per poll; the pool is sized to cover the prompt backlog in such batches.")
     engine: RolloutEngine = Field(
         default=RolloutEngine.HF,
@@ -116,13 +118,15 @@ class RolloutPool(BaseModel):
 class RunSpec(BaseModel):
     """What to train, on what, until when, for how much."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     name: str | None = Field(default=None, max_length=64, description="Free-form label shown in listings.")
-    model: str = Field(description="Base policy: a local HF model directory, a .gguf file, or a built-in name (tiny, smollm2-135m).")
+    model: str = Field(min_length=1, max_length=MAX_PATH_CHARS, description="Base policy: a local HF model directory, a .gguf file, or a built-in name (tiny, smollm2-135m).")
     algorithm: Algorithm = Field(default=Algorithm.GRPO, description="RL algorithm: grpo or ppo (value head critic).")
-    prompts: list[PromptItem] | str = Field(
-        description="Inline list of {prompt, answer}, a JSONL file path on the server, or an object-store URI (store://key)."
+    prompts: Annotated[list[PromptItem], Field(max_length=MAX_INLINE_PROMPTS)] | Annotated[str, Field(max_length=MAX_PATH_CHARS)] = Field(
+        description=f"Inline list of at most {MAX_INLINE_PROMPTS} {{prompt, answer}}, a prompt set uploaded with POST /v1/datasets "
+        "(store://datasets/<id>.jsonl), or a JSONL path inside the server's SPOTRL_DATA_DIRS. A stored run shows `inline` for "
+        "an inline list, and its `prompt_count`."
     )
     reward: Annotated[list[RewardTerm], Field(min_length=1)] = Field(
         default_factory=lambda: [RewardTerm(fn=RewardFn.EXACT_MATCH)],
@@ -130,26 +134,30 @@ class RunSpec(BaseModel):
     )
     samples_per_prompt: int = Field(default=4, ge=1, le=256, description="Samples per prompt (the GRPO group size).")
     sampling: Sampling = Field(default_factory=Sampling, description="Sampling parameters of the rollout workers.")
-    batch_samples: int = Field(default=5000, ge=1, description="Samples waiting in the queue that trigger one training iteration.")
-    iterations: int | None = Field(default=None, ge=1, description="Stop after this many training iterations.")
-    target_mean_reward: float | None = Field(default=None, description="Stop once an iteration's mean reward reaches this.")
+    batch_samples: int = Field(default=5000, ge=1, le=1_000_000, description="Samples waiting in the queue that trigger one training iteration.")
+    iterations: int | None = Field(default=None, ge=1, le=100_000, description="Stop after this many training iterations.")
+    target_mean_reward: float | None = Field(default=None, ge=-1e6, le=1e6, description="Stop once an iteration's mean reward reaches this.")
     rollout: RolloutPool = Field(default_factory=RolloutPool, description="The spot rollout pool.")
     training: TrainConfig = Field(default_factory=TrainConfig, description="The trainer's hyper-parameters and the on-demand training job.")
-    budget_dollars: float | None = Field(default=None, gt=0.0, description="Stop (FAILED, budget exhausted) once the run has spent this much.")
+    budget_dollars: float | None = Field(default=None, gt=0.0, le=1e9, description="Stop (FAILED, budget exhausted) once the run has spent this much.")
     staleness_bound: int = Field(default=1, ge=0, le=100, description="Samples generated by a policy more than this many versions old are dropped.")
 
     @field_validator("model")
     @classmethod
-    def _check_model(cls, v: str, info: ValidationInfo) -> str:
-        # Checked on submission; a stored spec is re-read as it is (pods report a vanished model).
-        if not (info.context or {}).get("stored"):
-            check_model_source(v)
+    def _check_model(cls, v: str) -> str:
+        # The form only: whether a path is allowed and holds a model is the server's to check
+        # (``services.api.service``), and the loaders check again.
+        if v not in BUILTIN_MODELS and not v.startswith(("/", "~")):
+            raise ValueError(
+                f"give a builtin model ({', '.join(BUILTIN_MODELS)}), or the absolute path of a model directory "
+                "(with config.json) or of a .gguf file"
+            )
         return v
 
     @classmethod
     def from_stored(cls, data: dict) -> RunSpec:
         """A spec as the state store holds it (validated when it was submitted)."""
-        return cls.model_validate(data, context={"stored": True})
+        return cls.model_validate(data)
 
     @field_validator("prompts")
     @classmethod

@@ -29,8 +29,10 @@ def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Settin
     # Converted base models are shared by the tests of a session; run state is per test.
     cache = tmp_path_factory.getbasetemp() / "models"
     # A short lease: a test that "kills" a scheduler waits one lease period for its successor.
+    # The one server directory a spec may name paths in: a test puts the files it names there.
+    (tmp_path / "data").mkdir()
     return Settings(home=tmp_path / "home", model_cache=cache, tick_seconds=0.2, lease_seconds=2.0,
-                    session_timeout_s=3.0, stop_grace_s=10.0)
+                    session_timeout_s=3.0, stop_grace_s=10.0, data_dirs=str(tmp_path / "data"))
 
 
 @pytest.fixture

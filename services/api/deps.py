@@ -1,15 +1,22 @@
-"""Dependencies of the routes: the backends and catalog built at start-up, and auth."""
+"""Dependencies of the routes: the backends and catalog built at start-up, and who is calling."""
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from services.api.auth import NO_AUTH, Principal, TokenBook
 from services.config import Settings, get_settings
 from services.cost.catalog import PriceCatalog
 from services.wiring import Backends
+
+# Declared in the OpenAPI document as the `bearer` scheme; missing credentials are ours to refuse.
+bearer = HTTPBearer(
+    scheme_name="bearer", auto_error=False, description="A token the operator issued with `spotrl token add`."
+)
+UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="spotrl"'}
 
 
 def get_backends(request: Request) -> Backends:
@@ -20,16 +27,30 @@ def get_catalog(request: Request) -> PriceCatalog:
     return request.app.state.catalog
 
 
-def require_token(
-    settings: Annotated[Settings, Depends(get_settings)],
-    authorization: Annotated[str | None, Header()] = None,
-) -> None:
-    if settings.api_token is None:
-        return
-    expected = f"Bearer {settings.api_token}"
-    if authorization is None or not secrets.compare_digest(authorization, expected):
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "send `Authorization: Bearer <SPOTRL_API_TOKEN>`")
+def get_principal(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Principal:
+    """The caller of a token in the tokens file; everyone is the admin when there is none."""
+    tokens: TokenBook | None = request.app.state.tokens
+    if tokens is None:
+        return NO_AUTH
+    principal = tokens.principal(credentials.credentials) if credentials is not None else None
+    if principal is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "send `Authorization: Bearer <token>` with a token the operator issued (`spotrl token add`)",
+            headers=UNAUTHORIZED,
+        )
+    return principal
+
+
+def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    if not principal.admin:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "this needs an admin token")
+    return principal
 
 
 BackendsDep = Annotated[Backends, Depends(get_backends)]
 CatalogDep = Annotated[PriceCatalog, Depends(get_catalog)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -7,11 +7,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from services.api.auth import TokenBook
+from services.api.body_limit import BodyLimit
 from services.api.metrics import RunCollector
-from services.api.routes import health, runs
+from services.api.routes import datasets, health, runs
+from services.api.service import InvalidCursorError, SpecFieldError
 from services.backends.state_store import IllegalTransitionError, RunNotFoundError
 from services.config import Settings, get_settings
 from services.cost.catalog import load_catalog
@@ -20,8 +24,15 @@ from services.scheduler.loop import Scheduler
 from services.wiring import open_backends
 
 
+def _short(part: object) -> object:
+    """A location part as it goes back to the client: an unknown field's name, cut short."""
+    return part[:100] if isinstance(part, str) else part
+
+
 def create_app(settings: Settings | None = None, *, with_scheduler: bool = True) -> FastAPI:
     settings = settings or get_settings()
+    # Read now, so that a bad tokens file stops the server at start with what to fix.
+    tokens = TokenBook(settings.tokens_file) if settings.tokens_file is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,24 +62,44 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
         summary="RL post-training on spot rollout GPUs and just-in-time training GPUs, with per-run cost.",
         lifespan=lifespan,
     )
+    app.state.tokens = tokens
     app.dependency_overrides[get_settings] = lambda: settings
     app.include_router(health.router)
     app.include_router(runs.router)
+    app.include_router(datasets.router)
+    app.add_middleware(
+        BodyLimit,
+        limit_for=lambda path: settings.max_dataset_bytes if path == "/v1/datasets" else settings.max_body_bytes,
+    )
 
-    # Domain errors become status codes here, and only here.
+    # Domain errors become status codes here, and only here. No response repeats what the
+    # client sent: a validation error names the field and the rule, not the value.
+    def unprocessable(loc: tuple | list, message: str, kind: str = "value_error") -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": [{"loc": list(loc), "msg": message, "type": kind}]})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = [{"loc": [_short(part) for part in e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": detail})
+
     @app.exception_handler(RunNotFoundError)
     async def _not_found(_: Request, exc: RunNotFoundError) -> JSONResponse:
-        return JSONResponse(status_code=status.HTTP_404_NOT_FOUND, content={"detail": f"no run {exc.args[0]!r}"})
+        return JSONResponse(status_code=status.HTTP_404_NOT_FOUND, content={"detail": "no such run"})
 
     @app.exception_handler(IllegalTransitionError)
     async def _conflict(_: Request, exc: IllegalTransitionError) -> JSONResponse:
         return JSONResponse(status_code=status.HTTP_409_CONFLICT, content={"detail": str(exc)})
 
+    @app.exception_handler(InvalidCursorError)
+    async def _bad_cursor(_: Request, exc: InvalidCursorError) -> JSONResponse:
+        return JSONResponse(status_code=status.HTTP_400_BAD_REQUEST, content={"detail": str(exc)})
+
+    @app.exception_handler(SpecFieldError)
+    async def _bad_field(_: Request, exc: SpecFieldError) -> JSONResponse:
+        return unprocessable(exc.loc, str(exc))
+
     @app.exception_handler(InvalidPromptsError)
     async def _bad_prompts(_: Request, exc: InvalidPromptsError) -> JSONResponse:
-        return JSONResponse(
-            status_code=422,
-            content={"detail": [{"loc": ["body", "prompts"], "msg": str(exc), "type": "value_error"}]},
-        )
+        return unprocessable(("body", "prompts"), str(exc))
 
     return app

@@ -28,6 +28,7 @@ class IterationPublic(BaseModel):
 
 class RunPublic(BaseModel):
     id: str
+    tenant: str = Field(description="The tenant whose token submitted the run.")
     name: str | None
     status: RunStatus = Field(description=" ".join(f"{s.value}: {s.meaning}" for s in RunStatus))
     status_reason: str | None
@@ -38,15 +39,34 @@ class RunPublic(BaseModel):
     samples: SampleCounts
     iterations: list[IterationPublic]
     spent_dollars: float
-    spec: RunSpec = Field(description="The run spec as submitted (defaults filled in).")
+    prompt_count: int = Field(description="Prompts in the run's prompt set.")
+    spec: RunSpec = Field(description="The run spec as submitted (defaults filled in); inline prompts read `inline` (see prompt_count).")
     last_error: str | None = Field(
         default=None,
         description="The scheduler's latest temporary or unexpected error on this run, while it retries; null once it reconciles cleanly.",
     )
 
 
+    reward_failures: int = Field(default=0, description="Reward computations that failed or timed out (each such response scored 0).")
+    last_reward_error: str | None = Field(default=None, description="Why the latest failed reward computation failed.")
+
+
 class RunsPublic(BaseModel):
     runs: list[RunPublic]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last page.")
+
+
+class DatasetPublic(BaseModel):
+    id: str
+    uri: str = Field(description="What a run spec's `prompts` names to use this prompt set.")
+    prompts: int = Field(description="Prompts in the set.")
+    bytes: int = Field(description="Size of the upload.")
+
+
+class ErrorPublic(BaseModel):
+    """Every error but a validation error (422): what went wrong and what to do."""
+
+    detail: str
 
 
 class LedgerEntryPublic(BaseModel):

@@ -1,20 +1,44 @@
-"""Run operations behind the routes: keyword-only functions over the backends, no HTTP here."""
+"""Run operations behind the routes: keyword-only functions over the backends, no HTTP here.
+
+Every function takes the caller (``Principal``): a tenant sees, lists and cancels its own runs
+only, and another tenant's run is "not found", so that its existence does not leak.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import time
 import uuid
 from dataclasses import asdict
 
-from services.api.schemas import CostPublic, IterationPublic, LedgerEntryPublic, RunPublic, SampleCounts
+from contracts.model_sources import BUILTIN_MODELS, check_model_source, check_reward_model_dir
+from services.api.auth import Principal
+from services.api.schemas import CostPublic, DatasetPublic, IterationPublic, LedgerEntryPublic, RunPublic, RunsPublic, SampleCounts
 from services.backends.state_schema import RunRow
-from services.backends.state_store import StateStore
+from services.backends.state_store import RunNotFoundError, StateStore
+from services.config import Settings
 from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
-from services.names import prompts_key
-from services.prompts import load_prompts, to_jsonl
-from services.runspec import RunSpec
+from services.names import prompts_key, tenant_object_key
+from services.prompts import INLINE, STORE_SCHEME, InvalidPromptsError, load_prompts, parse_jsonl, to_jsonl
+from services.runspec import RewardFn, RunSpec
+from services.server_paths import ServerPathError, check_server_path
 from services.wiring import Backends
+
+
+class SpecFieldError(ValueError):
+    """A run spec this server cannot take, though well formed (a path it does not allow, more
+    workers than the operator permits): the API answers 422 naming ``loc``."""
+
+    def __init__(self, loc: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+class InvalidCursorError(ValueError):
+    """A page cursor this API did not hand out (the API answers 400)."""
 
 
 def new_run_id() -> str:
@@ -22,13 +46,53 @@ def new_run_id() -> str:
     return f"run-{uuid.uuid4().hex[:10]}"
 
 
-def create_run(*, backends: Backends, spec: RunSpec) -> RunPublic:
+def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
+    """What a well-formed spec must also satisfy on this server: the operator's limits, and
+    server paths only inside ``SPOTRL_DATA_DIRS``, naming what they should."""
+    allowed = settings.allowed_data_dirs()
+    if spec.rollout.max_workers > settings.max_rollout_workers:
+        raise SpecFieldError(("body", "rollout", "max_workers"), f"this server allows at most {settings.max_rollout_workers} rollout workers per run")
+    if spec.training.processes > settings.max_training_processes:
+        raise SpecFieldError(("body", "training", "processes"), f"this server allows at most {settings.max_training_processes} training processes per job")
+    if spec.model not in BUILTIN_MODELS:
+        try:
+            check_model_source(str(check_server_path(spec.model, allowed)))
+        except ValueError as e:  # ServerPathError included; neither repeats the path
+            raise SpecFieldError(("body", "model"), str(e) if isinstance(e, ServerPathError) else "no model directory (with config.json) or .gguf file there") from None
+    for i, term in enumerate(spec.reward):
+        if term.fn == RewardFn.REWARD_MODEL and term.path:
+            try:
+                check_reward_model_dir(check_server_path(term.path, allowed))
+            except ValueError as e:
+                raise SpecFieldError(("body", "reward", str(i), "path"), str(e) if isinstance(e, ServerPathError) else "no reward model saved by `spotrl train-rm` there") from None
+
+
+def create_run(*, backends: Backends, settings: Settings, principal: Principal, spec: RunSpec) -> RunPublic:
     """Store the run's prompt set and the run (PENDING); the scheduler takes it from there."""
-    prompts = load_prompts(spec.prompts, backends.objects)
+    check_spec_for_server(spec, settings)
+    prompts = load_prompts(
+        spec.prompts, backends.objects, tenant=principal.tenant,
+        allowed_dirs=settings.allowed_data_dirs(), max_bytes=settings.max_dataset_bytes,
+    )  # fmt: skip
     run_id = new_run_id()
     backends.objects.put_bytes(prompts_key(run_id), to_jsonl(prompts))
-    row = backends.state.create_run(run_id, name=spec.name, spec=spec.model_dump(mode="json"))
+    stored = spec.model_dump(mode="json")
+    if isinstance(spec.prompts, list):
+        stored["prompts"] = INLINE  # kept beside the run (prompts_key), not in every read of it
+    row = backends.state.create_run(run_id, name=spec.name, spec=stored, tenant=principal.tenant, prompt_count=len(prompts))
     return run_public(row, state=backends.state)
+
+
+def create_dataset(*, backends: Backends, principal: Principal, data: bytes) -> DatasetPublic:
+    """Store an uploaded JSONL prompt set among the caller's objects, checked line by line."""
+    try:
+        items = parse_jsonl(data, "the upload")
+    except InvalidPromptsError as e:
+        raise SpecFieldError(("body",), str(e)) from None
+    dataset_id = uuid.uuid4().hex[:16]
+    key = f"datasets/{dataset_id}.jsonl"
+    backends.objects.put_bytes(tenant_object_key(principal.tenant, key), to_jsonl(items))
+    return DatasetPublic(id=dataset_id, uri=STORE_SCHEME + key, prompts=len(items), bytes=len(data))
 
 
 def spent_dollars(state: StateStore, run_id: str, now: float) -> float:
@@ -38,6 +102,7 @@ def spent_dollars(state: StateStore, run_id: str, now: float) -> float:
 def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
     return RunPublic(
         id=row.id,
+        tenant=row.tenant,
         name=row.name,
         status=row.status,
         status_reason=row.status_reason,
@@ -48,25 +113,57 @@ def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
         samples=SampleCounts(produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped),
         iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in state.iterations(row.id)],
         spent_dollars=spent_dollars(state, row.id, time.time()),
+        prompt_count=row.prompt_count,
         spec=RunSpec.from_stored(row.spec),
         last_error=row.last_error,
+        reward_failures=row.reward_failures,
+        last_reward_error=row.last_reward_error,
     )
 
 
-def get_run(*, backends: Backends, run_id: str) -> RunPublic:
-    return run_public(backends.state.get_run(run_id), state=backends.state)
+def _visible_run(state: StateStore, principal: Principal, run_id: str) -> RunRow:
+    row = state.get_run(run_id)
+    if not principal.sees(row.tenant):
+        raise RunNotFoundError(run_id)
+    return row
 
 
-def list_runs(*, backends: Backends) -> list[RunPublic]:
-    return [run_public(r, state=backends.state) for r in backends.state.list_runs()]
+def get_run(*, backends: Backends, principal: Principal, run_id: str) -> RunPublic:
+    return run_public(_visible_run(backends.state, principal, run_id), state=backends.state)
 
 
-def cancel_run(*, backends: Backends, run_id: str) -> RunPublic:
+def _encode_cursor(row: RunRow) -> str:
+    return base64.urlsafe_b64encode(json.dumps([row.created_at, row.id]).encode()).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        created_at, run_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        if isinstance(created_at, float | int) and isinstance(run_id, str):
+            return float(created_at), run_id
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
+        pass
+    raise InvalidCursorError("`cursor` is not one this API returned: pass `next_cursor` of the previous page")
+
+
+def list_runs(*, backends: Backends, principal: Principal, limit: int, cursor: str | None) -> RunsPublic:
+    """One page of the caller's runs (every tenant's for an admin), oldest first."""
+    after = _decode_cursor(cursor) if cursor else None
+    rows = backends.state.list_runs(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after)
+    page = rows[:limit]
+    return RunsPublic(
+        runs=[run_public(r, state=backends.state) for r in page],
+        next_cursor=_encode_cursor(page[-1]) if len(rows) > limit else None,
+    )
+
+
+def cancel_run(*, backends: Backends, principal: Principal, run_id: str) -> RunPublic:
+    _visible_run(backends.state, principal, run_id)
     return run_public(backends.state.request_cancel(run_id), state=backends.state)
 
 
-def run_cost(*, backends: Backends, catalog: PriceCatalog, run_id: str) -> CostPublic:
-    row = backends.state.get_run(run_id)
+def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str) -> CostPublic:
+    row = _visible_run(backends.state, principal, run_id)
     entries = backends.state.ledger(run_id)
     now = time.time()
     report = cost_report(

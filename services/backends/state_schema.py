@@ -14,6 +14,11 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
+# The tenant of runs submitted without tenants configured (one machine, no tokens), and of runs
+# stored before tenants existed.
+DEFAULT_TENANT = "default"
+
+
 class Base(DeclarativeBase):
     pass
 
@@ -22,7 +27,11 @@ class RunRow(Base):
     __tablename__ = "runs"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    # The tenant whose token submitted the run: only that tenant (and an admin) sees it.
+    tenant: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT)
     name: Mapped[str | None] = mapped_column(String(64))
+    # Prompts in the run's prompt set (kept in the object store; the spec shows only where they came from).
+    prompt_count: Mapped[int] = mapped_column(Integer, default=0)
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16), index=True)
     status_reason: Mapped[str | None] = mapped_column(String(500))
@@ -48,6 +57,9 @@ class RunRow(Base):
     train_launch_committed: Mapped[int] = mapped_column(Integer, default=0)
     # The scheduler's latest temporary or unexpected error on this run; cleared once it reconciles.
     last_error: Mapped[str | None] = mapped_column(String(500))
+    # Reward computations that failed or timed out (each such response scored 0), and the latest reason.
+    reward_failures: Mapped[int] = mapped_column(Integer, default=0)
+    last_reward_error: Mapped[str | None] = mapped_column(String(500))
 
 
 class IterationRow(Base):
@@ -122,7 +134,27 @@ def _m002_leases_and_stopping_statuses(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE runs DROP COLUMN cancel_requested"))
 
 
-MIGRATIONS: Sequence[Callable[[Connection], None]] = (_m001_initial, _m002_leases_and_stopping_statuses)
+def _m003_tenants_prompt_counts_reward_failures(conn: Connection) -> None:
+    """``runs.tenant`` (existing runs belong to the default tenant), ``runs.prompt_count``,
+    ``runs.reward_failures`` and ``runs.last_reward_error``. A file created fresh already has
+    them (version 1 creates the models' tables)."""
+    columns = {c["name"] for c in inspect(conn).get_columns("runs")}
+    if "tenant" not in columns:
+        conn.execute(text(f"ALTER TABLE runs ADD COLUMN tenant VARCHAR(64) NOT NULL DEFAULT '{DEFAULT_TENANT}'"))
+        conn.execute(text("CREATE INDEX ix_runs_tenant ON runs (tenant)"))
+    if "prompt_count" not in columns:
+        conn.execute(text("ALTER TABLE runs ADD COLUMN prompt_count INTEGER NOT NULL DEFAULT 0"))
+    if "reward_failures" not in columns:
+        conn.execute(text("ALTER TABLE runs ADD COLUMN reward_failures INTEGER NOT NULL DEFAULT 0"))
+    if "last_reward_error" not in columns:
+        conn.execute(text("ALTER TABLE runs ADD COLUMN last_reward_error VARCHAR(500)"))
+
+
+MIGRATIONS: Sequence[Callable[[Connection], None]] = (
+    _m001_initial,
+    _m002_leases_and_stopping_statuses,
+    _m003_tenants_prompt_counts_reward_failures,
+)
 
 
 def migrate(engine: Engine) -> int:

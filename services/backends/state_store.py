@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    and_,
     create_engine,
     delete,
     event,
@@ -27,7 +28,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
-from services.backends.state_schema import IterationRow, LeaseRow, LedgerRow, RunRow, migrate
+from services.backends.state_schema import DEFAULT_TENANT, IterationRow, LeaseRow, LedgerRow, RunRow, migrate
 
 
 class IllegalTransitionError(Exception):
@@ -89,10 +90,14 @@ class StateStore:
             yield session
 
     # --- runs ---------------------------------------------------------------------------
-    def create_run(self, run_id: str, *, name: str | None, spec: dict[str, Any]) -> RunRow:
+    def create_run(
+        self, run_id: str, *, name: str | None, spec: dict[str, Any], tenant: str = DEFAULT_TENANT, prompt_count: int = 0
+    ) -> RunRow:
         row = RunRow(
             id=run_id,
+            tenant=tenant,
             name=name,
+            prompt_count=prompt_count,
             spec=spec,
             status=RunStatus.PENDING.value,
             created_at=time.time(),
@@ -106,6 +111,7 @@ class StateStore:
             next_train_at=0.0,
             worker_slots_used=0,
             train_launch_committed=0,
+            reward_failures=0,
         )
         with self._session() as s:
             s.add(row)
@@ -118,10 +124,26 @@ class StateStore:
                 raise RunNotFoundError(run_id)
             return row
 
-    def list_runs(self, *, active_only: bool = False) -> list[RunRow]:
-        query = select(RunRow).order_by(RunRow.created_at)
+    def list_runs(
+        self,
+        *,
+        active_only: bool = False,
+        tenant: str | None = None,
+        limit: int | None = None,
+        after: tuple[float, str] | None = None,
+    ) -> list[RunRow]:
+        """Runs oldest first; of one ``tenant`` (None: all); at most ``limit``; those after the
+        (created_at, id) of ``after``, the last run of the previous page."""
+        query = select(RunRow).order_by(RunRow.created_at, RunRow.id)
         if active_only:
             query = query.where(RunRow.status.in_([s.value for s in RunStatus if not s.is_terminal()]))
+        if tenant is not None:
+            query = query.where(RunRow.tenant == tenant)
+        if after is not None:
+            created_at, run_id = after
+            query = query.where(or_(RunRow.created_at > created_at, and_(RunRow.created_at == created_at, RunRow.id > run_id)))
+        if limit is not None:
+            query = query.limit(limit)
         with self._session() as s:
             return list(s.scalars(query))
 
@@ -172,6 +194,15 @@ class StateStore:
                 raise IllegalTransitionError(f"run {run_id} is already {row.status}; there is nothing to cancel")
             reason = "cancelled before it started" if current == RunStatus.PENDING else "cancelled by the user"
             return _begin_ending(row, RunStatus.CANCELLED, reason)
+
+    def count_reward_failures(self, run_id: str, count: int, reason: str) -> None:
+        """Add ``count`` failed or timed-out reward computations to the run, with the latest reason."""
+        with self._session() as s:
+            s.execute(
+                update(RunRow)
+                .where(RunRow.id == run_id)
+                .values(reward_failures=RunRow.reward_failures + count, last_reward_error=reason[:500])
+            )
 
     # --- iterations ---------------------------------------------------------------------
     def record_iteration(self, row: IterationRow, *, samples_dropped_extra: int = 0) -> None:

@@ -1,14 +1,20 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics (plain text, not JSON)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.api.deps import BackendsDep
+from services.api.deps import BackendsDep, require_admin
+from services.api.responses import errors
 
 router = APIRouter(tags=["health"])
+
+
+def _text(description: str, media_type: str = "text/plain") -> dict:
+    return {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}
 
 
 @router.get("/healthz")
@@ -16,14 +22,17 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
-async def readyz(backends: BackendsDep, request: Request) -> Response:
+@router.get(
+    "/readyz", response_class=PlainTextResponse,
+    responses={200: _text("`ready`"), 503: _text("What is not ready, one problem per `;`.")},
+)  # fmt: skip
+async def readyz(backends: BackendsDep, request: Request) -> PlainTextResponse:
     def check() -> list[str]:
         problems = []
         try:
-            backends.state.list_runs(active_only=True)
+            backends.state.list_runs(active_only=True, limit=1)
         except Exception as e:  # readiness reports any backend failure instead of raising it
-            problems.append(f"state store: {e}")
+            problems.append(f"state store: {type(e).__name__}")  # not the message: it may hold a URL with a password
         scheduler = request.app.state.scheduler_thread
         if scheduler is not None and not scheduler.is_alive():
             problems.append("scheduler loop is not running")
@@ -31,11 +40,15 @@ async def readyz(backends: BackendsDep, request: Request) -> Response:
 
     problems = await run_in_threadpool(check)
     if problems:
-        return Response(content="; ".join(problems), status_code=503)
-    return Response(content="ready")
+        return PlainTextResponse("; ".join(problems), status_code=503)
+    return PlainTextResponse("ready")
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics", response_class=Response, dependencies=[Depends(require_admin)],
+    responses={200: _text("Prometheus text exposition.", "text/plain; version=0.0.4"), **errors(401, 403)},
+)  # fmt: skip
 async def metrics(request: Request) -> Response:
+    """Per-run operating figures (no prompts, no spec); needs an admin token when tokens are configured."""
     body = await run_in_threadpool(generate_latest, request.app.state.metrics_registry)
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)

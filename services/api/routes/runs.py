@@ -2,37 +2,47 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, status
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, status
 from fastapi.concurrency import run_in_threadpool
 
 from services.api import service
-from services.api.deps import BackendsDep, CatalogDep, require_token
+from services.api.responses import errors
+from services.api.deps import BackendsDep, CatalogDep, PrincipalDep, SettingsDep
 from services.api.schemas import CostPublic, RunPublic, RunsPublic
 from services.runspec import RunSpec
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"], dependencies=[Depends(require_token)])
+router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=errors(401))
+
+RunId = Annotated[str, Path(max_length=64, pattern=r"^run-[0-9a-f]{1,40}$", description="A run's id, `run-` and hex digits.")]
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic)
-async def create_run(spec: RunSpec, backends: BackendsDep) -> RunPublic:
-    return await run_in_threadpool(service.create_run, backends=backends, spec=spec)
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic, responses=errors(413))
+async def create_run(spec: RunSpec, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep) -> RunPublic:
+    return await run_in_threadpool(service.create_run, backends=backends, settings=settings, principal=principal, spec=spec)
 
 
-@router.get("", response_model=RunsPublic)
-async def list_runs(backends: BackendsDep) -> RunsPublic:
-    return RunsPublic(runs=await run_in_threadpool(service.list_runs, backends=backends))
+@router.get("", response_model=RunsPublic, responses=errors(400))
+async def list_runs(
+    backends: BackendsDep,
+    principal: PrincipalDep,
+    limit: Annotated[int, Query(ge=1, le=200, description="Runs per page.")] = 50,
+    cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
+) -> RunsPublic:
+    return await run_in_threadpool(service.list_runs, backends=backends, principal=principal, limit=limit, cursor=cursor)
 
 
-@router.get("/{run_id}", response_model=RunPublic)
-async def get_run(run_id: str, backends: BackendsDep) -> RunPublic:
-    return await run_in_threadpool(service.get_run, backends=backends, run_id=run_id)
+@router.get("/{run_id}", response_model=RunPublic, responses=errors(404))
+async def get_run(run_id: RunId, backends: BackendsDep, principal: PrincipalDep) -> RunPublic:
+    return await run_in_threadpool(service.get_run, backends=backends, principal=principal, run_id=run_id)
 
 
-@router.post("/{run_id}/cancel", response_model=RunPublic)
-async def cancel_run(run_id: str, backends: BackendsDep) -> RunPublic:
-    return await run_in_threadpool(service.cancel_run, backends=backends, run_id=run_id)
+@router.post("/{run_id}/cancel", response_model=RunPublic, responses=errors(404, 409))
+async def cancel_run(run_id: RunId, backends: BackendsDep, principal: PrincipalDep) -> RunPublic:
+    return await run_in_threadpool(service.cancel_run, backends=backends, principal=principal, run_id=run_id)
 
 
-@router.get("/{run_id}/cost", response_model=CostPublic)
-async def run_cost(run_id: str, backends: BackendsDep, catalog: CatalogDep) -> CostPublic:
-    return await run_in_threadpool(service.run_cost, backends=backends, catalog=catalog, run_id=run_id)
+@router.get("/{run_id}/cost", response_model=CostPublic, responses=errors(404))
+async def run_cost(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> CostPublic:
+    return await run_in_threadpool(service.run_cost, backends=backends, catalog=catalog, principal=principal, run_id=run_id)

@@ -36,10 +36,12 @@ async def test_submit_get_list(api: httpx.AsyncClient) -> None:
     assert [x["id"] for x in (await api.get("/v1/runs")).json()["runs"]] == [run["id"]]
 
 
-async def test_prompts_from_jsonl_file(api: httpx.AsyncClient, tmp_path: Path) -> None:
-    f = tmp_path / "p.jsonl"
+async def test_prompts_from_jsonl_file_in_a_data_dir(api: httpx.AsyncClient, tmp_path: Path) -> None:
+    f = tmp_path / "data" / "p.jsonl"
     f.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n')
-    assert (await api.post("/v1/runs", json=spec(prompts=str(f)))).status_code == 201
+    r = await api.post("/v1/runs", json=spec(prompts=str(f)))
+    assert r.status_code == 201, r.text
+    assert (r.json()["prompt_count"], r.json()["spec"]["prompts"]) == (2, str(f))
 
 
 @pytest.mark.parametrize(
@@ -55,7 +57,8 @@ async def test_prompts_from_jsonl_file(api: httpx.AsyncClient, tmp_path: Path) -
         ({"reward": [{"fn": "regex"}]}, "reward", "needs `pattern`"),
         ({"reward": [{"fn": "regex", "pattern": "("}]}, "reward", "not a valid regular expression"),
         ({"prompts": []}, "prompts", "at least one prompt"),
-        ({"prompts": "/nonexistent/prompts.jsonl"}, "prompts", "does not exist"),
+        ({"prompts": "/nonexistent/prompts.jsonl"}, "prompts", "SPOTRL_DATA_DIRS"),
+        ({"model": "/nonexistent/model"}, "model", "SPOTRL_DATA_DIRS"),
         ({"sampling": {"temperature": -1}}, "temperature", "greater than or equal"),
         ({"budget_dollars": 0}, "budget_dollars", "greater than 0"),
         ({"surprise": 1}, "surprise", "Extra inputs"),
@@ -72,7 +75,7 @@ async def test_invalid_spec_is_422_and_changes_nothing(api: httpx.AsyncClient, c
 
 
 async def test_bad_jsonl_line_is_named(api: httpx.AsyncClient, tmp_path: Path) -> None:
-    f = tmp_path / "p.jsonl"
+    f = tmp_path / "data" / "p.jsonl"
     f.write_text('{"prompt": "a"}\n{"question": "b"}\n')
     r = await api.post("/v1/runs", json=spec(prompts=str(f)))
     assert r.status_code == 422
@@ -80,8 +83,8 @@ async def test_bad_jsonl_line_is_named(api: httpx.AsyncClient, tmp_path: Path) -
 
 
 async def test_unknown_run_is_404(api: httpx.AsyncClient) -> None:
-    for r in (await api.get("/v1/runs/run-nope"), await api.post("/v1/runs/run-nope/cancel"),
-              await api.get("/v1/runs/run-nope/cost")):
+    for r in (await api.get("/v1/runs/run-0123456789"), await api.post("/v1/runs/run-0123456789/cancel"),
+              await api.get("/v1/runs/run-0123456789/cost")):
         assert r.status_code == 404
 
 
@@ -111,31 +114,23 @@ async def test_health_and_metrics(api: httpx.AsyncClient) -> None:
     assert (await api.get("/openapi.json")).json()["info"]["title"] == "spotrl"
 
 
-async def test_token_required_when_configured(settings, tmp_path: Path) -> None:
-    from services.api.main import create_app
-
-    app = create_app(settings.model_copy(update={"api_token": "s3cret"}), with_scheduler=False)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as c:
-            assert (await c.get("/v1/runs")).status_code == 401
-            assert (await c.get("/v1/runs", headers={"Authorization": "Bearer s3cret"})).status_code == 200
-
-
-def test_stored_spec_is_read_back_even_if_its_model_file_is_gone(tmp_path: Path) -> None:
-    from services.runspec import RunSpec
-
-    gguf = tmp_path / "m.gguf"
+async def test_a_server_path_is_checked_inside_the_data_dirs_only(api: httpx.AsyncClient, tmp_path: Path) -> None:
+    gguf = tmp_path / "data" / "m.gguf"
+    r = await api.post("/v1/runs", json=spec(model=str(gguf)))
+    assert (r.status_code, r.json()["detail"][0]["loc"]) == (422, ["body", "model"])
+    assert "no model directory" in r.json()["detail"][0]["msg"]
     gguf.write_bytes(b"GGUF")
-    stored = RunSpec.model_validate(spec(model=str(gguf))).model_dump(mode="json")
-    gguf.unlink()
-    assert RunSpec.from_stored(stored).model == str(gguf)
-    with pytest.raises(ValueError, match="not usable"):
-        RunSpec.model_validate(stored)
+    assert (await api.post("/v1/runs", json=spec(model=str(gguf)))).status_code == 201
 
 
-async def test_prompts_from_the_object_store(api: httpx.AsyncClient) -> None:
-    api.app.state.backends.objects.put_bytes("datasets/add.jsonl", b'{"prompt": "1+1", "answer": "2"}\n')
-    assert (await api.post("/v1/runs", json=spec(prompts="store://datasets/add.jsonl"))).status_code == 201
+async def test_prompts_uploaded_as_a_dataset(api: httpx.AsyncClient) -> None:
+    up = await api.post("/v1/datasets", content=b'{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": "4"}\n',
+                        headers={"Content-Type": "application/x-ndjson"})
+    assert up.status_code == 201, up.text
+    dataset = up.json()
+    assert (dataset["prompts"], dataset["uri"]) == (2, f"store://datasets/{dataset['id']}.jsonl")
+    r = await api.post("/v1/runs", json=spec(prompts=dataset["uri"]))
+    assert (r.status_code, r.json()["prompt_count"]) == (201, 2)
     r = await api.post("/v1/runs", json=spec(prompts="store://datasets/missing.jsonl"))
     assert r.status_code == 422
     assert "no object 'datasets/missing.jsonl'" in r.json()["detail"][0]["msg"]

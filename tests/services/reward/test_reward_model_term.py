@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -64,23 +65,27 @@ def test_weights_combine_model_and_rule_terms(rm_dir: Path) -> None:
     assert total_rewards(terms, []) == []
 
 
-def test_reward_term_validates_the_model_directory(rm_dir: Path, tmp_path: Path) -> None:
+def test_reward_term_needs_a_path_and_the_server_checks_what_is_there(rm_dir: Path, tmp_path: Path, settings) -> None:
+    from services.api.service import SpecFieldError, check_spec_for_server
+
     assert RewardTerm(fn="reward_model", path=str(rm_dir)).path == str(rm_dir)
     with pytest.raises(ValidationError, match="needs `path`"):
         RewardTerm(fn="reward_model")
-    with pytest.raises(ValidationError, match="not a saved reward model"):
-        RewardTerm(fn="reward_model", path=str(tmp_path))
-    spec = {
-        "model": "tiny",
-        "prompts": [{"prompt": "cat?"}],
-        "iterations": 1,
-        "batch_samples": 4,
-        "reward": [{"fn": "reward_model", "path": str(tmp_path / "gone")}],
-    }
-    with pytest.raises(ValidationError, match="not a saved reward model"):
-        RunSpec.model_validate(spec)
-    # A stored spec is re-read as it was accepted, even if the directory has since gone.
-    assert RunSpec.from_stored(spec).reward[0].path == str(tmp_path / "gone")
+
+    def spec(path: Path) -> RunSpec:
+        reward = [{"fn": "reward_model", "path": str(path)}]
+        return RunSpec.model_validate({"model": "tiny", "prompts": [{"prompt": "cat?"}], "iterations": 1, "batch_samples": 4, "reward": reward})
+
+    # The spec checks the form only: a stored spec reads back even if the directory has gone.
+    gone = spec(tmp_path / "gone")
+    assert RunSpec.from_stored(gone.model_dump(mode="json")).reward[0].path == str(tmp_path / "gone")
+    # The server checks the directory, inside the directories it allows.
+    allowing = settings.model_copy(update={"data_dirs": os.pathsep.join([str(tmp_path), str(rm_dir.parent)])})
+    check_spec_for_server(spec(rm_dir), allowing)
+    with pytest.raises(SpecFieldError, match="no reward model saved by `spotrl train-rm` there"):
+        check_spec_for_server(gone, allowing)
+    with pytest.raises(SpecFieldError, match="SPOTRL_DATA_DIRS"):
+        check_spec_for_server(spec(rm_dir), settings.model_copy(update={"data_dirs": str(tmp_path)}))
 
 
 def test_rollout_worker_scores_a_batch_through_the_cache(
