@@ -4,19 +4,30 @@ Rule rewards are pure functions of the response (text and token count) and the p
 reference answer. The `reward_model` reward scores (prompt, response) with a trained reward
 model (`trainer_core.supervised.reward_model`), loaded once per process and run over a batch at a time;
 every registered function therefore scores a batch.
+
+Failures are contained per term: a response whose reward could not be computed for a term (a
+regex pattern that timed out, a reward model that raised, a score that is not finite) gets 0.0
+for that term, and `score_batch` says which responses failed, how many computations, and why,
+so the rollout worker reports them on the run and does not cache those rewards.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from services.reward import safe_regex
+from services.reward.safe_regex import RewardError
 from trainer_core.supervised.reward_model import RewardModel
+
+log = logging.getLogger(__name__)
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -56,8 +67,9 @@ def exact_match(term: Term, response: str, n_tokens: int, answer: str | None) ->
 
 
 def regex_match(term: Term, response: str, n_tokens: int, answer: str | None) -> float:
-    """1.0 when ``term.pattern`` matches somewhere in the response (anchor it for format checks)."""
-    return float(re.search(term.pattern or "", response) is not None)
+    """1.0 when ``term.pattern`` matches somewhere in the response (anchor it for format checks),
+    as `re.search` decides; RewardTimeoutError when that takes longer than the time limit."""
+    return float(safe_regex.search(term.pattern or "", response, safe_regex.DEFAULT_TIMEOUT_S))
 
 
 def length_penalty(term: Term, response: str, n_tokens: int, answer: str | None) -> float:
@@ -81,9 +93,12 @@ def terms_fingerprint(terms: Sequence[Term]) -> str:
     for t in terms:
         d = {"fn": t.fn, "weight": t.weight, "pattern": t.pattern, "target_tokens": t.target_tokens, "path": t.path}
         if t.fn == "reward_model" and t.path:
-            d["files"] = sorted(
-                (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(t.path).iterdir() if f.is_file()
-            )
+            try:
+                d["files"] = sorted(
+                    (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(t.path).iterdir() if f.is_file()
+                )
+            except OSError:  # the model has gone: its term fails on every batch and is reported there
+                d["files"] = None
         described.append(d)
     return json.dumps(described, sort_keys=True)
 
@@ -96,16 +111,27 @@ def reward_model_scores(term: Term, inputs: Sequence[RewardInput]) -> list[float
 
 
 RuleFn = Callable[[Term, str, int, str | None], float]
-BatchRewardFn = Callable[[Term, Sequence[RewardInput]], list[float]]
+# A batch function returns, for each input, its score or the error that kept it from one; it
+# may also raise, which fails the whole batch for its term.
+BatchRewardFn = Callable[[Term, Sequence[RewardInput]], Sequence[float | RewardError]]
 
 
 def _each(rule: RuleFn) -> BatchRewardFn:
-    """A rule reward applied to each response of a batch."""
+    """A rule reward applied to each response of a batch; one response's failure is its own."""
 
-    def batch(term: Term, inputs: Sequence[RewardInput]) -> list[float]:
-        return [rule(term, i.response, i.n_tokens, i.answer) for i in inputs]
+    def batch(term: Term, inputs: Sequence[RewardInput]) -> list[float | RewardError]:
+        return [_contained(rule, term, i) for i in inputs]
 
     return batch
+
+
+def _contained(rule: RuleFn, term: Term, i: RewardInput) -> float | RewardError:
+    try:
+        return rule(term, i.response, i.n_tokens, i.answer)
+    except RewardError as e:
+        return e
+    except Exception as e:  # reward code is the run's: its failure is reported, never the worker's end
+        return RewardError(f"{type(e).__name__}: {e}")
 
 
 REWARD_FUNCTIONS: dict[str, BatchRewardFn] = {
@@ -116,14 +142,56 @@ REWARD_FUNCTIONS: dict[str, BatchRewardFn] = {
 }
 
 
-def total_rewards(terms: Sequence[Term], inputs: Sequence[RewardInput]) -> list[float]:
-    """The weighted sum of the spec's reward terms for each input; each term scores the whole
-    batch at once."""
-    if not inputs:
-        return []
+@dataclass(frozen=True)
+class Scores:
+    """A batch's rewards, and the computations that failed along the way."""
+
+    totals: list[float]  # per input, the weighted sum of its terms (0.0 for a term that failed)
+    failed: list[bool]  # per input: some term failed or timed out for it (its total is not to be cached)
+    failures: int  # failed (term, response) computations
+    reason: str | None  # why the latest one failed, prefixed with its term's fn; None when none did
+
+
+def score_batch(terms: Sequence[Term], inputs: Sequence[RewardInput]) -> Scores:
+    """The weighted sum of the spec's reward terms for each input, each term scoring the whole
+    batch at once; never raises for a reward's failure.
+
+    Example: terms [exact_match, regex] over 3 responses, the pattern timing out on the second:
+    totals are each response's exact_match score plus the regex's 1.0 where it matched (0.0 on
+    the second), failed = [False, True, False], failures = 1, and reason "regex: pattern '...'
+    did not decide a response within 0.5 s". A reward model term that raises instead fails for
+    all 3: failures = 3, failed all True.
+    """
     totals = [0.0] * len(inputs)
+    failed = [False] * len(inputs)
+    failures, reason = 0, None
+    if not inputs:
+        return Scores(totals, failed, failures, reason)
     for term in terms:
-        scores = REWARD_FUNCTIONS[term.fn](term, inputs)
-        totals = [total + term.weight * score for total, score in zip(totals, scores, strict=True)]
-    return totals
+        try:
+            scores = REWARD_FUNCTIONS[term.fn](term, inputs)
+            if len(scores) != len(inputs):
+                raise RewardError(f"returned {len(scores)} scores for {len(inputs)} responses")
+        except Exception as e:  # the whole term failed (a reward model that cannot load or run)
+            error = e if isinstance(e, RewardError) else RewardError(f"{type(e).__name__}: {e}")
+            scores = [error] * len(inputs)
+        for k, score in enumerate(scores):
+            if not isinstance(score, RewardError) and not math.isfinite(score):
+                score = RewardError(f"a score that is not finite ({score})")  # would poison the advantages
+            if isinstance(score, RewardError):
+                failed[k] = True
+                failures += 1
+                reason = f"{term.fn}: {score}"
+            else:
+                totals[k] += term.weight * score
+    return Scores(totals, failed, failures, reason)
+
+
+def total_rewards(terms: Sequence[Term], inputs: Sequence[RewardInput]) -> list[float]:
+    """`score_batch`'s totals; a failure scores 0.0 for its term and is logged (a caller that
+    reports failures on the run, or caches rewards, uses `score_batch`)."""
+    scores = score_batch(terms, inputs)
+    if scores.failures:
+        log.warning("%d reward computations failed and scored 0.0; the latest: %s", scores.failures, scores.reason)
+    return scores.totals
 

@@ -7,6 +7,10 @@ of the "rollout" group receives the uncommitted prompts once this one's session 
 On SIGTERM (a spot interruption notice, or a scale-down) the worker takes no new prompts;
 the batch in hand is finished if it can be before the grace deadline, and abandoned
 (uncommitted, so redelivered) otherwise.
+
+A reward that fails or times out for a response scores 0.0 for its term (`score_batch`): the
+sample is still produced, its reward is not cached, and the failures are counted on the run
+(`runs.reward_failures`, `runs.last_reward_error`), with a warning logged once per reason.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from services.backends.reward_cache import RewardCache, reward_cache_key
 from services.backends.state_store import StateStore
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.policy_store import load_version, policy_dir
-from services.reward.functions import RewardInput, terms_fingerprint, total_rewards
+from services.reward.functions import RewardInput, score_batch, terms_fingerprint
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.engines import make_engine
 from trainer_core.models.lora import is_adapter_dir
@@ -139,6 +143,7 @@ class RolloutWorker:
         self._policy: Policy | None = None  # the one model this worker samples from
         # Fixed for the worker's life, as its loaded reward model is (`load_reward_model`).
         self._terms_key = terms_fingerprint(spec.reward)
+        self._reward_errors_logged: set[str] = set()  # each reason is logged once; every failure is counted
         self.sampling = SamplingParams(
             temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
         )
@@ -218,7 +223,8 @@ class RolloutWorker:
         )
 
     def _score(self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int]) -> list[float]:
-        """Rewards through the shared cache: the same response to the same prompt is scored once."""
+        """Rewards through the shared cache: the same response to the same prompt is scored once.
+        A reward that failed is not cached (the failure may be transient) and is counted on the run."""
         n = self.spec.samples_per_prompt
         terms_key = self._terms_key
         keys = [
@@ -228,11 +234,20 @@ class RolloutWorker:
         cached = self.rewards.get_many(keys)
         missing = [k for k, key in enumerate(keys) if key not in cached]
         # One call for the batch: a reward model term scores all the missing responses together.
-        scores = total_rewards(
+        scores = score_batch(
             self.spec.reward,
             [RewardInput(prompts[k // n].prompt, texts[k], lengths[k], prompts[k // n].answer) for k in missing],
         )
-        fresh = {keys[k]: score for k, score in zip(missing, scores, strict=True)}
-        if fresh:
-            self.rewards.put_many(fresh)
-        return [cached[key] if key in cached else fresh[key] for key in keys]
+        if scores.failures:
+            self._report_reward_failures(scores.failures, scores.reason or "unknown")
+        fresh = dict(zip(missing, scores.totals, strict=True))
+        cacheable = {keys[k]: fresh[k] for k, failed in zip(missing, scores.failed, strict=True) if not failed}
+        if cacheable:
+            self.rewards.put_many(cacheable)
+        return [cached[key] if key in cached else fresh[k] for k, key in enumerate(keys)]
+
+    def _report_reward_failures(self, count: int, reason: str) -> None:
+        self.state.count_reward_failures(self.run_id, count, reason)
+        if reason not in self._reward_errors_logged:
+            self._reward_errors_logged.add(reason)
+            log.warning("run %s: a reward failed, scoring 0.0 (logged once per reason, each counted on the run): %s", self.run_id, reason)
