@@ -89,12 +89,12 @@ def load_prompts(
 
 
 def _read_bounded(path: Path, max_bytes: int) -> bytes:
-    if not path.is_file():  # not a directory, device or pipe (a pipe would block the reader)
-        raise InvalidPromptsError("the prompt file is not a regular file on the server (give an absolute JSONL path)")
     try:
+        if not path.is_file():  # not a directory, device or pipe (a pipe would block the reader)
+            raise InvalidPromptsError("the prompt file is not a regular file on the server (give an absolute JSONL path)")
         with path.open("rb") as f:
             data = f.read(max_bytes + 1)
-    except (OSError, ValueError):
+    except OSError:
         raise InvalidPromptsError("the prompt file cannot be read as a file on the server (give an absolute JSONL path)") from None
     if len(data) > max_bytes:
         raise InvalidPromptsError(f"the prompt file is larger than the {max_bytes}-byte limit")

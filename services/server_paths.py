@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 MAX_PATH_CHARS = 1024
+MAX_NAME_CHARS = 255  # NAME_MAX of Linux file systems: longer names fail every system call
 _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 MAX_KEY_CHARS = 512
 
@@ -25,8 +26,10 @@ class ServerPathError(ValueError):
 def check_server_path(raw: str, allowed: Sequence[Path] | None) -> Path:
     """``raw`` resolved (symbolic links followed), if it lies inside one of ``allowed``; None
     allows any path (a local command, whose user owns the machine)."""
-    if len(raw) > MAX_PATH_CHARS or any(ord(c) < 32 for c in raw):
-        raise ServerPathError(f"a server path is at most {MAX_PATH_CHARS} printable characters")
+    if len(raw) > MAX_PATH_CHARS or any(ord(c) < 32 for c in raw) or any(len(part) > MAX_NAME_CHARS for part in raw.split("/")):
+        raise ServerPathError(
+            f"a server path is at most {MAX_PATH_CHARS} printable characters, each name in it at most {MAX_NAME_CHARS}"
+        )
     path = Path(raw).expanduser() if allowed is None else Path(raw)
     if allowed is None:
         return path

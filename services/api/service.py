@@ -57,13 +57,13 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
     if spec.model not in BUILTIN_MODELS:
         try:
             check_model_source(str(check_server_path(spec.model, allowed)))
-        except ValueError as e:  # ServerPathError included; neither repeats the path
+        except (ValueError, OSError) as e:  # ServerPathError included; none repeats the path
             raise SpecFieldError(("body", "model"), str(e) if isinstance(e, ServerPathError) else "no model directory (with config.json) or .gguf file there") from None
     for i, term in enumerate(spec.reward):
         if term.fn == RewardFn.REWARD_MODEL and term.path:
             try:
                 check_reward_model_dir(check_server_path(term.path, allowed))
-            except ValueError as e:
+            except (ValueError, OSError) as e:
                 raise SpecFieldError(("body", "reward", str(i), "path"), str(e) if isinstance(e, ServerPathError) else "no reward model saved by `spotrl train-rm` there") from None
 
 

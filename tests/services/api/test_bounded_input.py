@@ -1,0 +1,217 @@
+"""What a stranger may send the API: each defect found by trying it from outside is a case here.
+No server file is read or leaked, every field is bounded and finite, no input gives a 500, and
+large things are refused before they are read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.api.main import create_app
+
+PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}]
+SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+
+
+def spec(**changes) -> dict:
+    return {"model": "tiny", "prompts": PROMPTS, "batch_samples": 8, "iterations": 2, **changes}
+
+
+async def refused(api: httpx.AsyncClient, body: dict, field: str, reason: str) -> dict:
+    r = await api.post("/v1/runs", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    json.loads(r.content, parse_constant=lambda c: pytest.fail(f"the response is not JSON: it holds {c}"))
+    detail = r.json()["detail"]
+    assert any(field in map(str, d["loc"]) and reason in d["msg"] for d in detail), detail
+    return r.json()
+
+
+@pytest.fixture
+def server_files(tmp_path: Path) -> dict[str, Path]:
+    """Files outside the data directory that no client may read, and a big one inside it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    credentials = outside / "credentials.json"
+    credentials.write_text(json.dumps({"aws_secret_access_key": SECRET}))
+    return {"credentials": credentials, "missing": outside / "nothing-here.json", "dir": outside}
+
+
+async def test_a_file_outside_the_data_dirs_is_neither_read_nor_told_apart(api: httpx.AsyncClient, server_files) -> None:
+    answers = []
+    for name in ("credentials", "missing", "dir"):
+        body = await refused(api, spec(prompts=str(server_files[name])), "prompts", "SPOTRL_DATA_DIRS")
+        answers.append(body)
+        assert SECRET not in json.dumps(body)
+    assert answers[0] == answers[1] == answers[2]  # existence does not leak
+    body = await refused(api, spec(prompts="/proc/sys/kernel/pid_max"), "prompts", "SPOTRL_DATA_DIRS")
+    assert "input" not in json.dumps(body)
+    await refused(api, spec(model=str(server_files["dir"])), "model", "SPOTRL_DATA_DIRS")
+    await refused(api, spec(model="/etc"), "model", "SPOTRL_DATA_DIRS")
+
+
+async def test_a_symlink_out_of_the_data_dir_is_refused(api: httpx.AsyncClient, tmp_path: Path, server_files) -> None:
+    link = tmp_path / "data" / "innocent.jsonl"
+    link.symlink_to(server_files["credentials"])
+    body = await refused(api, spec(prompts=str(link)), "prompts", "SPOTRL_DATA_DIRS")
+    assert SECRET not in json.dumps(body)
+
+
+async def test_a_bad_line_of_a_data_file_is_named_without_its_content(api: httpx.AsyncClient, tmp_path: Path) -> None:
+    f = tmp_path / "data" / "creds.jsonl"
+    f.write_text(json.dumps({"aws_secret_access_key": SECRET}) + "\n")
+    body = await refused(api, spec(prompts=str(f)), "prompts", "line 1")
+    assert SECRET not in json.dumps(body)
+    f.write_bytes(bytes(range(256)) * 4)  # a binary file
+    await refused(api, spec(prompts=str(f)), "prompts", "not UTF-8")
+
+
+async def test_a_file_over_the_limit_is_refused_unread(settings, tmp_path: Path) -> None:
+    big = tmp_path / "data" / "big.jsonl"
+    big.write_text('{"prompt": "x"}\n' * 10_000)  # 160 kB against a 64 kB limit
+    app = create_app(settings.model_copy(update={"max_dataset_bytes": 64 << 10}), with_scheduler=False)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
+            await refused(api, spec(prompts=str(big)), "prompts", "larger than the 65536-byte limit")
+
+
+@pytest.mark.parametrize(
+    "uri", ["store://../../etc/passwd", "store:///x", "store://", "store://a//b", "store://./x", "store://a/../b"]
+)
+async def test_object_keys_that_escape_are_422(api: httpx.AsyncClient, uri: str) -> None:
+    await refused(api, spec(prompts=uri), "prompts", "an object key is")
+
+
+async def test_another_runs_prompts_are_not_reachable_through_store(api: httpx.AsyncClient) -> None:
+    secret_prompts = [{"prompt": f"private {SECRET}", "answer": "1"}]
+    other = (await api.post("/v1/runs", json=spec(prompts=secret_prompts))).json()["id"]
+    body = await refused(api, spec(prompts=f"store://runs/{other}/prompts.jsonl"), "prompts", "no object")
+    assert SECRET not in json.dumps(body)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"model": "/" + "m" * 300}, "model"),
+        ({"prompts": "/" + "p" * 300}, "prompts"),
+        ({"model": "/data/x\u0000y"}, "model"),
+        ({"model": "/" + "m" * 2000}, "model"),
+    ],
+)
+async def test_long_or_odd_paths_are_422_not_500(api: httpx.AsyncClient, changes: dict, field: str) -> None:
+    r = await api.post("/v1/runs", json=spec(**changes))
+    assert r.status_code == 422, r.text
+    assert field in r.json()["detail"][0]["loc"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ('{"training": {"learning_rate": 1e999}}', "learning_rate"),
+        ('{"target_mean_reward": NaN, "iterations": null}', "target_mean_reward"),
+        ('{"budget_dollars": 1e999}', "budget_dollars"),
+        ('{"budget_dollars": Infinity}', "budget_dollars"),
+        ('{"reward": [{"fn": "exact_match", "weight": -Infinity}]}', "weight"),
+        ('{"batch_samples": 40000000}', "batch_samples"),
+        ('{"batch_samples": 4e12}', "batch_samples"),
+        ('{"iterations": 1e30}', "iterations"),
+        ('{"rollout": {"min_workers": 1000, "max_workers": 1000}}', "max_workers"),
+        ('{"training": {"processes": 64}}', "processes"),
+        ('{"training": {"kl_coef": 1e300}}', "kl_coef"),
+        ('{"sampling": {"max_new_tokens": 100000000}}', "max_new_tokens"),
+        ('{"name": "' + "n" * 1000 + '"}', "name"),
+    ],
+)
+async def test_every_number_is_finite_and_bounded(api: httpx.AsyncClient, raw: str, field: str) -> None:
+    body = json.dumps(spec())[:-1] + ", " + raw[1:]  # the case's fields over the base spec's
+    r = await api.post("/v1/runs", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    json.loads(r.content, parse_constant=lambda c: pytest.fail(f"the response is not JSON: it holds {c}"))
+    assert any(field in map(str, d["loc"]) for d in r.json()["detail"]), r.json()
+    assert (await api.get("/v1/runs")).json()["runs"] == []
+
+
+async def test_inline_prompts_are_bounded_and_not_echoed(api: httpx.AsyncClient) -> None:
+    await refused(api, spec(prompts=[{"prompt": "p"}] * 10_001), "prompts", "at most 10000")
+    many = [{"prompt": f"What is {i} + 1? " + "x" * 100, "answer": str(i + 1)} for i in range(10_000)]
+    r = await api.post("/v1/runs", json=spec(prompts=many))
+    assert r.status_code == 201, r.text
+    got = await api.get(f"/v1/runs/{r.json()['id']}")
+    assert (got.json()["spec"]["prompts"], got.json()["prompt_count"]) == ("inline", 10_000)
+    assert len(got.content) < 10_000  # against ~1.3 MB of prompts
+    # The set itself is kept beside the run, for the scheduler.
+    stored = api.app.state.backends.objects.get_bytes(f"runs/{r.json()['id']}/prompts.jsonl")
+    assert stored.count(b"\n") == 10_000
+
+
+async def test_a_body_over_the_limit_is_refused_before_it_is_read(settings) -> None:
+    app = create_app(settings.model_copy(update={"max_body_bytes": 64 << 10}), with_scheduler=False)
+    big = json.dumps(spec(prompts=[{"prompt": "x" * 1000}] * 100)).encode()  # ~100 kB
+
+    async def chunked():  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 8192):
+            yield big[i : i + 8192]
+
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
+            for content in (big, chunked()):
+                r = await api.post("/v1/runs", content=content, headers={"Content-Type": "application/json"})
+                assert r.status_code == 413, r.text
+                assert "65536 bytes" in r.json()["detail"]
+            assert (await api.get("/v1/runs")).json()["runs"] == []
+            small = await api.post("/v1/runs", json=spec())
+            assert small.status_code == 201
+
+
+async def test_an_upload_over_its_limit_is_413_and_a_bad_upload_422(settings) -> None:
+    app = create_app(settings.model_copy(update={"max_dataset_bytes": 4096}), with_scheduler=False)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
+            r = await api.post("/v1/datasets", content=b'{"prompt": "x"}\n' * 1000)
+            assert r.status_code == 413
+            r = await api.post("/v1/datasets", content=b'{"prompt": "x"}\n{"question": "y"}\n')
+            assert (r.status_code, r.json()["detail"][0]["loc"]) == (422, ["body"])
+            assert "line 2" in r.json()["detail"][0]["msg"]
+            r = await api.post("/v1/datasets", content=b"\xff\xfe" * 100)
+            assert r.status_code == 422
+
+
+async def test_runs_are_listed_in_pages(api: httpx.AsyncClient) -> None:
+    ids = [(await api.post("/v1/runs", json=spec(name=f"r{i}"))).json()["id"] for i in range(5)]
+    seen, cursor, pages = [], None, 0
+    while True:
+        params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        page = (await api.get("/v1/runs", params=params)).json()
+        seen += [r["id"] for r in page["runs"]]
+        pages += 1
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert (seen, pages) == (ids, 3)
+    assert (await api.get("/v1/runs", params={"cursor": "not-a-cursor"})).status_code == 400
+    assert (await api.get("/v1/runs", params={"limit": 100_000})).status_code == 422
+
+
+async def test_the_operator_bounds_pool_and_job_sizes(api: httpx.AsyncClient) -> None:
+    await refused(api, spec(rollout={"min_workers": 2, "max_workers": 65}), "max_workers", "at most 64 rollout workers")
+    await refused(api, spec(training={"processes": 9}), "processes", "at most 8 training processes")
+
+
+async def test_the_openapi_document_tells_what_each_operation_returns(api: httpx.AsyncClient) -> None:
+    doc = (await api.get("/openapi.json")).json()
+    paths = doc["paths"]
+    assert "404" in paths["/v1/runs/{run_id}"]["get"]["responses"]
+    assert {"404", "409"} <= paths["/v1/runs/{run_id}/cancel"]["post"]["responses"].keys()
+    assert "400" in paths["/v1/runs"]["get"]["responses"]
+    assert "413" in paths["/v1/runs"]["post"]["responses"]
+    assert "401" in paths["/v1/runs"]["post"]["responses"]
+    for path in ("/readyz", "/metrics"):
+        assert "application/json" not in paths[path]["get"]["responses"]["200"]["content"], path
+    assert doc["components"]["securitySchemes"]["bearer"] == {
+        "type": "http", "scheme": "bearer", "description": "A token the operator issued with `spotrl token add`."
+    }  # fmt: skip
+    assert {"bearer": []} in paths["/v1/runs"]["post"]["security"]
+    assert "application/x-ndjson" in paths["/v1/datasets"]["post"]["requestBody"]["content"]
+    assert (await api.get("/readyz")).headers["content-type"].startswith("text/plain")

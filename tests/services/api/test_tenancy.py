@@ -1,0 +1,152 @@
+"""Tenants: a token sees its tenant's runs and objects only, an admin token sees all, and no
+token appears anywhere but in the caller's own header."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from services.api.auth import TokenBook, TokensFileError, add_token, hash_token
+from services.api.main import create_app
+from services.cli import app as cli
+
+SPEC = {"model": "tiny", "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}], "batch_samples": 8, "iterations": 2}
+DATASET = b'{"prompt": "1+1", "answer": "2"}\n'
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> dict[str, str]:
+    path = tmp_path / "tokens.json"
+    return {
+        "file": str(path),
+        "acme": add_token(path, tenant="acme"),
+        "globex": add_token(path, tenant="globex"),
+        "admin": add_token(path, tenant="ops", admin=True),
+    }
+
+
+@pytest.fixture
+async def client(settings, tokens) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings.model_copy(update={"tokens_file": Path(tokens["file"])}), with_scheduler=False)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as c:
+            yield c
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_the_file_holds_hashes_only(tokens) -> None:
+    text = Path(tokens["file"]).read_text()
+    assert Path(tokens["file"]).stat().st_mode & 0o777 == 0o600
+    for who in ("acme", "globex", "admin"):
+        assert tokens[who] not in text
+        assert hash_token(tokens[who]) in text
+    assert {e["tenant"] for e in json.loads(text)["tokens"]} == {"acme", "globex", "ops"}
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer srl_wrong"}, {"Authorization": "Basic YTpi"}])
+async def test_every_route_but_health_and_docs_needs_a_token(client: httpx.AsyncClient, headers: dict) -> None:
+    for method, path in [("GET", "/v1/runs"), ("POST", "/v1/runs"), ("GET", "/v1/runs/run-0123456789"),
+                         ("POST", "/v1/runs/run-0123456789/cancel"), ("GET", "/v1/runs/run-0123456789/cost"),
+                         ("POST", "/v1/datasets"), ("GET", "/metrics")]:  # fmt: skip
+        r = await client.request(method, path, headers=headers, json=SPEC if path == "/v1/runs" else None)
+        assert r.status_code == 401, (method, path, r.text)
+        assert r.headers["www-authenticate"] == 'Bearer realm="spotrl"'
+    for path in ("/healthz", "/readyz", "/openapi.json", "/docs"):
+        assert (await client.get(path, headers=headers)).status_code == 200, path
+
+
+async def test_a_tenant_sees_its_own_runs_only(client: httpx.AsyncClient, tokens) -> None:
+    acme = (await client.post("/v1/runs", json=SPEC, headers=auth(tokens["acme"]))).json()
+    globex = (await client.post("/v1/runs", json=SPEC, headers=auth(tokens["globex"]))).json()
+    assert (acme["tenant"], globex["tenant"]) == ("acme", "globex")
+
+    for path in (f"/v1/runs/{acme['id']}", f"/v1/runs/{acme['id']}/cost"):
+        mine = await client.get(path, headers=auth(tokens["acme"]))
+        theirs = await client.get(path, headers=auth(tokens["globex"]))
+        nobody = await client.get("/v1/runs/run-0123456789" + path.removeprefix(f"/v1/runs/{acme['id']}"),
+                                  headers=auth(tokens["globex"]))  # fmt: skip
+        assert (mine.status_code, theirs.status_code) == (200, 404), path
+        assert theirs.json() == nobody.json()  # another tenant's run is as absent as a run that never was
+    r = await client.post(f"/v1/runs/{acme['id']}/cancel", headers=auth(tokens["globex"]))
+    assert r.status_code == 404
+    assert (await client.get(f"/v1/runs/{acme['id']}", headers=auth(tokens["acme"]))).json()["status"] == "PENDING"
+
+    listed = {who: [r["id"] for r in (await client.get("/v1/runs", headers=auth(tokens[who]))).json()["runs"]]
+              for who in ("acme", "globex", "admin")}  # fmt: skip
+    assert listed == {"acme": [acme["id"]], "globex": [globex["id"]], "admin": [acme["id"], globex["id"]]}
+    # An admin reads and cancels any tenant's run.
+    assert (await client.get(f"/v1/runs/{acme['id']}/cost", headers=auth(tokens["admin"]))).status_code == 200
+    r = await client.post(f"/v1/runs/{acme['id']}/cancel", headers=auth(tokens["admin"]))
+    assert (r.status_code, r.json()["status"]) == (200, "CANCELLING")
+
+
+async def test_a_tenant_reaches_its_own_datasets_only(client: httpx.AsyncClient, tokens) -> None:
+    uri = (await client.post("/v1/datasets", content=DATASET, headers=auth(tokens["acme"]))).json()["uri"]
+    mine = await client.post("/v1/runs", json={**SPEC, "prompts": uri}, headers=auth(tokens["acme"]))
+    theirs = await client.post("/v1/runs", json={**SPEC, "prompts": uri}, headers=auth(tokens["globex"]))
+    assert (mine.status_code, theirs.status_code) == (201, 422)
+    assert "no object" in theirs.json()["detail"][0]["msg"]
+
+
+async def test_metrics_are_for_admins_and_carry_no_prompts(client: httpx.AsyncClient, tokens) -> None:
+    secret_prompt = "the merger closes on friday"
+    await client.post("/v1/runs", json={**SPEC, "prompts": [{"prompt": secret_prompt}]}, headers=auth(tokens["acme"]))
+    assert (await client.get("/metrics", headers=auth(tokens["acme"]))).status_code == 403
+    text = (await client.get("/metrics", headers=auth(tokens["admin"]))).text
+    assert 'spotrl_runs{status="PENDING"} 1.0' in text
+    assert secret_prompt not in text
+
+
+async def test_no_token_is_logged_or_echoed(client: httpx.AsyncClient, tokens, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    seen = []
+    for token in (tokens["acme"], tokens["acme"] + "x", "srl_" + "y" * 43):
+        for r in (await client.get("/v1/runs", headers=auth(token)),
+                  await client.post("/v1/runs", json={**SPEC, "iterations": 0}, headers=auth(token)),
+                  await client.get("/metrics", headers=auth(token))):  # fmt: skip
+            seen.append(r.text + json.dumps(dict(r.headers)))
+        seen.append((await client.get("/metrics", headers=auth(tokens["admin"]))).text)
+        for text in seen + [caplog.text]:
+            assert token not in text
+            assert tokens["admin"] not in text
+
+
+def test_a_bad_tokens_file_says_what_to_fix_without_its_content(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.json"
+    path.write_text('{"tokens": [{"sha256": "srl_plaintext_token_by_mistake", "tenant": "acme"}]}')
+    with pytest.raises(TokensFileError, match="entry 1 .* no sha256 of 64 hex digits") as e:
+        TokenBook(path)
+    assert "srl_plaintext_token_by_mistake" not in str(e.value)
+    path.write_text(json.dumps({"tokens": [{"sha256": "0" * 64, "tenant": "Not A Tenant!"}]}))
+    with pytest.raises(TokensFileError, match="not a tenant name"):
+        TokenBook(path)
+
+
+async def test_a_token_added_to_the_file_works_without_a_restart(client: httpx.AsyncClient, tokens) -> None:
+    late = add_token(Path(tokens["file"]), tenant="initech")
+    r = await client.post("/v1/runs", json=SPEC, headers=auth(late))
+    assert (r.status_code, r.json()["tenant"]) == (201, "initech")
+
+
+def test_serve_refuses_to_listen_beyond_loopback_without_tokens(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["serve", "--host", "0.0.0.0", "--home", str(tmp_path / "home")])
+    assert result.exit_code == 2
+    assert "without tokens" in result.output and "--insecure-no-auth" in result.output
+
+
+def test_token_add_prints_the_token_once(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.json"
+    result = CliRunner().invoke(cli, ["token", "add", "--tenant", "acme", "--file", str(path)])
+    assert result.exit_code == 0, result.output
+    token = result.output.strip()
+    assert TokenBook(path).principal(token).tenant == "acme"
+    assert token not in path.read_text()
