@@ -7,7 +7,6 @@ that the README's configuration reference and ``/docs`` both show.
 
 from __future__ import annotations
 
-import re
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from contracts.model_sources import BUILTIN_MODELS
 from contracts.training import Algorithm, TrainConfig
 from services.cost.catalog import load_catalog
+from services.reward.safe_regex import check_pattern
 
 
 MAX_INLINE_PROMPTS = 10_000
@@ -72,10 +72,7 @@ class RewardTerm(BaseModel):
         if self.fn == RewardFn.REGEX:
             if not self.pattern:
                 raise ValueError("the regex reward needs `pattern`")
-            try:
-                re.compile(self.pattern)
-            except re.error as e:
-                raise ValueError(f"`pattern` is not a valid regular expression: {e}") from e
+            check_pattern(self.pattern)
         if self.fn == RewardFn.LENGTH_PENALTY and self.target_tokens is None:
             raise ValueError("the length_penalty reward needs `target_tokens`")
         if self.fn == RewardFn.REWARD_MODEL:
@@ -121,7 +118,11 @@ class RunSpec(BaseModel):
     model_config = STRICT
 
     name: str | None = Field(default=None, max_length=64, description="Free-form label shown in listings.")
-    model: str = Field(min_length=1, max_length=MAX_PATH_CHARS, description="Base policy: a local HF model directory, a .gguf file, or a built-in name (tiny, smollm2-135m).")
+    model: str = Field(
+        min_length=1, max_length=MAX_PATH_CHARS, json_schema_extra={"pattern": f"^({'|'.join(BUILTIN_MODELS)}|[/~].*)$"},
+        description="Base policy: a built-in name (tiny, smollm2-135m), or the absolute path of a HF model directory or a .gguf "
+        "file inside the server's SPOTRL_DATA_DIRS.",
+    )
     algorithm: Algorithm = Field(default=Algorithm.GRPO, description="RL algorithm: grpo or ppo (value head critic).")
     prompts: Annotated[list[PromptItem], Field(max_length=MAX_INLINE_PROMPTS)] | Annotated[str, Field(max_length=MAX_PATH_CHARS)] = Field(
         description=f"Inline list of at most {MAX_INLINE_PROMPTS} {{prompt, answer}}, a prompt set uploaded with POST /v1/datasets "

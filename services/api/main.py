@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api.auth import TokenBook
 from services.api.body_limit import BodyLimit
@@ -27,6 +28,16 @@ from services.wiring import open_backends
 def _short(part: object) -> object:
     """A location part as it goes back to the client: an unknown field's name, cut short."""
     return part[:100] if isinstance(part, str) else part
+
+
+def _methods_at(app: FastAPI, path: str) -> list[str]:
+    """Every method some route of ``app`` serves at ``path``."""
+    methods = set()
+    for route in app.router.routes:
+        regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and route_methods and regex.match(path):
+            methods |= route_methods
+    return sorted(methods)
 
 
 def create_app(settings: Settings | None = None, *, with_scheduler: bool = True) -> FastAPI:
@@ -76,6 +87,14 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
     # client sent: a validation error names the field and the rule, not the value.
     def unprocessable(loc: tuple | list, message: str, kind: str = "value_error") -> JSONResponse:
         return JSONResponse(status_code=422, content={"detail": [{"loc": list(loc), "msg": message, "type": kind}]})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == status.HTTP_405_METHOD_NOT_ALLOWED:
+            # Starlette names the methods of one route; a path is served by a route per method.
+            headers["Allow"] = ", ".join(_methods_at(app, request.url.path))
+        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -63,6 +63,18 @@ class DatasetPublic(BaseModel):
     bytes: int = Field(description="Size of the upload.")
 
 
+class FieldErrorPublic(BaseModel):
+    loc: list[str | int] = Field(description="Where: `body` and the field's path.")
+    msg: str = Field(description="The rule it breaks (never the value sent).")
+    type: str
+
+
+class ValidationErrorPublic(BaseModel):
+    """A 422: what the request breaks, field by field."""
+
+    detail: list[FieldErrorPublic]
+
+
 class ErrorPublic(BaseModel):
     """Every error but a validation error (422): what went wrong and what to do."""
 

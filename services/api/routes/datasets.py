@@ -23,7 +23,7 @@ JSONL_BODY = {
 
 
 @router.post(
-    "", status_code=status.HTTP_201_CREATED, response_model=DatasetPublic, responses=errors(413),
+    "", status_code=status.HTTP_201_CREATED, response_model=DatasetPublic, responses=errors(413, 422),
     openapi_extra={"requestBody": JSONL_BODY},
 )  # fmt: skip
 async def upload_dataset(request: Request, backends: BackendsDep, principal: PrincipalDep) -> DatasetPublic:

@@ -18,7 +18,7 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=errors(401))
 RunId = Annotated[str, Path(max_length=64, pattern=r"^run-[0-9a-f]{1,40}$", description="A run's id, `run-` and hex digits.")]
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic, responses=errors(413))
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic, responses=errors(400, 413))
 async def create_run(spec: RunSpec, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep) -> RunPublic:
     return await run_in_threadpool(service.create_run, backends=backends, settings=settings, principal=principal, spec=spec)
 
