@@ -119,7 +119,7 @@ class RunSpec(BaseModel):
 
     name: str | None = Field(default=None, max_length=64, description="Free-form label shown in listings.")
     model: str = Field(
-        min_length=1, max_length=MAX_PATH_CHARS, json_schema_extra={"pattern": f"^({'|'.join(BUILTIN_MODELS)}|[/~].*)$"},
+        min_length=1, max_length=MAX_PATH_CHARS, json_schema_extra={"pattern": f"^({'|'.join(BUILTIN_MODELS)}|.*/.*|.*[.]gguf)$"},
         description="Base policy: a built-in name (tiny, smollm2-135m), or the absolute path of a HF model directory or a .gguf "
         "file inside the server's SPOTRL_DATA_DIRS.",
     )
@@ -148,10 +148,10 @@ class RunSpec(BaseModel):
     def _check_model(cls, v: str) -> str:
         # The form only: whether a path is allowed and holds a model is the server's to check
         # (``services.api.service``), and the loaders check again.
-        if v not in BUILTIN_MODELS and not v.startswith(("/", "~")):
+        if v not in BUILTIN_MODELS and "/" not in v and not v.endswith(".gguf"):
             raise ValueError(
-                f"give a builtin model ({', '.join(BUILTIN_MODELS)}), or the absolute path of a model directory "
-                "(with config.json) or of a .gguf file"
+                f"give a builtin model ({', '.join(BUILTIN_MODELS)}), or the path of a model directory (with config.json) "
+                "or of a .gguf file (over the API: an absolute path inside SPOTRL_DATA_DIRS)"
             )
         return v
 
