@@ -18,7 +18,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPOTRL_")
 
     home: Path = Field(default=Path(".spotrl"), description="Directory holding the embedded backends' state.")
-    state_url: str | None = Field(default=None, description="SQLAlchemy URL of the state store; default: SQLite in home.")
+    state_url: str | None = Field(default=None, description="SQLAlchemy URL of the state store (postgresql+psycopg://...); default: SQLite in home.")
+    queue_url: str | None = Field(default=None, description="kafka://host:9092[,host2:9092]; default: the SQLite queue in home.")
+    reward_cache_url: str | None = Field(default=None, description="redis://host:6379/0; default: the SQLite reward cache in home.")
+    objects_url: str | None = Field(default=None, description="s3://bucket/prefix (AWS settings from the environment); default: a directory in home.")
     model_cache: Path | None = Field(default=None, description="Where converted base models are cached; default: home/models.")
     tick_seconds: float = Field(default=0.5, gt=0, description="Scheduler reconcile interval.")
     lease_seconds: float = Field(default=10.0, gt=0, description="How long the leading scheduler's lease lasts unrenewed: a standby scheduler takes over this long after the leader dies. Several ticks long, so a slow tick does not lose it.")
@@ -53,6 +56,12 @@ class Settings(BaseSettings):
             "SPOTRL_SESSION_TIMEOUT_S": str(self.session_timeout_s),
             "SPOTRL_STOP_GRACE_S": str(self.stop_grace_s),
             "SPOTRL_POD_THREADS": str(self.pod_threads),
+            **{
+                f"SPOTRL_{name.upper()}": value
+                for name, value in (("queue_url", self.queue_url), ("reward_cache_url", self.reward_cache_url),
+                                    ("objects_url", self.objects_url))  # fmt: skip
+                if value is not None
+            },
         }
 
     def resolved_state_url(self) -> str:

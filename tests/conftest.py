@@ -12,6 +12,10 @@ import torch
 from services.api.main import create_app
 from services.config import Settings
 
+# Real servers for the production adapters' tests, each started once per session on free
+# loopback ports (tests/servers/<name>.py).
+pytest_plugins: list[str] = []
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread() -> Iterator[None]:
