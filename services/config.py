@@ -37,6 +37,11 @@ class Settings(BaseSettings):
         description="Server directories a run spec may name paths in (model, prompts, reward model), separated by the OS path "
         "separator (':'); empty: no server path is accepted, prompt sets are uploaded with POST /v1/datasets.",
     )
+    reward_service_urls: str = Field(
+        default="",
+        description="URL prefixes of reward services a run's reward_model term may name (comma-separated); empty: none. "
+        "Workers send prompts and responses there, so only the operator's own services belong here.",
+    )
     max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body the API reads (a run spec); larger ones get 413 unread.")
     max_dataset_bytes: int = Field(default=64 << 20, ge=1024, description="Largest prompt set a client may upload (POST /v1/datasets) or a spec may name.")
     max_rollout_workers: int = Field(default=64, ge=1, description="Most rollout workers one run may ask for (rollout.max_workers).")

@@ -66,6 +66,11 @@ class RewardTerm(BaseModel):
     path: str | None = Field(
         default=None, max_length=MAX_PATH_CHARS, description="Directory of a reward model saved by `spotrl train-rm`, as the rollout workers see it (reward_model only)."
     )
+    url: str | None = Field(
+        default=None, max_length=2048, pattern=r"^https?://[^\s]+$",
+        description="Instead of `path`: the URL of a reward service (`spotrl reward-server`) the rollout workers reach; over the "
+        "API, one the operator allows (SPOTRL_REWARD_SERVICE_URLS) (reward_model only).",
+    )
 
     @model_validator(mode="after")
     def _check_args(self) -> RewardTerm:
@@ -76,8 +81,10 @@ class RewardTerm(BaseModel):
         if self.fn == RewardFn.LENGTH_PENALTY and self.target_tokens is None:
             raise ValueError("the length_penalty reward needs `target_tokens`")
         if self.fn == RewardFn.REWARD_MODEL:
-            if not self.path:
-                raise ValueError("the reward_model reward needs `path`, a directory saved by `spotrl train-rm`")
+            if (self.path is None) == (self.url is None):
+                raise ValueError(
+                    "the reward_model reward needs `path`, a directory saved by `spotrl train-rm`, or `url`, a reward service (one of the two)"
+                )
         return self
 
 

@@ -59,7 +59,14 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
             check_model_source(str(check_server_path(spec.model, allowed)))
         except (ValueError, OSError) as e:  # ServerPathError included; none repeats the path
             raise SpecFieldError(("body", "model"), str(e) if isinstance(e, ServerPathError) else "no model directory (with config.json) or .gguf file there") from None
+    allowed_urls = [u.strip() for u in settings.reward_service_urls.split(",") if u.strip()]
     for i, term in enumerate(spec.reward):
+        if term.url and not any(term.url.startswith(prefix) for prefix in allowed_urls):
+            raise SpecFieldError(
+                ("body", "reward", str(i), "url"),
+                "a reward service must be one the operator allows (SPOTRL_REWARD_SERVICE_URLS); none is"
+                if not allowed_urls else "a reward service must be one the operator allows (SPOTRL_REWARD_SERVICE_URLS)",
+            )
         if term.fn == RewardFn.REWARD_MODEL and term.path:
             try:
                 check_reward_model_dir(check_server_path(term.path, allowed))

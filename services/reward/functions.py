@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import httpx
+
 from services.reward import safe_regex
+from services.reward.service import model_fingerprint, remote_fingerprint, score_remote
 from services.reward.safe_regex import RewardError
 from trainer_core.supervised.reward_model import RewardModel
 
@@ -40,6 +43,7 @@ class Term(Protocol):
     pattern: str | None
     target_tokens: int | None
     path: str | None
+    url: str | None
 
 
 @dataclass(frozen=True)
@@ -87,27 +91,29 @@ def load_reward_model(path: str) -> RewardModel:
 
 def terms_fingerprint(terms: Sequence[Term]) -> str:
     """What a cached reward depends on besides the prompt and response: the terms, and for a
-    reward model the files saved at its path (a model retrained into the same directory must not
-    be served its predecessor's cached scores)."""
+    reward model its files, or those the reward service reports (a model retrained into the same
+    directory must not be served its predecessor's cached scores)."""
     described = []
     for t in terms:
-        d = {"fn": t.fn, "weight": t.weight, "pattern": t.pattern, "target_tokens": t.target_tokens, "path": t.path}
-        if t.fn == "reward_model" and t.path:
+        d = {"fn": t.fn, "weight": t.weight, "pattern": t.pattern, "target_tokens": t.target_tokens, "path": t.path, "url": t.url}
+        if t.fn == "reward_model":
             try:
-                d["files"] = sorted(
-                    (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(t.path).iterdir() if f.is_file()
-                )
-            except OSError:  # the model has gone: its term fails on every batch and is reported there
-                d["files"] = None
+                d["files"] = remote_fingerprint(t.url) if t.url else model_fingerprint(Path(t.path or ""))
+            except (OSError, httpx.HTTPError, ValueError):
+                d["files"] = None  # the model has gone or does not answer: its term fails on every batch, reported there
         described.append(d)
     return json.dumps(described, sort_keys=True)
 
 
 def reward_model_scores(term: Term, inputs: Sequence[RewardInput]) -> list[float]:
-    """The score the reward model at ``term.path`` gives each (prompt, response)."""
+    """The score the reward model at ``term.path``, or the reward service at ``term.url``, gives
+    each (prompt, response)."""
+    prompts, responses = [i.prompt for i in inputs], [i.response for i in inputs]
+    if term.url:
+        return score_remote(term.url, prompts, responses)
     if not term.path:
-        raise ValueError("the reward_model reward needs `path`")
-    return load_reward_model(term.path).score([i.prompt for i in inputs], [i.response for i in inputs])
+        raise ValueError("the reward_model reward needs `path` or `url`")
+    return load_reward_model(term.path).score(prompts, responses)
 
 
 RuleFn = Callable[[Term, str, int, str | None], float]

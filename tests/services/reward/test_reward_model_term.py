@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,67 @@ def test_the_cache_fingerprint_changes_when_the_reward_model_is_retrained(tmp_pa
     assert terms_fingerprint(terms) == before
     (tmp_path / "head.safetensors").write_bytes(b"v2 retrained")
     assert terms_fingerprint(terms) != before
+
+
+@pytest.fixture(scope="module")
+def reward_service(rm_dir: Path) -> Iterator[str]:
+    """`spotrl reward-server`'s app on a free loopback port, serving the reward model of `rm_dir`."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from services.reward.service import create_reward_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_reward_app(rm_dir), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the reward service did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_the_reward_service_scores_as_the_model_does(rm_dir: Path, reward_service: str) -> None:
+    import httpx
+
+    from services.reward.service import MAX_ITEMS, model_fingerprint
+
+    prompts, responses = ["cat?", "dog?", "sun?"], ["red yes", "red no", "tree yes"]
+    term = RewardTerm(fn="reward_model", url=reward_service)
+    inputs = [RewardInput(p, r, 2, None) for p, r in zip(prompts, responses, strict=True)]
+    remote = REWARD_FUNCTIONS["reward_model"](term, inputs)
+    assert remote == pytest.approx(RewardModel.load(rm_dir).score(prompts, responses), abs=1e-6)
+    health = httpx.get(f"{reward_service}/healthz").json()
+    assert health == {"status": "ok", "fingerprint": model_fingerprint(rm_dir)}
+    too_many = {"items": [{"prompt": "p", "response": "r"}] * (MAX_ITEMS + 1)}
+    assert httpx.post(f"{reward_service}/v1/score", json=too_many).status_code == 422
+
+
+def test_a_run_names_a_reward_service_the_operator_allows(reward_service: str, settings) -> None:
+    from services.api.service import SpecFieldError, check_spec_for_server
+
+    with pytest.raises(ValidationError, match="one of the two"):
+        RewardTerm(fn="reward_model", path="/rm", url=reward_service)
+    spec = RunSpec.model_validate({"model": "tiny", "prompts": [{"prompt": "cat?"}], "iterations": 1, "batch_samples": 4,
+                                   "reward": [{"fn": "reward_model", "url": reward_service}]})  # fmt: skip
+    with pytest.raises(SpecFieldError, match="SPOTRL_REWARD_SERVICE_URLS"):
+        check_spec_for_server(spec, settings)
+    check_spec_for_server(spec, settings.model_copy(update={"reward_service_urls": reward_service}))
+
+
+def test_the_cache_fingerprint_of_a_service_is_its_models(rm_dir: Path, reward_service: str) -> None:
+    from services.reward.functions import terms_fingerprint
+    from services.reward.service import model_fingerprint
+
+    described = json.loads(terms_fingerprint([RewardTerm(fn="reward_model", url=reward_service)]))
+    assert described[0]["files"] == model_fingerprint(rm_dir)
+    gone = json.loads(terms_fingerprint([RewardTerm(fn="reward_model", url="http://127.0.0.1:9/")]))
+    assert gone[0]["files"] is None  # nobody answers: the term fails on every batch, and is reported there
