@@ -5,14 +5,12 @@ Slow by nature (each pod is a Python process that imports torch): kept to the ti
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,13 +18,11 @@ import httpx
 import pytest
 
 from services.backends.launcher import LocalLauncher, PodPhase
-from services.backends.object_store import LocalObjectStore
 from services.backends.sqlite_queue import SqliteQueue
-from services.backends.state_store import StateStore
-from services.names import leftover_key, prompts_topic, result_key, samples_topic
-from contracts.job_result import JobResult
-from contracts.messages import PromptMessage
-from contracts.samples import decode_sample
+from services.chaos import Audit, audit_run
+from services.config import Settings
+from services.names import samples_topic
+from services.wiring import open_backends
 
 pytestmark = pytest.mark.slow
 
@@ -108,58 +104,19 @@ def tiny_spec(**changes) -> dict:
     return spec
 
 
-def assert_every_sample_accounted_for(home: Path, run: dict) -> None:
-    """Each queued sample is trained exactly once or counted as dropped; no ledger entry is open."""
-    run_id = run["id"]
-    queue = SqliteQueue(home / "queue.db")
-    objects = LocalObjectStore(home / "objects")
-    audit = queue.consumer(samples_topic(run_id), "audit", member_id="audit")
-    produced = []
-    while len(produced) < sum(queue.end_offsets(samples_topic(run_id)).values()):
-        produced += [decode_sample(r.value).sample_id for r in audit.poll(1000, timeout_s=1.0)]
-    trained: list[str] = []
-    dropped: list[str] = []
-    for it in run["iterations"]:
-        result = JobResult.from_json(objects.get_bytes(result_key(run_id, it["iteration"])))
-        trained += result.trained_ids
-        dropped += [*result.dropped.duplicate, *result.dropped.stale, *result.dropped.uneven]
-    if objects.exists(leftover_key(run_id)):
-        dropped += json.loads(objects.get_bytes(leftover_key(run_id)))["run_ended"]
-    assert len(trained) == len(set(trained)), "a sample was trained twice"
-    assert Counter(trained + dropped) == Counter(produced)
-    assert run["samples"] == {"produced": len(produced), "trained": len(trained), "dropped": len(dropped)}
-    state = StateStore(f"sqlite:///{home / 'state.db'}")
-    assert state.open_ledger_count(run_id) == 0
-    state.close()
-    queue.close()
-
-
-def assert_committed_prompts_were_generated(home: Path, run_id: str) -> None:
-    """No prompt lost: every prompt a worker committed was turned into a group of samples."""
-    queue = SqliteQueue(home / "queue.db")
-    topic = prompts_topic(run_id)
-    committed = queue.committed(topic, "rollout")
-    assert sum(committed.values()) > 0
-    done_prompts: Counter[str] = Counter()
-    audit = queue.consumer(topic, "audit", member_id="audit")
-    for _ in range(sum(queue.end_offsets(topic).values())):
-        records = audit.poll(1000, timeout_s=1.0)
-        done_prompts.update(PromptMessage.decode(r.value).prompt_id for r in records if r.offset < committed.get(r.partition, 0))
-        if not records:
-            break
-    groups: dict[str, str] = {}
-    samples = queue.consumer(samples_topic(run_id), "audit", member_id="audit")
-    n_samples = sum(queue.end_offsets(samples_topic(run_id)).values())
-    seen = 0
-    while seen < n_samples:
-        for r in samples.poll(1000, timeout_s=1.0):
-            s = decode_sample(r.value)
-            groups[s.group_id] = s.prompt_id
-            seen += 1
-    generated = Counter(groups.values())
-    assert sum(done_prompts.values()) == sum(committed.values())
-    assert all(generated[p] >= k for p, k in done_prompts.items()), (done_prompts, generated)
-    queue.close()
+def assert_guarantees_held(home: Path, run: dict) -> Audit:
+    """The run's audit (services.chaos.audit_run) finds nothing wrong: every queued sample trained
+    exactly once or counted as dropped, every committed prompt generated, no ledger entry open;
+    and the API reports the counts the stores hold."""
+    backends = open_backends(Settings(home=home))
+    try:
+        audit = audit_run(backends, run["id"])
+    finally:
+        backends.close()
+    assert audit.problems == []
+    assert run["samples"] == {"produced": audit.produced, "trained": audit.trained, "dropped": audit.dropped}
+    assert audit.prompts_committed > 0
+    return audit
 
 
 def test_run_end_to_end_over_http(served: Served) -> None:
@@ -169,7 +126,7 @@ def test_run_end_to_end_over_http(served: Served) -> None:
     assert run["status"] == "SUCCEEDED", run["status_reason"]
     assert len(run["iterations"]) >= 2
     assert run["policy_version"] == 2
-    assert_every_sample_accounted_for(served.home, run)
+    assert_guarantees_held(served.home, run)
     cost = served.client.get(f"/v1/runs/{run['id']}/cost").json()
     assert set(cost["by_role"]) == {"rollout", "training"}
     assert cost["by_capacity_type"]["spot"] > 0 and cost["by_capacity_type"]["on-demand"] > 0
@@ -208,8 +165,7 @@ def test_killed_rollout_worker_loses_no_prompt(served: Served) -> None:
     assert victim.name in [e["pod"] for e in cost["entries"]]
     assert len({e["pod"] for e in cost["entries"] if e["role"] == "rollout"}) >= 3, "the killed worker was replaced"
 
-    assert_committed_prompts_were_generated(served.home, run_id)
-    assert_every_sample_accounted_for(served.home, run)
+    assert_guarantees_held(served.home, run)  # no prompt lost among them
     queue.close()
 
 
@@ -224,5 +180,4 @@ def test_cancel_stops_pods_and_accounts_for_everything(served: Served) -> None:
     assert run["status"] == "CANCELLED"
     assert LocalLauncher(served.home / "pods").list(run_id) == []
     assert served.client.post(f"/v1/runs/{run_id}/cancel").status_code == 409
-    assert_committed_prompts_were_generated(served.home, run_id)  # workers stopped by SIGTERM
-    assert_every_sample_accounted_for(served.home, run)
+    assert_guarantees_held(served.home, run)  # workers stopped by SIGTERM lost no prompt

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
 from services.backends.launcher import PodSpec, cli_command
+from services.backends.queue import next_offsets
 from services.backends.state_schema import IterationRow, RunRow
 from services.config import Settings
 from services.cost.catalog import PriceCatalog, load_catalog
@@ -41,13 +42,24 @@ from contracts.messages import PromptMessage
 from services.runspec import RunSpec
 from services.scheduler import plan as p
 from services.scheduler.lease import Leadership
-from services.training.backlog import read_backlog, trainer_consumer
+from services.training.backlog import trainer_consumer
 from services.wiring import Backends
 from contracts.samples import decode_sample
 
 log = logging.getLogger(__name__)
 
 LOG_LINES_KEPT = 2000
+
+
+def leftover_prefix(run_id: str) -> str:
+    """Where the samples still queued when the run ended are listed, in chunks (``leftover_chunk_key``)."""
+    return leftover_key(run_id).removesuffix(".json") + "/"
+
+
+def leftover_chunk_key(run_id: str, start: int, count: int) -> str:
+    """``count`` leftover sample ids, from the trainer group's committed offsets summing to ``start``."""
+    return f"{leftover_prefix(run_id)}{start:012d}-{count}.json"
+
 # A run that keeps raising TemporaryError waits its delay doubled per failure, at most this long.
 TEMPORARY_RETRY_CAP_S = 120.0
 
@@ -164,6 +176,7 @@ class Scheduler:
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
         samples = samples_topic(row.id)
         ledger = self.b.state.ledger(row.id)
+        ended_jobs = [int(pod.labels["iteration"]) for pod in pods if pod.role == p.ROLE_TRAINING and pod.phase.is_terminal()]
         return p.Observed(
             pods=pods,
             prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
@@ -172,7 +185,9 @@ class Scheduler:
             trainer_committed=sum(self.b.queue.committed(samples, TRAINER_GROUP).values()) if started else 0,
             spent_dollars=sum(e.dollars(now) for e in ledger),
             billed=frozenset(e.pod for e in ledger),
+            open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},
             now=now,
+            published=frozenset(i for i in ended_jobs if self.b.objects.exists(result_key(row.id, i))),
         )
 
     # --- applying actions ---------------------------------------------------------------
@@ -203,6 +218,9 @@ class Scheduler:
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.BillPod(pod):
                 self._bill(pod.run_id, pod.name, pod.role, pod.instance_type, pod.capacity_type, pod.started_at)
+            case p.CloseEntry(pod, ended_at):
+                log.warning("pod %s has an open ledger entry but was never launched; closed with nothing billed", pod)
+                self.b.state.close_ledger(pod, ended_at=ended_at)
             case p.ReapPod(pod):
                 self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time())
                 # Pods and their logs go away together; keep the log where `spotrl logs` finds it.
@@ -219,25 +237,38 @@ class Scheduler:
             case p.BeginEnding(run_id, status, reason):
                 log.info("run %s ending: %s (%s)", run_id, status.value, reason)
                 self.b.state.begin_ending(run_id, status, reason)
+            case p.DropLeftovers(run_id, limit):
+                self._drop_leftovers(run_id, limit)
             case p.FinishRun(run_id, status, reason):
                 self._finish(run_id, status, reason)
 
     def _launch(self, run_id: str, name: str, role: str, args: list[str], instance_type: str,
                 capacity_type: str, labels: dict[str, str], processes: int = 1) -> None:
+        """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled.
+
+        A launch that raises closes the entry at once, with nothing billed (should the pod have
+        started after all, the next tick bills it from its start: ``BillPod``). A scheduler that
+        dies between the two leaves an open entry without a pod, which the next tick closes the
+        same way (``CloseEntry``).
+        """
         started = time.time()
-        self.b.launcher.launch(
-            PodSpec(
-                name=name,
-                run_id=run_id,
-                role=role,
-                command=cli_command(args, processes=processes),
-                env=self.settings.pod_env(),
-                instance_type=instance_type,
-                capacity_type=capacity_type,
-                labels=labels,
-            )
-        )
         self._bill(run_id, name, role, instance_type, capacity_type, started)
+        try:
+            self.b.launcher.launch(
+                PodSpec(
+                    name=name,
+                    run_id=run_id,
+                    role=role,
+                    command=cli_command(args, processes=processes),
+                    env=self.settings.pod_env(),
+                    instance_type=instance_type,
+                    capacity_type=capacity_type,
+                    labels=labels,
+                )
+            )
+        except Exception:
+            self.b.state.close_ledger(name, ended_at=started)
+            raise
 
     def _bill(self, run_id: str, name: str, role: str, instance_type: str, capacity_type: str, started: float) -> None:
         price = self.catalog.get(instance_type)
@@ -269,6 +300,7 @@ class Scheduler:
         if not self.b.objects.exists(key):
             raise PermanentError(f"training job {iteration} exited 0 without publishing {key}")
         r = JobResult.from_json(self.b.objects.get_bytes(key))
+        self._commit_trained(run_id, iteration, r)
         self.b.state.record_iteration(
             IterationRow(
                 run_id=run_id,
@@ -286,22 +318,57 @@ class Scheduler:
         )
         log.info("run %s: iteration %d done, mean reward %.3f", run_id, iteration, r.mean_reward)
 
+    def _commit_trained(self, run_id: str, iteration: int, result: JobResult) -> None:
+        """Commit the samples a published iteration trained, if its job died before committing
+        them (between writing its result and its commit): a later job must not train them again,
+        nor the run's end count them as dropped. Only forward, so recording twice changes nothing."""
+        topic = samples_topic(run_id)
+        committed = self.b.queue.committed(topic, TRAINER_GROUP)
+        ahead = {part: offset for part, offset in result.offsets.items() if offset > committed.get(part, 0)}
+        if not ahead:
+            return
+        log.warning("run %s: training job %d published v%d and ended before committing its samples; committing them",
+                    run_id, iteration, result.policy_version)
+        # No job is running (the next one starts once this iteration is recorded): joining the
+        # trainer group as its member fences no one.
+        consumer = trainer_consumer(self.b.queue, run_id)
+        try:
+            consumer.commit(ahead)
+        finally:
+            consumer.close()
+
+    def _drop_leftovers(self, run_id: str, limit: int) -> None:
+        """Count up to ``limit`` of the samples still queued as dropped: their ids go to an object
+        named by where they start (a retry after a crash rewrites the same one), then they are
+        committed, then the run's count is recomputed from what is stored (``_count_dropped``)."""
+        topic = samples_topic(run_id)
+        start = sum(self.b.queue.committed(topic, TRAINER_GROUP).values())
+        want = min(limit, sum(self.b.queue.end_offsets(topic).values()) - start)
+        consumer = trainer_consumer(self.b.queue, run_id)
+        try:
+            records: list = []
+            while len(records) < want:
+                records += consumer.poll(want - len(records), timeout_s=1.0)
+            if records:
+                ids = [decode_sample(r.value).sample_id for r in records]
+                self.b.objects.put_bytes(leftover_chunk_key(run_id, start, len(ids)),
+                                         json.dumps({"run_ended": ids}).encode())
+                consumer.commit(next_offsets(records))
+        finally:
+            consumer.close()
+        self._count_dropped(run_id)
+
+    def _count_dropped(self, run_id: str) -> None:
+        """Set the run's dropped count from what is stored: each iteration's, and the leftovers'
+        chunks (their sizes are in their names). Setting, not adding: a retry counts nothing twice."""
+        iterations = sum(it.samples_dropped for it in self.b.state.iterations(run_id))
+        leftovers = sum(int(key.rsplit("-", 1)[1].removesuffix(".json"))
+                        for key in self.b.objects.list(leftover_prefix(run_id)))
+        self.b.state.update_run(run_id, samples_dropped=iterations + leftovers)
+
     def _finish(self, run_id: str, status: RunStatus, reason: str) -> None:
-        """Count what is still queued as dropped (nobody will train it), then end the run."""
-        dropped = 0
-        if self.b.state.get_run(run_id).started_at is not None:
-            consumer = trainer_consumer(self.b.queue, run_id)
-            try:
-                records, offsets = read_backlog(self.b.queue, consumer, run_id)
-                if records:
-                    ids = [decode_sample(r.value).sample_id for r in records]
-                    self.b.objects.put_bytes(leftover_key(run_id), json.dumps({"run_ended": ids}).encode())
-                    consumer.commit(offsets)
-                    dropped = len(ids)
-            finally:
-                consumer.close()
-        run = self.b.state.get_run(run_id)
-        self.b.state.update_run(run_id, samples_dropped=run.samples_dropped + dropped)
+        """End the run: all pods are gone and nothing is left queued (``_drop_leftovers``)."""
+        self._count_dropped(run_id)
         self.b.state.set_status(run_id, status, reason)
         self._prompt_sets.pop(run_id, None)
         log.info("run %s %s: %s", run_id, status.value, reason)

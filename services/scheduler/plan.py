@@ -17,17 +17,33 @@ rollout min 1 / max 2, prompts_per_batch=2):
 7. sample backlog 8                -> LaunchTraining(2); no more prompts are needed, so the pool goes to 0
 8. training-2 Succeeded            -> RecordIteration(2), ReapPod
 9. iterations reached              -> BeginEnding(SUCCEEDED) (the run reads ENDING), StopPod for pods still alive
-10. no pods alive                  -> FinishRun(SUCCEEDED): leftover samples counted as dropped
+10. no pods alive, samples queued  -> DropLeftovers: counted as dropped, at most a bounded number per tick
+11. nothing queued                 -> FinishRun(SUCCEEDED)
 
 A cancel is the state store's doing (the run reads CANCELLING, to end CANCELLED); from then on,
-as in ENDING, ``plan`` only stops and reaps pods (a successful training job is still recorded:
-its policy version is published) and finishes the run once none is left.
+as in ENDING, ``plan`` only stops and reaps pods and finishes the run once none is left.
+
+A training job whose result is published is an iteration, whatever its pod's end: it may have
+been killed, or stopped by a cancel, after writing ``result.json`` (and perhaps after committing
+its samples). Its policy version exists and its samples were trained, so ``RecordIteration``
+(which also commits the samples the job did not get to commit); only a job that ended without
+a result failed.
+
+Work per tick is bounded: at most ``MAX_PROMPTS_PER_TICK`` prompts published and
+``MAX_LEFTOVERS_PER_TICK`` leftover samples dropped per run; the rest follows on later ticks
+(level-triggered, the next tick sees what is still missing), so one run with a huge batch does
+not hold the other runs up.
+
+The ledger is matched to the pods first, every tick: a pod without an entry (or a running one
+whose entry is closed) is billed from its start (``BillPod``), and an open entry without a pod
+is closed with nothing billed (``CloseEntry``: its scheduler died between opening the entry and
+launching the pod, which therefore never started).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
@@ -38,6 +54,12 @@ ROLE_ROLLOUT = "rollout"
 ROLE_TRAINING = "training"
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
+# Prompts one tick publishes per run (~20 ms of embedded-queue writes on 2 CPU cores, measured);
+# a run that needs more (batch_samples / samples_per_prompt beyond this) gets them over several
+# ticks: at 0.5 s a tick still ~8000 prompts a second, far more than rollout workers take.
+MAX_PROMPTS_PER_TICK = 4096
+# Leftover samples one tick reads and counts as dropped per run, once its pods are gone.
+MAX_LEFTOVERS_PER_TICK = 4096
 
 
 def retry_delay(failures: int) -> float:
@@ -74,8 +96,10 @@ class Observed:
     samples_produced: int  # every sample ever queued for the run
     spent_dollars: float
     billed: frozenset[str]  # pods with a ledger entry, open or closed
+    open_entries: Mapping[str, float]  # pod -> start of its open ledger entry (the pod listed or not)
     now: float
     trainer_committed: int = 0  # trainer-group committed offsets, summed over partitions
+    published: frozenset[int] = frozenset()  # iterations of ended training pods whose result.json exists
 
 
 # --- actions --------------------------------------------------------------------------
@@ -117,6 +141,15 @@ class BillPod:
 
 
 @dataclass(frozen=True)
+class CloseEntry:
+    """Close an open ledger entry whose pod does not exist, at its start (nothing billed): its
+    scheduler died between opening it and launching the pod."""
+
+    pod: str
+    ended_at: float
+
+
+@dataclass(frozen=True)
 class ReapPod:
     """Close the pod's ledger entry at its end time and forget it."""
 
@@ -151,8 +184,17 @@ class BeginEnding:
 
 
 @dataclass(frozen=True)
+class DropLeftovers:
+    """All pods are gone: count up to ``limit`` of the samples still queued as dropped (nobody
+    will train them), committing them."""
+
+    run_id: str
+    limit: int
+
+
+@dataclass(frozen=True)
 class FinishRun:
-    """All pods are gone: count leftover samples as dropped and set the terminal status."""
+    """All pods are gone and nothing is queued: set the terminal status."""
 
     run_id: str
     status: RunStatus
@@ -166,19 +208,34 @@ Action = (
     | LaunchTraining
     | StopPod
     | BillPod
+    | CloseEntry
     | ReapPod
     | RecordIteration
     | RecordTrainingFailure
     | RecordProgress
     | BeginEnding
+    | DropLeftovers
     | FinishRun
 )
 
 
 def plan(run: RunState, observed: Observed) -> list[Action]:
-    """Decide this tick's actions for one run: every pod billed, then its life's next step."""
-    unbilled: list[Action] = [BillPod(p) for p in observed.pods if p.name not in observed.billed]
-    return unbilled + _next_step(run, observed)
+    """Decide this tick's actions for one run: the ledger matched to the pods, then its life's next step."""
+    return _match_ledger(observed) + _next_step(run, observed)
+
+
+def _match_ledger(observed: Observed) -> list[Action]:
+    """Every pod billed while it runs, and no entry open without a pod (module docstring)."""
+    listed = {p.name for p in observed.pods}
+    actions: list[Action] = [
+        BillPod(p)
+        for p in observed.pods
+        if p.name not in observed.billed
+        # Running, yet its entries are closed: its launch raised (the entry was closed) but the pod started.
+        or (p.phase == PodPhase.RUNNING and p.name not in observed.open_entries)
+    ]
+    actions += [CloseEntry(pod, started) for pod, started in sorted(observed.open_entries.items()) if pod not in listed]
+    return actions
 
 
 def _next_step(run: RunState, observed: Observed) -> list[Action]:
@@ -198,7 +255,7 @@ def _next_step(run: RunState, observed: Observed) -> list[Action]:
 
     # Finished pods first; the next tick decides with their results recorded.
     if done:
-        return actions + _reap(run, done, observed.now)
+        return actions + _reap(run, done, observed)
 
     ending = _end_condition(run, observed)
     if ending is not None:
@@ -207,17 +264,20 @@ def _next_step(run: RunState, observed: Observed) -> list[Action]:
             actions.append(BeginEnding(run.run_id, status, reason))
         if alive:
             return actions + [StopPod(p.name) for p in alive]
+        if observed.sample_backlog > 0:
+            return actions + [DropLeftovers(run.run_id, MAX_LEFTOVERS_PER_TICK)]
         return actions + [FinishRun(run.run_id, status, reason)]
 
     return actions + _feed_and_scale(run, observed, alive)
 
 
-def _reap(run: RunState, done: Sequence[PodStatus], now: float) -> list[Action]:
+def _reap(run: RunState, done: Sequence[PodStatus], observed: Observed) -> list[Action]:
     actions: list[Action] = []
     for pod in done:
         if pod.role == ROLE_TRAINING:
             iteration = int(pod.labels["iteration"])
-            if pod.phase == PodPhase.SUCCEEDED:
+            # Published is trained, however the pod ended (killed or stopped after writing its result).
+            if pod.phase == PodPhase.SUCCEEDED or iteration in observed.published:
                 actions.append(RecordIteration(run.run_id, iteration))
             elif iteration > run.iterations_done and not run.status.is_stopping():  # not one we stopped
                 failures = run.train_failures + 1
@@ -231,7 +291,9 @@ def _reap(run: RunState, done: Sequence[PodStatus], now: float) -> list[Action]:
                         )
                     )
                 else:
-                    actions.append(RecordTrainingFailure(run.run_id, iteration, failures, now + retry_delay(failures)))
+                    actions.append(
+                        RecordTrainingFailure(run.run_id, iteration, failures, observed.now + retry_delay(failures))
+                    )
         actions.append(ReapPod(pod))
     return actions
 
@@ -277,7 +339,7 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         still_needed = max(0, spec.iterations - run.iterations_done - len(training)) * batch
         want = min(want, still_needed)
     if want > coming:
-        count = math.ceil((want - coming) / n)
+        count = min(MAX_PROMPTS_PER_TICK, math.ceil((want - coming) / n))  # the rest on later ticks
         actions.append(PublishPrompts(run.run_id, run.prompts_published, count))
         coming += count * n
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -32,7 +33,7 @@ from contracts.samples import decode_sample
 from contracts.training import Algorithm, Critic, TrainConfig
 from services.backends.object_store import ObjectStore
 from services.backends.queue import Consumer, Queue
-from services.names import result_key, trainer_prefix
+from services.names import policy_prefix, result_key, trainer_prefix
 from services.policy_store import delete_policy, fetch_policy, publish_policy
 from services.runspec import RunSpec
 from services.training.backlog import read_backlog, take_batch, trainer_consumer
@@ -339,12 +340,23 @@ def _store_trainer_state(objects: ObjectStore, state_out: str, scratch: Path, va
 
 
 def _retain(objects: ObjectStore, run_id: str, iteration: int, model_cache: Path) -> None:
-    """Delete what no later iteration reads: the previous optimizer state, and policy versions
-    beyond the last `KEEP_POLICY_VERSIONS`."""
-    if iteration > 1:
-        objects.delete_prefix(trainer_prefix(run_id, iteration - 1) + "optimizer")  # OPTIMIZER_DIR, and legacy files
-    if iteration - KEEP_POLICY_VERSIONS >= 1:
-        delete_policy(objects, run_id, iteration - KEEP_POLICY_VERSIONS, model_cache)
+    """Delete what no later iteration reads: optimizer states older than this iteration's, and
+    policy versions beyond the last `KEEP_POLICY_VERSIONS`. Every such one, not only the one
+    this iteration made old: a job killed after publishing (the scheduler records its iteration
+    all the same) never got to delete its own."""
+    for version in _stored_versions(objects, trainer_prefix(run_id, 0), "optimizer"):  # OPTIMIZER_DIR, and legacy files
+        if version < iteration:
+            objects.delete_prefix(trainer_prefix(run_id, version) + "optimizer")
+    for version in _stored_versions(objects, policy_prefix(run_id, 0)):
+        if 1 <= version <= iteration - KEEP_POLICY_VERSIONS:
+            delete_policy(objects, run_id, version, model_cache)
+
+
+def _stored_versions(objects: ObjectStore, v0_prefix: str, part: str = "") -> set[int]:
+    """The versions N with keys under the folder of `v0_prefix` with v0 replaced by vN (and then `part`)."""
+    root = v0_prefix.removesuffix("v0/")
+    pattern = re.compile(rf"{re.escape(root)}v(\d+)/{re.escape(part)}")
+    return {int(m.group(1)) for key in objects.list(root) if (m := pattern.match(key))}
 
 
 def _publish_weights(

@@ -3,20 +3,16 @@ ones are logged once and retried. A launcher that raises on cue stands in for a 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Iterator
 
 import pytest
 
 from contracts.status import RunStatus
-from services.api import service
-from services.backends.launcher import PodSpec, PodStatus
 from services.config import Settings
 from services.errors import PermanentError, TemporaryError
 from services.runspec import RunSpec
 from services.scheduler.loop import Scheduler
-from services.wiring import Backends, open_backends
+from services.wiring import Backends
 
 SPEC = RunSpec.model_validate({
     "model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}], "samples_per_prompt": 4, "batch_samples": 8,
@@ -24,36 +20,9 @@ SPEC = RunSpec.model_validate({
 })
 
 
-class ScriptedLauncher:
-    """Raises ``error`` from ``launch`` while it is set; otherwise records the pod and runs nothing."""
-
-    def __init__(self) -> None:
-        self.error: Exception | None = None
-        self.attempts: list[str] = []
-
-    def launch(self, spec: PodSpec) -> None:
-        self.attempts.append(spec.name)
-        if self.error is not None:
-            raise self.error
-
-    def list(self, run_id: str | None = None) -> list[PodStatus]:
-        return []
-
-    def stop(self, name: str, grace_s: float) -> None:
-        pass
-
-    def delete(self, name: str) -> None:
-        pass
-
-    def logs(self, name: str, tail: int = 100) -> str:
-        return ""
-
-
 @pytest.fixture
-def backends(settings: Settings) -> Iterator[Backends]:
-    b = dataclasses.replace(open_backends(settings), launcher=ScriptedLauncher())
-    yield b
-    b.close()
+def backends(scripted_backends: Backends) -> Backends:
+    return scripted_backends  # its launcher: conftest.ScriptedLauncher
 
 
 @pytest.fixture
@@ -61,22 +30,23 @@ def scheduler(backends: Backends, settings: Settings) -> Scheduler:
     return Scheduler(backends, settings)
 
 
-def started_run(backends: Backends, scheduler: Scheduler) -> str:
-    run_id = service.create_run(backends=backends, spec=SPEC).id
+@pytest.fixture
+def run_id(backends: Backends, scheduler: Scheduler, submit) -> str:
+    """A started run: the next tick launches its first worker."""
+    run_id = submit(backends, SPEC)
     scheduler.tick()  # StartRun: the next tick launches the first worker
     assert backends.state.get_run(run_id).status == RunStatus.RUNNING
     return run_id
 
 
-def test_temporary_error_backs_off_doubling_and_shows_its_reason(backends: Backends, scheduler: Scheduler,
+def test_temporary_error_backs_off_doubling_and_shows_its_reason(backends: Backends, scheduler: Scheduler, run_id: str,
                                                                  caplog: pytest.LogCaptureFixture, wait_for) -> None:
-    launcher: ScriptedLauncher = backends.launcher  # type: ignore[assignment]
-    run_id = started_run(backends, scheduler)
+    launcher = backends.launcher
     launcher.error = TemporaryError("no spot capacity in us-east-1a", delay=1.0)
     with caplog.at_level(logging.WARNING, logger="services.scheduler.loop"):
         scheduler.tick()
         assert len(launcher.attempts) == 1
-        assert service.get_run(backends=backends, run_id=run_id).last_error == "no spot capacity in us-east-1a"
+        assert backends.state.get_run(run_id).last_error == "no spot capacity in us-east-1a"
         scheduler.tick()  # within the delay: the run is left alone
         assert len(launcher.attempts) == 1
         wait_for(lambda: scheduler.tick() or len(launcher.attempts) == 2, message="the run was retried after its delay")
@@ -89,9 +59,8 @@ def test_temporary_error_backs_off_doubling_and_shows_its_reason(backends: Backe
     assert backends.state.get_run(run_id).last_error is None
 
 
-def test_permanent_error_fails_the_run_with_its_reason(backends: Backends, scheduler: Scheduler) -> None:
-    launcher: ScriptedLauncher = backends.launcher  # type: ignore[assignment]
-    run_id = started_run(backends, scheduler)
+def test_permanent_error_fails_the_run_with_its_reason(backends: Backends, scheduler: Scheduler, run_id: str) -> None:
+    launcher = backends.launcher
     launcher.error = PermanentError("instance type g6.xlarge is retired")
     scheduler.tick()
     run = backends.state.get_run(run_id)
@@ -103,10 +72,9 @@ def test_permanent_error_fails_the_run_with_its_reason(backends: Backends, sched
 
 
 def test_unexpected_error_is_logged_once_per_distinct_error_and_retried_every_tick(
-    backends: Backends, scheduler: Scheduler, caplog: pytest.LogCaptureFixture
+    backends: Backends, scheduler: Scheduler, run_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    launcher: ScriptedLauncher = backends.launcher  # type: ignore[assignment]
-    run_id = started_run(backends, scheduler)
+    launcher = backends.launcher
     launcher.error = RuntimeError("boom")
     with caplog.at_level(logging.ERROR, logger="services.scheduler.loop"):
         for _ in range(3):

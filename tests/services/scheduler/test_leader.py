@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from contracts.status import RunStatus
-from services.api import service
 from services.backends.launcher import PodPhase
 from services.config import Settings
 from services.runspec import RunSpec
@@ -66,7 +65,7 @@ def leader_pid(backends: Backends) -> int | None:
 
 
 def test_standby_takes_over_from_killed_leader_and_launches_nothing_twice(
-    backends: Backends, start_scheduler, tmp_path: Path, wait_for
+    backends: Backends, start_scheduler, tmp_path: Path, wait_for, submit
 ) -> None:
     first = start_scheduler("first")
     wait_for(lambda: leader_pid(backends) == first.pid, timeout_s=60, message="the first scheduler leads")
@@ -74,7 +73,7 @@ def test_standby_takes_over_from_killed_leader_and_launches_nothing_twice(
     wait_for(lambda: "stands by" in (tmp_path / "second.log").read_text(), timeout_s=60,
              message="the second scheduler stands by")
 
-    run_id = service.create_run(backends=backends, spec=SPEC).id
+    run_id = submit(backends, SPEC)
     wait_for(lambda: any(p.role == "training" for p in backends.launcher.list(run_id)), timeout_s=120,
              message="the first training job was launched")
     first.send_signal(signal.SIGKILL)  # mid-run, with its pods running

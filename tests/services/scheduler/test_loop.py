@@ -7,7 +7,6 @@ import time
 import pytest
 
 from contracts.status import RunStatus
-from services.api import service
 from services.config import Settings
 from services.runspec import RunSpec
 from services.scheduler.loop import Scheduler
@@ -16,7 +15,7 @@ from services.wiring import open_backends
 pytestmark = pytest.mark.slow
 
 
-def test_restarted_scheduler_resumes_and_launches_nothing_twice(settings: Settings) -> None:
+def test_restarted_scheduler_resumes_and_launches_nothing_twice(settings: Settings, submit) -> None:
     spec = RunSpec.model_validate({
         "model": "tiny",
         "prompts": [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)],
@@ -24,7 +23,7 @@ def test_restarted_scheduler_resumes_and_launches_nothing_twice(settings: Settin
         "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
     })
     first = open_backends(settings)
-    run_id = service.create_run(backends=first, spec=spec).id
+    run_id = submit(first, spec)
     scheduler = Scheduler(first, settings)
     deadline = time.monotonic() + 120
     while not any(p.role == "training" for p in first.launcher.list(run_id)):  # until training 1 is launched

@@ -11,7 +11,11 @@ from services.backends.launcher import PodPhase, PodStatus
 from services.runspec import RunSpec
 from services.scheduler.plan import (
     BeginEnding,
+    MAX_LEFTOVERS_PER_TICK,
+    MAX_PROMPTS_PER_TICK,
     BillPod,
+    CloseEntry,
+    DropLeftovers,
     FinishRun,
     LaunchTraining,
     LaunchWorker,
@@ -60,9 +64,14 @@ def pod(name: str, role: str, phase: PodPhase = PodPhase.RUNNING, exit_code: int
     )
 
 
-def seen(pods=(), prompts=0, samples=0, produced=0, spent=0.0, unbilled=()) -> Observed:
+def seen(pods=(), prompts=0, samples=0, produced=0, spent=0.0, unbilled=(), published=(), entries=None) -> Observed:
+    """Every pod billed (an open entry while it runs) but `unbilled`; `entries`: the open entries instead."""
+    billed = [p for p in pods if p not in unbilled]
+    if entries is None:
+        entries = {p.name: p.started_at for p in billed if p.phase == PodPhase.RUNNING}
     return Observed(pods=list(pods), prompt_backlog=prompts, sample_backlog=samples, samples_produced=produced,
-                    spent_dollars=spent, billed=frozenset(p.name for p in pods if p not in unbilled), now=NOW)
+                    spent_dollars=spent, billed=frozenset(p.name for p in billed) | frozenset(entries),
+                    open_entries=entries, now=NOW, published=frozenset(published))
 
 
 W0 = pod("r-rollout-0", "rollout", slot="0")
@@ -70,6 +79,8 @@ W1 = pod("r-rollout-1", "rollout", slot="1")
 T1 = pod("r-train-1", "training", iteration="1")
 T1_OK = pod("r-train-1", "training", PodPhase.SUCCEEDED, 0, iteration="1")
 T1_FAIL = pod("r-train-1", "training", PodPhase.FAILED, 1, iteration="1")
+T1_KILLED = pod("r-train-1", "training", PodPhase.FAILED, -9, iteration="1")
+T3_STOPPED = pod("r-train-3", "training", PodPhase.FAILED, -15, iteration="3")
 W0_DEAD = pod("r-rollout-0", "rollout", PodPhase.FAILED, -9, slot="0")
 CANCELLING = run(status=RunStatus.CANCELLING, prompts_published=2, worker_slots_used=1,
                  ending_status=RunStatus.CANCELLED, ending_reason="cancelled by the user")
@@ -122,7 +133,19 @@ CASES = [
      [RecordIteration("r", 1), ReapPod(T1_OK)]),
     ("cancelling: a stopped job is reaped, not counted as a failure", dataclasses.replace(CANCELLING, train_failures=1),
      seen([W0, T1_FAIL]), [ReapPod(T1_FAIL)]),
-    ("cancelling and all pods gone: cancelled", CANCELLING, seen([], samples=8),
+    # The defect of issue 10: the last job had published v3 (and maybe committed) when the cancel's
+    # SIGTERM ended it; it was reaped unrecorded, so the run reported v2 and its samples vanished.
+    ("cancelling: a job stopped after publishing its result is still an iteration",
+     dataclasses.replace(CANCELLING, iterations_done=2), seen([T3_STOPPED], published=[3]),
+     [RecordIteration("r", 3), ReapPod(T3_STOPPED)]),
+    ("a job killed between publishing and committing is an iteration, not a failure", run(),
+     seen([W0, T1_KILLED], samples=8, published=[1]), [RecordIteration("r", 1), ReapPod(T1_KILLED)]),
+    ("ending: a job that failed after publishing is an iteration",
+     run(status=RunStatus.ENDING, ending_status=RunStatus.FAILED, ending_reason="budget exhausted"),
+     seen([T1_FAIL], published=[1]), [RecordIteration("r", 1), ReapPod(T1_FAIL)]),
+    ("cancelling, pods gone, samples left: dropped a bounded chunk at a time", CANCELLING, seen([], samples=8),
+     [DropLeftovers("r", MAX_LEFTOVERS_PER_TICK)]),
+    ("cancelling, pods gone, nothing left: cancelled", CANCELLING, seen([], samples=0),
      [FinishRun("r", RunStatus.CANCELLED, "cancelled by the user")]),
     ("ending keeps its end though the budget is spent meanwhile",
      run(status=RunStatus.ENDING, iterations_done=2, ending_status=RunStatus.SUCCEEDED, ending_reason="trained 2 iterations"),
@@ -132,6 +155,13 @@ CASES = [
       FinishRun("r", RunStatus.FAILED, "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)")]),
     ("a pod its dead scheduler did not bill is billed first", run(prompts_published=2, worker_slots_used=1),
      seen([W0, T1], samples=8, unbilled=[T1]), [BillPod(T1), PublishPrompts("r", 2, 2)]),
+    ("an entry opened for a pod never launched (its scheduler died) is closed with nothing billed",
+     run(prompts_published=2, worker_slots_used=2), seen([W0], prompts=2, entries={W0.name: NOW - 10, "r-rollout-1": NOW - 3}),
+     [CloseEntry("r-rollout-1", NOW - 3)]),
+    ("a running pod whose entry was closed (its launch raised, yet it started) is billed from its start",
+     run(prompts_published=2, worker_slots_used=1), seen([W0], prompts=2, entries={}), [BillPod(W0)]),
+    ("an ended pod with a closed entry is only reaped", run(prompts_published=2, worker_slots_used=1),
+     seen([W0_DEAD], prompts=2, entries={}), [ReapPod(W0_DEAD)]),
     ("terminal run with a leftover pod: stop it, start nothing", run(status=RunStatus.SUCCEEDED), seen([W0], samples=8),
      [StopPod("r-rollout-0")]),
 ]
@@ -147,6 +177,21 @@ def test_job_that_committed_no_longer_holds_a_batch() -> None:
     state = run(prompts_published=4, worker_slots_used=1, train_launch_committed=0)
     assert plan(state, dataclasses.replace(seen([W0, T1], samples=8), trainer_committed=8)) == [StopPod("r-rollout-0")]
     assert plan(state, seen([W0, T1], samples=8)) == [PublishPrompts("r", 4, 2)]
+
+
+def test_a_huge_batch_is_published_a_bounded_chunk_per_tick() -> None:
+    # 40M samples = 10M prompts: one tick publishing them all took minutes while other runs waited.
+    huge = SPEC.model_copy(update={"batch_samples": 40_000_000})
+    first = plan(run(spec=huge), seen())
+    assert first[0] == PublishPrompts("r", 0, MAX_PROMPTS_PER_TICK)
+    # Level-triggered: the next tick sees the batch still short and publishes the next chunk.
+    later = plan(run(spec=huge, prompts_published=MAX_PROMPTS_PER_TICK, worker_slots_used=3),
+                 seen([W0, W1, pod("r-rollout-2", "rollout", slot="2")], prompts=MAX_PROMPTS_PER_TICK))
+    assert later == [PublishPrompts("r", MAX_PROMPTS_PER_TICK, MAX_PROMPTS_PER_TICK)]
+    # The last chunk is what is still missing.
+    nearly = 10_000_000 - 5
+    assert plan(run(spec=huge, prompts_published=nearly, worker_slots_used=3),
+                seen([W0, W1, pod("r-rollout-2", "rollout", slot="2")], prompts=nearly)) == [PublishPrompts("r", nearly, 5)]
 
 
 def test_target_reward_ends_run() -> None:
