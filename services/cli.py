@@ -132,17 +132,26 @@ def scheduler_command(home: HomeOption = None) -> None:
 def demo(
     model: Annotated[str, typer.Option(help="Base model: smollm2-135m, tiny, a HF directory or a .gguf file.")] = "smollm2-135m",
     summary_json: Annotated[Path | None, typer.Option("--summary-json", help="Write the run's summary here.")] = None,
+    chaos: Annotated[
+        bool,
+        typer.Option(
+            "--chaos",
+            help="During the run, SIGKILL rollout workers, a training job between publish and commit, and the scheduler "
+            "(restarted each time), then audit the run: nothing lost, trained twice or left unbilled.",
+        ),
+    ] = False,
     home: HomeOption = None,
 ) -> None:
     """Train a policy on small arithmetic with GRPO, end to end on this machine, and print the bill."""
     import time
 
+    from services.chaos import ChaosPlan
     from services.demo import run_demo
 
     # A fresh state directory per demo; converted base models are cached across demos.
     os.environ.setdefault("SPOTRL_MODEL_CACHE", str(Path(".spotrl/models").resolve()))
     home = home or Path(".spotrl") / time.strftime("demo-%Y%m%d-%H%M%S")
-    ok = run_demo(model=model, settings=_settings(home), summary_json=summary_json)
+    ok = run_demo(model=model, settings=_settings(home), summary_json=summary_json, chaos=ChaosPlan() if chaos else None)
     raise typer.Exit(0 if ok else 1)
 
 

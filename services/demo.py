@@ -3,6 +3,12 @@
 It starts the API and scheduler (embedded backends) on a free loopback port, submits a GRPO
 run over HTTP on small arithmetic with an exact-match reward, shows progress with Rich, and
 prints the cost report: what the run spent against an always-on on-demand cluster.
+
+With ``chaos`` (``spotrl demo --chaos``) the scheduler runs as its own process and
+``services.chaos.Chaos`` SIGKILLs rollout workers, a training job between publishing its
+policy and committing its samples, and the scheduler itself (restarting it) during the run;
+the demo then prints what was done and the audit of the run (``services.chaos.audit_run``), and
+succeeds only if the run did and the audit found nothing wrong.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from rich.table import Table
 from contracts.status import RunStatus
 from services.api.main import create_app
 from services.arithmetic import arithmetic_prompts
+from services.chaos import Audit, Chaos, ChaosPlan, ChaosTally, audit_run
 from services.config import Settings
+from services.wiring import open_backends
 from trainer_core.models.loading import load_policy
 
 
@@ -112,14 +120,30 @@ def _follow(client: httpx.Client, run: dict[str, Any], live: Live) -> dict[str, 
     return run
 
 
-def run_demo(*, model: str, settings: Settings, summary_json: Path | None, console: Console | None = None) -> bool:
+def chaos_settings(settings: Settings, model: str) -> Settings:
+    """Settings under which a chaos run recovers in seconds, not minutes: a dead scheduler's
+    lease and a dead worker's prompts pass on quickly (a worker's batch must still fit in its
+    session: a few seconds on the tiny model, tens on SmolLM2 on CPUs)."""
+    return settings.model_copy(update={
+        "lease_seconds": min(settings.lease_seconds, 3.0),
+        "session_timeout_s": min(settings.session_timeout_s, 10.0 if model == "tiny" else 30.0),
+        "stop_grace_s": min(settings.stop_grace_s, 10.0),
+    })
+
+
+def run_demo(*, model: str, settings: Settings, summary_json: Path | None, console: Console | None = None,
+             chaos: ChaosPlan | None = None) -> bool:
     console = console or Console()
+    if chaos is not None:
+        settings = chaos_settings(settings, model)
     settings.home.mkdir(parents=True, exist_ok=True)
     # A .gguf is dequantised once (~25 s); doing it here keeps the pods from all doing it at once.
     with console.status(f"preparing {model} (cached after the first demo)"):
         load_policy(model, cache_dir=settings.resolved_model_cache())
     port = _free_port()
-    server = _Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    # Under chaos the scheduler is a process of its own, which the monkey kills and restarts.
+    app = create_app(settings, with_scheduler=chaos is None)
+    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
@@ -131,14 +155,16 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
             response.raise_for_status()
             run = response.json()
             console.print(f"submitted {run['id']} ({model}); state in {settings.home}")
-            with Live(_progress(run), console=console, refresh_per_second=2) as live:
+            if chaos is None:
+                run = _watch(client, run, console)
+            else:
+                backends = open_backends(settings)
                 try:
-                    run = _follow(client, run, live)
-                except KeyboardInterrupt:
-                    # Pods outlive the scheduler: cancel, so that none is left running (or billed).
-                    console.print("interrupted: cancelling the run and stopping its pods ...")
-                    client.post(f"/v1/runs/{run['id']}/cancel")
-                    run = _follow(client, run, live)
+                    with Chaos(settings, backends, run["id"], chaos, log_dir=settings.home / "chaos") as monkey:
+                        run = _watch(client, run, console)
+                    tally, audit = monkey.tally, audit_run(backends, run["id"])
+                finally:
+                    backends.close()
             cost = client.get(f"/v1/runs/{run['id']}/cost").json()
     finally:
         server.should_exit = True
@@ -149,6 +175,11 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
     rewards = [it["mean_reward"] for it in run["iterations"]]
     console.print("mean reward per iteration: " + " -> ".join(f"{r:.3f}" for r in rewards))
     console.print(_cost_table(cost))
+    if chaos is not None:
+        console.print(tally.line())
+        for line in audit.lines():
+            console.print(line, style="bold red" if line.startswith("PROBLEM") else None, markup=False)
+        console.print("audit: every guarantee held" if audit.ok else "audit: guarantees broken (above)")
     if summary_json is not None:
         summary = {
             "run_id": run["id"],
@@ -159,5 +190,32 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
             ],
             "cost": {"total_dollars": cost["total_dollars"], "always_on_dollars": cost["always_on_dollars"]},
         }
+        if chaos is not None:
+            summary["chaos"] = _chaos_summary(tally, audit)
         summary_json.write_text(json.dumps(summary, indent=2))
-    return run["status"] == "SUCCEEDED"
+    return run["status"] == "SUCCEEDED" and (chaos is None or audit.ok)
+
+
+def _watch(client: httpx.Client, run: dict[str, Any], console: Console) -> dict[str, Any]:
+    """Show the run live until it ends; on Ctrl-C, cancel it and show it stopping."""
+    with Live(_progress(run), console=console, refresh_per_second=2) as live:
+        try:
+            return _follow(client, run, live)
+        except KeyboardInterrupt:
+            # Pods outlive the scheduler: cancel, so that none is left running (or billed).
+            console.print("interrupted: cancelling the run and stopping its pods ...")
+            client.post(f"/v1/runs/{run['id']}/cancel")
+            return _follow(client, run, live)
+
+
+def _chaos_summary(tally: ChaosTally, audit: Audit) -> dict[str, Any]:
+    return {
+        "worker_kills": len(tally.worker_kills),
+        "training_kills_between_publish_and_commit": tally.training_kills,
+        "scheduler_kills": tally.scheduler_kills,
+        "scheduler_stops": tally.scheduler_stops,
+        "samples": {"produced": audit.produced, "trained": audit.trained, "dropped": audit.dropped},
+        "policy_versions": audit.policy_versions,
+        "ledger": {"entries": audit.ledger_entries, "open": audit.open_entries},
+        "problems": audit.problems,
+    }

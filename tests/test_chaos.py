@@ -1,0 +1,75 @@
+"""Chaos during a real run: the tiny model, real pods, the scheduler as its own process, and
+``services.chaos.Chaos`` SIGKILLing rollout workers, a training job between publishing and
+committing, and the scheduler (restarted each time). Then ``audit_run``, the same audit as
+`spotrl demo --chaos`, must find every guarantee kept.
+
+Slow by nature (each pod is a Python process that imports torch): kept to the tiny model and
+four short iterations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.backends.launcher import PodPhase
+from services.chaos import Chaos, ChaosPlan, ChaosTally, audit_run
+from services.config import Settings
+from services.wiring import open_backends
+
+pytestmark = pytest.mark.slow
+
+SPEC = {
+    "model": "tiny",
+    "prompts": [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)],
+    "samples_per_prompt": 4,
+    "sampling": {"max_new_tokens": 8},
+    "batch_samples": 16,
+    "iterations": 4,
+    "rollout": {"min_workers": 2, "max_workers": 2, "prompts_per_batch": 2},
+    "training": {"learning_rate": 1e-3, "micro_batch": 8},
+}
+PLAN = ChaosPlan(worker_kills=2, training_kills=1, scheduler_restarts=2, pause_s=2.5)
+
+
+async def test_a_run_under_chaos_loses_nothing_trains_nothing_twice_and_bills_everything(
+    api: httpx.AsyncClient, settings: Settings, tmp_path: Path
+) -> None:
+    response = await api.post("/v1/runs", json=SPEC)
+    assert response.status_code == 201, response.text
+    run_id = response.json()["id"]
+    backends = open_backends(settings)
+    try:
+        def under_chaos() -> tuple[ChaosTally, bool]:
+            with Chaos(settings, backends, run_id, PLAN, log_dir=tmp_path / "chaos") as chaos:
+                ended = chaos.wait(timeout_s=240)
+            return chaos.tally, ended
+
+        tally, ended = await asyncio.to_thread(under_chaos)
+        assert ended, f"the run did not end: {backends.state.get_run(run_id).status}; {tally.line()}"
+        audit = audit_run(backends, run_id)
+        print(tally.line(), *audit.lines(), sep="\n")  # shown with -s, and on failure
+        trainer_keys = backends.objects.list(f"runs/{run_id}/trainer/")
+    finally:
+        for pod in backends.launcher.list():  # nothing of ours is left running
+            if pod.phase == PodPhase.RUNNING and pod.pid:
+                os.kill(pod.pid, signal.SIGKILL)
+        backends.close()
+
+    assert audit.problems == []
+    assert audit.status == "SUCCEEDED"
+    assert audit.policy_versions == [1, 2, 3, 4] and audit.policy_version == 4
+    assert audit.produced == audit.trained + audit.dropped  # audited by id above; the totals, for the reader
+    # Each kind of disruption happened, for real.
+    assert len(tally.training_kills) == 1, tally.line()
+    assert len(tally.worker_kills) >= 1, tally.line()
+    assert tally.scheduler_kills >= 1 and tally.scheduler_starts >= 2, tally.line()
+    # A killed job's clean-up (its predecessor's optimizer state) is done by the next job: at most the last two remain.
+    optimizer_versions = {int(m.group(1)) for k in trainer_keys if (m := re.search(r"/v(\d+)/optimizer", k))}
+    assert optimizer_versions <= {3, 4}, optimizer_versions
