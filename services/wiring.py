@@ -35,7 +35,21 @@ def open_queue(url: str | None, home: Path) -> Queue:
 
 
 def open_reward_cache(url: str | None, home: Path) -> RewardCache:
-    return SqliteRewardCache(home / "reward-cache.db")
+    """``redis://`` or ``rediss://`` (TLS): Redis; unset: the SQLite cache in ``home``."""
+    if not url:
+        return SqliteRewardCache(home / "reward-cache.db")
+    from services.backends.redis_reward_cache import SCHEMES, RedisRewardCache
+
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in SCHEMES:
+        return RedisRewardCache(url)
+    # Name the scheme only when it looks like one: the value may hold a password.
+    looks_like_one = scheme.isascii() and scheme.isalnum() and len(scheme) <= 16
+    given = f"scheme {scheme!r}" if looks_like_one else "a value that is not such a URL"
+    raise ValueError(
+        f"SPOTRL_REWARD_CACHE_URL accepts redis://host:port/db or rediss://host:port/db (TLS), or unset for the "
+        f"SQLite cache in SPOTRL_HOME; got {given}"
+    )
 
 
 def open_object_store(url: str | None, home: Path) -> ObjectStore:

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from services.backends.redis_reward_cache import RedisRewardCache
 from services.backends.reward_cache import (
     InProcessRewardCache,
     RewardCache,
@@ -16,16 +18,19 @@ from services.backends.reward_cache import (
     reward_cache_key,
 )
 
-# adapter name -> (a folder for its state) -> a new client on the same backing store
-ADAPTERS: dict[str, Callable[[Path], RewardCache]] = {
-    "in-process": lambda root: InProcessRewardCache(),
-    "sqlite": lambda root: SqliteRewardCache(root / "rewards.db"),
+# adapter name -> (a folder for its state, a getter of fixture values) -> a new client on an
+# empty backing store; a real server's adapter takes its URL from that server's fixture
+# (tests/servers/), which empties the server for each test.
+ADAPTERS: dict[str, Callable[[Path, Callable[[str], Any]], RewardCache]] = {
+    "in-process": lambda root, fixture: InProcessRewardCache(),
+    "sqlite": lambda root, fixture: SqliteRewardCache(root / "rewards.db"),
+    "redis": lambda root, fixture: RedisRewardCache(fixture("redis_url")),
 }
 
 
 @pytest.fixture(params=sorted(ADAPTERS))
 def cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RewardCache]:
-    client = ADAPTERS[request.param](tmp_path)
+    client = ADAPTERS[request.param](tmp_path, request.getfixturevalue)
     yield client
     client.close()
 
