@@ -288,11 +288,12 @@ class ChaosTally:
 
 
 class Chaos:
-    """The scheduler as a child process, and a thread breaking things while ``run_id`` runs.
+    """The scheduler as a child process, and two threads breaking things while ``run_id`` runs:
+    one kills workers and the scheduler by turns, one watches for training jobs publishing.
 
-    ``with Chaos(settings, backends, run_id, plan, log_dir) as chaos:`` starts both; leaving the
+    ``with Chaos(settings, backends, run_id, plan, log_dir) as chaos:`` starts them; leaving the
     block stops the monkey, then the scheduler (SIGTERM). ``chaos.tally`` says what was done.
-    The monkey stops by itself once the run has ended.
+    The monkey stops by itself once the run has ended; the scheduler's logs go to ``log_dir``.
     """
 
     def __init__(self, settings: Settings, backends: Backends, run_id: str, plan: ChaosPlan, log_dir: Path) -> None:
@@ -329,6 +330,8 @@ class Chaos:
         for thread in self._threads:
             thread.join(timeout=_LOCK_HOLD_MAX_S + 60)
         self._end_scheduler(signal.SIGTERM, count=False)
+        if self._scheduler_log is not None:
+            self._scheduler_log.close()
         if self._error is not None and exc[0] is None:
             raise RuntimeError("the chaos monkey failed") from self._error
 

@@ -348,7 +348,10 @@ class Scheduler:
         try:
             records: list = []
             while len(records) < want:
-                records += consumer.poll(want - len(records), timeout_s=1.0)
+                polled = consumer.poll(want - len(records), timeout_s=1.0)
+                if not polled:  # never expected (this is the group's only member): the next tick goes on
+                    break
+                records += polled
             if records:
                 ids = [decode_sample(r.value).sample_id for r in records]
                 self.b.objects.put_bytes(leftover_chunk_key(run_id, start, len(ids)),

@@ -203,3 +203,26 @@ def test_one_tick_publishes_a_bounded_chunk_of_a_huge_batch_and_reconciles_the_o
         assert b.launcher.running(small, "rollout")
     assert published == [MAX_PROMPTS_PER_TICK, 2 * MAX_PROMPTS_PER_TICK, 3 * MAX_PROMPTS_PER_TICK, 3 * MAX_PROMPTS_PER_TICK]
     assert b.state.get_run(huge).prompts_published == 3 * MAX_PROMPTS_PER_TICK
+
+
+def test_leftovers_at_the_end_are_dropped_a_bounded_chunk_per_tick(
+    scripted_backends: Backends, settings: Settings, submit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.scheduler import plan
+
+    monkeypatch.setattr(plan, "MAX_LEFTOVERS_PER_TICK", 8)
+    b = scripted_backends
+    scheduler = Scheduler(b, settings)
+    run_id = submit(b, SPEC.model_copy(update={"batch_samples": 400}))  # never trains: everything is left over
+    scheduler.tick()
+    produce(b, run_id, 5)  # 20 samples
+    scheduler.tick()
+    b.state.request_cancel(run_id)
+    dropped = []
+    for _ in range(8):
+        scheduler.tick()
+        dropped.append(b.state.get_run(run_id).samples_dropped)
+    run = b.state.get_run(run_id)
+    assert run.status == RunStatus.CANCELLED
+    assert dropped[:5] == [0, 0, 8, 16, 20]  # stop the worker; reap it; then 8 a tick
+    assert audit_run(b, run_id).problems == []
