@@ -271,6 +271,26 @@ def train_rm(
     typer.echo(f"pairwise accuracy {metrics['rm/accuracy']:.3f}{held_out}; reward model in {out}")
 
 
+@app.command("reward-server")
+def reward_server(
+    model: Annotated[Path, typer.Option("--model", help="Directory of a reward model saved by `spotrl train-rm`.")],
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+) -> None:
+    """Serve a reward model over HTTP: a run's reward_model term names its URL instead of a path."""
+    import uvicorn
+
+    from contracts.model_sources import check_reward_model_dir
+    from services.reward.service import create_reward_app
+
+    try:
+        check_reward_model_dir(model)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from None
+    _logging()
+    uvicorn.run(create_reward_app(model), host=host, port=port, log_level="info")
+
+
 @contextmanager
 def _pod(run_id: str) -> Iterator[tuple[Settings, Backends, RunSpec]]:
     """What every pod starts with: logging, its torch threads, the backends and the run's spec."""

@@ -14,6 +14,7 @@ succeeds only if the run did and the audit found nothing wrong.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from contracts.model_sources import BUILTIN_MODELS
 from contracts.status import RunStatus
 from services.api.main import create_app
 from services.arithmetic import arithmetic_prompts
@@ -136,6 +138,10 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
     console = console or Console()
     if chaos is not None:
         settings = chaos_settings(settings, model)
+    if model not in BUILTIN_MODELS:
+        # The demo's user names a model on this machine: the demo's own API allows its directory.
+        model = str(Path(model).expanduser().resolve())
+        settings = settings.model_copy(update={"data_dirs": os.pathsep.join(filter(None, [settings.data_dirs, str(Path(model).parent)]))})
     settings.home.mkdir(parents=True, exist_ok=True)
     # A .gguf is dequantised once (~25 s); doing it here keeps the pods from all doing it at once.
     with console.status(f"preparing {model} (cached after the first demo)"):
