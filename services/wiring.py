@@ -53,7 +53,21 @@ def open_reward_cache(url: str | None, home: Path) -> RewardCache:
 
 
 def open_object_store(url: str | None, home: Path) -> ObjectStore:
-    return LocalObjectStore(home / "objects")
+    """``s3://bucket/prefix``: S3 or an S3-compatible service (AWS settings from the environment);
+    unset (or blank): a directory in ``home``."""
+    if url is None or not url.strip():
+        return LocalObjectStore(home / "objects")
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme == "s3":
+        from services.backends.s3_object_store import S3ObjectStore  # boto3 loads only where S3 is used
+
+        return S3ObjectStore.from_url(url)
+    # Only the scheme is echoed, and only when it looks like one: the value may hold a secret.
+    given = f"scheme {scheme!r}" if scheme.isascii() and scheme.isalnum() and len(scheme) <= 16 else "no URL scheme"
+    raise ValueError(
+        f"SPOTRL_OBJECTS_URL accepts s3://bucket/prefix (S3 or an S3-compatible service, AWS settings from the"
+        f" environment), or unset for a directory in SPOTRL_HOME; got {given}"
+    )
 
 
 def open_backends(settings: Settings) -> Backends:

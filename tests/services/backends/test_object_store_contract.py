@@ -1,4 +1,10 @@
-"""The contract every ObjectStore adapter passes; production adapters join ADAPTERS."""
+"""The contract every ObjectStore adapter passes; production adapters join ADAPTERS.
+
+Beyond each method's own: a policy version is published as files, then a marker that says so
+(``services.names.result_key``), and read only once the marker is there. That holds because
+``upload_dir`` returns only once every file is stored, and a new client sees what was stored
+(``test_a_marker_put_after_upload_dir_is_seen_with_every_file``).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +15,24 @@ from pathlib import Path
 import pytest
 
 from services.backends.object_store import LocalObjectStore, ObjectNotFoundError, ObjectStore
+from services.backends.s3_object_store import S3ObjectStore
 
-# adapter name -> (a folder for its state) -> a client
-ADAPTERS: dict[str, Callable[[Path], ObjectStore]] = {
-    "local": lambda root: LocalObjectStore(root / "objects"),
+# adapter name -> (the test's request, for a server fixture; a folder for its state) -> a client.
+# Called twice in a test, it gives two clients of the same store.
+ADAPTERS: dict[str, Callable[[pytest.FixtureRequest, Path], ObjectStore]] = {
+    "local": lambda request, root: LocalObjectStore(root / "objects"),
+    "s3": lambda request, root: S3ObjectStore.from_url(request.getfixturevalue("s3_bucket").url),  # tests/servers/s3.py
 }
 
 
 @pytest.fixture(params=sorted(ADAPTERS))
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    return ADAPTERS[request.param](tmp_path)
+def new_client(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ObjectStore]:
+    return lambda: ADAPTERS[request.param](request, tmp_path)
+
+
+@pytest.fixture
+def store(new_client: Callable[[], ObjectStore]) -> ObjectStore:
+    return new_client()
 
 
 def test_put_then_get(store: ObjectStore) -> None:
@@ -115,6 +129,42 @@ def test_readers_see_the_old_or_the_whole_new_object(store: ObjectStore) -> None
     done.set()
     reader.join()
     assert seen <= {old, new}
+
+
+def test_a_marker_put_after_upload_dir_is_seen_with_every_file(
+    new_client: Callable[[], ObjectStore], tmp_path: Path
+) -> None:
+    """Publication as the training job does it: the files, then the marker. A reader (another
+    client, as a rollout worker is) that sees the marker downloads every file whole."""
+    writer, reader = new_client(), new_client()
+    source = tmp_path / "v1"
+    (source / "sub").mkdir(parents=True)
+    files = {"model.safetensors": b"w" * 3_000_000, "config.json": b"{}", "sub/tokenizer.json": b"t" * 10_000}
+    for relative, data in files.items():
+        (source / relative).write_bytes(data)
+    marker = "runs/r/trainer/v1/result.json"
+    seen: list[dict[str, bytes]] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            if reader.exists(marker):
+                target = tmp_path / f"read-{len(seen)}"
+                reader.download_dir("runs/r/policy/v1/", target)
+                seen.append({p.relative_to(target).as_posix(): p.read_bytes()
+                             for p in target.rglob("*") if p.is_file()})  # fmt: skip
+                return
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        writer.upload_dir(source, "runs/r/policy/v1/")
+        writer.put_bytes(marker, b"{}")
+        thread.join(timeout=60)
+    finally:
+        done.set()
+        thread.join()
+    assert seen == [files]
 
 
 def test_local_store_keeps_no_staging_files_and_reads_through_a_new_client(tmp_path: Path) -> None:

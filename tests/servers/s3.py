@@ -1,0 +1,163 @@
+"""A real S3 server for the S3 adapter's tests: moto's server mode, one per session.
+
+``moto[server]`` (PyPI, in the ``test`` extra) answers S3's HTTP API as S3 does (multipart
+uploads, listing pages, batch deletes, ``NoSuchKey``/``NoSuchBucket``, ``EntityTooSmall``). It
+runs as its own process (``python -m moto.server``) on a free loopback port, started on first
+use, so a session that runs no S3 test starts nothing; being a process, it can be made
+unreachable for a while (``paused()``: SIGSTOP, then SIGCONT) the way a hung or partitioned
+service looks. It keeps its objects in memory and is stopped by its PID when the session ends.
+
+Fixtures:
+- ``s3_server``: the session's server (``S3Server``: ``endpoint_url``, ``pid``, ``client()``,
+  ``paused()``).
+- ``s3_bucket``: a fresh, empty bucket for one test (``S3Bucket``: ``name``, ``url`` of
+  ``s3://<bucket>/spotrl`` for ``S3ObjectStore.from_url``, ``secret_key``), with the AWS
+  settings of the environment pointing at the server: ``AWS_ENDPOINT_URL_S3``, a region, and
+  test credentials whose secret key is a distinct random string, so a test can check that no
+  message ever shows it. Nothing else of the machine's AWS setup (profiles, ~/.aws) applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.config import Config
+
+REGION = "us-east-1"
+ACCESS_KEY_ID = "AKIASPOTRLTESTKEY"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """One moto server process on 127.0.0.1, stopped by its PID."""
+
+    def __init__(self) -> None:
+        self._log = Path(tempfile.mkstemp(prefix="spotrl-moto-", suffix=".log")[1])
+        self.port = _free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        with self._log.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        self.pid = self._proc.pid
+        self._wait_until_it_answers(timeout_s=60.0)
+
+    def client(self) -> Any:  # a botocore S3 client (its class is made at run time)
+        """A plain boto3 client for the test's own setup and checks (its own retries off)."""
+        return boto3.session.Session(
+            aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key="admin-secret", region_name=REGION
+        ).client(
+            "s3", endpoint_url=self.endpoint_url,
+            config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}, connect_timeout=5,
+                          read_timeout=30),
+        )  # fmt: skip
+
+    def _wait_until_it_answers(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        client = self.client()
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self._proc.returncode}: {self.log_tail()}")
+            try:
+                client.list_buckets()
+                return
+            except Exception:  # not listening yet
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto server did not answer within {timeout_s} s: {self.log_tail()}") from None
+                time.sleep(0.1)
+
+    def log_tail(self) -> str:
+        try:
+            return self._log.read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """S3 unreachable for a while: the process is stopped (SIGSTOP), so connections are
+        accepted by the kernel but nothing answers; SIGCONT at the end, and the server carries
+        on with its objects (and answers the requests that waited meanwhile)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            os.kill(self.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+        self._log.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    server: S3Server
+    name: str
+    secret_key: str  # AWS_SECRET_ACCESS_KEY while the test runs
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.name}/spotrl"
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3Bucket]:
+    """A fresh bucket on the session's server, and the environment a production pod would have."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    secret = "s3cr3t-" + secrets.token_hex(16)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "t0ken-" + secrets.token_hex(16))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    bucket = S3Bucket(server=s3_server, name=f"spotrl-test-{secrets.token_hex(6)}", secret_key=secret)
+    client = s3_server.client()
+    client.create_bucket(Bucket=bucket.name)
+    yield bucket
+    # Emptied and removed, so a long session keeps little in the server's memory.
+    with contextlib.suppress(Exception):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket.name):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=bucket.name, Delete={"Objects": keys, "Quiet": True})
+        for upload in client.list_multipart_uploads(Bucket=bucket.name).get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket.name, Key=upload["Key"], UploadId=upload["UploadId"])
+        client.delete_bucket(Bucket=bucket.name)
