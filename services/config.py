@@ -42,6 +42,11 @@ class Settings(BaseSettings):
         description="URL prefixes of reward services a run's reward_model term may name (comma-separated); empty: none. "
         "Workers send prompts and responses there, so only the operator's own services belong here.",
     )
+    keep_policy_versions: int = Field(
+        default=3, ge=2,
+        description="Policy versions (and their trainer states) kept per run in the object store, besides any a live worker "
+        "holds; older ones are deleted as each iteration is recorded. At least 2: a worker may still be on the one before the latest.",
+    )
     max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body the API reads (a run spec); larger ones get 413 unread.")
     max_dataset_bytes: int = Field(default=64 << 20, ge=1024, description="Largest prompt set a client may upload (POST /v1/datasets) or a spec may name.")
     max_rollout_workers: int = Field(default=64, ge=1, description="Most rollout workers one run may ask for (rollout.max_workers).")

@@ -59,8 +59,3 @@ def policy_dir(objects: ObjectStore, run_id: str, version: int, model_cache: Pat
         except OSError:  # another pod won the race
             shutil.rmtree(staging, ignore_errors=True)
     return local
-
-
-def delete_policy(objects: ObjectStore, run_id: str, version: int, model_cache: Path) -> None:
-    objects.delete_prefix(policy_prefix(run_id, version))
-    shutil.rmtree(model_cache / "runs" / run_id / f"v{version}", ignore_errors=True)

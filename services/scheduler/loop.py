@@ -39,6 +39,7 @@ from services.names import (
 )
 from contracts.job_result import JobResult
 from contracts.messages import PromptMessage
+from services.policy_rotation import rotate
 from services.runspec import RunSpec
 from services.scheduler import plan as p
 from services.scheduler.lease import Leadership
@@ -317,6 +318,7 @@ class Scheduler:
             )
         )
         log.info("run %s: iteration %d done, mean reward %.3f", run_id, iteration, r.mean_reward)
+        rotate(self.b.objects, run_id, latest=self.b.state.policy_version(run_id), keep=self.settings.keep_policy_versions)
 
     def _commit_trained(self, run_id: str, iteration: int, result: JobResult) -> None:
         """Commit the samples a published iteration trained, if its job died before committing

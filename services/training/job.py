@@ -34,7 +34,8 @@ from contracts.training import Algorithm, Critic, TrainConfig
 from services.backends.object_store import ObjectStore
 from services.backends.queue import Consumer, Queue
 from services.names import policy_prefix, result_key, trainer_prefix
-from services.policy_store import delete_policy, fetch_policy, publish_policy
+from services.policy_rotation import MIN_KEEP
+from services.policy_store import fetch_policy, publish_policy
 from services.runspec import RunSpec
 from services.training.backlog import read_backlog, take_batch, trainer_consumer
 from services.training.selection import Selection, even_shares, select_samples
@@ -59,7 +60,6 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 # Policy versions kept in the object store; older ones are deleted after each publish.
-KEEP_POLICY_VERSIONS = 3
 # Under an iteration's trainer prefix: the directory its strategy's `save_optimizer_state` wrote.
 OPTIMIZER_DIR = "optimizer/"
 
@@ -340,16 +340,17 @@ def _store_trainer_state(objects: ObjectStore, state_out: str, scratch: Path, va
 
 
 def _retain(objects: ObjectStore, run_id: str, iteration: int, model_cache: Path) -> None:
-    """Delete what no later iteration reads: optimizer states older than this iteration's, and
-    policy versions beyond the last `KEEP_POLICY_VERSIONS`. Every such one, not only the one
-    this iteration made old: a job killed after publishing (the scheduler records its iteration
-    all the same) never got to delete its own."""
+    """Delete what no later job reads: optimizer states older than this iteration's (every such
+    one: a job killed after publishing never got to delete its own), and this machine's cached
+    copies of policy versions older than the one before it. Policy versions and trainer states in the object store are
+    rotated by the scheduler (``services.policy_rotation``), which knows how many to keep."""
     for version in _stored_versions(objects, trainer_prefix(run_id, 0), "optimizer"):  # OPTIMIZER_DIR, and legacy files
         if version < iteration:
             objects.delete_prefix(trainer_prefix(run_id, version) + "optimizer")
-    for version in _stored_versions(objects, policy_prefix(run_id, 0)):
-        if 1 <= version <= iteration - KEEP_POLICY_VERSIONS:
-            delete_policy(objects, run_id, version, model_cache)
+    for cached in (model_cache / "runs" / run_id).glob("v*"):
+        # Not the version before this one: a rollout worker of this machine may be loading it.
+        if cached.name[1:].isdigit() and int(cached.name[1:]) <= iteration - MIN_KEEP:
+            shutil.rmtree(cached, ignore_errors=True)
 
 
 def _stored_versions(objects: ObjectStore, v0_prefix: str, part: str = "") -> set[int]:

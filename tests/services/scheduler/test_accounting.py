@@ -226,3 +226,24 @@ def test_leftovers_at_the_end_are_dropped_a_bounded_chunk_per_tick(
     assert run.status == RunStatus.CANCELLED
     assert dropped[:5] == [0, 0, 8, 16, 20]  # stop the worker; reap it; then 8 a tick
     assert audit_run(b, run_id).problems == []
+
+
+def test_recorded_iterations_rotate_the_stored_policy_versions(scripted_backends: Backends, settings: Settings, submit) -> None:
+    """Each recorded iteration deletes the policy versions (and trainer states) beyond the last
+    `keep_policy_versions`; every version's result stays."""
+    b, launcher = scripted_backends, scripted_backends.launcher
+    scheduler = Scheduler(b, settings.model_copy(update={"keep_policy_versions": 2}))
+    run_id = submit(b, SPEC)
+    scheduler.tick()
+    produce(b, run_id, 8)
+    stored = []
+    for iteration in (1, 2, 3, 4):
+        scheduler.tick()  # launches job `iteration`
+        b.objects.put_bytes(f"runs/{run_id}/trainer/v{iteration}/value_head.pt", b"critic")
+        publish(b, run_id, iteration, commit=True)
+        launcher.end(job(b, iteration).name, 0)
+        scheduler.tick()  # records it, and rotates
+        stored.append(sorted({int(k.split("/")[3][1:]) for k in b.objects.list(f"runs/{run_id}/policy/")}))
+    assert stored == [[1], [1, 2], [2, 3], [3, 4]]
+    assert [b.objects.exists(f"runs/{run_id}/trainer/v{v}/value_head.pt") for v in (1, 2, 3, 4)] == [False, False, True, True]
+    assert all(b.objects.exists(result_key(run_id, v)) for v in (1, 2, 3, 4))
