@@ -1,7 +1,13 @@
 """The state store's tables and their numbered migrations (SQLAlchemy, for SQLite and PostgreSQL).
 
-A store opened on an older file brings it up to date before use (``migrate``); migrations are
-append-only, one schema version each.
+A store opened on an older file or database brings it up to date before use (``migrate``);
+migrations are append-only, one schema version each, and each runs on SQLite and PostgreSQL alike.
+
+Types as each adapter stores them: ``Float`` is a double on both (PostgreSQL ``double precision``:
+wall-clock seconds keep their microseconds); ``JSON`` is text on SQLite and ``json`` on
+PostgreSQL, which has no NaN or infinities, so the store writes those as null on both;
+``String(n)`` is a limit that only PostgreSQL enforces, so the store clips the free-text messages
+it keeps to their width.
 """
 
 from __future__ import annotations
@@ -157,9 +163,23 @@ MIGRATIONS: Sequence[Callable[[Connection], None]] = (
 )
 
 
+# Held while migrating a PostgreSQL database (a transaction-level advisory lock): the key is
+# arbitrary, fixed, and spotrl's own ("spotrl" in ASCII).
+MIGRATION_LOCK_KEY = 0x73706F74726C
+
+
 def migrate(engine: Engine) -> int:
-    """Bring the schema to the latest version; returns it. Safe to run from several processes."""
+    """Bring the schema to the latest version; returns it. Safe to run from several processes.
+
+    One transaction, which processes opening the store at once take in turn: on PostgreSQL it
+    first takes an advisory lock (two concurrent CREATE TABLE IF NOT EXISTS of one table can
+    both try to create it, and one then fails), on SQLite the engine begins writing transactions
+    with the file's write lock (``StateStore``). DDL is transactional on both: a migration that
+    fails leaves the schema at the version before it.
+    """
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         conn.execute(text("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"))
         current = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0
         for version, step in enumerate(MIGRATIONS[current:], start=current + 1):

@@ -1,12 +1,23 @@
 """The state store: runs, iterations, the cost ledger and leases, through SQLAlchemy.
 
 One code path for both adapters: SQLite (embedded default, a file shared by the API,
-scheduler and pods on one machine) and PostgreSQL (production), chosen by the URL.
-Tables and migrations are in ``services.backends.state_schema``.
+scheduler and pods on one machine) and PostgreSQL (production, ``postgresql+psycopg://...``),
+chosen by the URL. Tables and migrations are in ``services.backends.state_schema``.
+
+Concurrency: any number of processes (API replicas, schedulers, pods) share one store. Every
+read-modify-write of a run first locks the run's row (``SELECT ... FOR UPDATE``), so two writers
+of one run take turns and each decides on what the other wrote; leases are one atomic upsert.
+On PostgreSQL sessions are READ COMMITTED whatever the server's default, so a statement after
+a lock wait sees what the lock's previous holder committed. SQLite has no row locks: there a
+writing session takes the file's write lock when it begins (``BEGIN IMMEDIATE``) and a reading
+one reads one snapshot (``BEGIN``), rather than pysqlite's default of running the reads before a
+write outside any transaction.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,17 +25,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    String,
     and_,
+    case,
     create_engine,
     delete,
     event,
     func,
-    insert,
+    make_url,
     or_,
     select,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine import URL, Connection
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
@@ -61,7 +74,10 @@ class LedgerEntry:
         return self.seconds(now) * self.price_per_hour / 3600.0
 
 
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+    # isolation_level=None: pysqlite issues no BEGIN of its own (it would only before the first
+    # write, leaving the reads before it outside the transaction); _sqlite_begin issues them.
+    dbapi_conn.isolation_level = None
     # WAL lets the API read while a pod writes; the busy timeout rides out short write locks.
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
@@ -70,23 +86,74 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+_WRITE = "spotrl_write"  # execution option of the connections of writing sessions
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    # A writer takes the write lock up front: writers queue on the busy timeout, and none reads a
+    # row that another changes before it writes. A reader gets one snapshot, never blocking (WAL).
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as None: JSON has no such numbers (PostgreSQL refuses them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_dumps(value: Any) -> str:
+    return json.dumps(_finite(value), allow_nan=False)
+
+
+def _create_engine(url: URL) -> Any:
+    if url.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ValueError(f"the state store runs on SQLite or PostgreSQL (postgresql+psycopg://...), not {url.get_backend_name()}")
+    if url.get_backend_name() == "sqlite":
+        engine = create_engine(url, json_serializer=_json_dumps)
+        event.listen(engine, "connect", _sqlite_connect)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    # READ COMMITTED whatever the server's default: after waiting for a row lock, the next
+    # statement sees what the lock's holder committed (under REPEATABLE READ or SERIALIZABLE it
+    # would fail with a serialization error instead). pool_pre_ping: a connection the server
+    # closed (restart, failover, idle timeout) is replaced rather than failing a request.
+    return create_engine(url, json_serializer=_json_dumps, isolation_level="READ COMMITTED", pool_pre_ping=True)
+
+
 class StateStore:
     """Runs, iterations and ledger. ``StateStore("sqlite:///path.db")`` or a PostgreSQL URL."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
-        self._engine = create_engine(url)
-        if url.startswith("sqlite"):
-            event.listen(self._engine, "connect", _sqlite_pragmas)
-        migrate(self._engine)
-        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        parsed = make_url(url)
+        # What messages and logs show: the URL with its password masked (``***``).
+        self.url = parsed.render_as_string(hide_password=True)
+        self._engine = _create_engine(parsed)
+        self._write_engine = self._engine.execution_options(**{_WRITE: True})
+        migrate(self._write_engine)
+        self._reads = sessionmaker(self._engine, expire_on_commit=False)
+        self._writes = sessionmaker(self._write_engine, expire_on_commit=False)
+
+    def __repr__(self) -> str:
+        return f"StateStore({self.url!r})"
 
     def close(self) -> None:
         self._engine.dispose()
 
     @contextmanager
     def _session(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
+        """A read-only transaction."""
+        with self._reads.begin() as session:
+            yield session
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        """A transaction that writes (on SQLite: holding the write lock from its start)."""
+        with self._writes.begin() as session:
             yield session
 
     # --- runs ---------------------------------------------------------------------------
@@ -113,7 +180,7 @@ class StateStore:
             train_launch_committed=0,
             reward_failures=0,
         )
-        with self._session() as s:
+        with self._write() as s:
             s.add(row)
         return row
 
@@ -151,12 +218,10 @@ class StateStore:
         """Set plain fields; status changes go through ``set_status`` and ``begin_ending``."""
         if "status" in fields:
             raise ValueError("use set_status() or begin_ending() to change a run's status")
-        with self._session() as s:
-            row = s.get(RunRow, run_id)
-            if row is None:
-                raise RunNotFoundError(run_id)
+        with self._write() as s:
+            row = _locked_run(s, run_id)
             for key, value in fields.items():
-                setattr(row, key, value)
+                setattr(row, key, _clipped(key, value))
             return row
 
     def set_status(self, run_id: str, status: RunStatus, reason: str | None = None) -> RunRow:
@@ -164,7 +229,7 @@ class StateStore:
         if status.is_stopping():
             raise ValueError(f"use begin_ending() to make a run {status.value}: it needs the status it ends with")
         now = time.time()
-        with self._session() as s:
+        with self._write() as s:
             row = _locked_run(s, run_id)
             current = RunStatus(row.status)
             if status == current:
@@ -172,7 +237,7 @@ class StateStore:
             if not current.can_become(status):
                 raise IllegalTransitionError(f"run {run_id} is {current.value}; it cannot become {status.value}")
             row.status = status.value
-            row.status_reason = reason
+            row.status_reason = _clipped("status_reason", reason)
             if status == RunStatus.RUNNING:
                 row.started_at = now
             if status.is_terminal():
@@ -182,12 +247,12 @@ class StateStore:
     def begin_ending(self, run_id: str, status: RunStatus, reason: str) -> RunRow:
         """Decide that a run ends with the terminal ``status``: it reads CANCELLING or ENDING
         while the scheduler stops its pods. See ``_begin_ending`` for which decision stands."""
-        with self._session() as s:
+        with self._write() as s:
             return _begin_ending(_locked_run(s, run_id), status, reason)
 
     def request_cancel(self, run_id: str) -> RunRow:
         """Cancel a run: it reads CANCELLING while the scheduler stops its pods, then CANCELLED."""
-        with self._session() as s:
+        with self._write() as s:
             row = _locked_run(s, run_id)
             current = RunStatus(row.status)
             if current.is_terminal():
@@ -197,25 +262,26 @@ class StateStore:
 
     def count_reward_failures(self, run_id: str, count: int, reason: str) -> None:
         """Add ``count`` failed or timed-out reward computations to the run, with the latest reason."""
-        with self._session() as s:
+        with self._write() as s:
             s.execute(
                 update(RunRow)
                 .where(RunRow.id == run_id)
-                .values(reward_failures=RunRow.reward_failures + count, last_reward_error=reason[:500])
+                .values(reward_failures=RunRow.reward_failures + count,
+                        last_reward_error=_clipped("last_reward_error", reason))
             )
 
     # --- iterations ---------------------------------------------------------------------
     def record_iteration(self, row: IterationRow, *, samples_dropped_extra: int = 0) -> None:
         """Store a finished iteration and advance the run's counters and policy pointer, atomically.
 
-        Idempotent: recording an iteration that is already stored changes nothing.
+        Idempotent: recording an iteration that is already stored changes nothing, also when two
+        schedulers record it at once (an old leader finishing its tick beside the new one): the
+        run's row is locked before the iteration is looked for, so the second finds the first's.
         """
-        with self._session() as s:
+        with self._write() as s:
+            run = _locked_run(s, row.run_id)
             if s.get(IterationRow, (row.run_id, row.iteration)) is not None:
                 return
-            run = s.get(RunRow, row.run_id, with_for_update=True)
-            if run is None:
-                raise RunNotFoundError(row.run_id)
             s.add(row)
             run.iterations_done = max(run.iterations_done, row.iteration)
             run.policy_version = max(run.policy_version, row.policy_version)
@@ -249,8 +315,10 @@ class StateStore:
         price_source: str,
         started_at: float,
     ) -> None:
-        """Start billing a pod. A pod that already has an open entry keeps it (idempotent)."""
-        with self._session() as s:
+        """Start billing a pod. A pod that already has an open entry keeps it (idempotent); the
+        run's row is locked first, so two schedulers opening the same pod at once open one entry."""
+        with self._write() as s:
+            _locked_run(s, run_id)
             open_entry = s.scalar(select(LedgerRow).where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None)))
             if open_entry is not None:
                 return
@@ -268,10 +336,16 @@ class StateStore:
             )
 
     def close_ledger(self, pod: str, *, ended_at: float) -> None:
-        """Stop billing a pod at ``ended_at``; closing an already closed pod changes nothing."""
-        with self._session() as s:
-            for entry in s.scalars(select(LedgerRow).where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None))):
-                entry.ended_at = max(ended_at, entry.started_at)
+        """Stop billing a pod at ``ended_at``; closing an already closed pod changes nothing.
+
+        One UPDATE of the open entries only: of two closes at once, the second finds none open.
+        """
+        with self._write() as s:
+            s.execute(
+                update(LedgerRow)
+                .where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None))
+                .values(ended_at=case((LedgerRow.started_at > ended_at, LedgerRow.started_at), else_=ended_at))
+            )
 
     def ledger(self, run_id: str) -> list[LedgerEntry]:
         with self._session() as s:
@@ -302,31 +376,25 @@ class StateStore:
     def acquire_lease(self, name: str, holder: str, seconds: float) -> bool:
         """Take or renew the lease ``name`` for ``seconds``; True when ``holder`` holds it now.
 
-        A compare-and-set: the UPDATE matches only a lease that ``holder`` has or that expired,
-        and a missing lease is created by an INSERT that the primary key lets one holder win.
+        A compare-and-set in one statement, an upsert: it inserts a missing lease, or updates one
+        that ``holder`` has or that expired, and otherwise changes nothing (a row returned: held).
+        Of contenders at once the first takes the row's lock and wins; each other one then finds
+        the lease held by the winner (PostgreSQL re-checks the condition on the row it waited for).
         Expiry is wall-clock time of the callers: their clocks must agree to well within ``seconds``.
         """
         now = time.time()
-        values = {"holder": holder, "expires_at": now + seconds}
-        with self._engine.begin() as conn:
-            held = conn.execute(
-                update(LeaseRow)
-                .where(LeaseRow.name == name, or_(LeaseRow.holder == holder, LeaseRow.expires_at < now))
-                .values(**values)
-            ).rowcount
-        if held:
-            return True
-        try:
-            # Its own transaction: on PostgreSQL a failed INSERT aborts the transaction it is in.
-            with self._engine.begin() as conn:
-                conn.execute(insert(LeaseRow).values(name=name, **values))
-        except IntegrityError:  # another holder has the lease, or created it just now
-            return False
-        return True
+        with self._write_engine.begin() as conn:
+            upsert = _dialect_insert(conn.dialect.name)(LeaseRow).values(name=name, holder=holder, expires_at=now + seconds)
+            upsert = upsert.on_conflict_do_update(
+                index_elements=[LeaseRow.name],
+                set_={"holder": upsert.excluded.holder, "expires_at": upsert.excluded.expires_at},
+                where=or_(LeaseRow.holder == holder, LeaseRow.expires_at < now),
+            )
+            return conn.execute(upsert.returning(LeaseRow.holder)).first() is not None
 
     def release_lease(self, name: str, holder: str) -> None:
         """Give the lease up so that another holder takes it at once; a lease not held is left alone."""
-        with self._engine.begin() as conn:
+        with self._write_engine.begin() as conn:
             conn.execute(delete(LeaseRow).where(LeaseRow.name == name, LeaseRow.holder == holder))
 
     def lease_holder(self, name: str) -> str | None:
@@ -336,11 +404,36 @@ class StateStore:
             return lease.holder if lease is not None and lease.expires_at >= time.time() else None
 
 
+def _dialect_insert(dialect: str) -> Any:
+    """The INSERT with ON CONFLICT of ``dialect`` (imported here: the engine of the other is never loaded)."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert
+
+
 def _locked_run(s: Session, run_id: str) -> RunRow:
+    """The run's row, locked until the transaction ends (PostgreSQL: ``FOR UPDATE``; SQLite: the
+    writing session holds the file's write lock already, and SQLAlchemy leaves the clause out)."""
     row = s.get(RunRow, run_id, with_for_update=True)
     if row is None:
         raise RunNotFoundError(run_id)
     return row
+
+
+# Messages stored with a run, clipped to their columns' width: SQLite would keep a longer one,
+# PostgreSQL refuses it (and with it the status change it came with).
+_TEXT_WIDTHS = {
+    name: RunRow.__table__.c[name].type.length
+    for name in ("status_reason", "ending_reason", "last_error", "last_reward_error")
+    if isinstance(RunRow.__table__.c[name].type, String)
+}
+
+
+def _clipped(column: str, value: Any) -> Any:
+    width = _TEXT_WIDTHS.get(column)
+    return value[:width] if width is not None and isinstance(value, str) else value
 
 
 def _begin_ending(row: RunRow, status: RunStatus, reason: str) -> RunRow:
@@ -358,7 +451,7 @@ def _begin_ending(row: RunRow, status: RunStatus, reason: str) -> RunRow:
     if stopping != current and not current.can_become(stopping):
         raise IllegalTransitionError(f"run {row.id} is {current.value}; it cannot become {stopping.value}")
     row.status = stopping.value
-    row.status_reason = reason
+    row.status_reason = _clipped("status_reason", reason)
     row.ending_status = status.value
-    row.ending_reason = reason
+    row.ending_reason = _clipped("ending_reason", reason)
     return row

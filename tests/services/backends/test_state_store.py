@@ -1,27 +1,39 @@
+"""The state store's contract, on both adapters: SQLite (embedded) and PostgreSQL (a real server,
+tests/servers/postgres.py). Concurrency under contention is in test_state_store_concurrency.py."""
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, inspect, text
 
 from contracts.status import TRANSITIONS, RunStatus
 from services.backends.state_schema import MIGRATIONS, IterationRow
 from services.backends.state_store import IllegalTransitionError, RunNotFoundError, StateStore
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty state store of each adapter: a SQLite file, or a database of its own on the session's server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state.db'}"
+    return request.getfixturevalue("postgres").new_database()
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> StateStore:
-    s = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+def store(store_url: str) -> Iterator[StateStore]:
+    s = StateStore(store_url)
     yield s
     s.close()
 
 
-def test_migrations_recorded_and_idempotent(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'state.db'}"
+def test_migrations_recorded_and_idempotent(store_url: str) -> None:
+    url = store_url  # a new store of each adapter
     StateStore(url).close()
     StateStore(url).close()  # a second open applies nothing twice
     with create_engine(url).connect() as conn:
@@ -136,8 +148,8 @@ def test_lease_has_one_holder_until_it_expires_or_is_released(store: StateStore)
 
 
 @pytest.mark.parametrize("expired_lease_exists", [False, True], ids=["insert-race", "update-race"])
-def test_lease_contenders_racing_get_one_winner(tmp_path: Path, expired_lease_exists: bool) -> None:
-    url = f"sqlite:///{tmp_path / 'state.db'}"
+def test_lease_contenders_racing_get_one_winner(store_url: str, expired_lease_exists: bool) -> None:
+    url = store_url
     if expired_lease_exists:
         with closing(StateStore(url)) as s:
             s.acquire_lease("scheduler", "dead", seconds=-1.0)
@@ -179,3 +191,117 @@ def test_version_1_file_is_upgraded_with_stopping_runs_kept_stopping(tmp_path: P
             "running": ("RUNNING", None, None, None),
         }
         assert s.acquire_lease("scheduler", "a", seconds=60)
+
+
+def _back_to_version_1(url: str) -> None:
+    """Turn a current store into what version 1 left: no leases, no v2/v3 columns, and a stopping
+    run's flag ``cancel_requested`` beside RUNNING. In SQL that SQLite and PostgreSQL both run."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE leases"))
+        conn.execute(text("DROP INDEX ix_runs_tenant"))  # SQLite drops no indexed column
+        for column in ("tenant", "prompt_count", "reward_failures", "last_reward_error", "last_error"):
+            conn.execute(text(f"ALTER TABLE runs DROP COLUMN {column}"))
+        conn.execute(text("ALTER TABLE runs ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT FALSE"))
+        conn.execute(text("UPDATE runs SET cancel_requested = TRUE WHERE id = 'cancelled'"))
+        conn.execute(text("UPDATE runs SET ending_status = 'FAILED', ending_reason = 'budget' WHERE id = 'ending'"))
+        conn.execute(text("DELETE FROM schema_version WHERE version > 1"))
+    engine.dispose()
+
+
+def test_version_1_store_is_brought_up_to_date(store_url: str) -> None:
+    """The whole migration chain from version 1, on each adapter (PostgreSQL included)."""
+    with closing(StateStore(store_url)) as s:
+        for run_id in ("cancelled", "ending", "running"):
+            s.create_run(run_id, name=None, spec={"model": "tiny"})
+            s.set_status(run_id, RunStatus.RUNNING)
+    _back_to_version_1(store_url)
+    engine = create_engine(store_url)
+    with engine.connect() as conn:
+        assert "tenant" not in {c["name"] for c in inspect(conn).get_columns("runs")}  # it is version 1 now
+
+    with closing(StateStore(store_url)) as s:
+        got = {r.id: (r.status, r.ending_status, r.ending_reason, r.last_error, r.tenant, r.prompt_count,
+                      r.reward_failures) for r in s.list_runs()}
+        assert got == {
+            "cancelled": ("CANCELLING", "CANCELLED", "cancelled by the user", None, "default", 0, 0),
+            "ending": ("ENDING", "FAILED", "budget", None, "default", 0, 0),
+            "running": ("RUNNING", None, None, None, "default", 0, 0),
+        }
+        assert s.acquire_lease("scheduler", "a", seconds=60)
+        s.count_reward_failures("running", 2, "timeout")
+        s.update_run("running", last_error="temporary")
+        assert [r.id for r in s.list_runs(tenant="default")] == ["cancelled", "ending", "running"]
+    with engine.connect() as conn:
+        columns = {c["name"] for c in inspect(conn).get_columns("runs")}
+        assert "cancel_requested" not in columns and {"tenant", "last_error", "last_reward_error"} <= columns
+        assert "ix_runs_tenant" in {i["name"] for i in inspect(conn).get_indexes("runs")}
+        assert conn.execute(text("SELECT version FROM schema_version ORDER BY version")).scalars().all() == \
+            list(range(1, len(MIGRATIONS) + 1))
+    engine.dispose()
+
+
+def test_long_messages_are_clipped_to_their_columns(store: StateStore) -> None:
+    """PostgreSQL enforces VARCHAR widths (SQLite does not): a long error must not make the status
+    change it comes with fail."""
+    store.create_run("r1", name=None, spec={})
+    store.set_status("r1", RunStatus.RUNNING)
+    store.update_run("r1", last_error="e" * 2000)
+    store.count_reward_failures("r1", 1, "r" * 2000)
+    store.begin_ending("r1", RunStatus.FAILED, "f" * 2000)
+    row = store.get_run("r1")
+    assert (row.status, row.ending_status) == ("ENDING", "FAILED")
+    assert (row.last_error, row.last_reward_error, row.status_reason, row.ending_reason) == \
+        ("e" * 500, "r" * 500, "f" * 500, "f" * 500)
+    store.set_status("r1", RunStatus.FAILED, "g" * 2000)
+    assert store.get_run("r1").status_reason == "g" * 500
+
+
+def test_non_finite_numbers_in_json_are_stored_as_null(store: StateStore) -> None:
+    """JSON has no NaN (PostgreSQL refuses it): a NaN metric must not lose the iteration."""
+    store.create_run("r1", name=None, spec={"budget": float("inf")})
+    row = IterationRow(run_id="r1", iteration=1, policy_version=1, mean_reward=0.5, kl=0.0, loss=0.0,
+                       seconds=1.0, samples_trained=8, samples_dropped=0, ended_at=1.0,
+                       metrics={"actor/pg_clipfrac": float("nan"), "critic/vf_loss": -float("inf"), "ok": [1.5, float("nan")]})
+    store.record_iteration(row)
+    (stored,) = store.iterations("r1")
+    assert stored.metrics == {"actor/pg_clipfrac": None, "critic/vf_loss": None, "ok": [1.5, None]}
+    assert store.get_run("r1").spec == {"budget": None}
+
+
+def test_timestamps_keep_their_microseconds(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    kw = dict(run_id="r1", role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6,
+              price_source="test")
+    started = 1_790_000_000.123456
+    store.open_ledger(pod="p1", started_at=started, **kw)
+    store.close_ledger("p1", ended_at=started + 0.000001)
+    (entry,) = store.ledger("r1")
+    assert (entry.started_at, entry.ended_at) == (started, started + 0.000001)
+
+
+def test_closing_before_the_start_bills_nothing(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    store.open_ledger(pod="p1", started_at=100.0, run_id="r1", role="rollout", instance_type="g6.xlarge",
+                      capacity_type="spot", price_per_hour=3.6, price_source="test")
+    store.close_ledger("p1", ended_at=90.0)  # a clock behind the pod's start
+    assert store.ledger("r1")[0].ended_at == 100.0
+
+
+def test_postgresql_url_password_is_never_shown(postgres) -> None:
+    url = postgres.new_database()
+    with closing(StateStore(url)) as s:
+        assert postgres.password in url  # the store gets a real password ...
+        assert postgres.password not in s.url and postgres.password not in repr(s)  # ... and shows none
+        assert s.url == url.replace(postgres.password, "***")
+        assert repr(s) == f"StateStore({s.url!r})"
+    secret = "not-the-password-0xC0FFEE"
+    wrong = url.replace(postgres.password, secret)
+    closed_port = f"postgresql+psycopg://postgres:{secret}@127.0.0.1:1/db"
+    for bad, error in ((wrong, "password authentication failed"), (closed_port, "Connection refused"),
+                       (closed_port.replace(":1/", ":notaport/"), "invalid literal"),
+                       (closed_port + "?connect_timeout=x", "connect_timeout")):
+        with pytest.raises(Exception, match=error) as failure:
+            StateStore(bad)
+        shown = f"{failure.value} {failure.value!r} {failure.value.__cause__!r}"
+        assert secret not in shown, shown
