@@ -29,6 +29,15 @@ SPEC = RunSpec.model_validate({
 })
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
+    """The lease and the run's state in the embedded SQLite file, and in a real PostgreSQL
+    (tests/servers/postgres.py), as replicas of the control plane share it in production."""
+    if request.param == "sqlite":
+        return settings
+    return settings.model_copy(update={"state_url": request.getfixturevalue("postgres_url")})
+
+
 @pytest.fixture
 def backends(settings: Settings) -> Iterator[Backends]:
     b = open_backends(settings)
