@@ -31,7 +31,20 @@ class Backends:
 
 
 def open_queue(url: str | None, home: Path) -> Queue:
-    return SqliteQueue(home / "queue.db")
+    """``kafka://host:9092[,host2:9092]`` is Kafka (settings in the URL's query or ``SPOTRL_KAFKA_*``,
+    ``services.backends.kafka_queue``); unset is the SQLite queue in ``home``."""
+    if url is None:
+        return SqliteQueue(home / "queue.db")
+    if url.startswith("kafka://"):
+        from services.backends.kafka_queue import KafkaQueue  # kafka-python only where Kafka is used
+
+        return KafkaQueue(url)
+    # Only the scheme is shown: the rest of a URL may hold credentials.
+    scheme = f"{url.split('://', 1)[0]}://" if "://" in url else "(none)"
+    raise ValueError(
+        f"unsupported queue URL scheme {scheme}: the accepted one is kafka://host:9092[,host2:9092];"
+        " leave the URL unset for the SQLite queue"
+    )
 
 
 def open_reward_cache(url: str | None, home: Path) -> RewardCache:
