@@ -111,7 +111,7 @@ class TrainConfig(BaseModel):
     vf_coef: float = Field(default=0.5, ge=0.0, le=100.0, description="Weight of the value loss (PPO).")
     value_clip: float = Field(default=0.2, gt=0.0, le=100.0, description="How far a value prediction may move from the old one (PPO).")
     entropy_coef: float = Field(default=0.0, ge=0.0, le=10.0, description="Weight of the entropy bonus subtracted from the policy loss (0 = none).")
-    max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6, description="Gradient-norm clip per optimizer step.")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e12, description="Gradient-norm clip per optimizer step.")
     kl_coef: float = Field(default=0.0, ge=0.0, le=100.0, description="Weight of KL to the reference policy (0 skips the reference model).")
     kl_estimator: KLEstimator = Field(default=KLEstimator.K3, description="Estimator of KL to the reference policy.")
     kl_mode: KLMode = Field(default=KLMode.LOSS, description="Apply kl_coef x KL as a loss term or as a per-token reward penalty.")
