@@ -638,6 +638,7 @@ class _KafkaConsumer:
         keep: list[Record] = []
         for record in self._buffer:
             if record.partition not in self._snapshot:
+                keep.append(record)  # cannot happen: _take follows _adopt, and rebalances empty the buffer
                 continue
             if record.offset < self._positions.get(record.partition, 0):
                 continue  # already given (a fetch that raced a seek)
