@@ -47,6 +47,10 @@ class Settings(BaseSettings):
         description="Policy versions (and their trainer states) kept per run in the object store, besides any a live worker "
         "holds; older ones are deleted as each iteration is recorded. At least 2: a worker may still be on the one before the latest.",
     )
+    queue_retention_s: float = Field(
+        default=86400.0, ge=0,
+        description="How long an ended run's prompt and sample topics are kept (for audits and debugging) before the scheduler deletes them.",
+    )
     max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body the API reads (a run spec); larger ones get 413 unread.")
     max_dataset_bytes: int = Field(default=64 << 20, ge=1024, description="Largest prompt set a client may upload (POST /v1/datasets) or a spec may name.")
     max_rollout_workers: int = Field(default=64, ge=1, description="Most rollout workers one run may ask for (rollout.max_workers).")

@@ -4,8 +4,11 @@
 ``delete_prefix("runs/r/v1")`` also deletes ``runs/r/v10/...``: end a folder's prefix with '/'.
 ``upload_dir`` and ``download_dir`` treat the prefix as a folder.
 
-Adapters: ``LocalObjectStore`` (a directory); S3 comes later and passes the same contract tests
-(tests/services/backends/test_object_store_contract.py).
+Adapters: ``LocalObjectStore`` (a directory) and ``services.backends.s3_object_store.S3ObjectStore``
+(S3 or an S3-compatible store); both pass the same contract tests
+(tests/services/backends/test_object_store_contract.py), S3 against a real moto server.
+``upload_dir`` returns only once every file is stored, so a marker written after it (a version's
+``result.json``) never points at half a version.
 """
 
 from __future__ import annotations

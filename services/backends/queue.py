@@ -5,8 +5,9 @@ crash, a close or a rebalance the group resumes from the committed offsets, so r
 but not committed are delivered again (consumers drop duplicates by their own ids).
 
 Adapters: ``services.backends.sqlite_queue.SqliteQueue`` (one file shared by the processes of
-one machine); Kafka comes later and passes the same contract tests
-(tests/services/backends/test_queue_contract.py).
+one machine) and ``services.backends.kafka_queue.KafkaQueue`` (Apache Kafka); both pass the same
+contract tests (tests/services/backends/test_queue_contract.py), Kafka against a real
+Kafka-protocol broker.
 """
 
 from __future__ import annotations

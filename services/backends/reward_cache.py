@@ -1,8 +1,9 @@
 """The reward cache port: rewards already computed, by a key over everything the reward depends on.
 
 Adapters: ``InProcessRewardCache`` (one process), ``SqliteRewardCache`` (the processes of one
-machine); Redis comes later and passes the same contract tests
-(tests/services/backends/test_reward_cache_contract.py).
+machine), and ``services.backends.redis_reward_cache.RedisRewardCache`` (one Redis shared by every
+worker); all pass the same contract tests (tests/services/backends/test_reward_cache_contract.py),
+Redis against a real redis-server.
 """
 
 from __future__ import annotations

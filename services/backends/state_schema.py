@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Integer, String, inspect, text
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, inspect, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -66,6 +66,8 @@ class RunRow(Base):
     # Reward computations that failed or timed out (each such response scored 0), and the latest reason.
     reward_failures: Mapped[int] = mapped_column(Integer, default=0)
     last_reward_error: Mapped[str | None] = mapped_column(String(500))
+    # The run's queue topics are deleted (some retention after it ended): nothing more to read there.
+    queues_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class IterationRow(Base):
@@ -156,10 +158,17 @@ def _m003_tenants_prompt_counts_reward_failures(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE runs ADD COLUMN last_reward_error VARCHAR(500)"))
 
 
+def _m004_queues_deleted(conn: Connection) -> None:
+    """``runs.queues_deleted``: runs ended before it keep their topics until the retention sweep."""
+    if "queues_deleted" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
+        conn.execute(text("ALTER TABLE runs ADD COLUMN queues_deleted BOOLEAN NOT NULL DEFAULT FALSE"))
+
+
 MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m001_initial,
     _m002_leases_and_stopping_statuses,
     _m003_tenants_prompt_counts_reward_failures,
+    _m004_queues_deleted,
 )
 
 

@@ -178,6 +178,7 @@ class StateStore:
             next_train_at=0.0,
             worker_slots_used=0,
             train_launch_committed=0,
+            queues_deleted=False,
             reward_failures=0,
         )
         with self._write() as s:
@@ -269,6 +270,17 @@ class StateStore:
                 .values(reward_failures=RunRow.reward_failures + count,
                         last_reward_error=_clipped("last_reward_error", reason))
             )
+
+    def runs_with_expired_queues(self, ended_before: float, limit: int) -> list[str]:
+        """Ended runs (before ``ended_before``) whose queue topics are still there, oldest first."""
+        terminal = [s.value for s in RunStatus if s.is_terminal()]
+        with self._session() as s:
+            return list(s.scalars(
+                select(RunRow.id)
+                .where(RunRow.status.in_(terminal), RunRow.queues_deleted.is_(False), RunRow.ended_at < ended_before)
+                .order_by(RunRow.ended_at)
+                .limit(limit)
+            ))  # fmt: skip
 
     # --- iterations ---------------------------------------------------------------------
     def record_iteration(self, row: IterationRow, *, samples_dropped_extra: int = 0) -> None:

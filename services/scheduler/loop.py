@@ -50,6 +50,8 @@ from contracts.samples import decode_sample
 log = logging.getLogger(__name__)
 
 LOG_LINES_KEPT = 2000
+# Ended runs whose topics one tick deletes: bounded, like the rest of a tick's work.
+QUEUE_DELETIONS_PER_TICK = 10
 
 
 def leftover_prefix(run_id: str) -> str:
@@ -122,6 +124,20 @@ class Scheduler:
                 self._unexpected(row, e)
             else:
                 self._recovered(row)
+        self._delete_expired_queues()
+
+    def _delete_expired_queues(self) -> None:
+        """Delete the topics of runs that ended more than the queue retention ago, a few per tick.
+        A failure is retried on a later tick: the run stays marked as still having them."""
+        ended_before = time.time() - self.settings.queue_retention_s
+        for run_id in self.b.state.runs_with_expired_queues(ended_before, limit=QUEUE_DELETIONS_PER_TICK):
+            try:
+                for topic in (prompts_topic(run_id), samples_topic(run_id)):
+                    self.b.queue.delete_topic(topic)
+            except Exception as e:  # the queue's trouble is no run's: log it and try again later
+                log.warning("deleting the topics of ended run %s failed (%s: %s); retrying", run_id, type(e).__name__, e)
+                return
+            self.b.state.update_run(run_id, queues_deleted=True)
 
     def _retry_later(self, row: RunRow, error: TemporaryError) -> None:
         trouble = self._trouble.setdefault(row.id, _Trouble())

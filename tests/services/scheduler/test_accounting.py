@@ -247,3 +247,28 @@ def test_recorded_iterations_rotate_the_stored_policy_versions(scripted_backends
     assert stored == [[1], [1, 2], [2, 3], [3, 4]]
     assert [b.objects.exists(f"runs/{run_id}/trainer/v{v}/value_head.pt") for v in (1, 2, 3, 4)] == [False, False, True, True]
     assert all(b.objects.exists(result_key(run_id, v)) for v in (1, 2, 3, 4))
+
+
+@pytest.mark.parametrize("retention_s", [0.0, 86400.0])
+def test_an_ended_runs_topics_are_deleted_after_the_retention(
+    scripted_backends: Backends, settings: Settings, submit, retention_s: float
+) -> None:
+    from services.backends.queue import UnknownTopicError
+
+    b = scripted_backends
+    scheduler = Scheduler(b, settings.model_copy(update={"queue_retention_s": retention_s}))
+    run_id = submit(b, SPEC)
+    scheduler.tick()  # started: its topics exist
+    produce(b, run_id, 1)
+    b.state.request_cancel(run_id)
+    for _ in range(4):
+        scheduler.tick()  # stops its pods, drops the leftovers, ends it; then the sweep
+    assert b.state.get_run(run_id).status == RunStatus.CANCELLED
+    expired = retention_s == 0.0
+    assert b.state.get_run(run_id).queues_deleted == expired
+    for topic in (prompts_topic(run_id), samples_topic(run_id)):
+        if expired:
+            with pytest.raises(UnknownTopicError):
+                b.queue.end_offsets(topic)
+        else:
+            assert b.queue.end_offsets(topic)
