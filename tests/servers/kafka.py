@@ -25,7 +25,6 @@ import contextlib
 import importlib.metadata
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.servers.process import end, free_port, paused
 
 # The Kafka session timeouts the test broker accepts, as a KafkaQueue URL's settings.
 TEST_SESSION_RANGE = "session_timeout_min_s=1&session_timeout_max_s=2"
@@ -52,19 +53,13 @@ def tansu_binary() -> str:
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class KafkaBroker:
     """One tansu broker process on 127.0.0.1 (memory storage), stopped by its PID."""
 
     def __init__(self) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="spotrl-tansu-"))
         self._log = self._dir / "tansu.log"
-        self.port = _free_port()
+        self.port = free_port()
         listener = f"tcp://127.0.0.1:{self.port}"
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
@@ -117,26 +112,14 @@ class KafkaBroker:
         except OSError:
             return "(no log)"
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """The broker unresponsive for a while: the process is stopped (SIGSTOP), so connections
         are accepted by the kernel but nothing answers, as with a hung or partitioned broker;
         SIGCONT at the end, and it carries on with its data."""
-        os.kill(self.pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(self.pid, signal.SIGCONT)
+        return paused(self.pid)
 
     def stop(self) -> None:
-        if self._proc.poll() is None:
-            os.kill(self.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
+        end(self._proc)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

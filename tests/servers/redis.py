@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from tests.servers.process import end, free_port, paused
 
 
 def redis_server_binary() -> str:
@@ -43,12 +43,6 @@ def redis_server_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """One redis-server process on 127.0.0.1, stopped by its PID."""
 
@@ -57,7 +51,7 @@ class RedisServer:
         self._log = self._dir / "redis.log"
         self.password = password
         self._args = args
-        self.port = _free_port()
+        self.port = free_port()
         self._start()
 
     def _start(self) -> None:
@@ -103,16 +97,11 @@ class RedisServer:
         except OSError:
             return "(no log)"
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """Redis unreachable for a while: the process is stopped (SIGSTOP), so connections are
         accepted by the kernel but nothing answers, the way a hung or partitioned server looks;
         SIGCONT at the end, and the server carries on with its data."""
-        os.kill(self.pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(self.pid, signal.SIGCONT)
+        return paused(self.pid)
 
     def restart(self) -> None:
         """A new server process on the same port (empty: nothing is persisted); clients'
@@ -125,14 +114,7 @@ class RedisServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _end_process(self) -> None:
-        if self._proc.poll() is None:
-            os.kill(self.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
+        end(self._proc)
 
 
 @pytest.fixture(scope="session")

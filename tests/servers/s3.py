@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,14 +35,10 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from tests.servers.process import end, free_port, paused
+
 REGION = "us-east-1"
 ACCESS_KEY_ID = "AKIASPOTRLTESTKEY"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3Server:
@@ -52,7 +46,7 @@ class S3Server:
 
     def __init__(self) -> None:
         self._log = Path(tempfile.mkstemp(prefix="spotrl-moto-", suffix=".log")[1])
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
@@ -93,26 +87,14 @@ class S3Server:
         except OSError:
             return "(no log)"
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """S3 unreachable for a while: the process is stopped (SIGSTOP), so connections are
         accepted by the kernel but nothing answers; SIGCONT at the end, and the server carries
         on with its objects (and answers the requests that waited meanwhile)."""
-        os.kill(self.pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(self.pid, signal.SIGCONT)
+        return paused(self.pid)
 
     def stop(self) -> None:
-        if self._proc.poll() is None:
-            os.kill(self.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
+        end(self._proc)
         self._log.unlink(missing_ok=True)
 
 
