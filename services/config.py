@@ -51,6 +51,7 @@ class Settings(BaseSettings):
         default=86400.0, ge=0,
         description="How long an ended run's prompt and sample topics are kept (for audits and debugging) before the scheduler deletes them.",
     )
+    api_threads: int = Field(default=4, ge=1, le=256, description="Threads of the API's blocking work (state store reads and writes); raise it for a state store far away on the network.")
     max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body the API reads (a run spec); larger ones get 413 unread.")
     max_dataset_bytes: int = Field(default=64 << 20, ge=1024, description="Largest prompt set a client may upload (POST /v1/datasets) or a spec may name.")
     max_rollout_workers: int = Field(default=64, ge=1, description="Most rollout workers one run may ask for (rollout.max_workers).")

@@ -8,7 +8,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.api.auth import NO_AUTH, Principal, TokenBook
-from services.config import Settings, get_settings
+from services.config import Settings
 from services.cost.catalog import PriceCatalog
 from services.wiring import Backends
 
@@ -19,15 +19,21 @@ bearer = HTTPBearer(
 UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="spotrl"'}
 
 
-def get_backends(request: Request) -> Backends:
+# The dependencies are `async def`: they only read app state (the tokens file's stat at most), and
+# a plain `def` one would cost a hop through the thread pool on every request.
+async def get_backends(request: Request) -> Backends:
     return request.app.state.backends
 
 
-def get_catalog(request: Request) -> PriceCatalog:
+async def get_catalog(request: Request) -> PriceCatalog:
     return request.app.state.catalog
 
 
-def get_principal(
+async def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+async def get_principal(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 ) -> Principal:
     """The caller of a token in the tokens file; everyone is the admin when there is none."""
@@ -44,7 +50,7 @@ def get_principal(
     return principal
 
 
-def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+async def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     if not principal.admin:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "this needs an admin token")
     return principal

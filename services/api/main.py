@@ -6,6 +6,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -47,6 +48,9 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The threads that run the routes' blocking work: few, since they share one GIL and the
+        # state store's connection pool, and more only queue on those.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         backends = open_backends(settings)
         app.state.backends = backends
         app.state.catalog = load_catalog()
@@ -74,7 +78,7 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
         lifespan=lifespan,
     )
     app.state.tokens = tokens
-    app.dependency_overrides[get_settings] = lambda: settings
+    app.state.settings = settings
     app.include_router(health.router)
     app.include_router(runs.router)
     app.include_router(datasets.router)

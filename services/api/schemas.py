@@ -26,7 +26,9 @@ class IterationPublic(BaseModel):
     metrics: dict[str, float]
 
 
-class RunPublic(BaseModel):
+class RunSummaryPublic(BaseModel):
+    """A run as listed: where it stands, without its spec and iterations (GET the run for those)."""
+
     id: str
     tenant: str = Field(description="The tenant whose token submitted the run.")
     name: str | None
@@ -36,23 +38,26 @@ class RunPublic(BaseModel):
     started_at: float | None
     ended_at: float | None
     policy_version: int
+    iterations_done: int
+    last_mean_reward: float | None = Field(description="Mean reward of the latest iteration.")
     samples: SampleCounts
-    iterations: list[IterationPublic]
     spent_dollars: float
+
+
+class RunPublic(RunSummaryPublic):
+    iterations: list[IterationPublic]
     prompt_count: int = Field(description="Prompts in the run's prompt set.")
     spec: RunSpec = Field(description="The run spec as submitted (defaults filled in); inline prompts read `inline` (see prompt_count).")
     last_error: str | None = Field(
         default=None,
         description="The scheduler's latest temporary or unexpected error on this run, while it retries; null once it reconciles cleanly.",
     )
-
-
     reward_failures: int = Field(default=0, description="Reward computations that failed or timed out (each such response scored 0).")
     last_reward_error: str | None = Field(default=None, description="Why the latest failed reward computation failed.")
 
 
 class RunsPublic(BaseModel):
-    runs: list[RunPublic]
+    runs: list[RunSummaryPublic]
     next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last page.")
 
 

@@ -15,7 +15,16 @@ from dataclasses import asdict
 
 from contracts.model_sources import BUILTIN_MODELS, check_model_source, check_reward_model_dir
 from services.api.auth import Principal
-from services.api.schemas import CostPublic, DatasetPublic, IterationPublic, LedgerEntryPublic, RunPublic, RunsPublic, SampleCounts
+from services.api.schemas import (
+    CostPublic,
+    DatasetPublic,
+    IterationPublic,
+    LedgerEntryPublic,
+    RunPublic,
+    RunsPublic,
+    RunSummaryPublic,
+    SampleCounts,
+)
 from services.backends.state_schema import RunRow
 from services.backends.state_store import RunNotFoundError, StateStore
 from services.config import Settings
@@ -102,12 +111,8 @@ def create_dataset(*, backends: Backends, principal: Principal, data: bytes) -> 
     return DatasetPublic(id=dataset_id, uri=STORE_SCHEME + key, prompts=len(items), bytes=len(data))
 
 
-def spent_dollars(state: StateStore, run_id: str, now: float) -> float:
-    return sum(e.dollars(now) for e in state.ledger(run_id))
-
-
-def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
-    return RunPublic(
+def _summary_fields(row: RunRow, spent: float) -> dict:
+    return dict(
         id=row.id,
         tenant=row.tenant,
         name=row.name,
@@ -117,9 +122,17 @@ def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
         started_at=row.started_at,
         ended_at=row.ended_at,
         policy_version=row.policy_version,
+        iterations_done=row.iterations_done,
+        last_mean_reward=row.last_mean_reward,
         samples=SampleCounts(produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped),
+        spent_dollars=spent,
+    )
+
+
+def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
+    return RunPublic(
+        **_summary_fields(row, state.spent_of([row.id], time.time())[row.id]),
         iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in state.iterations(row.id)],
-        spent_dollars=spent_dollars(state, row.id, time.time()),
         prompt_count=row.prompt_count,
         spec=RunSpec.from_stored(row.spec),
         last_error=row.last_error,
@@ -158,8 +171,9 @@ def list_runs(*, backends: Backends, principal: Principal, limit: int, cursor: s
     after = _decode_cursor(cursor) if cursor else None
     rows = backends.state.list_runs(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after)
     page = rows[:limit]
+    spent = backends.state.spent_of([r.id for r in page], time.time())  # one query for the page
     return RunsPublic(
-        runs=[run_public(r, state=backends.state) for r in page],
+        runs=[RunSummaryPublic(**_summary_fields(r, spent[r.id])) for r in page],
         next_cursor=_encode_cursor(page[-1]) if len(rows) > limit else None,
     )
 

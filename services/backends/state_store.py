@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -306,6 +306,18 @@ class StateStore:
     def iterations(self, run_id: str) -> list[IterationRow]:
         with self._session() as s:
             return list(s.scalars(select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration)))
+
+    def spent_of(self, run_ids: Sequence[str], now: float) -> dict[str, float]:
+        """Dollars each run's ledger has billed up to ``now`` (open entries up to ``now``), in one
+        query for a page of runs; a run without entries is 0."""
+        seconds = func.coalesce(LedgerRow.ended_at, now) - LedgerRow.started_at
+        dollars = case((seconds > 0, seconds), else_=0.0) * LedgerRow.price_per_hour / 3600.0
+        with self._session() as s:
+            rows = s.execute(
+                select(LedgerRow.run_id, func.sum(dollars)).where(LedgerRow.run_id.in_(run_ids)).group_by(LedgerRow.run_id)
+            )
+            spent = {run_id: float(total or 0.0) for run_id, total in rows}
+        return {run_id: spent.get(run_id, 0.0) for run_id in run_ids}
 
     def policy_version(self, run_id: str) -> int:
         with self._session() as s:

@@ -33,7 +33,10 @@ async def test_submit_get_list(api: httpx.AsyncClient) -> None:
     got = (await api.get(f"/v1/runs/{run['id']}")).json()
     assert got["name"] == "first"
     assert got["samples"] == {"produced": 0, "trained": 0, "dropped": 0}
-    assert [x["id"] for x in (await api.get("/v1/runs")).json()["runs"]] == [run["id"]]
+    (listed,) = (await api.get("/v1/runs")).json()["runs"]
+    assert listed["id"] == run["id"]
+    # A listing is a summary: the spec and the iterations are for GET of the run.
+    assert {"spec", "iterations"}.isdisjoint(listed) and listed["status"] == "PENDING" and listed["spent_dollars"] == 0.0
 
 
 async def test_prompts_from_jsonl_file_in_a_data_dir(api: httpx.AsyncClient, tmp_path: Path) -> None:

@@ -132,6 +132,21 @@ def test_ledger_open_close(store: StateStore) -> None:
     assert store.open_ledger_count("r1") == 0
 
 
+def test_spent_of_a_page_of_runs_is_what_their_ledgers_bill(store: StateStore) -> None:
+    """One query for a page: open entries billed up to now, closed ones to their end; a run
+    without entries spent 0."""
+    for run_id in ("r1", "r2", "r3"):
+        store.create_run(run_id, name=None, spec={})
+    kw = dict(role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_source="test")
+    store.open_ledger(run_id="r1", pod="a", started_at=100.0, price_per_hour=3.6, **kw)  # open: to now
+    store.open_ledger(run_id="r1", pod="b", started_at=100.0, price_per_hour=36.0, **kw)
+    store.close_ledger("b", ended_at=110.0)  # 10 s at $36/h
+    store.open_ledger(run_id="r2", pod="c", started_at=500.0, price_per_hour=7.2, **kw)  # starts after now: 0
+    spent = store.spent_of(["r1", "r2", "r3"], now=200.0)
+    assert spent == pytest.approx({"r1": 0.1 + 0.1, "r2": 0.0, "r3": 0.0})
+    assert spent["r1"] == pytest.approx(sum(e.dollars(200.0) for e in store.ledger("r1")))
+
+
 def test_lease_has_one_holder_until_it_expires_or_is_released(store: StateStore) -> None:
     assert store.acquire_lease("scheduler", "a", seconds=60)
     assert store.acquire_lease("scheduler", "a", seconds=60)  # a renews
