@@ -1,26 +1,32 @@
 """Chaos on one machine: kill what a real run depends on while it runs, then audit the run.
 
-``Chaos`` runs the scheduler as its own process (``spotrl scheduler``) beside a run on the
-embedded backends and, from a thread, disrupts it for real:
+``Chaos`` runs the scheduler as its own process (``spotrl scheduler``) beside a run whose pods
+are local processes and, from two threads, disrupts it for real:
 
 - SIGKILLs rollout workers mid-run (their uncommitted prompts go to other workers);
 - SIGKILLs a training job after it published its policy version and wrote its result, before it
   committed its samples: the window the delivery rules are about. It is microseconds wide, so
   the monkey widens it without touching the job: once the job starts publishing (its policy
-  directory appears in the object store) the monkey takes the embedded queue's write lock, as a
-  slow broker would; the job writes its result, then blocks in its commit, and is killed there.
-  The lock is released once the job is dead, and the kill counts only if its commit is indeed
-  missing then (the job's own code path, unmodified, in its own process);
+  directory appears in the object store) the monkey withholds the queue's commits
+  (``Levers.withhold_commits``: the embedded queue's write lock, as a slow broker would hold
+  writes; on Kafka, a partition between the pods and the brokers); the job writes its result,
+  then blocks in its commit, and is killed there. The commits flow again once the job is dead,
+  and the kill counts only if its commit is indeed missing then (the job's own code path,
+  unmodified, in its own process);
 - SIGKILLs the scheduler, or stops it with SIGTERM (which releases its lease), and starts a new
-  one each time: the new one resumes from the state store and the launcher's pods.
+  one each time: the new one resumes from the state store and the launcher's pods;
+- where the backends are real servers the monkey can stop (``Levers``): makes the queue's
+  brokers or the reward cache unresponsive for ``outage_s``, by turns with the above, and the
+  object store while a training job publishes its policy version (instead of killing that job).
 
 ``audit_run`` then checks the promises of README "Guarantees" on what the stores hold: no prompt
 lost, no sample trained twice, every sample trained or counted dropped (and the run's counters
 saying so), policy versions increasing, every ledger entry closed, no pod left, the run ended.
 ``spotrl demo --chaos`` and tests/test_chaos.py both use these two.
 
-Control plane only (no torch): it reads the stores and signals processes by pid, so it needs the
-embedded backends on this machine.
+Control plane only (no torch): it reads the stores and signals processes by pid, so its pods are
+local processes; on the embedded backends it needs nothing else (``embedded_levers``), on
+production adapters the caller hands it the levers of their servers (tests/test_production_backends.py).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -71,9 +77,14 @@ _LOOK_S = 0.05
 # How often it looks for a training job publishing: the window from a job's first policy file to
 # its commit is a few tens of milliseconds on the tiny model.
 _WATCH_S = 0.002
-# Longest the monkey holds the queue's write lock waiting for a publishing job's result; writers
-# wait up to the SQLite busy timeout (30 s), so this stays well below it.
+# Longest the monkey withholds commits waiting for a publishing job's result; writers to the
+# embedded queue wait up to the SQLite busy timeout (30 s), so this stays well below it.
 _LOCK_HOLD_MAX_S = 15.0
+# How long the monkey lets a job that wrote its result go on before killing it: long enough to be
+# inside its commit, which follows at once and cannot complete while commits are withheld.
+_INTO_COMMIT_S = 0.5
+# Longest the monkey waits for a job that published through an object store outage to write its result.
+_RESULT_WAIT_S = 120.0
 
 
 # --- the audit ------------------------------------------------------------------------
@@ -112,17 +123,17 @@ class Audit:
         ] + [f"PROBLEM: {p}" for p in self.problems]
 
 
-def _read_all(queue: Queue, topic: str) -> list[Record]:
-    """Every record of ``topic``, read by a consumer group of its own (from the start)."""
+def _read_all(queue: Queue, topic: str, patience_s: float = 30.0) -> list[Record]:
+    """Every record of ``topic``, read by a consumer group of its own (from the start). A broker's
+    fetches may come up empty for a while (a consumer just joined): polls go on until every record
+    is in, for ``patience_s`` at most."""
     want = sum(queue.end_offsets(topic).values())
     consumer = queue.consumer(topic, f"audit-{uuid.uuid4().hex[:8]}", member_id="audit")
     records: list[Record] = []
+    deadline = time.monotonic() + patience_s
     try:
-        while len(records) < want:
-            batch = consumer.poll(1000, timeout_s=1.0)
-            if not batch:
-                break
-            records += batch
+        while len(records) < want and time.monotonic() < deadline:
+            records += consumer.poll(1000, timeout_s=1.0)
     finally:
         consumer.close()
     return records
@@ -258,14 +269,64 @@ def _json_ids(data: bytes) -> list[str]:
 # --- the monkey -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class ChaosPlan:
-    """How much to break. Disruptions of workers and the scheduler take turns, ``pause_s`` apart
-    at least; a training job is killed whenever one is caught publishing, up to ``training_kills``."""
+    """How much to break. Disruptions of workers, the scheduler, the queue and the reward cache
+    take turns, ``pause_s`` apart at least; a training job caught publishing is killed, up to
+    ``training_kills``, and the jobs caught after those publish through an object store outage,
+    up to ``object_store_outages``. Outages need the ``Levers`` of real servers."""
 
     worker_kills: int = 3
     training_kills: int = 1
     scheduler_restarts: int = 2  # alternately after a SIGKILL and after a SIGTERM
+    queue_outages: int = 0  # the queue's brokers unresponsive for outage_s
+    reward_cache_outages: int = 0  # the reward cache unresponsive for outage_s, while rollout workers run
+    object_store_outages: int = 0  # the object store unresponsive for outage_s while a job publishes
+    outage_s: float = 10.0
     pause_s: float = 5.0
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class Levers:
+    """How the monkey makes the backends fail: each a context manager, the failure lasting for its block.
+
+    ``withhold_commits``: no queue commit gets through, and one that a process was blocked in
+    when it died never does (embedded: the queue file's write lock; Kafka: a cut link between the
+    processes and the brokers, which loses a dead process's unsent bytes, as a lost machine
+    does). ``reads_while_withheld``: whether the queue still answers reads meanwhile (the
+    embedded queue does: WAL readers go on under the write lock), so the monkey can check a
+    killed job's commit before anyone else can commit for it.
+    ``queue_outage``, ``reward_cache_outage``, ``object_store_outage``: that server unresponsive
+    (hung or partitioned, as SIGSTOP and SIGCONT of a test server's process make it); None where
+    the monkey has no such lever.
+    ``atomic_produce``: whether a produce of several records is all or nothing (the embedded
+    queue: one transaction). Kafka without transactions writes them one batch at a time, so a
+    worker killed while it queues a group's samples leaves part of the group in the queue; there
+    the monkey kills workers while they compute their batch (generating, scoring), not while they
+    write it.
+    """
+
+    withhold_commits: Callable[[], AbstractContextManager[object]]
+    reads_while_withheld: bool = False
+    atomic_produce: bool = True
+    queue_outage: Callable[[], AbstractContextManager[object]] | None = None
+    reward_cache_outage: Callable[[], AbstractContextManager[object]] | None = None
+    object_store_outage: Callable[[], AbstractContextManager[object]] | None = None
+
+
+def embedded_levers(settings: Settings) -> Levers:
+    """The embedded backends' one lever: the queue file's write lock (module docstring)."""
+    queue_file = settings.home.resolve() / "queue.db"  # where services.wiring.open_queue keeps it
+    return Levers(withhold_commits=lambda: _queue_write_lock(queue_file), reads_while_withheld=True)
+
+
+@dataclass(frozen=True)
+class Outage:
+    """One server made unresponsive by the monkey while the run went on."""
+
+    server: str  # "queue", "reward cache" or "object store"
+    seconds: float
+    samples_during: int  # samples queued meanwhile (counted when the queue answers again)
+    iteration: int | None = None  # the training job publishing meanwhile (object store outages)
 
 
 @dataclass
@@ -278,29 +339,52 @@ class ChaosTally:
     scheduler_kills: int = 0  # SIGKILLs
     scheduler_stops: int = 0  # SIGTERMs (a clean stop, the lease released)
     scheduler_starts: int = 0
+    outages: list[Outage] = field(default_factory=list)
+    outages_missed: int = 0  # object store outages that began after the job had published (nothing to count)
+
+    def of(self, server: str) -> list[Outage]:
+        return [o for o in self.outages if o.server == server]
 
     def line(self) -> str:
+        outages = "; ".join(
+            f"{o.server} unresponsive {o.seconds:.1f} s ({o.samples_during} samples queued meanwhile"
+            + (f", job {o.iteration} publishing)" if o.iteration is not None else ")")
+            for o in self.outages
+        )
         return (
             f"chaos: {len(self.worker_kills)} rollout workers SIGKILLed; training jobs SIGKILLed between publish and "
             f"commit: iterations {self.training_kills or 'none'} ({self.training_missed} missed); scheduler "
             f"SIGKILLed {self.scheduler_kills}x, SIGTERMed {self.scheduler_stops}x, started {self.scheduler_starts}x"
+            + (f"; outages: {outages}" if outages else "")
+            + (f" ({self.outages_missed} missed)" if self.outages_missed else "")
         )
 
 
 class Chaos:
     """The scheduler as a child process, and two threads breaking things while ``run_id`` runs:
-    one kills workers and the scheduler by turns, one watches for training jobs publishing.
+    one kills workers and the scheduler and stops servers by turns, one watches for training jobs
+    publishing (to kill them before their commit, or to stop the object store under them).
 
     ``with Chaos(settings, backends, run_id, plan, log_dir) as chaos:`` starts them; leaving the
     block stops the monkey, then the scheduler (SIGTERM). ``chaos.tally`` says what was done.
     The monkey stops by itself once the run has ended; the scheduler's logs go to ``log_dir``.
+    ``levers``: how to make the backends fail (``Levers``); by default the embedded ones.
     """
 
-    def __init__(self, settings: Settings, backends: Backends, run_id: str, plan: ChaosPlan, log_dir: Path) -> None:
-        if not isinstance(backends.queue, SqliteQueue) or not isinstance(backends.launcher, LocalLauncher):
-            raise ValueError("chaos needs the embedded queue (it holds its file's write lock) and local pods (it "
-                             "signals their processes): leave SPOTRL_QUEUE_URL unset")
-        self._queue_file = settings.home.resolve() / "queue.db"  # where services.wiring.open_queue keeps it
+    def __init__(self, settings: Settings, backends: Backends, run_id: str, plan: ChaosPlan, log_dir: Path,
+                 levers: Levers | None = None) -> None:
+        if not isinstance(backends.launcher, LocalLauncher):
+            raise ValueError("chaos needs local pods (it signals their processes)")
+        if levers is None:
+            if not isinstance(backends.queue, SqliteQueue):
+                raise ValueError("on a queue other than the embedded one, chaos needs the levers of its servers "
+                                 "(Chaos(..., levers=Levers(...))); or leave SPOTRL_QUEUE_URL unset")
+            levers = embedded_levers(settings)
+        wanted = {"queue_outage": plan.queue_outages, "reward_cache_outage": plan.reward_cache_outages,
+                  "object_store_outage": plan.object_store_outages}
+        if missing := [name for name, count in wanted.items() if count and getattr(levers, name) is None]:
+            raise ValueError(f"the plan asks for outages the levers cannot make: {', '.join(missing)}")
+        self.levers = levers
         self.settings = settings
         self.b = backends
         self.run_id = run_id
@@ -328,7 +412,7 @@ class Chaos:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=_LOCK_HOLD_MAX_S + 60)
+            thread.join(timeout=_LOCK_HOLD_MAX_S + self.plan.outage_s + 60)
         self._end_scheduler(signal.SIGTERM, count=False)
         if self._scheduler_log is not None:
             self._scheduler_log.close()
@@ -399,82 +483,165 @@ class Chaos:
         return run.started_at is not None and not self._stop.is_set()
 
     def _disrupt_workers_and_scheduler(self) -> None:
-        """Take turns, ``pause_s`` apart: SIGKILL a rollout worker; end the scheduler and start another."""
-        plan = self.plan
-        turns = ["worker", "scheduler"]
+        """Take turns, ``pause_s`` apart: SIGKILL a rollout worker; end the scheduler and start
+        another; make the reward cache unresponsive; make the queue unresponsive. A turn with
+        nothing left to do passes at once; one whose moment has not come waits for it: workers
+        and servers are disrupted while samples flow (some queued since the last disruption, so
+        that the run gets somewhere in between), servers when a worker is computing its batch (so
+        that it meets the outage), the scheduler once it leads."""
+        plan, tally = self.plan, self.tally
+        turns = ["worker", "scheduler", "reward cache", "queue"]
         last = time.monotonic()
-        produced_at_last_kill = 0
+        produced_at_last = 0
         while not self._stop.is_set():
             if not self._run_goes_on():
                 self._stop.wait(_LOOK_S)
                 continue
             pods = self.b.launcher.list(self.run_id)
-            produced = sum(self.b.queue.end_offsets(samples_topic(self.run_id)).values())
+            produced = self._produced()
+            workers = [p for p in _running(pods, "rollout") if p.pid]
+            flowing = bool(workers) and produced > produced_at_last
             if time.monotonic() - last >= plan.pause_s:
-                turn = turns[0]
-                if turn == "worker" and len(self.tally.worker_kills) < plan.worker_kills:
-                    workers = [p for p in _running(pods, "rollout") if p.pid]
-                    # Only while samples flow since the last kill, so the run gets somewhere between kills.
-                    if workers and produced > produced_at_last_kill:
-                        victim = self._rng.choice(workers)
+                turn, done = turns[0], False
+                if turn == "worker" and len(tally.worker_kills) < plan.worker_kills:
+                    # Where a produce is not atomic, only one computing its batch (Levers.atomic_produce).
+                    ready = [w for w in workers if self.levers.atomic_produce or _computing(w.pid)] if flowing else []
+                    if ready:
+                        victim = self._rng.choice(ready)
                         _kill(victim.pid, signal.SIGKILL)
-                        self.tally.worker_kills.append(victim.name)
+                        tally.worker_kills.append(victim.name)
                         log.info("chaos: SIGKILLed rollout worker %s", victim.name)
-                        produced_at_last_kill, last = produced, time.monotonic()
-                        turns.reverse()
-                elif turn == "scheduler" and self.tally.scheduler_kills + self.tally.scheduler_stops < plan.scheduler_restarts:
-                    if self._scheduler_leads():  # it has got somewhere: it leads
-                        signum = signal.SIGKILL if self.tally.scheduler_kills <= self.tally.scheduler_stops else signal.SIGTERM
+                        done = True
+                elif turn == "scheduler" and tally.scheduler_kills + tally.scheduler_stops < plan.scheduler_restarts:
+                    if done := self._scheduler_leads():  # it has got somewhere: it leads
+                        signum = signal.SIGKILL if tally.scheduler_kills <= tally.scheduler_stops else signal.SIGTERM
                         self._end_scheduler(signum)
                         log.info("chaos: scheduler ended by %s; starting a new one", signum.name)
                         self._start_scheduler()
-                        last = time.monotonic()
-                        turns.reverse()
+                elif turn == "reward cache" and len(tally.of(turn)) < plan.reward_cache_outages:
+                    # While a worker computes its batch: it looks the batch's rewards up next.
+                    if done := flowing and any(_computing(w.pid) for w in workers if w.pid):
+                        assert self.levers.reward_cache_outage is not None  # checked in __init__
+                        self._outage(turn, self.levers.reward_cache_outage, produced)
+                elif turn == "queue" and len(tally.of(turn)) < plan.queue_outages:
+                    # While a worker computes its batch: it queues its samples and commits its prompts next.
+                    if done := flowing and any(_computing(w.pid) for w in workers if w.pid):
+                        assert self.levers.queue_outage is not None
+                        self._outage(turn, self.levers.queue_outage, produced)
                 else:
-                    turns.reverse()
+                    turns.append(turns.pop(0))  # nothing left to do on this turn
+                if done:
+                    last, produced_at_last = time.monotonic(), self._produced()
+                    turns.append(turns.pop(0))
             self._stop.wait(_LOOK_S)
 
+    def _produced(self) -> int:
+        return sum(self.b.queue.end_offsets(samples_topic(self.run_id)).values())
+
+    def _outage(self, server: str, lever: Callable[[], AbstractContextManager[object]], produced: int,
+                iteration: int | None = None) -> None:
+        """``server`` unresponsive for ``outage_s`` (the run goes on, or waits, meanwhile)."""
+        log.info("chaos: %s unresponsive for %.0f s", server, self.plan.outage_s)
+        started = time.monotonic()
+        with lever():
+            self._stop.wait(self.plan.outage_s)  # cut short only when the monkey is stopped
+        seconds = time.monotonic() - started
+        self.tally.outages.append(Outage(server, seconds, self._produced() - produced, iteration))
+        log.info("chaos: %s answers again after %.1f s", server, seconds)
+
     def _catch_publishing_jobs(self) -> None:
-        """Kill up to ``training_kills`` training jobs between publishing and committing."""
+        """Kill up to ``training_kills`` training jobs between publishing and committing; then
+        make the object store unresponsive while the next ``object_store_outages`` jobs publish."""
         job: PodStatus | None = None
         listed_at = 0.0
-        while not self._stop.is_set() and len(self.tally.training_kills) < self.plan.training_kills:
+        while not self._stop.is_set() and (len(self.tally.training_kills) < self.plan.training_kills
+                                           or len(self.tally.of("object store")) < self.plan.object_store_outages):
             if time.monotonic() - listed_at > 10 * _LOOK_S:  # the pods now and then, the object store often
                 listed_at = time.monotonic()
                 job = next(iter(_running(self.b.launcher.list(self.run_id), "training")), None) if self._run_goes_on() else None
-            if job is not None:
-                self._kill_between_publish_and_commit(job)
+            if job is not None and self._publishing(job):
+                if len(self.tally.training_kills) < self.plan.training_kills:
+                    self._kill_between_publish_and_commit(job)
+                else:
+                    self._publish_through_outage(job)
             self._stop.wait(_WATCH_S)
 
-    def _kill_between_publish_and_commit(self, job: PodStatus) -> None:
-        """If ``job`` has begun publishing its policy version: hold the queue's write lock so that
-        its commit cannot happen, wait for its result, SIGKILL it, release (module docstring)."""
+    def _publishing(self, job: PodStatus) -> bool:
+        """Whether ``job`` has just begun publishing its policy version (once per iteration)."""
         iteration = int(job.labels["iteration"])
         if iteration in self._caught or job.pid is None or not self.b.objects.list(policy_prefix(self.run_id, iteration)):
-            return
+            return False
         self._caught.add(iteration)
+        return True
+
+    def _kill_between_publish_and_commit(self, job: PodStatus) -> None:
+        """``job`` has begun publishing: withhold the queue's commits so that its own cannot
+        happen, wait for its result, SIGKILL it, let commits through (module docstring)."""
+        assert job.pid is not None
+        iteration = int(job.labels["iteration"])
         key = result_key(self.run_id, iteration)
-        with _queue_write_lock(self._queue_file):
+        committed: dict[int, int] | None = None
+        with self.levers.withhold_commits():
             # From here until the block ends nobody commits: the job blocks in its commit.
             deadline = time.monotonic() + _LOCK_HOLD_MAX_S
             while not self.b.objects.exists(key):
                 if time.monotonic() > deadline or _ended(self.b, job.name):
                     return  # it failed, or did not finish publishing in time: nothing to count
                 time.sleep(0.002)
+            time.sleep(_INTO_COMMIT_S)
+            if _ended(self.b, job.name):
+                return  # it ended by itself (its commit failed?): not a kill
             _kill(job.pid, signal.SIGKILL)
             _wait_ended(self.b, job.name)
-            # WAL: reads go on under the write lock. Committed already: it did so before the lock was ours.
+            if self.levers.reads_while_withheld:  # before anyone else can commit for it
+                committed = self.b.queue.committed(samples_topic(self.run_id), TRAINER_GROUP)
+        if committed is None:
+            # At once: committing for the dead job (the scheduler's) takes a group join first.
             committed = self.b.queue.committed(samples_topic(self.run_id), TRAINER_GROUP)
-            result = JobResult.from_json(self.b.objects.get_bytes(key))
-            if any(committed.get(p, 0) < o for p, o in result.offsets.items()):
-                self.tally.training_kills.append(iteration)
-                log.info("chaos: SIGKILLed training job %d after it published v%d, before its commit", iteration, iteration)
-            else:
-                self.tally.training_missed += 1
+        # Committed already: the job did so before its commits were withheld.
+        result = JobResult.from_json(self.b.objects.get_bytes(key))
+        if any(committed.get(p, 0) < o for p, o in result.offsets.items()):
+            self.tally.training_kills.append(iteration)
+            log.info("chaos: SIGKILLed training job %d after it published v%d, before its commit", iteration, iteration)
+        else:
+            self.tally.training_missed += 1
+
+    def _publish_through_outage(self, job: PodStatus) -> None:
+        """``job`` has begun publishing: the object store unresponsive for ``outage_s``. It counts
+        once the job's result shows that the job was still publishing when the outage began."""
+        assert self.levers.object_store_outage is not None  # checked in __init__
+        iteration = int(job.labels["iteration"])
+        key = result_key(self.run_id, iteration)
+        began = time.time()
+        self._outage("object store", self.levers.object_store_outage, self._produced(), iteration)
+        deadline = time.monotonic() + _RESULT_WAIT_S
+        while not (self.b.objects.exists(key) or _ended(self.b, job.name) or self._stop.is_set()
+                   or time.monotonic() > deadline):
+            self._stop.wait(_LOOK_S)
+        if not (self.b.objects.exists(key) and JobResult.from_json(self.b.objects.get_bytes(key)).ended_at > began):
+            self.tally.outages.pop()  # it had published before (or never did): not an outage during publishing
+            self.tally.outages_missed += 1
 
 
 def _running(pods: list[PodStatus], role: str) -> list[PodStatus]:
     return [p for p in pods if p.role == role and p.phase == PodPhase.RUNNING]
+
+
+def _computing(pid: int, looks: int = 2, apart_s: float = 0.005) -> bool:
+    """Whether process ``pid``'s main thread is running or runnable at each of ``looks`` looks
+    ``apart_s`` apart (``/proc/<pid>/stat``), not waiting on I/O or a lock: a rollout worker
+    generating or scoring, not queueing its samples (the appends of a produce run for well under
+    ``apart_s``, its wait for the acknowledgements sleeps)."""
+    for look in range(looks):
+        if look:
+            time.sleep(apart_s)
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        if state != "R":
+            return False
+    return True
 
 
 def _kill(pid: int, signum: signal.Signals) -> None:

@@ -34,7 +34,12 @@ port asks for and how Kafka gives it:
   same member keeps the partition and replaced whenever it changes hands. A commit is refused
   (``CommitFailedError``, nothing stored) for any partition whose token differs from the one at
   the caller's last poll: the partition moved to another member since the records were read, even
-  if it has moved back. Kafka's generation check on the commit itself stays as the last guard.
+  if it has moved back. Kafka's generation check on the commit itself stays as the last guard: a
+  commit it refuses because the group began rebalancing meanwhile is tried again once the
+  rebalance is done, if the member kept the partitions throughout (the port fails a commit only
+  for a partition that changed hands). A partition that changed hands, even back to this member,
+  is read again from the group's last commit: the consumer seeks there itself, since kafka-python
+  keeps its own fetch position for a partition it holds across a rebalance.
 - **Offsets**: ``end_offsets`` are ListOffsets(latest) (the high watermark), ``committed`` are the
   group's OffsetFetch, ``backlog`` is their difference.
 
@@ -42,7 +47,9 @@ URL and settings (query parameters, else ``SPOTRL_KAFKA_<NAME>`` environment var
 ``security_protocol`` (PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL), ``ssl_cafile``, ``ssl_certfile``,
 ``ssl_keyfile``, ``sasl_mechanism`` (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512), ``sasl_plain_username``,
 ``sasl_plain_password`` (best in the environment: URLs are logged and handed to pods), ``retention_ms``
-(topics' retention, default 7 days), ``replication_factor`` (default: the broker's), and
+(topics' retention, default 7 days), ``replication_factor`` (default: the broker's), ``batch_size``
+(the producer's ``batch.size`` in bytes, default kafka-python's 16384; 1 sends every record in a
+batch of its own, which the test broker needs: tests/servers/kafka.py), and
 ``session_timeout_min_s``/``session_timeout_max_s``: the range of Kafka session timeouts the brokers
 accept (``group.min/max.session.timeout.ms``, 6 s and 30 min by default; a port session timeout
 is clamped into ``[min, min(max, 45 s)]`` for Kafka, while the port's own timeout still applies as
@@ -86,7 +93,7 @@ _SECURITY_KEYS = (
     "security_protocol", "ssl_cafile", "ssl_certfile", "ssl_keyfile",
     "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
 )  # fmt: skip
-_OTHER_KEYS = ("retention_ms", "replication_factor", "session_timeout_min_s", "session_timeout_max_s")
+_OTHER_KEYS = ("retention_ms", "replication_factor", "batch_size", "session_timeout_min_s", "session_timeout_max_s")
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 _DEFAULT_RETENTION_MS = 7 * 24 * 3600 * 1000
@@ -96,6 +103,8 @@ _DEFAULT_SESSION_MAX_S = 45.0
 _DEFAULT_SESSION_MIN_S = 6.0
 # How long the background thread's Kafka poll blocks: a caller's commit waits at most this long for it.
 _BACKGROUND_POLL_MS = 50
+# A commit refused by a rebalance that the background thread has yet to take on is retried this often.
+_COMMIT_RETRY_S = 0.05
 # Records fetched ahead of the caller's polls, per consumer; fetching pauses beyond this.
 _BUFFER_RECORDS = 2000
 # Waiting for a topic to appear or vanish in the brokers' metadata after create/delete.
@@ -114,6 +123,7 @@ class KafkaSettings:
     replication_factor: int = -1  # -1: the brokers' default.replication.factor
     session_timeout_min_s: float = _DEFAULT_SESSION_MIN_S  # the brokers' group.min.session.timeout.ms
     session_timeout_max_s: float = _DEFAULT_SESSION_MAX_S  # at most the brokers' group.max.session.timeout.ms
+    batch_size: int | None = None  # the producer's batch.size in bytes; None: kafka-python's default
 
     @classmethod
     def from_url(cls, url: str, env: Mapping[str, str] | None = None) -> KafkaSettings:
@@ -156,6 +166,7 @@ class KafkaSettings:
         numbers = {
             "retention_ms": (int, _DEFAULT_RETENTION_MS),
             "replication_factor": (int, -1),
+            "batch_size": (int, None),
             "session_timeout_min_s": (float, _DEFAULT_SESSION_MIN_S),
             "session_timeout_max_s": (float, _DEFAULT_SESSION_MAX_S),
         }
@@ -168,6 +179,8 @@ class KafkaSettings:
                 raise ValueError(f"Kafka setting {name} must be a number, got {raw!r}") from None
         if parsed["session_timeout_min_s"] <= 0 or parsed["session_timeout_max_s"] < parsed["session_timeout_min_s"]:
             raise ValueError("Kafka session_timeout_min_s must be positive and at most session_timeout_max_s")
+        if parsed["batch_size"] is not None and parsed["batch_size"] < 1:
+            raise ValueError(f"Kafka batch_size must be at least 1 byte, got {parsed['batch_size']}")
         return cls(bootstrap_servers=servers, security=security, **parsed)
 
     def client_config(self) -> dict[str, Any]:
@@ -304,7 +317,11 @@ class _KafkaConsumer:
     ``_current`` the partitions of the latest completed assignment and their ownership tokens
     (``on_assignment``), kept through a rebalance and dropped when the membership is lost;
     ``_snapshot`` those at the caller's last poll (``assignment()``), against which commits are checked;
-    ``_positions`` the next offset the caller has not been given, per partition of ``_snapshot``.
+    ``_positions`` the next offset the caller has not been given, per partition of ``_snapshot``;
+    ``_rewind`` partitions to be read again from the group's committed offset (the background
+    thread seeks there): kafka-python keeps its own fetch position for a partition it keeps
+    through a rebalance, past records the caller was given or the buffer dropped, so "restart from
+    the commit" takes a seek.
     """
 
     def __init__(
@@ -337,6 +354,7 @@ class _KafkaConsumer:
         self._pending: dict[int, str] | None = None  # tokens of an assignment being installed
         self._snapshot: dict[int, str] = {}
         self._positions: dict[int, int] = {}
+        self._rewind: set[int] = set()
         self._roster: list[str] = []
         self._kafka_member = ""  # this member's Kafka member id and generation, from the last assignment
         self._generation = -1
@@ -432,25 +450,40 @@ class _KafkaConsumer:
         if not offsets:
             return
         request = {TopicPartition(self._topic, p): OffsetAndMetadata(o, "", -1) for p, o in offsets.items()}
-        try:
-            with self._kafka_lock:
-                self._kafka.commit(request)
-        except kafka_errors.FencedInstanceIdError as e:
-            raise MemberFencedError(self._fenced_message()) from e
-        except (
-            kafka_errors.CommitFailedError,
-            kafka_errors.RebalanceInProgressError,
-            kafka_errors.IllegalGenerationError,
-            kafka_errors.UnknownMemberIdError,
-        ) as e:
-            with self._cond:
-                if self._fenced:
-                    raise MemberFencedError(self._fenced_message()) from e
-            raise CommitFailedError(
-                f"member {self._member_id!r} of group {self._group!r} could not commit partitions"
-                f" {sorted(offsets)} of topic {self._topic!r}: the group rebalanced ({type(e).__name__});"
-                " nothing was committed and the new owner gets those records again"
-            ) from e
+        deadline = time.monotonic() + self._rebalance_wait_s
+        while True:
+            try:
+                with self._kafka_lock:
+                    self._kafka.commit(request)
+                return
+            except kafka_errors.FencedInstanceIdError as e:
+                raise MemberFencedError(self._fenced_message()) from e
+            except (
+                kafka_errors.CommitFailedError,
+                kafka_errors.RebalanceInProgressError,
+                kafka_errors.IllegalGenerationError,
+                kafka_errors.UnknownMemberIdError,
+            ) as e:
+                # The group began rebalancing after the check above (or dropped this member).
+                # Partitions this member keeps throughout (same tokens) are still its to commit
+                # (refused, their records would come to nobody again: this member reads on past
+                # them): try again, in the new generation, once the rebalance is done. A partition
+                # that changed hands meanwhile fails the commit; its new holder reads it from the
+                # last commit.
+                with self._cond:
+                    if self._fenced:
+                        raise MemberFencedError(self._fenced_message()) from e
+                    kept = all(self._current.get(p) is not None and self._current[p] == self._snapshot.get(p)
+                               for p in offsets)  # fmt: skip
+                    if not kept or time.monotonic() > deadline:
+                        raise CommitFailedError(
+                            f"member {self._member_id!r} of group {self._group!r} could not commit partitions"
+                            f" {sorted(offsets)} of topic {self._topic!r}: the group rebalanced ({type(e).__name__});"
+                            " nothing was committed and the new owner gets those records again"
+                        ) from e
+                    # Let the background thread take the rebalance on (it needs the Kafka lock).
+                    self._cond.wait(_COMMIT_RETRY_S)
+                    self._wait_rebalanced(max(0.0, deadline - time.monotonic()))
 
     def assignment(self) -> set[int]:
         with self._cond:
@@ -521,10 +554,16 @@ class _KafkaConsumer:
             tokens, self._pending = self._pending or {}, None
             for partition, token in tokens.items():
                 position = self._positions.get(partition)
-                if position is not None and self._snapshot.get(partition) == token:
+                if position is not None and self._snapshot.get(partition) == token and partition not in self._rewind:
                     # Owned without a break since the caller's last poll: carry on where the caller
                     # is, not from the commit, so that nothing it was given comes again.
                     self._kafka.seek(TopicPartition(self._topic, partition), position)
+                else:
+                    # Gained, regained, or nothing given to the caller yet: from the commit. Not
+                    # kafka-python's own position, which it keeps for a partition it held before,
+                    # past what the caller was given and what the revocation dropped from the buffer.
+                    self._rewind.add(partition)
+            self._rewind &= set(tokens)
             self._current = tokens
             self._rebalancing = False
             self._assignments += 1
@@ -561,6 +600,10 @@ class _KafkaConsumer:
                 self._generation = -1
                 self._cond.notify_all()
             return True
+        with self._cond:
+            rewind = set(self._rewind) if not self._rebalancing else set()
+        if rewind:
+            self._rewind_to_committed(rewind)
         with self._kafka_lock:
             assigned = self._kafka.assignment()
             paused = self._kafka.paused()
@@ -600,13 +643,39 @@ class _KafkaConsumer:
                      self._member_id, self._group, self._topic, self._session_timeout_s, others)
         return bool(others)
 
+    def _rewind_to_committed(self, partitions: set[int]) -> None:
+        """Seek ``partitions`` back to the group's committed offsets (the start where none is),
+        and forget what was fetched of them before (background thread)."""
+        done: set[int] = set()
+        try:
+            with self._kafka_lock:
+                assigned = {tp.partition for tp in self._kafka.assignment()}
+                for partition in sorted(partitions & assigned):
+                    tp = TopicPartition(self._topic, partition)
+                    committed = self._kafka.committed(tp, timeout_ms=int(self._rebalance_wait_s * 1000))
+                    if committed is None or committed < 0:
+                        self._kafka.seek_to_beginning(tp)  # auto_offset_reset="earliest", as for a first read
+                    else:
+                        self._kafka.seek(tp, committed)
+                    done.add(partition)
+        except kafka_errors.KafkaError as e:  # brokers unreachable: the next round tries again
+            if type(e).__name__ not in self._errors_logged:
+                self._errors_logged.add(type(e).__name__)
+                log.warning("consumer %r of %r: %s (retrying)", self._member_id, self._topic, e)
+            time.sleep(0.5)
+        with self._cond:
+            self._rewind -= done
+            self._buffer = [r for r in self._buffer if r.partition not in done]
+            for partition in done:
+                self._positions.pop(partition, None)
+
     def _deliver(self, batches: Mapping[TopicPartition, list[Any]]) -> None:
         with self._cond:
             if self._rebalancing:
                 return
             for tp, messages in batches.items():
-                if tp.partition not in self._current:
-                    continue
+                if tp.partition not in self._current or tp.partition in self._rewind:
+                    continue  # not ours, or fetched from before the seek to the commit
                 self._buffer.extend(
                     Record(tp.topic, tp.partition, m.offset, m.key, m.value, m.timestamp / 1000.0) for m in messages
                 )
@@ -712,7 +781,8 @@ class KafkaQueue:
         fixed = {"acks", "enable_idempotence", "partitioner"}
         if producer_config and fixed & set(producer_config):
             raise ValueError(f"producer settings {sorted(fixed & set(producer_config))} are fixed by the queue port")
-        self._producer_config = dict(producer_config or {})
+        batching = {} if self.settings.batch_size is None else {"batch_size": self.settings.batch_size}
+        self._producer_config = {**batching, **(producer_config or {})}
         self._join_timeout_s = consumer_join_timeout_s
         self._consumers: set[_KafkaConsumer] = set()
         self._lock = threading.Lock()
