@@ -384,23 +384,3 @@ async def test_workers_killed_the_scheduler_restarted_and_redis_unresponsive(
     # The workers saw Redis go and carried on without it (the adapter logs it once per outage).
     logs = pod_logs(settings, outcome.run_id)
     assert any("carrying on without the cache" in text for pod, text in logs.items() if "-rollout-" in pod), sorted(logs)
-
-
-async def test_a_job_killed_before_its_commit_the_broker_and_s3_unresponsive(
-    api: httpx.AsyncClient, settings: Settings, levers: Levers, tmp_path: Path, broker: BrokerBehindLink
-) -> None:
-    plan = ChaosPlan(worker_kills=0, training_kills=1, scheduler_restarts=0, queue_outages=1,
-                     object_store_outages=1, outage_s=OUTAGE_S, pause_s=2.0)  # fmt: skip
-    lost_before = broker.link.lost_bytes
-    outcome = await run_under(api, settings, levers, plan, tmp_path / "chaos", iterations=4)
-    tally = outcome.tally
-    assert_guarantees_held(outcome.audit, 4)
-    # Each fault happened, for real.
-    assert len(tally.training_kills) == 1, tally.line()
-    assert broker.link.lost_bytes > lost_before, "nothing the killed job sent while the link was cut was lost with it"
-    (queue_outage,) = tally.of("queue")
-    (objects_outage,) = tally.of("object store")
-    assert queue_outage.seconds >= OUTAGE_S and objects_outage.seconds >= OUTAGE_S, tally.line()
-    assert objects_outage.iteration is not None and objects_outage.iteration not in tally.training_kills
-    # No worker fell over and no job had to be retried through the outages: one pod each.
-    assert outcome.pods == {"rollout": 2, "training": 4}, tally.line()
