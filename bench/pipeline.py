@@ -6,16 +6,17 @@ same run (a benchmark, not a test).
     .venv/bin/python bench/pipeline.py --bootstrap host:9092   # an existing broker instead of tansu
 
 Each round, in alternating order:
-- **spotrl**: a rollout-worker-like thread publishes encoded ``Sample`` records
-  (``contracts.samples.encode_sample``: prompt and response token ids, float32 log-probs) with
-  ``KafkaQueue.produce`` in calls of ``--batch`` records keyed by GRPO group, each call returning
-  once every record is acknowledged (acks=all, idempotent); the training consumer
+- **spotrl**: a rollout-worker-like thread publishes GRPO groups of encoded samples, one record
+  per group as rollout workers queue them (``contracts.samples.encode_group``: prompt and response
+  token ids, float32 log-probs) keyed by the group, with ``KafkaQueue.produce`` in calls of
+  ``--batch`` samples, each call returning once every record is acknowledged (acks=all,
+  idempotent); the training consumer
   (``KafkaQueue.consumer`` in the trainer group, as ``services.training.backlog`` opens it) polls
   them concurrently, and commits at the end.
 - **raw**: kafka-python's ``KafkaProducer`` sends the same bytes with the same keys (its defaults:
   idempotent, acks=all, flushed once at the end) while a ``KafkaConsumer`` in a group polls them.
 
-The rate is records / (last record consumed - first produce started); consumers have joined their
+The rate is samples / (last record consumed - first produce started); consumers have joined their
 group before the clock starts. Both sides are CPU-bound in kafka-python: without the ``crc32c``
 package its CRC-32C of every record batch is pure Python, which dominates at these record sizes
 (about 4x slower here for both, the ratio unchanged). Without ``--bootstrap`` a tansu broker (the test broker,
@@ -36,29 +37,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kafka import KafkaConsumer, KafkaProducer  # noqa: E402
 
-from contracts.samples import Sample, decode_sample, encode_sample  # noqa: E402
+from contracts.samples import Sample, decode_group, encode_group  # noqa: E402
 from services.backends.kafka_queue import KafkaQueue  # noqa: E402
 from services.names import TRAINER_GROUP, TRAINER_MEMBER  # noqa: E402
 
 
-def make_samples(n: int, group_size: int, prompt_tokens: int, response_tokens: int) -> list[tuple[bytes, bytes]]:
-    """(key, encoded sample) pairs shaped like a rollout worker's output."""
+def make_groups(n: int, group_size: int, prompt_tokens: int, response_tokens: int) -> list[tuple[bytes, bytes]]:
+    """(key, encoded group) records of ``n`` samples in all, shaped like a rollout worker's output."""
     out = []
-    for i in range(n):
-        group = f"{uuid.uuid4().hex}" if i % group_size == 0 else group
-        sample = Sample(
-            sample_id=uuid.uuid4().hex, run_id="bench", prompt_id=f"p{i // group_size}", group_id=group,
-            prompt_ids=[(7 * i + t) % 49152 for t in range(prompt_tokens)],
-            response_ids=[(13 * i + t) % 49152 for t in range(response_tokens)],
-            logprobs=[-0.01 * ((i + t) % 300) for t in range(response_tokens)],
-            reward=float(i % 2), reward_source="regex", policy_version=3, worker_id="bench-rollout-0",
-            generation_seconds=2.5, created_at=time.time(),
-        )  # fmt: skip
-        out.append((group.encode(), encode_sample(sample)))
+    for start in range(0, n, group_size):
+        group = uuid.uuid4().hex
+        samples = [_sample(i, group, group_size, prompt_tokens, response_tokens) for i in range(start, start + group_size)]
+        out.append((group.encode(), encode_group(samples)))
     return out
 
 
-def spotrl_round(queue: KafkaQueue, records: list[tuple[bytes, bytes]], batch: int, partitions: int) -> float:
+def _sample(i: int, group: str, group_size: int, prompt_tokens: int, response_tokens: int) -> Sample:
+    return Sample(
+        sample_id=uuid.uuid4().hex, run_id="bench", prompt_id=f"p{i // group_size}", group_id=group,
+        prompt_ids=[(7 * i + t) % 49152 for t in range(prompt_tokens)],
+        response_ids=[(13 * i + t) % 49152 for t in range(response_tokens)],
+        logprobs=[-0.01 * ((i + t) % 300) for t in range(response_tokens)],
+        reward=float(i % 2), reward_source="regex", policy_version=3, worker_id="bench-rollout-0",
+        generation_seconds=2.5, created_at=time.time(),
+    )  # fmt: skip
+
+
+def spotrl_round(queue: KafkaQueue, records: list[tuple[bytes, bytes]], batch: int, partitions: int,
+                 group_size: int) -> float:
     topic = f"bench-spotrl-{uuid.uuid4().hex[:8]}.samples"
     queue.create_topic(topic, partitions)
     consumer = queue.consumer(topic, TRAINER_GROUP, member_id=TRAINER_MEMBER, session_timeout_s=60.0)
@@ -81,14 +87,15 @@ def spotrl_round(queue: KafkaQueue, records: list[tuple[bytes, bytes]], batch: i
         for r in got:
             offsets[r.partition] = max(offsets.get(r.partition, 0), r.offset + 1)
         consumer.commit(offsets)
-        assert decode_sample(got[-1].value).run_id == "bench" and len(got) == len(records)
+        assert decode_group(got[-1].value)[0].run_id == "bench" and len(got) == len(records)
     finally:
         consumer.close()
         queue.delete_topic(topic)
-    return len(records) / elapsed
+    return len(records) * group_size / elapsed
 
 
-def raw_round(bootstrap: str, records: list[tuple[bytes, bytes]], partitions: int, queue: KafkaQueue) -> float:
+def raw_round(bootstrap: str, records: list[tuple[bytes, bytes]], partitions: int, queue: KafkaQueue,
+              group_size: int) -> float:
     topic = f"bench-raw-{uuid.uuid4().hex[:8]}"
     queue.create_topic(topic, partitions)  # the same topic settings; everything else is plain kafka-python
     consumer = KafkaConsumer(
@@ -119,12 +126,12 @@ def raw_round(bootstrap: str, records: list[tuple[bytes, bytes]], partitions: in
         producer.close()
         consumer.close()
         queue.delete_topic(topic)
-    return len(records) / elapsed
+    return len(records) * group_size / elapsed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=10000, help="records per round")
+    parser.add_argument("--samples", type=int, default=10000, help="samples per round")
     parser.add_argument("--batch", type=int, default=64, help="samples per KafkaQueue.produce call (a rollout batch)")
     parser.add_argument("--group-size", type=int, default=4, help="samples per GRPO group (one key)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
@@ -143,9 +150,10 @@ def main() -> None:
     else:
         bootstrap = args.bootstrap
     try:
-        records = make_samples(args.samples, args.group_size, args.prompt_tokens, args.response_tokens)
-        size = statistics.mean(len(v) for _, v in records)
-        print(f"broker {bootstrap}; {args.samples} samples per round, {size / 1024:.1f} KiB each "
+        records = make_groups(args.samples, args.group_size, args.prompt_tokens, args.response_tokens)
+        size = statistics.mean(len(v) for _, v in records) / args.group_size
+        print(f"broker {bootstrap}; {args.samples} samples per round in groups of {args.group_size} (a record each), "
+              f"{size / 1024:.1f} KiB a sample "
               f"({args.prompt_tokens} prompt + {args.response_tokens} response tokens), "
               f"{args.partitions} partitions, produce calls of {args.batch}")
         queue = KafkaQueue(f"kafka://{bootstrap}?session_timeout_min_s=1")
@@ -155,9 +163,9 @@ def main() -> None:
                 order = ["raw", "spotrl"] if round_ % 2 == 0 else ["spotrl", "raw"]
                 for name in order:
                     if name == "spotrl":
-                        rate = spotrl_round(queue, records, args.batch, args.partitions)
+                        rate = spotrl_round(queue, records, args.batch // args.group_size, args.partitions, args.group_size)
                     else:
-                        rate = raw_round(bootstrap, records, args.partitions, queue)
+                        rate = raw_round(bootstrap, records, args.partitions, queue, args.group_size)
                     rates[name].append(rate)
                     print(f"  round {round_ + 1} {name:>6}: {rate:8.0f} samples/s ({rate * size / 2**20:.1f} MiB/s)")
         finally:

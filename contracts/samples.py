@@ -1,4 +1,11 @@
-"""One rollout sample and its compact wire format.
+"""One rollout sample, and the compact wire format of a GRPO group of them.
+
+A queue record holds one group (one prompt's samples, ``encode_group``): a group is queued
+whole or not at all on any broker, so a rollout worker killed while it queues its batch leaves
+no part of a group behind (Kafka appends a record atomically, not a producer's several records),
+and the group is the unit a training job takes.
+
+Layout of a group: magic b"SRG1" | count u32 | count x (sample_len u32 | encoded sample).
 
 Layout of an encoded sample (all little-endian):
 
@@ -16,10 +23,14 @@ import json
 import struct
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 _MAGIC = b"SRS1"
 _PREFIX = struct.Struct("<4sIII")  # magic, header_len, n_prompt, n_response
+_GROUP_MAGIC = b"SRG1"
+_GROUP_PREFIX = struct.Struct("<4sI")  # magic, samples in the group
+_LENGTH = struct.Struct("<I")
 _ARRAY_FIELDS = ("prompt_ids", "response_ids", "logprobs")
 # array() uses the machine's byte order; the wire format is little-endian.
 _SWAP = sys.byteorder != "little"
@@ -103,3 +114,39 @@ def decode_sample(data: bytes) -> Sample:
         arrays[name] = _unpack(typecode, view[offset : offset + 4 * count]).tolist()
         offset += 4 * count
     return Sample(**scalars, **arrays)
+
+
+def encode_group(samples: Sequence[Sample]) -> bytes:
+    """One GRPO group as one record: samples of one run and one ``group_id``, in order."""
+    if not samples:
+        raise ValueError("a group has at least one sample")
+    groups = {(s.run_id, s.group_id) for s in samples}
+    if len(groups) != 1:
+        raise ValueError(f"samples of {len(groups)} groups in one group record: {sorted(groups)[:3]}")
+    parts = [_GROUP_PREFIX.pack(_GROUP_MAGIC, len(samples))]
+    for sample in samples:
+        data = encode_sample(sample)
+        parts += (_LENGTH.pack(len(data)), data)
+    return b"".join(parts)
+
+
+def decode_group(data: bytes) -> list[Sample]:
+    """Inverse of `encode_group`; raises ValueError on a truncated or foreign payload."""
+    if len(data) < _GROUP_PREFIX.size:
+        raise ValueError(f"group payload too short: {len(data)} bytes")
+    magic, count = _GROUP_PREFIX.unpack_from(data)
+    if magic != _GROUP_MAGIC:
+        raise ValueError(f"not an encoded group of samples (magic {magic!r})")
+    samples, offset = [], _GROUP_PREFIX.size
+    for _ in range(count):
+        if offset + _LENGTH.size > len(data):
+            raise ValueError(f"group payload truncated after {len(samples)} of {count} samples")
+        (length,) = _LENGTH.unpack_from(data, offset)
+        offset += _LENGTH.size
+        if offset + length > len(data):
+            raise ValueError(f"group payload truncated in sample {len(samples) + 1} of {count}")
+        samples.append(decode_sample(data[offset : offset + length]))
+        offset += length
+    if offset != len(data):
+        raise ValueError(f"group payload has {len(data) - offset} bytes after its {count} samples")
+    return samples

@@ -52,12 +52,13 @@ from typing import IO, Any
 
 from contracts.job_result import JobResult
 from contracts.messages import PromptMessage
-from contracts.samples import Sample, decode_sample
+from contracts.samples import Sample, decode_group
 from contracts.status import RunStatus
 from services.backends.launcher import LocalLauncher, PodPhase, PodStatus
 from services.backends.queue import Queue, Record
 from services.backends.sqlite_queue import SqliteQueue
 from services.config import Settings
+from services.runspec import RunSpec
 from services.names import (
     ROLLOUT_GROUP,
     TRAINER_GROUP,
@@ -150,7 +151,8 @@ def audit_run(backends: Backends, run_id: str) -> Audit:
     problems: list[str] = []
     started = run.started_at is not None
 
-    samples: list[Sample] = [decode_sample(r.value) for r in _read_all(backends.queue, samples_topic(run_id))] if started else []
+    records = _read_all(backends.queue, samples_topic(run_id)) if started else []
+    samples: list[Sample] = [sample for r in records for sample in decode_group(r.value)]
     produced = [s.sample_id for s in samples]
 
     # Trained and dropped, from what each recorded iteration's job wrote.
@@ -227,7 +229,7 @@ def audit_run(backends: Backends, run_id: str) -> Audit:
         groups: dict[str, list[Sample]] = defaultdict(list)
         for s in samples:
             groups[s.group_id].append(s)
-        n = int(run.spec.get("samples_per_prompt", 4))
+        n = RunSpec.from_stored(run.spec).samples_per_prompt
         generated = Counter(g[0].prompt_id for g in groups.values() if len(g) == n)
         if broken := [gid for gid, g in groups.items() if len(g) != n]:
             problems.append(f"{len(broken)} groups of samples are not whole ({n} samples each), e.g. {broken[:3]}")
@@ -298,16 +300,10 @@ class Levers:
     ``queue_outage``, ``reward_cache_outage``, ``object_store_outage``: that server unresponsive
     (hung or partitioned, as SIGSTOP and SIGCONT of a test server's process make it); None where
     the monkey has no such lever.
-    ``atomic_produce``: whether a produce of several records is all or nothing (the embedded
-    queue: one transaction). Kafka without transactions writes them one batch at a time, so a
-    worker killed while it queues a group's samples leaves part of the group in the queue; there
-    the monkey kills workers while they compute their batch (generating, scoring), not while they
-    write it.
     """
 
     withhold_commits: Callable[[], AbstractContextManager[object]]
     reads_while_withheld: bool = False
-    atomic_produce: bool = True
     queue_outage: Callable[[], AbstractContextManager[object]] | None = None
     reward_cache_outage: Callable[[], AbstractContextManager[object]] | None = None
     object_store_outage: Callable[[], AbstractContextManager[object]] | None = None
@@ -325,7 +321,7 @@ class Outage:
 
     server: str  # "queue", "reward cache" or "object store"
     seconds: float
-    samples_during: int  # samples queued meanwhile (counted when the queue answers again)
+    groups_during: int  # groups of samples queued meanwhile (counted when the queue answers again)
     iteration: int | None = None  # the training job publishing meanwhile (object store outages)
 
 
@@ -347,7 +343,7 @@ class ChaosTally:
 
     def line(self) -> str:
         outages = "; ".join(
-            f"{o.server} unresponsive {o.seconds:.1f} s ({o.samples_during} samples queued meanwhile"
+            f"{o.server} unresponsive {o.seconds:.1f} s ({o.groups_during} groups of samples queued meanwhile"
             + (f", job {o.iteration} publishing)" if o.iteration is not None else ")")
             for o in self.outages
         )
@@ -420,7 +416,9 @@ class Chaos:
             raise RuntimeError("the chaos monkey failed") from self._error
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait until the run ends (True) or ``timeout_s`` passes (False)."""
+        """Wait until the run ends (True) or ``timeout_s`` passes (False). On a timeout the
+        scheduler and the run's pods print their threads' stacks to their logs (SIGUSR1), so
+        the reader of a run that never ended sees where each process was."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if RunStatus(self.b.state.get_run(self.run_id).status).is_terminal():
@@ -428,6 +426,12 @@ class Chaos:
             if self._error is not None:
                 raise RuntimeError("the chaos monkey failed") from self._error
             time.sleep(0.2)
+        pids = [p.pid for p in self.b.launcher.list(self.run_id) if p.phase == PodPhase.RUNNING and p.pid]
+        if self._scheduler is not None and self._scheduler.poll() is None:
+            pids.append(self._scheduler.pid)
+        for pid in pids:
+            _kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)  # for them to write
         return False
 
     # --- the scheduler process -----------------------------------------------------------
@@ -504,8 +508,8 @@ class Chaos:
             if time.monotonic() - last >= plan.pause_s:
                 turn, done = turns[0], False
                 if turn == "worker" and len(tally.worker_kills) < plan.worker_kills:
-                    # Where a produce is not atomic, only one computing its batch (Levers.atomic_produce).
-                    ready = [w for w in workers if self.levers.atomic_produce or _computing(w.pid)] if flowing else []
+                    # At any point of its batch: computing it, or queueing its groups (each a record).
+                    ready = workers if flowing else []
                     if ready:
                         victim = self._rng.choice(ready)
                         _kill(victim.pid, signal.SIGKILL)
@@ -536,6 +540,7 @@ class Chaos:
             self._stop.wait(_LOOK_S)
 
     def _produced(self) -> int:
+        """Groups of samples queued so far (a record each)."""
         return sum(self.b.queue.end_offsets(samples_topic(self.run_id)).values())
 
     def _outage(self, server: str, lever: Callable[[], AbstractContextManager[object]], produced: int,

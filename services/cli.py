@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import ipaddress
 import logging
 import os
@@ -35,6 +36,8 @@ def _settings(home: Path | None) -> Settings:
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` prints every thread's stack to the log: what a process that seems stuck is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 @app.command()

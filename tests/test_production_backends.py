@@ -10,10 +10,9 @@ counted by the driver as it happened, and the same audit (``services.chaos.audit
 - run B: a training job killed after publishing its version, before its commit reached Kafka;
   the broker unresponsive for 10 s; S3 unresponsive for 10 s while a version is published.
 
-A worker is killed while it computes its batch, not while it queues it (``Levers.atomic_produce``):
-Kafka writes a produce's records one batch at a time (here one record a batch, the test broker's
-workaround), so a worker killed mid-write leaves part of a GRPO group in the queue, which the
-audit rightly reports; the embedded queue writes a produce in one transaction.
+A worker is killed at any point of its batch, queueing it included: each GRPO group is one Kafka
+record (``contracts.samples.encode_group``), which the broker appends whole or not at all, so no
+part of a group is ever left behind.
 
 Levers on the servers (``services.chaos.Levers``): Redis, moto and the broker are paused by
 SIGSTOP/SIGCONT (``paused()``), which looks like a hung or partitioned server: the kernel accepts
@@ -52,10 +51,11 @@ from services.backends.kafka_queue import KafkaQueue
 from services.backends.launcher import PodPhase
 from services.backends.redis_reward_cache import KEY_PREFIX, RedisRewardCache
 from services.backends.s3_object_store import S3ObjectStore
+from services.backends.state_store import LedgerEntry
 from services.chaos import Audit, Chaos, ChaosPlan, ChaosTally, Levers, audit_run
 from services.config import Settings
 from services.names import pod_log_key, policy_prefix, prompts_topic, samples_topic
-from services.wiring import open_backends
+from services.wiring import Backends, open_backends
 from tests.servers.kafka import TEST_SESSION_RANGE, KafkaBroker, tansu_binary
 from tests.servers.postgres import PostgresServer
 from tests.servers.redis import RedisServer
@@ -265,7 +265,6 @@ def settings(
 def levers(broker: BrokerBehindLink, redis_server: RedisServer, s3_bucket: S3Bucket) -> Levers:
     return Levers(
         withhold_commits=broker.link.cut,
-        atomic_produce=False,
         queue_outage=broker.paused,
         reward_cache_outage=redis_server.paused,
         object_store_outage=s3_bucket.server.paused,
@@ -277,7 +276,19 @@ class Outcome:
     run_id: str
     tally: ChaosTally
     audit: Audit
-    pods: Counter[str]  # the run's pods by role, from the ledger: every pod ever started is billed
+    ledger: list[LedgerEntry]  # every pod ever started is billed
+    decisions: list[str]  # the scheduler's log lines about starting and stopping the run's pods
+
+    @property
+    def pods(self) -> Counter[str]:
+        """The run's pods by role, each pod counted once however many entries it has."""
+        return Counter(role for _, role in {(e.pod, e.role) for e in self.ledger})
+
+    def ledger_lines(self) -> str:
+        """The ledger for a failure's reader: who ran when, relative to the first start."""
+        t0 = min((e.started_at for e in self.ledger), default=0.0)
+        return "\n".join([*self.decisions, *(f"{e.pod} {e.started_at - t0:.1f}..{'open' if e.ended_at is None else f'{e.ended_at - t0:.1f}'} s"
+                         for e in self.ledger)])  # fmt: skip
 
 
 async def run_under(
@@ -298,10 +309,11 @@ async def run_under(
             return chaos.tally, ended
 
         tally, ended = await asyncio.to_thread(drive)
-        assert ended, f"the run did not end: {backends.state.get_run(run_id).status}; {tally.line()}"
+        assert ended, f"the run did not end: {backends.state.get_run(run_id).status}; {tally.line()}\n" + stuck(
+            backends, run_id, log_dir)
         audit = audit_run(backends, run_id)
         print(tally.line(), *audit.lines(), sep="\n")  # shown with -s, and on failure
-        pods = Counter(e.role for e in backends.state.ledger(run_id))
+        ledger = backends.state.ledger(run_id)
         for pod, text in pod_logs(settings, run_id).items():  # beside the scheduler's, for a failure's reader
             (log_dir / f"{pod}.log").write_text(text)
     finally:
@@ -309,7 +321,19 @@ async def run_under(
             if pod.phase == PodPhase.RUNNING and pod.pid:
                 os.kill(pod.pid, signal.SIGKILL)
         backends.close()
-    return Outcome(run_id, tally, audit, pods)
+    decisions = [line for path in sorted(log_dir.glob("scheduler-*.log"))
+                 for line in path.read_text(errors="replace").splitlines() if f"run {run_id}: " in line]  # fmt: skip
+    return Outcome(run_id, tally, audit, ledger, decisions)
+
+
+def stuck(backends: Backends, run_id: str, log_dir: Path, lines: int = 150) -> str:
+    """The last lines of the scheduler's and the running pods' logs, stacks included (Chaos.wait)."""
+    tails = {path.name: "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+             for path in sorted(log_dir.glob("scheduler-*.log"))}  # fmt: skip
+    for pod in backends.launcher.list(run_id):
+        if pod.phase == PodPhase.RUNNING:
+            tails[pod.name] = backends.launcher.logs(pod.name, tail=lines)
+    return "\n".join(f"--- {name}\n{text}" for name, text in tails.items())
 
 
 def pod_logs(settings: Settings, run_id: str) -> dict[str, str]:
@@ -336,7 +360,8 @@ async def test_a_run_on_every_production_adapter(
     outcome = await run_under(api, settings, levers, NO_CHAOS, tmp_path / "chaos")
     run_id, audit = outcome.run_id, outcome.audit
     assert_guarantees_held(audit, SPEC["iterations"])
-    assert outcome.pods == {"rollout": 2, "training": SPEC["iterations"]}
+    assert outcome.pods == {"rollout": 2, "training": SPEC["iterations"]}, outcome.ledger_lines()
+    assert len(outcome.ledger) == sum(outcome.pods.values()), outcome.ledger_lines()  # each pod billed once
 
     # Each server was used, seen with its own client rather than through the adapters.
     admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
@@ -346,7 +371,8 @@ async def test_a_run_on_every_production_adapter(
         admin.close()
     queue = KafkaQueue(settings.queue_url or "")
     try:
-        assert sum(queue.end_offsets(samples_topic(run_id)).values()) == audit.produced
+        groups = sum(queue.end_offsets(samples_topic(run_id)).values())  # a record per group of samples
+        assert groups * SPEC["samples_per_prompt"] == audit.produced
     finally:
         queue.close()
     client = redis_server.client()
@@ -379,8 +405,37 @@ async def test_workers_killed_the_scheduler_restarted_and_redis_unresponsive(
     (outage,) = tally.of("reward cache")
     assert outage.seconds >= OUTAGE_S, tally.line()
     # No worker was started but in place of a killed one (one killed late needs none), no job retried.
-    assert 2 <= outcome.pods["rollout"] <= 2 + len(tally.worker_kills), (outcome.pods, tally.line())
-    assert outcome.pods["training"] == 4, (outcome.pods, tally.line())
+    assert 2 <= outcome.pods["rollout"] <= 2 + len(tally.worker_kills), (outcome.ledger_lines(), tally.line())
+    assert outcome.pods["training"] == 4, (outcome.ledger_lines(), tally.line())
     # The workers saw Redis go and carried on without it (the adapter logs it once per outage).
     logs = pod_logs(settings, outcome.run_id)
     assert any("carrying on without the cache" in text for pod, text in logs.items() if "-rollout-" in pod), sorted(logs)
+
+
+async def test_a_job_killed_before_its_commit_the_broker_and_s3_unresponsive(
+    api: httpx.AsyncClient, settings: Settings, levers: Levers, tmp_path: Path, broker: BrokerBehindLink
+) -> None:
+    plan = ChaosPlan(worker_kills=0, training_kills=1, scheduler_restarts=0, queue_outages=1,
+                     object_store_outages=1, outage_s=OUTAGE_S, pause_s=2.0)  # fmt: skip
+    # Sessions that outlast the broker's outage. Two members rejoining the test broker at once can
+    # livelock it (measured: each JoinGroup answered at once with the same generation, then its
+    # SyncGroup failed by the other's join, for minutes); Kafka's join phase waits for every
+    # member instead. Run A has its members rejoin one at a time, after a kill.
+    session = 3 * OUTAGE_S / 2
+    settings = settings.model_copy(update={
+        "session_timeout_s": session,
+        "queue_url": f"{broker.url}?session_timeout_min_s=1&session_timeout_max_s={session}&batch_size=1",
+    })  # fmt: skip
+    lost_before = broker.link.lost_bytes
+    outcome = await run_under(api, settings, levers, plan, tmp_path / "chaos", iterations=4)
+    tally = outcome.tally
+    assert_guarantees_held(outcome.audit, 4)
+    # Each fault happened, for real.
+    assert len(tally.training_kills) == 1, tally.line()
+    assert broker.link.lost_bytes > lost_before, "nothing the killed job sent while the link was cut was lost with it"
+    (queue_outage,) = tally.of("queue")
+    (objects_outage,) = tally.of("object store")
+    assert queue_outage.seconds >= OUTAGE_S and objects_outage.seconds >= OUTAGE_S, tally.line()
+    assert objects_outage.iteration is not None and objects_outage.iteration not in tally.training_kills
+    # No worker fell over and no job had to be retried through the outages: one pod each.
+    assert outcome.pods == {"rollout": 2, "training": 4}, (outcome.ledger_lines(), tally.line())

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 from contracts.status import RunStatus
 from services.backends.launcher import PodPhase
 from services.names import TRAINER_GROUP, samples_topic
+from services.runspec import RunSpec
 from services.wiring import Backends
 
 
@@ -41,7 +42,8 @@ class RunCollector(Collector):
         for r in runs:
             version.add_metric([r.id], r.policy_version)
             if not RunStatus(r.status).is_terminal() and r.started_at is not None:
-                backlog.add_metric([r.id], self.b.queue.backlog(samples_topic(r.id), TRAINER_GROUP))
+                group_size = RunSpec.from_stored(r.spec).samples_per_prompt  # a record is a group of samples
+                backlog.add_metric([r.id], group_size * self.b.queue.backlog(samples_topic(r.id), TRAINER_GROUP))
             produced.add_metric([r.id], r.samples_produced)
             trained.add_metric([r.id], r.samples_trained)
             dropped.add_metric([r.id], r.samples_dropped)

@@ -49,7 +49,9 @@ URL and settings (query parameters, else ``SPOTRL_KAFKA_<NAME>`` environment var
 ``sasl_plain_password`` (best in the environment: URLs are logged and handed to pods), ``retention_ms``
 (topics' retention, default 7 days), ``replication_factor`` (default: the broker's), ``batch_size``
 (the producer's ``batch.size`` in bytes, default kafka-python's 16384; 1 sends every record in a
-batch of its own, which the test broker needs: tests/servers/kafka.py), and
+batch of its own, which the test broker needs: tests/servers/kafka.py), ``max_record_bytes`` (the
+largest record: the topics' ``max.message.bytes`` and the producer's ``max.request.size``, 16 MiB by
+default, as a record holds a GRPO group of samples), and
 ``session_timeout_min_s``/``session_timeout_max_s``: the range of Kafka session timeouts the brokers
 accept (``group.min/max.session.timeout.ms``, 6 s and 30 min by default; a port session timeout
 is clamped into ``[min, min(max, 45 s)]`` for Kafka, while the port's own timeout still applies as
@@ -93,7 +95,8 @@ _SECURITY_KEYS = (
     "security_protocol", "ssl_cafile", "ssl_certfile", "ssl_keyfile",
     "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
 )  # fmt: skip
-_OTHER_KEYS = ("retention_ms", "replication_factor", "batch_size", "session_timeout_min_s", "session_timeout_max_s")
+_OTHER_KEYS = ("retention_ms", "replication_factor", "batch_size", "max_record_bytes", "session_timeout_min_s",
+               "session_timeout_max_s")
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 _DEFAULT_RETENTION_MS = 7 * 24 * 3600 * 1000
@@ -107,6 +110,9 @@ _BACKGROUND_POLL_MS = 50
 _COMMIT_RETRY_S = 0.05
 # Records fetched ahead of the caller's polls, per consumer; fetching pauses beyond this.
 _BUFFER_RECORDS = 2000
+# A record holds a GRPO group (contracts.samples): n samples of prompt and response tokens and
+# log-probs, 8 bytes a response token, so more than Kafka's 1 MB default (16 samples of 8k tokens).
+_DEFAULT_MAX_RECORD_BYTES = 16 * 2**20
 # Waiting for a topic to appear or vanish in the brokers' metadata after create/delete.
 _METADATA_WAIT_S = 30.0
 # The assignor's name: every member of a group must offer it (they all run this adapter).
@@ -124,6 +130,7 @@ class KafkaSettings:
     session_timeout_min_s: float = _DEFAULT_SESSION_MIN_S  # the brokers' group.min.session.timeout.ms
     session_timeout_max_s: float = _DEFAULT_SESSION_MAX_S  # at most the brokers' group.max.session.timeout.ms
     batch_size: int | None = None  # the producer's batch.size in bytes; None: kafka-python's default
+    max_record_bytes: int = _DEFAULT_MAX_RECORD_BYTES  # topics' max.message.bytes, the producer's max request
 
     @classmethod
     def from_url(cls, url: str, env: Mapping[str, str] | None = None) -> KafkaSettings:
@@ -167,6 +174,7 @@ class KafkaSettings:
             "retention_ms": (int, _DEFAULT_RETENTION_MS),
             "replication_factor": (int, -1),
             "batch_size": (int, None),
+            "max_record_bytes": (int, _DEFAULT_MAX_RECORD_BYTES),
             "session_timeout_min_s": (float, _DEFAULT_SESSION_MIN_S),
             "session_timeout_max_s": (float, _DEFAULT_SESSION_MAX_S),
         }
@@ -179,6 +187,8 @@ class KafkaSettings:
                 raise ValueError(f"Kafka setting {name} must be a number, got {raw!r}") from None
         if parsed["session_timeout_min_s"] <= 0 or parsed["session_timeout_max_s"] < parsed["session_timeout_min_s"]:
             raise ValueError("Kafka session_timeout_min_s must be positive and at most session_timeout_max_s")
+        if parsed["max_record_bytes"] < 1024:
+            raise ValueError(f"Kafka max_record_bytes must be at least 1024, got {parsed['max_record_bytes']}")
         if parsed["batch_size"] is not None and parsed["batch_size"] < 1:
             raise ValueError(f"Kafka batch_size must be at least 1 byte, got {parsed['batch_size']}")
         return cls(bootstrap_servers=servers, security=security, **parsed)
@@ -803,7 +813,8 @@ class KafkaQueue:
         spec = {
             "num_partitions": partitions,
             "replication_factor": self.settings.replication_factor,
-            "configs": {"retention.ms": str(self.settings.retention_ms)},
+            "configs": {"retention.ms": str(self.settings.retention_ms),
+                        "max.message.bytes": str(self.settings.max_record_bytes)},
         }
         deadline = time.monotonic() + _METADATA_WAIT_S
         while True:
@@ -867,8 +878,7 @@ class KafkaQueue:
                     chosen.append(_partition_for_key(key, partitions))
             self._round_robin[topic] = (start + keyless) % partitions
         # One timestamp for the whole call, as the embedded adapter stamps it: readers that order
-        # by (timestamp, partition, offset) then see each call's records partition by partition,
-        # so a key's records (a GRPO group) stay together (services.training.backlog.take_batch).
+        # by produce time (services.training.backlog.take_batch) see one call's records together.
         now_ms = int(time.time() * 1000)
         futures = [
             producer.send(topic, value=value, key=key, partition=partition, timestamp_ms=now_ms)
@@ -947,6 +957,7 @@ class KafkaQueue:
                         acks="all",
                         enable_idempotence=True,
                         allow_auto_create_topics=False,
+                        max_request_size=self.settings.max_record_bytes,
                         **self._producer_config,
                     )
                 )

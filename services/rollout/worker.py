@@ -15,6 +15,7 @@ sample is still produced, its reward is not cached, and the failures are counted
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from contracts.messages import PromptMessage
-from contracts.samples import Sample, encode_sample
+from contracts.samples import Sample, encode_group
 from services.backends.object_store import ObjectStore
 from services.backends.queue import CommitFailedError, Queue, Record, next_offsets
 from services.backends.reward_cache import RewardCache, reward_cache_key
@@ -164,10 +165,12 @@ class RolloutWorker:
                 if samples is None:
                     log.info("stop deadline reached mid-batch: %d prompts left uncommitted", len(records))
                     break
+                # One record per group (contracts.samples): a kill mid-produce leaves no part of one.
+                groups = [list(g) for _, g in itertools.groupby(samples, key=lambda s: s.group_id)]
                 self.queue.produce(
                     samples_topic(self.run_id),
-                    [encode_sample(s) for s in samples],
-                    keys=[s.group_id.encode() for s in samples],
+                    [encode_group(g) for g in groups],
+                    keys=[g[0].group_id.encode() for g in groups],
                 )
                 try:
                     consumer.commit(next_offsets(records))

@@ -45,7 +45,7 @@ from services.scheduler import plan as p
 from services.scheduler.lease import Leadership
 from services.training.backlog import trainer_consumer
 from services.wiring import Backends
-from contracts.samples import decode_sample
+from contracts.samples import decode_group
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,27 @@ def leftover_chunk_key(run_id: str, start: int, count: int) -> str:
 
 # A run that keeps raising TemporaryError waits its delay doubled per failure, at most this long.
 TEMPORARY_RETRY_CAP_S = 120.0
+
+
+def _log_decisions(run_id: str, actions: list[p.Action], observed: p.Observed) -> None:
+    """Each pod started or stopped, at INFO, with the figures it was decided on: what an operator
+    paying for the pods asks first."""
+    decided = [a for a in actions if isinstance(a, p.LaunchWorker | p.LaunchTraining | p.StopPod)]
+    if decided:
+        log.info("run %s: %s (prompt backlog %d, sample backlog %d, trainer committed %d, pods %s)", run_id,
+                 ", ".join(map(_describe, decided)), observed.prompt_backlog, observed.sample_backlog,
+                 observed.trainer_committed, ", ".join(f"{pod.name}:{pod.phase}" for pod in observed.pods) or "none")
+
+
+def _describe(action: p.Action) -> str:
+    match action:
+        case p.LaunchWorker(_, slot):
+            return f"launch rollout slot {slot}"
+        case p.LaunchTraining(_, iteration):
+            return f"launch training job {iteration}"
+        case p.StopPod(name):
+            return f"stop {name}"
+    return type(action).__name__
 
 
 @dataclass
@@ -183,12 +204,15 @@ class Scheduler:
             samples_produced=row.samples_produced,
             train_launch_committed=row.train_launch_committed,
         )
-        actions = p.plan(state, self.observe(row, pods))
+        observed = self.observe(row, pods, spec.samples_per_prompt)
+        actions = p.plan(state, observed)
+        _log_decisions(row.id, actions, observed)
         for action in actions:
             self.apply(action, spec)
         return actions
 
-    def observe(self, row: RunRow, pods: list) -> p.Observed:
+    def observe(self, row: RunRow, pods: list, group_size: int) -> p.Observed:
+        """The run's world now; the sample topic's records are groups of ``group_size`` samples."""
         now = time.time()
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
         samples = samples_topic(row.id)
@@ -197,8 +221,8 @@ class Scheduler:
         return p.Observed(
             pods=pods,
             prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
-            sample_backlog=self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
-            samples_produced=sum(self.b.queue.end_offsets(samples).values()) if started else 0,
+            sample_backlog=group_size * self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
+            samples_produced=group_size * sum(self.b.queue.end_offsets(samples).values()) if started else 0,
             trainer_committed=sum(self.b.queue.committed(samples, TRAINER_GROUP).values()) if started else 0,
             spent_dollars=sum(e.dollars(now) for e in ledger),
             billed=frozenset(e.pod for e in ledger),
@@ -356,7 +380,7 @@ class Scheduler:
             consumer.close()
 
     def _drop_leftovers(self, run_id: str, limit: int) -> None:
-        """Count up to ``limit`` of the samples still queued as dropped: their ids go to an object
+        """Count the samples of up to ``limit`` of the groups still queued as dropped: their ids go to an object
         named by where they start (a retry after a crash rewrites the same one), then they are
         committed, then the run's count is recomputed from what is stored (``_count_dropped``)."""
         topic = samples_topic(run_id)
@@ -371,7 +395,7 @@ class Scheduler:
                     break
                 records += polled
             if records:
-                ids = [decode_sample(r.value).sample_id for r in records]
+                ids = [sample.sample_id for r in records for sample in decode_group(r.value)]
                 self.b.objects.put_bytes(leftover_chunk_key(run_id, start, len(ids)),
                                          json.dumps({"run_ended": ids}).encode())
                 consumer.commit(next_offsets(records))

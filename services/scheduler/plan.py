@@ -185,8 +185,8 @@ class BeginEnding:
 
 @dataclass(frozen=True)
 class DropLeftovers:
-    """All pods are gone: count up to ``limit`` of the samples still queued as dropped (nobody
-    will train them), committing them."""
+    """All pods are gone: count the samples of up to ``limit`` of the groups still queued as
+    dropped (nobody will train them), committing them."""
 
     run_id: str
     limit: int
@@ -265,7 +265,8 @@ def _next_step(run: RunState, observed: Observed) -> list[Action]:
         if alive:
             return actions + [StopPod(p.name) for p in alive]
         if observed.sample_backlog > 0:
-            return actions + [DropLeftovers(run.run_id, MAX_LEFTOVERS_PER_TICK)]
+            groups = max(1, MAX_LEFTOVERS_PER_TICK // run.spec.samples_per_prompt)
+            return actions + [DropLeftovers(run.run_id, groups)]
         return actions + [FinishRun(run.run_id, status, reason)]
 
     return actions + _feed_and_scale(run, observed, alive)

@@ -3,6 +3,9 @@ the scheduler counts as dropped when a run ends. No torch: the scheduler imports
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import time
 from collections.abc import Sequence
 
 from services.backends.queue import Consumer, Queue, Record, next_offsets
@@ -10,19 +13,23 @@ from services.names import TRAINER_GROUP, TRAINER_MEMBER, samples_topic
 
 # The job polls once at start and commits minutes later: a session this long keeps its membership.
 TRAINER_SESSION_S = 24 * 3600.0
+# How long reading the backlog may go without a record before the job gives up (and is retried).
+READ_TIMEOUT_S = 180.0
 
 
-def take_batch(records: Sequence[Record], batch_samples: int, group_size: int) -> tuple[list[Record], dict[int, int]]:
-    """The oldest ``batch_samples`` records, extended to whole groups, and the offsets committing them.
+def take_batch(records: Sequence[Record], groups: int) -> tuple[list[Record], dict[int, int]]:
+    """The oldest ``groups`` records (each a GRPO group: ``contracts.samples.encode_group``) and
+    the offsets committing them.
 
-    Taken in produce order, so the records of each partition are a prefix (a commit can only
-    move forward); a group's records are contiguous in one partition (they share its key).
+    Oldest by produce time across partitions, in offset order within each, so that what is
+    taken from a partition is a prefix of it (a commit only moves forward) even where producers'
+    clocks disagree.
     """
-    taken: list[Record] = []
-    for r in sorted(records, key=lambda r: (r.timestamp, r.partition, r.offset)):
-        if len(taken) >= batch_samples and len(taken) % group_size == 0:
-            break
-        taken.append(r)
+    by_partition: dict[int, list[Record]] = {}
+    for r in sorted(records, key=lambda r: (r.partition, r.offset)):
+        by_partition.setdefault(r.partition, []).append(r)
+    oldest_first = heapq.merge(*by_partition.values(), key=lambda r: (r.timestamp, r.partition))
+    taken = list(itertools.islice(oldest_first, groups))
     return taken, next_offsets(taken)
 
 
@@ -32,17 +39,34 @@ def trainer_consumer(queue: Queue, run_id: str) -> Consumer:
     )
 
 
-def read_backlog(queue: Queue, consumer: Consumer, run_id: str) -> tuple[list[Record], dict[int, int]]:
-    """Every record queued for the trainer group now, and the offsets that commit them."""
+def read_backlog(
+    queue: Queue, consumer: Consumer, run_id: str, timeout_s: float = READ_TIMEOUT_S
+) -> tuple[list[Record], dict[int, int]]:
+    """Every record queued for the trainer group now, and the offsets that commit them.
+
+    Read until each partition's position reaches its end offset as measured first (records
+    after it are the next job's), not until a count: a partition whose offsets have a gap (a
+    broker may leave some offsets without a record) still completes. A read that gets nowhere
+    for ``timeout_s`` raises ``BacklogReadTimeout`` rather than keep an on-demand GPU waiting.
+    """
     topic = samples_topic(run_id)
     end = queue.end_offsets(topic)
     committed = queue.committed(topic, TRAINER_GROUP)
-    want = sum(end[p] - committed.get(p, 0) for p in end)
     records: list[Record] = []
-    positions = dict(committed)
-    while len(records) < want:
+    positions = {p: committed.get(p, 0) for p in end}
+    deadline = time.monotonic() + timeout_s
+    while behind := {p: (positions[p], end[p]) for p in end if positions[p] < end[p]}:
+        if time.monotonic() > deadline:
+            raise BacklogReadTimeout(
+                f"the trainer group read no further in {timeout_s:.0f} s; partition: (position, end offset) {behind}"
+            )
         for r in consumer.poll(1000, timeout_s=1.0):
-            if r.offset < end[r.partition]:
+            if r.offset < end[r.partition] and r.offset >= positions[r.partition]:
                 records.append(r)
                 positions[r.partition] = r.offset + 1
+                deadline = time.monotonic() + timeout_s  # a timeout without progress, not in all
     return records, {p: o for p, o in positions.items() if o > committed.get(p, 0)}
+
+
+class BacklogReadTimeout(TimeoutError):
+    """The queue did not deliver the records its offsets say are there (module: read_backlog)."""

@@ -29,7 +29,7 @@ from typing import TypeVar
 import torch
 
 from contracts.job_result import JobResult
-from contracts.samples import decode_sample
+from contracts.samples import decode_group
 from contracts.training import Algorithm, Critic, TrainConfig
 from services.backends.object_store import ObjectStore
 from services.backends.queue import Consumer, Queue
@@ -262,17 +262,19 @@ def _read_batch(
 ) -> tuple[int, dict, Selection]:
     """The leader's batch: how many samples it read, their end offsets, and which of them are
     trained (no duplicates of `previous`'s, none too stale, as many per rank in whole groups)."""
-    records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], spec.batch_samples, spec.samples_per_prompt)
+    groups = spec.batch_samples // spec.samples_per_prompt  # the run spec makes it a whole number
+    records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], groups)
+    samples = [s for r in records for s in decode_group(r.value)]
     selection = select_samples(
-        (decode_sample(r.value) for r in records),
+        samples,
         seen=set(previous.trained_ids) if previous else set(),
         policy_version=iteration - 1,
         staleness_bound=spec.staleness_bound,
     )
     selection.kept, selection.dropped.uneven = even_shares(selection.kept, ranks.world_size)
-    log.info("iteration %d: %d samples read, %d kept, %d dropped", iteration, len(records), len(selection.kept),
+    log.info("iteration %d: %d samples read, %d kept, %d dropped", iteration, len(samples), len(selection.kept),
              selection.dropped.count())
-    return len(records), offsets, selection
+    return len(samples), offsets, selection
 
 
 def _load_models(

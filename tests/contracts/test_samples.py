@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from contracts.samples import Sample, decode_sample, encode_sample
+from contracts.samples import Sample, decode_group, decode_sample, encode_group, encode_sample
 
 
 def _sample(**overrides: object) -> Sample:
@@ -59,3 +59,27 @@ def test_rejects_mismatched_logprobs() -> None:
 def test_rejects_corrupt_payload(mangle) -> None:
     with pytest.raises(ValueError):
         decode_sample(mangle(encode_sample(_sample())))
+
+
+def test_a_group_round_trips_as_one_record() -> None:
+    group = [_sample(sample_id=f"s{k}", response_ids=[k] * k, logprobs=[-0.5] * k) for k in range(4)]
+    decoded = decode_group(encode_group(group))
+    assert [s.sample_id for s in decoded] == ["s0", "s1", "s2", "s3"]
+    assert [s.response_ids for s in decoded] == [s.response_ids for s in group]
+
+
+def test_a_group_record_holds_one_group_of_one_run() -> None:
+    with pytest.raises(ValueError, match="2 groups"):
+        encode_group([_sample(), _sample(group_id="g-8")])
+    with pytest.raises(ValueError, match="at least one"):
+        encode_group([])
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [lambda b: b[:-1], lambda b: b + b"\0", lambda b: b"XXXX" + b[4:], lambda b: b[:6]],
+    ids=["truncated", "trailing", "magic", "short"],
+)
+def test_rejects_a_corrupt_group(mangle) -> None:
+    with pytest.raises(ValueError):
+        decode_group(mangle(encode_group([_sample(), _sample(sample_id="other")])))

@@ -19,7 +19,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.partitioner import DefaultPartitioner
 
-from contracts.samples import Sample, decode_sample, encode_sample
+from contracts.samples import Sample, decode_group, encode_group
 from services.backends.kafka_queue import KafkaQueue, KafkaSettings, KafkaUnavailableError, _partition_for_key
 from services.names import TRAINER_GROUP, samples_topic
 from services.training.backlog import read_backlog, take_batch, trainer_consumer
@@ -236,24 +236,24 @@ def sample(run_id: str, group: int, i: int, tokens: int = 256) -> Sample:
 
 
 def test_the_training_job_reads_and_commits_its_batch_on_kafka(queue: KafkaQueue) -> None:
-    """The trainer's own path (services.training.backlog) on Kafka: samples keyed by their group,
-    as rollout workers queue them, read as a backlog, taken in whole groups, committed."""
+    """The trainer's own path (services.training.backlog) on Kafka: groups of samples, one record
+    each keyed by the group, as rollout workers queue them, read as a backlog, taken, committed."""
     run_id = f"r{uuid.uuid4().hex[:8]}"
     topic = samples_topic(run_id)
     queue.create_topic(topic, 4)
-    samples = [sample(run_id, g, i) for g in range(6) for i in range(4)]
-    queue.produce(topic, [encode_sample(s) for s in samples], keys=[s.group_id.encode() for s in samples])
-    assert queue.backlog(topic, TRAINER_GROUP) == 24
+    groups = [[sample(run_id, g, i) for i in range(4)] for g in range(6)]
+    queue.produce(topic, [encode_group(g) for g in groups], keys=[g[0].group_id.encode() for g in groups])
+    assert queue.backlog(topic, TRAINER_GROUP) == 6
 
     consumer = trainer_consumer(queue, run_id)
     try:
         records, _ = read_backlog(queue, consumer, run_id)
-        batch, offsets = take_batch(records, batch_samples=8, group_size=4)
-        decoded = [decode_sample(r.value) for r in batch]
-        assert len(batch) == 8 and len({s.group_id for s in decoded}) == 2
-        assert {s.sample_id for s in decoded} <= {s.sample_id for s in samples}
+        batch, offsets = take_batch(records, groups=2)
+        decoded = [s for r in batch for s in decode_group(r.value)]
+        assert len(decoded) == 8 and len({s.group_id for s in decoded}) == 2
+        assert {s.sample_id for s in decoded} <= {s.sample_id for g in groups for s in g}
         consumer.commit(offsets)
     finally:
         consumer.close()
-    assert queue.backlog(topic, TRAINER_GROUP) == 16
+    assert queue.backlog(topic, TRAINER_GROUP) == 4
     queue.delete_topic(topic)

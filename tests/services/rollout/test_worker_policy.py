@@ -15,21 +15,23 @@ from services.runspec import RunSpec
 from services.training.job import run_training_job
 from services.wiring import open_backends
 from trainer_core.models.lora import is_lora
-from contracts.samples import Sample, encode_sample
+from contracts.samples import Sample, encode_group
 
 RUN = "run-worker"
 
 
 def produce_batch(queue, iteration: int) -> None:
     for g in range(2):
-        for k in range(4):
-            sample = Sample(
+        group = [
+            Sample(
                 sample_id=f"{iteration}-{g}-{k}", run_id=RUN, prompt_id=str(g), group_id=f"{iteration}-{g}",
                 prompt_ids=[5, 6, 7 + g], response_ids=[8, 9, 10 + k], logprobs=[-4.0] * 3, reward=float(k % 2),
                 reward_source="rule", policy_version=iteration - 1, worker_id="w", generation_seconds=0.0,
                 created_at=float(iteration),
             )  # fmt: skip
-            queue.produce(samples_topic(RUN), [encode_sample(sample)], keys=[sample.group_id.encode()])
+            for k in range(4)
+        ]
+        queue.produce(samples_topic(RUN), [encode_group(group)], keys=[f"{iteration}-{g}".encode()])
 
 
 @pytest.mark.parametrize("training", [{}, {"lora_rank": 4}], ids=["full", "lora"])

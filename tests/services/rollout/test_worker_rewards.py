@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from contracts.messages import PromptMessage
-from contracts.samples import decode_sample
+from contracts.samples import decode_group
 from services.backends.reward_cache import reward_cache_key
 from services.config import Settings
 from services.names import prompts_topic, samples_topic
@@ -100,7 +100,7 @@ def test_a_worker_whose_regex_reward_times_out_still_produces_samples(settings: 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        wait_for(lambda: sum(b.queue.end_offsets(samples_topic(RUN)).values()) >= 4 or errors,
+        wait_for(lambda: sum(b.queue.end_offsets(samples_topic(RUN)).values()) >= 1 or errors,  # a group
                  timeout_s=120, message="the worker queued the 4 samples of its 2 prompts")  # fmt: skip
     finally:
         worker.stop.set()
@@ -109,7 +109,7 @@ def test_a_worker_whose_regex_reward_times_out_still_produces_samples(settings: 
     assert not thread.is_alive()
 
     audit = b.queue.consumer(samples_topic(RUN), "audit", member_id="audit")
-    samples = [decode_sample(r.value) for r in audit.poll(100, timeout_s=1.0)]
+    samples = [s for r in audit.poll(100, timeout_s=1.0) for s in decode_group(r.value)]
     assert len(samples) == 4
     assert {s.reward for s in samples} == {0.0}  # the pattern never matches; a timeout scores 0.0
     row = b.state.get_run(RUN)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from contracts.job_result import JobResult
-from contracts.samples import Sample, decode_sample, encode_sample
+from contracts.samples import Sample, decode_group, encode_group
 from contracts.status import RunStatus
 from services.chaos import audit_run
 from services.config import Settings
@@ -38,7 +38,7 @@ def produce(backends: Backends, run_id: str, groups: int) -> None:
                    policy_version=0, worker_id="w", generation_seconds=0.0, created_at=float(g))
             for k in range(4)
         ]
-        backends.queue.produce(samples_topic(run_id), [encode_sample(s) for s in samples], keys=[group.encode()] * 4)
+        backends.queue.produce(samples_topic(run_id), [encode_group(samples)], keys=[group.encode()])
 
 
 def publish(backends: Backends, run_id: str, iteration: int, *, commit: bool) -> JobResult:
@@ -46,10 +46,11 @@ def publish(backends: Backends, run_id: str, iteration: int, *, commit: bool) ->
     its batch (unless ``commit`` is False: the job dies between the two)."""
     consumer = trainer_consumer(backends.queue, run_id)
     try:
-        records, offsets = take_batch(read_backlog(backends.queue, consumer, run_id)[0], SPEC.batch_samples, 4)
+        records, offsets = take_batch(read_backlog(backends.queue, consumer, run_id)[0], SPEC.batch_samples // 4)
+        samples = [s for r in records for s in decode_group(r.value)]
         result = JobResult(
-            iteration=iteration, policy_version=iteration, mean_reward=0.5, metrics={}, samples_read=len(records),
-            trained_ids=[decode_sample(r.value).sample_id for r in records], offsets=offsets, seconds=1.0, ended_at=0.0,
+            iteration=iteration, policy_version=iteration, mean_reward=0.5, metrics={}, samples_read=len(samples),
+            trained_ids=[s.sample_id for s in samples], offsets=offsets, seconds=1.0, ended_at=0.0,
         )
         backends.objects.put_bytes(policy_prefix(run_id, iteration) + "config.json", b"{}")
         backends.objects.put_bytes(result_key(run_id, iteration), result.to_json())

@@ -144,7 +144,7 @@ CASES = [
      run(status=RunStatus.ENDING, ending_status=RunStatus.FAILED, ending_reason="budget exhausted"),
      seen([T1_FAIL], published=[1]), [RecordIteration("r", 1), ReapPod(T1_FAIL)]),
     ("cancelling, pods gone, samples left: dropped a bounded chunk at a time", CANCELLING, seen([], samples=8),
-     [DropLeftovers("r", MAX_LEFTOVERS_PER_TICK)]),
+     [DropLeftovers("r", MAX_LEFTOVERS_PER_TICK // 4)]),  # groups of 4 samples
     ("cancelling, pods gone, nothing left: cancelled", CANCELLING, seen([], samples=0),
      [FinishRun("r", RunStatus.CANCELLED, "cancelled by the user")]),
     ("ending keeps its end though the budget is spent meanwhile",

@@ -17,7 +17,7 @@ from services.runspec import RunSpec
 from services.training.job import run_training_job
 from trainer_core.models.lora import is_lora
 from trainer_core.models.loading import load_policy
-from contracts.samples import Sample, encode_sample
+from contracts.samples import Sample, encode_group
 
 RUN = "run-job"
 
@@ -37,7 +37,7 @@ def produce_groups(queue: SqliteQueue, groups: int, version: int) -> list[str]:
                    policy_version=version, worker_id="w", generation_seconds=0.0, created_at=0.0)
             for k in range(4)
         ]
-        queue.produce(samples_topic(RUN), [encode_sample(s) for s in samples], keys=[group.encode()] * 4)
+        queue.produce(samples_topic(RUN), [encode_group(samples)], keys=[group.encode()])
         ids += [s.sample_id for s in samples]
     return ids
 
@@ -58,7 +58,7 @@ def test_trains_one_batch_publishes_then_commits(world) -> None:
     assert sorted(result.trained_ids) == sorted(first), "exactly one batch, the oldest groups"
     assert objects.exists(policy_prefix(RUN, 1) + "config.json")
     assert JobResult.from_json(objects.get_bytes(result_key(RUN, 1))) == result
-    assert queue.backlog(samples_topic(RUN), TRAINER_GROUP) == len(later)
+    assert queue.backlog(samples_topic(RUN), TRAINER_GROUP) == len(later) // 4  # one record per group of 4
     # The workers' log-probs (-4.0) are above the policy's (-4.59 to -4.81 on the tiny model): every
     # ratio is below 0.8, so the clip binds exactly on the tokens of negative advantage, half of them.
     assert result.metrics["actor/pg_clipfrac"] == pytest.approx(0.5)

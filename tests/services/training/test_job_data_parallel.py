@@ -12,6 +12,7 @@ one step (as in tests/trainer_core/rl/test_distributed.py).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -31,7 +32,7 @@ from services.training.job import run_training_job
 from services.training.selection import even_shares
 from services.wiring import Backends, open_backends
 from trainer_core.models.loading import load_policy
-from contracts.samples import Sample, encode_sample
+from contracts.samples import Sample, encode_group
 
 REPO = Path(__file__).resolve().parents[3]
 LR = 1e-3
@@ -65,8 +66,8 @@ def batch(run_id: str, iteration: int) -> list[Sample]:
 
 
 def produce(backends: Backends, run_id: str, iteration: int) -> None:
-    for sample in batch(run_id, iteration):
-        backends.queue.produce(samples_topic(run_id), [encode_sample(sample)], keys=[sample.group_id.encode()])
+    for group_id, group in itertools.groupby(batch(run_id, iteration), key=lambda s: s.group_id):
+        backends.queue.produce(samples_topic(run_id), [encode_group(list(group))], keys=[group_id.encode()])
 
 
 def open_world(home: Path, run_id: str, run_spec: RunSpec, model_cache: Path) -> tuple[Settings, Backends]:
