@@ -177,8 +177,9 @@ def test_makefile_builds_each_image() -> None:
 
 
 def test_control_plane_dependencies_leave_out_the_trainer() -> None:
-    """The control image installs `.` alone: the core dependencies must hold no torch, and the API,
-    the scheduler and the CLI must start with every distribution of [trainer] unimportable."""
+    """The control image installs `.` alone and copies no trainer_core: the core dependencies must
+    hold no torch, and the API, the scheduler and the CLI must start with trainer_core and every
+    distribution of [trainer] unimportable."""
     core = {Requirement(r).name for r in PYPROJECT["project"]["dependencies"]}
     trainer = {Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["trainer"]}
     assert "torch" in trainer and not core & {"torch", "transformers", "deepspeed", "vllm", "peft"}
@@ -189,7 +190,7 @@ def test_control_plane_dependencies_leave_out_the_trainer() -> None:
     assert "torch" in modules
     probe = (
         "import sys\n"
-        f"blocked = set({modules!r})\n"
+        f"blocked = set({modules!r}) | {{'trainer_core'}}\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] in blocked:\n"
