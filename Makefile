@@ -2,8 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spotrl-installed
+# checkov pins boto3, packaging and networkx below what spotrl's venv holds: it gets a venv of its own.
+CHECKOV := $(VENV)/checkov/bin/checkov
 
-.PHONY: demo demo-tiny test setup bench
+.PHONY: demo demo-tiny test setup bench image-control image-rollout image-training
 
 setup: $(STAMP)
 
@@ -29,11 +31,31 @@ demo-tiny: $(STAMP)
 	$(VENV)/bin/spotrl demo --model tiny
 
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
-test: $(STAMP)
+test: $(STAMP) $(CHECKOV)
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q
+	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q
+
+# tests/deploy/test_terraform.py runs it on infra/terraform.
+$(CHECKOV):
+	test -x $(VENV)/checkov/bin/python || python3 -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/python -m pip install -q checkov==3.3.30
 
 # spotrl's trainer against TRL's GRPOTrainer on the same GRPO work (a benchmark, not a test; ~4 min).
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/trainer_vs_trl.py --model both --json .spotrl/bench-trainer-vs-trl.json
+
+# Container images (docker/*.Dockerfile), built from the repository root. Override a base with
+# e.g. PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:... or CUDA_IMAGE=nvidia/cuda:...@sha256:...
+# The reward service (`spotrl reward-server`) runs from spotrl-rollout.
+DOCKER ?= docker
+IMAGE_TAG ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo dev)
+
+image-control:
+	$(DOCKER) build -f docker/control.Dockerfile -t spotrl-control:$(IMAGE_TAG) $(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)) .
+
+image-rollout:
+	$(DOCKER) build -f docker/rollout.Dockerfile -t spotrl-rollout:$(IMAGE_TAG) $(if $(CUDA_IMAGE),--build-arg CUDA_IMAGE=$(CUDA_IMAGE)) .
+
+image-training:
+	$(DOCKER) build -f docker/training.Dockerfile -t spotrl-training:$(IMAGE_TAG) $(if $(CUDA_IMAGE),--build-arg CUDA_IMAGE=$(CUDA_IMAGE)) .

@@ -1,0 +1,44 @@
+output "cluster_name" {
+  description = "Name of the EKS cluster"
+  value       = module.spotrl.cluster_name
+}
+
+output "cluster_endpoint" {
+  description = "Endpoint of the cluster's Kubernetes API server"
+  value       = module.spotrl.cluster_endpoint
+}
+
+output "region" {
+  description = "AWS region of the cluster and the bucket"
+  value       = module.spotrl.region
+}
+
+output "node_pools" {
+  description = "Per pool: capacity types, nodeSelector and tolerations for the Helm values"
+  value       = module.spotrl.node_pools
+}
+
+output "bucket_name" {
+  description = "Name of the checkpoint bucket"
+  value       = module.spotrl.bucket_name
+}
+
+output "objects_url" {
+  description = "SPOTRL_OBJECTS_URL for the Helm values"
+  value       = module.spotrl.objects_url
+}
+
+output "spotrl_role_arn" {
+  description = "IAM role of the spotrl service account (EKS Pod Identity)"
+  value       = module.spotrl.spotrl_role_arn
+}
+
+output "spotrl_namespace" {
+  description = "Namespace to install the Helm chart into"
+  value       = module.spotrl.spotrl_namespace
+}
+
+output "spotrl_service_account" {
+  description = "Service account name the chart must use"
+  value       = module.spotrl.spotrl_service_account
+}

@@ -1,0 +1,30 @@
+variable "region" {
+  description = "AWS region to create the cluster in; pick one with g5/g6, p4d/p5 and g4dn capacity (us-east-1, us-west-2)"
+  type        = string
+  default     = "us-west-2"
+}
+
+variable "availability_zones" {
+  description = "Availability zones of the VPC's subnets, in `region`: GPU spot capacity is scattered, so every zone widens the choice. Listed rather than discovered, so that a zone AWS adds later does not renumber the subnets"
+  type        = list(string)
+  default     = ["us-west-2a", "us-west-2b", "us-west-2c", "us-west-2d"]
+}
+
+variable "name" {
+  description = "Name of the cluster, VPC and bucket prefix"
+  type        = string
+  default     = "spotrl"
+}
+
+variable "endpoint_public_access_cidrs" {
+  description = "CIDR blocks that may reach the cluster's API endpoint: the machine running terraform, helm and kubectl (e.g. [\"203.0.113.7/32\"])"
+  type        = list(string)
+}
+
+variable "tags" {
+  description = "Tags added to every resource"
+  type        = map(string)
+  default = {
+    Project = "spotrl"
+  }
+}
