@@ -1,4 +1,5 @@
-"""The ``spotrl`` command: serve, scheduler, demo, colocated training, and the entry points of the pods the scheduler starts."""
+"""The ``spotrl`` command: serve, scheduler, demo, colocated training, the entry points of the pods
+the scheduler starts, and the client of a remote API (``spotrl runs``, ``services.client``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ if TYPE_CHECKING:
     from services.runspec import RunSpec
     from services.wiring import Backends
 
+from services.client.commands import config_app, login, runs_app
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="spotrl: RL post-training at the lowest GPU bill.")
+# The client of a remote API: torch-free (services.client), for laptops.
+app.add_typer(runs_app, name="runs")
+app.add_typer(config_app, name="config")
+app.command("login")(login)
 
 HomeOption = Annotated[
     Path | None, typer.Option("--home", help="State directory of the embedded backends [env SPOTRL_HOME].")

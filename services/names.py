@@ -62,3 +62,8 @@ def run_id_of_pod(pod: str) -> str:
         if marker in pod:
             return pod.rsplit(marker, 1)[0]
     raise ValueError(f"{pod!r} is not a spotrl pod name (<run>-train-<N> or <run>-rollout-<slot>)")
+
+
+def role_of_pod(pod: str) -> str:
+    """``run-ab12-train-3`` -> ``training``, ``run-ab12-rollout-0`` -> ``rollout``."""
+    return "training" if "-train-" in pod else "rollout"
