@@ -35,7 +35,7 @@ from services.backends.state_store import RunNotFoundError, StateStore
 from services.config import Settings
 from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
-from services.names import pod_log_key, prompts_key, role_of_pod, run_id_of_pod, tenant_object_key
+from services.names import pod_log_key, pod_logs_prefix, prompts_key, role_of_pod, run_id_of_pod, tenant_object_key
 from services.prompts import INLINE, STORE_SCHEME, InvalidPromptsError, load_prompts, parse_jsonl, to_jsonl
 from services.runspec import RewardFn, RunSpec
 from services.server_paths import ServerPathError, check_server_path
@@ -231,7 +231,7 @@ def run_pods(*, backends: Backends, principal: Principal, run_id: str) -> PodsPu
     yet reaped) and those whose log the scheduler kept in the object store when it reaped them."""
     _visible_run(backends.state, principal, run_id)
     running = {p.name for p in backends.launcher.list(run_id)}
-    prefix = pod_log_key(run_id, "")
+    prefix = pod_logs_prefix(run_id)
     ended = {key.removeprefix(prefix).removesuffix(".log") for key in backends.objects.list(prefix) if key.endswith(".log")}
     names = sorted(running | ended)
     return PodsPublic(
