@@ -369,21 +369,16 @@ def logs(
     tail: Annotated[int, typer.Option(help="Lines to show.")] = 100,
     home: HomeOption = None,
 ) -> None:
-    """Show the last lines of a pod's log (running, or ended and kept by the scheduler)."""
-    from services.backends.launcher import PodNotFoundError
-    from services.backends.object_store import ObjectNotFoundError
-    from services.names import pod_log_key, run_id_of_pod
+    """Show the last lines of a pod's log (running, or ended and kept by the scheduler), on the
+    server's machine; from elsewhere, `spotrl runs logs RUN --pod POD` asks the API."""
+    from services.api.service import PodNotOfRunError, read_pod_log
     from services.wiring import open_backends
 
     backends = open_backends(_settings(home))
     try:
-        typer.echo(backends.launcher.logs(pod, tail=tail))
-    except PodNotFoundError:
-        try:
-            text = backends.objects.get_bytes(pod_log_key(run_id_of_pod(pod), pod)).decode()
-        except ObjectNotFoundError:
-            raise typer.BadParameter(f"no pod {pod!r}, running or ended, in {backends.state.url}") from None
-        typer.echo("".join(text.splitlines(keepends=True)[-tail:]))
+        typer.echo(read_pod_log(backends, pod, tail=tail)[0])
+    except PodNotOfRunError:
+        raise typer.BadParameter(f"no pod {pod!r}, running or ended, in {backends.state.url}") from None
     finally:
         backends.close()
 

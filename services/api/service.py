@@ -241,22 +241,27 @@ def run_pods(*, backends: Backends, principal: Principal, run_id: str) -> PodsPu
     )
 
 
+def read_pod_log(backends: Backends, pod: str, *, tail: int) -> tuple[str, bool]:
+    """The last ``tail`` lines of a pod's log and whether the launcher still has the pod: from
+    the launcher while it does, else the copy the scheduler kept when it reaped it (written
+    before the pod is deleted, so one of the two always has it). PodNotOfRunError: neither has."""
+    try:
+        return backends.launcher.logs(pod, tail=tail), True
+    except PodNotFoundError:
+        pass
+    try:
+        text = backends.objects.get_bytes(pod_log_key(run_id_of_pod(pod), pod)).decode(errors="replace")
+    except ObjectNotFoundError:
+        raise PodNotOfRunError(pod) from None
+    return "".join(text.splitlines(keepends=True)[-tail:]), False
+
+
 def pod_log(*, backends: Backends, principal: Principal, run_id: str, pod: str, tail: int) -> PodLogPublic:
-    """The last ``tail`` lines of a pod's log: from the launcher while it has the pod, else the
-    copy the scheduler kept when it reaped it (written before the pod is deleted, so one of the
-    two always has it)."""
+    """A pod of the run's log (``read_pod_log``), cut to at most MAX_LOG_BYTES from its end."""
     _visible_run(backends.state, principal, run_id)
     if run_id_of_pod(pod) != run_id:
         raise PodNotOfRunError(pod)
-    running = True
-    try:
-        text = backends.launcher.logs(pod, tail=tail)
-    except PodNotFoundError:
-        running = False
-        try:
-            text = backends.objects.get_bytes(pod_log_key(run_id, pod)).decode(errors="replace")
-        except ObjectNotFoundError:
-            raise PodNotOfRunError(pod) from None
+    text, running = read_pod_log(backends, pod, tail=tail)
     lines = text.splitlines()[-tail:]
     kept, size = [], 0
     for line in reversed(lines):
