@@ -109,11 +109,13 @@ def normalize_server(server: str) -> str:
 
 
 def resolve_target(server: str | None, token: str | None) -> Target:
-    """Flags (and, through typer, the environment) first, then the config file."""
+    """Flags (and, through typer, the environment) first, then the config file. The file's
+    token goes only to the file's server: it is never sent to a server named elsewhere."""
     if server is None or token is None:
         file = read_config()
         server = server or file.get("server")
-        token = token or file.get("token")
+        if not token and server and file.get("server") and normalize_server(server) == normalize_server(file["server"]):
+            token = file.get("token")
     if not server:
         raise ClientError(
             "no API server: pass --server URL, set SPOTRL_SERVER, or run `spotrl config set-server URL`"

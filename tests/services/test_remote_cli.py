@@ -305,6 +305,9 @@ def test_flags_then_environment_then_config_file(servers, cli, config_file: Path
         assert cli("runs", "list", "--server", idle.url, server=nowhere).code == 0  # a flag over both
         assert cli("runs", "list", token="srl_wrong").code == 1  # likewise the token
         assert cli("runs", "list", "--token", idle.tokens["acme"], token="srl_wrong").code == 0
+        # The file's token is the file's server's: another server named in a flag gets none.
+        other = cli("runs", "list", "--server", servers["busy"].url)
+        assert other.code == 1 and other.stderr.startswith("error: 401 Unauthorized")
 
         assert cli("login", "--server", idle.url, "--token", "srl_wrong").code == 1  # checked before it is kept
         assert yaml.safe_load(config_file.read_text())["token"] == idle.tokens["acme"]
