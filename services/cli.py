@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from services.client.commands import config_app, login, runs_app
+
 if TYPE_CHECKING:
     from services.config import Settings
     from services.runspec import RunSpec
     from services.wiring import Backends
-
-from services.client.commands import config_app, login, runs_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="spotrl: RL post-training at the lowest GPU bill.")
 # The client of a remote API: torch-free (services.client), for laptops.
