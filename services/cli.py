@@ -1,4 +1,5 @@
-"""The ``spotrl`` command: serve, scheduler, demo, colocated training, and the entry points of the pods the scheduler starts."""
+"""The ``spotrl`` command: serve, scheduler, demo, colocated training, the entry points of the pods
+the scheduler starts, and the client of a remote API (``spotrl runs``, ``services.client``)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,18 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from services.client.commands import config_app, login, runs_app
+
 if TYPE_CHECKING:
     from services.config import Settings
     from services.runspec import RunSpec
     from services.wiring import Backends
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="spotrl: RL post-training at the lowest GPU bill.")
+# The client of a remote API: torch-free (services.client), for laptops.
+app.add_typer(runs_app, name="runs")
+app.add_typer(config_app, name="config")
+app.command("login")(login)
 
 HomeOption = Annotated[
     Path | None, typer.Option("--home", help="State directory of the embedded backends [env SPOTRL_HOME].")
@@ -365,21 +372,16 @@ def logs(
     tail: Annotated[int, typer.Option(help="Lines to show.")] = 100,
     home: HomeOption = None,
 ) -> None:
-    """Show the last lines of a pod's log (running, or ended and kept by the scheduler)."""
-    from services.backends.launcher import PodNotFoundError
-    from services.backends.object_store import ObjectNotFoundError
-    from services.names import pod_log_key, run_id_of_pod
+    """Show the last lines of a pod's log (running, or ended and kept by the scheduler), on the
+    server's machine; from elsewhere, `spotrl runs logs RUN --pod POD` asks the API."""
+    from services.api.service import PodNotOfRunError, read_pod_log
     from services.wiring import open_backends
 
     backends = open_backends(_settings(home))
     try:
-        typer.echo(backends.launcher.logs(pod, tail=tail))
-    except PodNotFoundError:
-        try:
-            text = backends.objects.get_bytes(pod_log_key(run_id_of_pod(pod), pod)).decode()
-        except ObjectNotFoundError:
-            raise typer.BadParameter(f"no pod {pod!r}, running or ended, in {backends.state.url}") from None
-        typer.echo("".join(text.splitlines(keepends=True)[-tail:]))
+        typer.echo(read_pod_log(backends, pod, tail=tail)[0])
+    except PodNotOfRunError:
+        raise typer.BadParameter(f"no pod {pod!r}, running or ended, in {backends.state.url}") from None
     finally:
         backends.close()
 

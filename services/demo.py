@@ -2,7 +2,8 @@
 
 It starts the API and scheduler (embedded backends) on a free loopback port, submits a GRPO
 run over HTTP on small arithmetic with an exact-match reward, shows progress with Rich, and
-prints the cost report: what the run spent against an always-on on-demand cluster.
+prints the cost report: what the run spent against an always-on on-demand cluster. The live
+view and the bill are ``spotrl runs watch`` and ``spotrl runs cost``'s (``services.client.view``).
 
 With ``chaos`` (``spotrl demo --chaos``) the scheduler runs as its own process and
 ``services.chaos.Chaos`` SIGKILLs rollout workers, a training job between publishing its
@@ -23,15 +24,13 @@ from typing import Any
 
 import httpx
 import uvicorn
-from rich.console import Console, Group
-from rich.live import Live
-from rich.table import Table
+from rich.console import Console
 
 from contracts.model_sources import BUILTIN_MODELS
-from contracts.status import RunStatus
 from services.api.main import create_app
 from services.arithmetic import arithmetic_prompts
 from services.chaos import Audit, Chaos, ChaosPlan, ChaosTally, audit_run
+from services.client.view import cost_table, watch_run
 from services.config import Settings
 from services.wiring import open_backends
 from trainer_core.models.loading import load_policy
@@ -73,53 +72,6 @@ def _free_port() -> int:
 class _Server(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # the demo's own process handles Ctrl-C
         pass
-
-
-def _progress(run: dict[str, Any]) -> Group:
-    head = Table.grid(padding=(0, 2))
-    s = run["samples"]
-    status = RunStatus(run["status"])
-    head.add_row(
-        # While stopping, say why: the run waits for its pods to go.
-        f"[bold]{run['id']}[/] {status}" + (f" ({run['status_reason']})" if status.is_stopping() else ""),
-        f"policy v{run['policy_version']}",
-        f"samples produced {s['produced']} · trained {s['trained']} · dropped {s['dropped']}",
-        f"spent ${run['spent_dollars']:.4f}",
-    )
-    iters = Table("iteration", "mean reward", "KL", "loss", "samples", "seconds", title="training iterations")
-    for it in run["iterations"]:
-        iters.add_row(
-            str(it["iteration"]), f"{it['mean_reward']:.3f}", f"{it['kl']:.4f}", f"{it['loss']:.4f}",
-            str(it["samples_trained"]), f"{it['seconds']:.1f}",
-        )
-    return Group(head, iters)
-
-
-def _cost_table(cost: dict[str, Any]) -> Table:
-    t = Table("", "dollars", title="cost report")
-    for role, dollars in sorted(cost["by_role"].items()):
-        t.add_row(f"spent: {role}", f"{dollars:.4f}")
-    for cap, dollars in sorted(cost["by_capacity_type"].items()):
-        t.add_row(f"spent: {cap}", f"{dollars:.4f}")
-    t.add_row("[bold]spent in total[/]", f"[bold]{cost['total_dollars']:.4f}[/]")
-    t.add_row("always-on on-demand, same wall time", f"{cost['always_on_dollars']:.4f}")
-    t.add_row("lower bound (busy seconds, cheapest price)", f"{cost['lower_bound_dollars']:.4f}")
-    if cost["savings_ratio"]:
-        t.add_row("savings vs always-on", f"{cost['savings_ratio']:.2f}x cheaper")
-    training_seconds = sum(e["seconds"] for e in cost["entries"] if e["role"] == "training")
-    if cost["wall_seconds"]:
-        # The saving is the training instance's idle time: small when training dominates the
-        # run (as on CPUs), large when rollout does (as with real models on GPUs).
-        t.caption = f"training instance busy {training_seconds / cost['wall_seconds']:.0%} of the run's wall time"
-    return t
-
-
-def _follow(client: httpx.Client, run: dict[str, Any], live: Live) -> dict[str, Any]:
-    while not RunStatus(run["status"]).is_terminal():
-        time.sleep(1.0)
-        run = client.get(f"/v1/runs/{run['id']}").json()
-        live.update(_progress(run))
-    return run
 
 
 def chaos_settings(settings: Settings, model: str) -> Settings:
@@ -180,7 +132,7 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
     console.print(f"run {run['id']} {run['status']}: {run['status_reason']}")
     rewards = [it["mean_reward"] for it in run["iterations"]]
     console.print("mean reward per iteration: " + " -> ".join(f"{r:.3f}" for r in rewards))
-    console.print(_cost_table(cost))
+    console.print(cost_table(cost))
     if chaos is not None:
         console.print(tally.line())
         for line in audit.lines():
@@ -204,14 +156,13 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
 
 def _watch(client: httpx.Client, run: dict[str, Any], console: Console) -> dict[str, Any]:
     """Show the run live until it ends; on Ctrl-C, cancel it and show it stopping."""
-    with Live(_progress(run), console=console, refresh_per_second=2) as live:
-        try:
-            return _follow(client, run, live)
-        except KeyboardInterrupt:
-            # Pods outlive the scheduler: cancel, so that none is left running (or billed).
-            console.print("interrupted: cancelling the run and stopping its pods ...")
-            client.post(f"/v1/runs/{run['id']}/cancel")
-            return _follow(client, run, live)
+
+    def cancel(_: dict[str, Any]) -> None:
+        # Pods outlive the scheduler: cancel, so that none is left running (or billed).
+        console.print("interrupted: cancelling the run and stopping its pods ...")
+        client.post(f"/v1/runs/{run['id']}/cancel")
+
+    return watch_run(lambda: client.get(f"/v1/runs/{run['id']}").json(), run, console=console, on_interrupt=cancel)
 
 
 def _chaos_summary(tally: ChaosTally, audit: Audit) -> dict[str, Any]:

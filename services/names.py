@@ -51,9 +51,13 @@ def leftover_key(run_id: str) -> str:
     return f"runs/{run_id}/leftover.json"
 
 
+def pod_logs_prefix(run_id: str) -> str:
+    return f"runs/{run_id}/logs/"
+
+
 def pod_log_key(run_id: str, pod: str) -> str:
     """The log of a pod that has ended, kept after the pod is gone."""
-    return f"runs/{run_id}/logs/{pod}.log"
+    return f"{pod_logs_prefix(run_id)}{pod}.log"
 
 
 def run_id_of_pod(pod: str) -> str:
@@ -62,3 +66,8 @@ def run_id_of_pod(pod: str) -> str:
         if marker in pod:
             return pod.rsplit(marker, 1)[0]
     raise ValueError(f"{pod!r} is not a spotrl pod name (<run>-train-<N> or <run>-rollout-<slot>)")
+
+
+def role_of_pod(pod: str) -> str:
+    """``run-ab12-train-3`` -> ``training``, ``run-ab12-rollout-0`` -> ``rollout``."""
+    return "training" if "-train-" in pod else "rollout"

@@ -17,7 +17,7 @@ from services.api.auth import TokenBook
 from services.api.body_limit import BodyLimit
 from services.api.metrics import RunCollector
 from services.api.routes import datasets, health, runs
-from services.api.service import InvalidCursorError, SpecFieldError
+from services.api.service import InvalidCursorError, PodNotOfRunError, SpecFieldError
 from services.backends.state_store import IllegalTransitionError, RunNotFoundError
 from services.config import Settings, get_settings
 from services.cost.catalog import load_catalog
@@ -108,6 +108,10 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
     @app.exception_handler(RunNotFoundError)
     async def _not_found(_: Request, exc: RunNotFoundError) -> JSONResponse:
         return JSONResponse(status_code=status.HTTP_404_NOT_FOUND, content={"detail": "no such run"})
+
+    @app.exception_handler(PodNotOfRunError)
+    async def _no_pod(_: Request, exc: PodNotOfRunError) -> JSONResponse:
+        return JSONResponse(status_code=status.HTTP_404_NOT_FOUND, content={"detail": "no such pod of this run"})
 
     @app.exception_handler(IllegalTransitionError)
     async def _conflict(_: Request, exc: IllegalTransitionError) -> JSONResponse:

@@ -11,7 +11,7 @@ _MEANINGS = {
     400: "A request this API cannot read: a body it cannot parse, or a query parameter it cannot use (a cursor it did not return).",
     401: "No token, or one the operator did not issue; the response carries `WWW-Authenticate: Bearer`.",
     403: "The token is not an admin's.",
-    404: "No such run visible to this token.",
+    404: "No such run visible to this token (or, for a pod, no such pod of that run).",
     409: "The run's status does not allow it (e.g. cancelling an ended run).",
     413: "The request body is larger than this server accepts; nothing of it was read.",
     422: "The request breaks a rule: each field and the rule it breaks.",

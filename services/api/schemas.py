@@ -111,3 +111,23 @@ class CostPublic(BaseModel):
     savings_ratio: float | None = Field(description="always_on / total: how many times cheaper than always-on.")
     efficiency: float | None = Field(description="lower_bound / total.")
     entries: list[LedgerEntryPublic]
+
+
+class PodPublic(BaseModel):
+    name: str = Field(description="The pod's deterministic name: `<run>-rollout-<slot>` or `<run>-train-<iteration>`.")
+    role: str = Field(description="`rollout` or `training`.")
+    running: bool = Field(description="Still known to the launcher (running, or ended and not yet reaped); false: ended, its log kept in the object store.")
+
+
+class PodsPublic(BaseModel):
+    run_id: str
+    pods: list[PodPublic] = Field(description="The run's pods with a log, sorted by name (at most 1000).")
+    truncated: bool = Field(description="More pods than this list holds.")
+
+
+class PodLogPublic(BaseModel):
+    run_id: str
+    pod: str
+    running: bool = Field(description="Read from the launcher (the pod has not been reaped); false: the log kept when the pod ended.")
+    lines: list[str] = Field(description="The log's last lines, oldest first, without line ends (at most `tail`, and at most 1 MiB in all).")
+    truncated: bool = Field(description="Lines were left out at the start to keep to the byte bound.")

@@ -20,17 +20,22 @@ from services.api.schemas import (
     DatasetPublic,
     IterationPublic,
     LedgerEntryPublic,
+    PodLogPublic,
+    PodPublic,
+    PodsPublic,
     RunPublic,
     RunsPublic,
     RunSummaryPublic,
     SampleCounts,
 )
+from services.backends.launcher import PodNotFoundError
+from services.backends.object_store import ObjectNotFoundError
 from services.backends.state_schema import RunRow
 from services.backends.state_store import RunNotFoundError, StateStore
 from services.config import Settings
 from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
-from services.names import prompts_key, tenant_object_key
+from services.names import pod_log_key, pod_logs_prefix, prompts_key, role_of_pod, run_id_of_pod, tenant_object_key
 from services.prompts import INLINE, STORE_SCHEME, InvalidPromptsError, load_prompts, parse_jsonl, to_jsonl
 from services.runspec import RewardFn, RunSpec
 from services.server_paths import ServerPathError, check_server_path
@@ -48,6 +53,14 @@ class SpecFieldError(ValueError):
 
 class InvalidCursorError(ValueError):
     """A page cursor this API did not hand out (the API answers 400)."""
+
+
+class PodNotOfRunError(LookupError):
+    """No pod of that name belongs to the run, running or ended (the API answers 404)."""
+
+
+MAX_PODS_LISTED = 1000
+MAX_LOG_BYTES = 1 << 20  # of one response's log lines: a pod's line may be long
 
 
 def new_run_id() -> str:
@@ -211,3 +224,50 @@ def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal,
             for e in entries
         ],
     )
+
+
+def run_pods(*, backends: Backends, principal: Principal, run_id: str) -> PodsPublic:
+    """The run's pods that have a log: those the launcher still has (running, or ended and not
+    yet reaped) and those whose log the scheduler kept in the object store when it reaped them."""
+    _visible_run(backends.state, principal, run_id)
+    running = {p.name for p in backends.launcher.list(run_id)}
+    prefix = pod_logs_prefix(run_id)
+    ended = {key.removeprefix(prefix).removesuffix(".log") for key in backends.objects.list(prefix) if key.endswith(".log")}
+    names = sorted(running | ended)
+    return PodsPublic(
+        run_id=run_id,
+        pods=[PodPublic(name=n, role=role_of_pod(n), running=n in running) for n in names[:MAX_PODS_LISTED]],
+        truncated=len(names) > MAX_PODS_LISTED,
+    )
+
+
+def read_pod_log(backends: Backends, pod: str, *, tail: int) -> tuple[str, bool]:
+    """The last ``tail`` lines of a pod's log and whether the launcher still has the pod: from
+    the launcher while it does, else the copy the scheduler kept when it reaped it (written
+    before the pod is deleted, so one of the two always has it). PodNotOfRunError: neither has."""
+    try:
+        return backends.launcher.logs(pod, tail=tail), True
+    except PodNotFoundError:
+        pass
+    try:
+        text = backends.objects.get_bytes(pod_log_key(run_id_of_pod(pod), pod)).decode(errors="replace")
+    except ObjectNotFoundError:
+        raise PodNotOfRunError(pod) from None
+    return "".join(text.splitlines(keepends=True)[-tail:]), False
+
+
+def pod_log(*, backends: Backends, principal: Principal, run_id: str, pod: str, tail: int) -> PodLogPublic:
+    """A pod of the run's log (``read_pod_log``), cut to at most MAX_LOG_BYTES from its end."""
+    _visible_run(backends.state, principal, run_id)
+    if run_id_of_pod(pod) != run_id:
+        raise PodNotOfRunError(pod)
+    text, running = read_pod_log(backends, pod, tail=tail)
+    lines = text.splitlines()[-tail:]
+    kept, size = [], 0
+    for line in reversed(lines):
+        size += len(line.encode()) + 1
+        if size > MAX_LOG_BYTES:
+            break
+        kept.append(line)
+    kept.reverse()
+    return PodLogPublic(run_id=run_id, pod=pod, running=running, lines=kept, truncated=len(kept) < len(lines))

@@ -1,4 +1,4 @@
-"""/v1/runs: submit, list, inspect, cancel, cost. Thin: the work is in ``services.api.service``."""
+"""/v1/runs: submit, list, inspect, cancel, cost, pod logs. Thin: the work is in ``services.api.service``."""
 
 from __future__ import annotations
 
@@ -10,12 +10,19 @@ from fastapi.concurrency import run_in_threadpool
 from services.api import service
 from services.api.responses import errors
 from services.api.deps import BackendsDep, CatalogDep, PrincipalDep, SettingsDep
-from services.api.schemas import CostPublic, RunPublic, RunsPublic
+from services.api.schemas import CostPublic, PodLogPublic, PodsPublic, RunPublic, RunsPublic
 from services.runspec import RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=errors(401))
 
 RunId = Annotated[str, Path(max_length=64, pattern=r"^run-[0-9a-f]{1,40}$", description="A run's id, `run-` and hex digits.")]
+PodName = Annotated[
+    str,
+    Path(max_length=63, pattern=r"^run-[0-9a-f]{1,40}-(train|rollout)-[0-9]{1,9}$",
+         description="A pod of the run: `<run>-rollout-<slot>` or `<run>-train-<iteration>` (GET the run's pods for them)."),
+]  # fmt: skip
+# A kept log holds the last 2000 lines (services.scheduler.loop.LOG_LINES_KEPT): more is never there.
+MAX_TAIL = 2000
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic, responses=errors(400, 413))
@@ -46,3 +53,21 @@ async def cancel_run(run_id: RunId, backends: BackendsDep, principal: PrincipalD
 @router.get("/{run_id}/cost", response_model=CostPublic, responses=errors(404))
 async def run_cost(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> CostPublic:
     return await run_in_threadpool(service.run_cost, backends=backends, catalog=catalog, principal=principal, run_id=run_id)
+
+
+@router.get("/{run_id}/pods", response_model=PodsPublic, responses=errors(404))
+async def run_pods(run_id: RunId, backends: BackendsDep, principal: PrincipalDep) -> PodsPublic:
+    """The run's pods that have a log: running, or ended (their log kept by the scheduler)."""
+    return await run_in_threadpool(service.run_pods, backends=backends, principal=principal, run_id=run_id)
+
+
+@router.get("/{run_id}/pods/{pod}/logs", response_model=PodLogPublic, responses=errors(404))
+async def pod_logs(
+    run_id: RunId,
+    pod: PodName,
+    backends: BackendsDep,
+    principal: PrincipalDep,
+    tail: Annotated[int, Query(ge=1, le=MAX_TAIL, description="Lines from the end of the log.")] = 100,
+) -> PodLogPublic:
+    """The last lines of a pod's log, from the launcher while it has the pod, else as kept when it ended."""
+    return await run_in_threadpool(service.pod_log, backends=backends, principal=principal, run_id=run_id, pod=pod, tail=tail)

@@ -56,6 +56,7 @@ async def test_the_file_holds_hashes_only(tokens) -> None:
 async def test_every_route_but_health_and_docs_needs_a_token(client: httpx.AsyncClient, headers: dict) -> None:
     for method, path in [("GET", "/v1/runs"), ("POST", "/v1/runs"), ("GET", "/v1/runs/run-0123456789"),
                          ("POST", "/v1/runs/run-0123456789/cancel"), ("GET", "/v1/runs/run-0123456789/cost"),
+                         ("GET", "/v1/runs/run-0123456789/pods"), ("GET", "/v1/runs/run-0123456789/pods/run-0123456789-train-1/logs"),
                          ("POST", "/v1/datasets"), ("GET", "/metrics")]:  # fmt: skip
         r = await client.request(method, path, headers=headers, json=SPEC if path == "/v1/runs" else None)
         assert r.status_code == 401, (method, path, r.text)
