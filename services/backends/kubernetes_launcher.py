@@ -64,6 +64,7 @@ SPOT_LABELS = {"karpenter.sh/capacity-type": "spot", "eks.amazonaws.com/capacity
                "cloud.google.com/gke-spot": "true"}  # fmt: skip
 WATCH_TIMEOUT_S = 300  # the server ends each watch after this long; it is resumed at once
 RETRY_S = 1.0  # after a failed watch or list (the API server restarting, a network blip)
+CLOSE_TIMEOUT_S = 10.0  # then the (daemon) watch thread is left to die with the process
 
 
 @dataclass(frozen=True)
@@ -320,10 +321,12 @@ class Watched:
 
     def close(self) -> None:
         self._stopped.set()
-        response = self._response
-        if response is not None:
-            response.shutdown()  # unblocks the watch thread's read
-        self._thread.join(timeout=10)
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            response = self._response
+            if response is not None:
+                response.shutdown()  # unblocks the watch thread's read
+            self._thread.join(timeout=0.05)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -364,7 +367,7 @@ class Watched:
                     yield json.loads(line)
         finally:
             self._response = None
-            response.release_conn()
+            response.close()  # not back to the pool: the rest of the stream is unread
 
     def _apply(self, event: dict[str, Any]) -> None:
         kind, obj = event["type"], event["object"]
@@ -390,6 +393,13 @@ class Watched:
             response.release_conn()
 
 
+def _done(response: Any) -> None:
+    """Back to the pool once read to its end: a connection with an answer unread would hand its
+    rest to the next request on it."""
+    response.drain_conn()
+    response.release_conn()
+
+
 # --- the launcher -----------------------------------------------------------------------------
 
 
@@ -399,6 +409,7 @@ class KubernetesLauncher:
     def __init__(self, api: client.ApiClient, cfg: KubernetesConfig,
                  gpus: Callable[[str], int] = _gpus_from_catalog) -> None:  # fmt: skip
         self.cfg = cfg
+        self._api = api
         self._core = client.CoreV1Api(api)
         self._batch = client.BatchV1Api(api)
         self._gpus = gpus
@@ -418,6 +429,7 @@ class KubernetesLauncher:
     def close(self) -> None:
         self.pods.close()
         self.jobs.close()
+        self._api.close()
 
     def launch(self, spec: PodSpec) -> None:
         check_pod_name(spec.name)
@@ -477,7 +489,7 @@ class KubernetesLauncher:
             pod_name = pod["metadata"]["name"]
             # Off with the finalizer, then a delete without grace: gone at once, killed if it ran.
             self._ignore_missing(lambda: self._core.patch_namespaced_pod(
-                pod_name, self.cfg.namespace, {"metadata": {f"$deleteFromPrimitiveList/finalizers": [FINALIZER]}},
+                pod_name, self.cfg.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}},
                 _content_type="application/strategic-merge-patch+json", _preload_content=False))
             self._ignore_missing(lambda: self._core.delete_namespaced_pod(
                 pod_name, self.cfg.namespace, grace_period_seconds=0, _preload_content=False))
@@ -526,7 +538,7 @@ class KubernetesLauncher:
     @staticmethod
     def _ignore_missing(call: Callable[[], Any]) -> None:
         try:
-            call().release_conn()
+            _done(call())
         except ApiException as e:
             if e.status != 404:
                 raise

@@ -9,8 +9,10 @@ built once per machine from Debian 12's source package by ``scripts/build-kube-a
 Started on first use, on free loopback ports: etcd with its data on /dev/shm (etcd 3.4 has no
 no-fsync flag; memory makes its fsyncs free), then kube-apiserver with a static bearer token in
 ``system:masters``, AlwaysAllow authorization, a service-account key pair made with openssl, and
-a self-signed serving certificate it writes itself, used as the CA once /readyz answers. Both
-are stopped by their PIDs when the session ends. ../shared/TEST-INFRA.md has what v1.20 lacks.
+a self-signed serving certificate it writes itself, used as the CA once /readyz answers, and
+no watch cache: watches are served from etcd, so that a test makes a resourceVersion too old
+(410 Gone) by compacting etcd (``KubeServer.compact()``), where the cache would keep it for at
+least 75 s. Both are stopped by their PIDs when the session ends. ../shared/TEST-INFRA.md has what v1.20 lacks.
 
 Fixtures:
 - ``kube``: the session's server (``KubeServer``: ``api_client()``, ``kubeconfig``).
@@ -23,6 +25,7 @@ Fixtures:
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import secrets
 import shutil
@@ -40,7 +43,7 @@ import pytest
 from kubernetes import client
 
 from tests.servers.kubelet import JobController, Kubelet
-from tests.servers.process import end, free_port
+from tests.servers.process import free_port
 
 VERSION = "v1.20.2"
 READY_TIMEOUT_S = 90.0  # bounds a hang only: ready in about 5 s on an idle machine
@@ -60,6 +63,7 @@ class KubeServer:
     token: str = field(repr=False)
     ca_file: Path
     kubeconfig: Path  # a kubeconfig for this server, as a user's or the launcher's config would be
+    etcd_url: str  # its etcd's client URL (http://127.0.0.1:<port>)
     _names: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def configuration(self) -> client.Configuration:
@@ -70,6 +74,14 @@ class KubeServer:
 
     def api_client(self) -> client.ApiClient:
         return client.ApiClient(self.configuration())
+
+    def compact(self) -> None:
+        """Compact etcd's history up to now: every older resourceVersion is gone (410 on a watch from it)."""
+        with urllib.request.urlopen(urllib.request.Request(f"{self.etcd_url}/v3/kv/range", method="POST",
+                                                           data=json.dumps({"key": "AA=="}).encode())) as answer:
+            revision = json.loads(answer.read())["header"]["revision"]
+        urllib.request.urlopen(urllib.request.Request(f"{self.etcd_url}/v3/kv/compaction", method="POST",
+                                                      data=json.dumps({"revision": revision}).encode())).close()
 
     def new_namespace(self) -> str:
         name = f"test-{os.getpid()}-{next(self._names)}"
@@ -159,7 +171,7 @@ def kube() -> Iterator[KubeServer]:
                  "--service-account-key-file", str(workdir / "sa.pub"),
                  "--service-account-signing-key-file", str(workdir / "sa.key"),
                  "--service-cluster-ip-range", "10.96.0.0/24",
-                 "--disable-admission-plugins", "ServiceAccount"],
+                 "--disable-admission-plugins", "ServiceAccount", "--watch-cache=false"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             ))  # fmt: skip
         host = f"https://127.0.0.1:{port}"
@@ -169,10 +181,13 @@ def kube() -> Iterator[KubeServer]:
                     {"Authorization": f"Bearer {token}"})
         ca_file = certs / "apiserver.crt"
         _kubeconfig(workdir / "kubeconfig", host, ca_file, token)
-        yield KubeServer(host=host, token=token, ca_file=ca_file, kubeconfig=workdir / "kubeconfig")
+        yield KubeServer(host=host, token=token, ca_file=ca_file, kubeconfig=workdir / "kubeconfig",
+                         etcd_url=f"http://127.0.0.1:{etcd_port}")
     finally:
+        # The API server's graceful shutdown waits out open watches: nothing here is worth the wait.
         for proc in reversed(procs):
-            end(proc)
+            proc.kill()
+            proc.wait()
         shutil.rmtree(etcd_data, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -57,6 +57,13 @@ def read(response: Any) -> dict[str, Any]:
         response.release_conn()
 
 
+def done(response: Any) -> None:
+    """Back to the pool once read to its end: a connection with an answer unread would hand its
+    rest to the next request on it."""
+    response.drain_conn()
+    response.release_conn()
+
+
 @dataclass
 class _Process:
     popen: subprocess.Popen[bytes]
@@ -91,18 +98,18 @@ class Kubelet:
         name = f"{self.namespace}-{labels.get('node.kubernetes.io/instance-type', 'any')}-{labels[SPOT_LABEL]}"
         name = name.replace(".", "-")
         try:
-            self.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}},
-                                  _preload_content=False).release_conn()
+            done(self.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}},
+                                  _preload_content=False))
         except ApiException as e:
             if e.status != 409:
                 raise
             return name
-        self.core.patch_node_status(name, {"status": {
+        done(self.core.patch_node_status(name, {"status": {
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": self._logs.server_port}},
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                             "lastHeartbeatTime": now_stamp(), "lastTransitionTime": now_stamp()}]}},
-            _preload_content=False).release_conn()  # fmt: skip
+            _preload_content=False))  # fmt: skip
         return name
 
     def _serve_logs(self) -> http.server.ThreadingHTTPServer:
@@ -182,9 +189,9 @@ class Kubelet:
     def _start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         node = self.node_for(pod)
-        self.core.create_namespaced_pod_binding(name, self.namespace, {
+        done(self.core.create_namespaced_pod_binding(name, self.namespace, {
             "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
-            "target": {"apiVersion": "v1", "kind": "Node", "name": node}}, _preload_content=False).release_conn()
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node}}, _preload_content=False))
         container = pod["spec"]["containers"][0]
         command = [sys.executable if word == "python" else word for word in container["command"][:1]]
         command += container["command"][1:]
@@ -210,8 +217,8 @@ class Kubelet:
     def _delete_for_good(self, pod: dict[str, Any]) -> None:
         """What a kubelet does once a deleted pod's containers have ended (a finalizer may hold it still)."""
         try:
-            self.core.delete_namespaced_pod(pod["metadata"]["name"], self.namespace, grace_period_seconds=0,
-                                            _preload_content=False).release_conn()
+            done(self.core.delete_namespaced_pod(pod["metadata"]["name"], self.namespace, grace_period_seconds=0,
+                                            _preload_content=False))
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -220,8 +227,8 @@ class Kubelet:
         status = {"phase": phase, "startTime": started, "hostIP": "127.0.0.1", "containerStatuses": [
             {"name": "main", "ready": ready, "restartCount": 0, "image": "spotrl", "imageID": "", "state": state}]}
         try:
-            self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
-                                                  _preload_content=False).release_conn()
+            done(self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
+                                                  _preload_content=False))
         except ApiException as e:
             if e.status != 404:  # deleted meanwhile
                 raise
@@ -231,10 +238,10 @@ class Kubelet:
         condition on the pod, then its deletion with a grace period."""
         condition = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
                      "message": "spot instance interrupted", "lastTransitionTime": now_stamp()}
-        self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {"conditions": [condition]}},
-                                              _preload_content=False).release_conn()
-        self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace_s,
-                                        _preload_content=False).release_conn()
+        done(self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {"conditions": [condition]}},
+                                              _preload_content=False))
+        done(self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace_s,
+                                        _preload_content=False))
 
     def stop(self) -> None:
         self._stop.set()
@@ -290,8 +297,8 @@ class JobController:
                 self._create_pod(job)
                 status["active"] = 1
             if status != {k: job.get("status", {}).get(k) for k in status}:
-                self.batch.patch_namespaced_job_status(job["metadata"]["name"], self.namespace, {"status": status},
-                                                       _preload_content=False).release_conn()
+                done(self.batch.patch_namespaced_job_status(job["metadata"]["name"], self.namespace, {"status": status},
+                                                       _preload_content=False))
 
     @staticmethod
     def _condition(kind: str, reason: str) -> dict[str, str]:
@@ -308,8 +315,8 @@ class JobController:
             "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
                                  "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}],
         }  # fmt: skip
-        self.core.create_namespaced_pod(self.namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
-                                                         "spec": template["spec"]}, _preload_content=False).release_conn()
+        done(self.core.create_namespaced_pod(self.namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
+                                                         "spec": template["spec"]}, _preload_content=False))
 
     def stop(self) -> None:
         self._stop.set()

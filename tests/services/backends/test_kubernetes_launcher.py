@@ -4,7 +4,6 @@ Job controller, spot preemptions, the watches' resumption, and its selection by 
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from collections.abc import Callable
@@ -224,22 +223,32 @@ def test_pods_inherit_the_launchers_spotrl_settings(
 
 
 def test_the_watch_resumes_from_its_version_and_lists_again_only_when_it_is_gone(
-    open_launcher_on: Callable[..., KubernetesLauncher], wait_for
+    open_launcher_on: Callable[..., KubernetesLauncher], kube: KubeServer, wait_for
 ) -> None:
     launcher = open_launcher_on()
     for slot in range(3):
         launcher.launch(rollout_spec(f"r-{slot}", command=python("print('x')")))
     for slot in range(3):
         wait_until_ended(launcher, f"r-{slot}")
-    assert launcher.pods.relists == 1  # every change since came from the watch
-
     watched: Watched = launcher.pods
-    watched.resource_version = "1"  # compacted away long ago: the server answers 410 Gone
-    watched._response.shutdown()  # break the current watch, as a server restart would
+    assert watched.relists == 1  # every change since the first list came from the watch
+
+    # A watch broken at this version (an API server restart, a network partition) is resumed only
+    # after the cluster has moved on and etcd has compacted that version away: 410 Gone.
+    broken_at = watched.resource_version
+    other = open_launcher_on()
+    other.launch(rollout_spec("r-meanwhile", command=python("print('meanwhile')")))
+    wait_until_ended(other, "r-meanwhile")
+    kube.compact()
+    response = wait_for(lambda: watched._response, message="a watch is open")
+    watched.resource_version = broken_at
+    response.shutdown()
+
     wait_for(lambda: watched.relists == 2, message="the watch listed again after 410 Gone")
+    assert wait_until_ended(launcher, "r-meanwhile").phase is PodPhase.SUCCEEDED
     launcher.launch(rollout_spec("r-after", command=python("print('after')")))
     assert wait_until_ended(launcher, "r-after").phase is PodPhase.SUCCEEDED
-    assert watched.relists == 2
+    assert watched.relists == 2  # and then watched on from the new list's version
 
 
 def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespace: str, tmp_path: Path) -> None:
