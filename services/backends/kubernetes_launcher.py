@@ -449,7 +449,8 @@ class KubernetesLauncher:
                 raise
 
     def list(self, run_id: str | None = None) -> list[PodStatus]:
-        pods = sorted(self.pods.snapshot(), key=lambda p: p["metadata"]["creationTimestamp"])
+        # Oldest first (a Job's latest pod last); within a second, a running pod after ended ones.
+        pods = sorted(self.pods.snapshot(), key=lambda p: (p["metadata"]["creationTimestamp"], not _pod_ended(p)))
         of_job: dict[str, list[dict[str, Any]]] = {}
         statuses = []
         for pod in pods:
@@ -498,7 +499,7 @@ class KubernetesLauncher:
     def logs(self, name: str, tail: int = 100) -> str:
         check_pod_name(name)
         candidates = sorted((p for p in self.pods.snapshot() if p["metadata"]["labels"].get(POD_LABEL) == name),
-                            key=lambda p: p["metadata"]["creationTimestamp"])  # fmt: skip
+                            key=lambda p: (p["metadata"]["creationTimestamp"], not _pod_ended(p)))  # fmt: skip
         if not candidates:
             if self.jobs.get(name) is not None:
                 return ""  # the Job controller has not created its pod yet
