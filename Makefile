@@ -5,7 +5,7 @@ STAMP := $(VENV)/.spotrl-installed
 # checkov pins boto3, packaging and networkx below what spotrl's venv holds: it gets a venv of its own.
 CHECKOV := $(VENV)/checkov/bin/checkov
 
-.PHONY: demo demo-tiny test setup bench image-control image-rollout image-training
+.PHONY: demo demo-tiny test setup bench kube-apiserver image-control image-rollout image-training
 
 setup: $(STAMP)
 
@@ -30,8 +30,13 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	$(VENV)/bin/spotrl demo --model tiny
 
+# kube-apiserver v1.20.2 for the Kubernetes launcher's tests (tests/servers/kube.py), built once from
+# Debian's source package and cached outside the repo: minutes on a fresh machine, a no-op after.
+kube-apiserver:
+	scripts/build-kube-apiserver.sh
+
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
-test: $(STAMP) $(CHECKOV)
+test: $(STAMP) $(CHECKOV) kube-apiserver
 	$(VENV)/bin/lint-imports --no-cache
 	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q
 
