@@ -40,7 +40,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 
 {{/* Every object's labels. Call with (list $ "component"). */}}
 {{- define "spotrl.labels" -}}
-{{- $ := index . 0 }}
+{{- $ := index . 0 -}}
 helm.sh/chart: {{ include "spotrl.chart" $ }}
 {{ include "spotrl.selectorLabels" . }}
 app.kubernetes.io/version: {{ $.Chart.AppVersion | quote }}
@@ -191,4 +191,19 @@ volumes:
 checksum/settings: {{ include (print .Template.BasePath "/settings-configmap.yaml") . | sha256sum }}
 checksum/secrets: {{ include (print .Template.BasePath "/secrets.yaml") . | sha256sum }}
 checksum/price-catalog: {{ include (print .Template.BasePath "/price-catalog-configmap.yaml") . | sha256sum }}
+{{- end }}
+
+{{/* A pool's node selector: its own labels plus the capacity label of pools.capacityLabel.
+Call with (list $ "rollout"). Kept apart from the pools' maps because Helm merges maps: a default
+capacity label inside them would survive a user's own selector and match no node. */}}
+{{- define "spotrl.poolNodeSelector" -}}
+{{- $ := index . 0 }}
+{{- $pool := index . 1 }}
+{{- $capacity := dict
+  "karpenter" (dict "rollout" (dict "karpenter.sh/capacity-type" "spot") "training" (dict "karpenter.sh/capacity-type" "on-demand"))
+  "eks" (dict "rollout" (dict "eks.amazonaws.com/capacityType" "SPOT") "training" (dict "eks.amazonaws.com/capacityType" "ON_DEMAND"))
+  "gke" (dict "rollout" (dict "cloud.google.com/gke-spot" "true"))
+  "none" (dict) }}
+{{- $labels := index (index $capacity $.Values.pools.capacityLabel) $pool | default dict }}
+{{- toJson (merge (deepCopy (index $.Values.pools $pool).nodeSelector) $labels) }}
 {{- end }}
