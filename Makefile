@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spotrl-installed
 
-.PHONY: demo demo-tiny test setup bench
+.PHONY: demo demo-tiny test setup bench kube-apiserver
 
 setup: $(STAMP)
 
@@ -28,8 +28,13 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	$(VENV)/bin/spotrl demo --model tiny
 
+# kube-apiserver v1.20.2 for the Kubernetes launcher's tests (tests/servers/kube.py), built once from
+# Debian's source package and cached outside the repo: minutes on a fresh machine, a no-op after.
+kube-apiserver:
+	scripts/build-kube-apiserver.sh
+
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
-test: $(STAMP)
+test: $(STAMP) kube-apiserver
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 

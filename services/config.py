@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from functools import cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -61,6 +62,14 @@ class Settings(BaseSettings):
     max_rollout_workers: int = Field(default=64, ge=1, description="Most rollout workers one run may ask for (rollout.max_workers).")
     max_training_processes: int = Field(default=8, ge=1, description="Most processes one training job may ask for (training.processes).")
     pod_threads: int = Field(default=1, ge=1, description="torch threads per local pod: local pods share this machine's cores, and oversubscribed threads slow every pod down.")
+    launcher: Literal["local", "kubernetes"] = Field(default="local", description="Where pods run: local processes under home, or a Kubernetes namespace (services/backends/kubernetes_launcher.py).")
+    kube_config: Path | None = Field(default=None, description="The kubeconfig of the Kubernetes launcher; unset: the service account's in-cluster config inside a pod, else $KUBECONFIG or ~/.kube/config.")
+    kube_namespace: str = Field(default="default", description="The namespace of the Kubernetes launcher's pods and Jobs.")
+    kube_image: str = Field(default="spotrl:latest", description="The data-plane image of the Kubernetes launcher's pods (rollout worker, training job).")
+    kube_spot_labels: str = Field(
+        default="karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true",
+        description="Node labels of spot capacity (label=value, comma-separated; a node matching any one is spot): what spot rollout pods ask for, and how a node's capacity type is read.",
+    )
 
     def allowed_data_dirs(self) -> list[Path]:
         """The directories of ``data_dirs``, resolved (symbolic links followed)."""

@@ -1,6 +1,7 @@
 """Opens the backends a process needs, from its settings: each port's adapter is chosen by its
 URL (``SPOTRL_QUEUE_URL``, ``SPOTRL_REWARD_CACHE_URL``, ``SPOTRL_OBJECTS_URL``,
-``SPOTRL_STATE_URL``); unset means the embedded adapter under ``SPOTRL_HOME``."""
+``SPOTRL_STATE_URL``); unset means the embedded adapter under ``SPOTRL_HOME``. The launcher is
+chosen by ``SPOTRL_LAUNCHER``: ``local`` (the default) or ``kubernetes``."""
 
 from __future__ import annotations
 
@@ -83,6 +84,18 @@ def open_object_store(url: str | None, home: Path) -> ObjectStore:
     )
 
 
+def open_launcher(settings: Settings, home: Path) -> Launcher:
+    """``kubernetes``: pods and Jobs in ``SPOTRL_KUBE_NAMESPACE`` (in-cluster config or
+    ``SPOTRL_KUBE_CONFIG``); ``local``: local processes under ``home``."""
+    if settings.launcher == "kubernetes":
+        from services.backends.kubernetes_launcher import KubernetesConfig, KubernetesLauncher  # the client only where used
+
+        spot_labels = dict(pair.strip().split("=", 1) for pair in settings.kube_spot_labels.split(",") if pair.strip())
+        cfg = KubernetesConfig(namespace=settings.kube_namespace, image=settings.kube_image, spot_labels=spot_labels)
+        return KubernetesLauncher.from_environment(cfg, str(settings.kube_config) if settings.kube_config else None)
+    return LocalLauncher(home / "pods")
+
+
 def open_backends(settings: Settings) -> Backends:
     home = settings.home.resolve()
     home.mkdir(parents=True, exist_ok=True)
@@ -91,5 +104,5 @@ def open_backends(settings: Settings) -> Backends:
         queue=open_queue(settings.queue_url, home),
         objects=open_object_store(settings.objects_url, home),
         rewards=open_reward_cache(settings.reward_cache_url, home),
-        launcher=LocalLauncher(home / "pods"),
+        launcher=open_launcher(settings, home),
     )

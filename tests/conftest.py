@@ -14,7 +14,9 @@ from services.config import Settings
 
 # Real servers for the production adapters' tests, each started once per session on free
 # loopback ports (tests/servers/<name>.py).
-pytest_plugins: list[str] = ["tests.servers.redis", "tests.servers.postgres", "tests.servers.s3", "tests.servers.kafka"]
+pytest_plugins: list[str] = [
+    "tests.servers.redis", "tests.servers.postgres", "tests.servers.s3", "tests.servers.kafka", "tests.servers.kube",
+]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,7 +1,8 @@
 """The launcher port: runs "pods" (a command with an env, on some instance type) and reports on them.
 
-Adapters: ``LocalLauncher`` (each pod a local process tree); Kubernetes comes later and passes
-the same contract tests (tests/services/backends/test_launcher_contract.py).
+Adapters: ``LocalLauncher`` (each pod a local process tree) and ``KubernetesLauncher``
+(services/backends/kubernetes_launcher.py); both pass the same contract tests
+(tests/services/backends/test_launcher_contract.py).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ class PodStatus:
     started_at: float  # unix seconds
     ended_at: float | None
     pid: int | None  # the workload process (local pods only)
+    # Ended because the platform took its machine back (a spot interruption: Kubernetes'
+    # DisruptionTarget condition), not by a fault of its own; its phase is then Failed.
+    preempted: bool = False
 
 
 class PodNotFoundError(LookupError):
@@ -109,6 +113,15 @@ _POD_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 # How long delete waits for a killed pod's supervisor to exit.
 _DELETE_TIMEOUT_S = 10.0
 _TAIL_BLOCK = 64 * 1024
+
+
+def check_pod_name(name: str) -> None:
+    """ValueError unless ``name`` is a valid Kubernetes object name (an RFC 1123 label)."""
+    if not _POD_NAME.fullmatch(name):
+        raise ValueError(
+            f"pod name {name!r} is not a valid Kubernetes name: at most 63 lowercase letters, digits"
+            " and '-', starting and ending with a letter or digit"
+        )
 
 
 class LocalLauncher:
@@ -211,11 +224,7 @@ class LocalLauncher:
         return _tail(path, tail)
 
     def _pod_dir(self, name: str) -> Path:
-        if not _POD_NAME.fullmatch(name):
-            raise ValueError(
-                f"pod name {name!r} is not a valid Kubernetes name: at most 63 lowercase letters, digits"
-                " and '-', starting and ending with a letter or digit"
-            )
+        check_pod_name(name)
         return self.root / name
 
     def _reap(self) -> None:

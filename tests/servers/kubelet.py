@@ -1,0 +1,316 @@
+"""The test's stand-ins for the parts of Kubernetes that the test API server does not run.
+
+``Kubelet`` plays the scheduler and the kubelet for one namespace: it puts each new pod on a
+node that fits what the pod asks (a Node object it creates, labelled with the instance type
+and the capacity type), binds the pod there, runs the pod's command as a local process, and
+reports it through the pod's status subresource the way a kubelet does (phase, start time,
+the container's state and exit code, 128+n for a signal death). A pod being deleted gets
+SIGTERM and, once its grace period is over, SIGKILL; once ended it is deleted for good (unless a
+finalizer holds it). The pod log API works: the API server asks this kubelet's HTTPS endpoint
+(``/containerLogs/...``), which answers from the process's output.
+
+``JobController`` plays the Job controller: one pod at a time per Job from its template, the
+Job's status from the pods' ends, and the launcher's ``podFailurePolicy`` (v1.20 drops the
+field, so it is applied here as the launcher writes it: a pod with ``DisruptionTarget`` is
+retried, uncounted).
+
+Both poll the namespace every ``POLL_S``: simpler than watches, and the launcher's own watches
+are what the tests are about.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import secrets
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.servers.process import free_port
+
+POLL_S = 0.05
+SPOT_LABEL = "karpenter.sh/capacity-type"
+
+
+def now_stamp() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def read(response: Any) -> dict[str, Any]:
+    try:
+        return json.loads(response.data)
+    finally:
+        response.release_conn()
+
+
+@dataclass
+class _Process:
+    popen: subprocess.Popen[bytes]
+    log: Path
+    started: str
+    kill_at: float | None = None  # set once the pod is being deleted
+
+
+class Kubelet:
+    """Runs the namespace's pods as local processes (module docstring). ``python`` in a command
+    is this interpreter (the launcher runs the image's ``python``)."""
+
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.core = client.CoreV1Api(api)
+        self.namespace = namespace
+        self.dir = Path(tempfile.mkdtemp(prefix=f"spotrl-kubelet-{namespace}-"))
+        self.processes: dict[str, _Process] = {}  # pod uid -> its process
+        self._ended: set[str] = set()  # uids reported ended
+        self._stop = threading.Event()
+        self._logs = self._serve_logs()
+        self._thread = threading.Thread(target=self._run, name=f"kubelet-{namespace}", daemon=True)
+        self._thread.start()
+
+    # --- the nodes and the log endpoint ---
+    def node_for(self, pod: dict[str, Any]) -> str:
+        """A node fitting the pod's node selector and capacity affinity, created if need be."""
+        selector = pod["spec"].get("nodeSelector") or {}
+        terms = pod["spec"].get("affinity", {}).get("nodeAffinity", {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+        spot = any(e["operator"] == "In" and e["key"] == SPOT_LABEL for t in terms for e in t["matchExpressions"])
+        labels = {**selector, SPOT_LABEL: "spot" if spot else "on-demand"}
+        name = f"{self.namespace}-{labels.get('node.kubernetes.io/instance-type', 'any')}-{labels[SPOT_LABEL]}"
+        name = name.replace(".", "-")
+        try:
+            self.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}},
+                                  _preload_content=False).release_conn()
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            return name
+        self.core.patch_node_status(name, {"status": {
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self._logs.server_port}},
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "lastHeartbeatTime": now_stamp(), "lastTransitionTime": now_stamp()}]}},
+            _preload_content=False).release_conn()  # fmt: skip
+        return name
+
+    def _serve_logs(self) -> http.server.ThreadingHTTPServer:
+        """The kubelet's log endpoint, over HTTPS with a self-signed certificate (the API server
+        does not verify kubelets' certificates unless told to)."""
+        key, cert = self.dir / "kubelet.key", self.dir / "kubelet.crt"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                        "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)  # fmt: skip
+        kubelet = self
+
+        class Logs(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                parts = url.path.strip("/").split("/")  # containerLogs/<namespace>/<pod>/<container>
+                path = kubelet.dir / f"{parts[2]}.log" if len(parts) == 4 and parts[0] == "containerLogs" else None
+                if path is None or not path.exists():
+                    self.send_error(404)
+                    return
+                lines = path.read_bytes().splitlines(keepends=True)
+                tail = urllib.parse.parse_qs(url.query).get("tailLines")
+                body = b"".join(lines[-int(tail[0]):] if tail and int(tail[0]) > 0 else [] if tail else lines)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Logs)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    # --- the loop ---
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except ApiException as e:
+                if self._stop.is_set():
+                    return
+                print(f"kubelet sync failed: {e}", file=sys.stderr)
+            self._stop.wait(POLL_S)
+
+    def sync(self) -> None:
+        pods = read(self.core.list_namespaced_pod(self.namespace, _preload_content=False))["items"]
+        present = {p["metadata"]["uid"] for p in pods}
+        for uid, proc in self.processes.items():
+            if uid not in present and proc.popen.poll() is None:  # deleted for good: killed at once
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            if uid in self._ended:
+                if pod["metadata"].get("deletionTimestamp") and pod["metadata"].get("deletionGracePeriodSeconds") != 0:
+                    self._delete_for_good(pod)
+                continue
+            if uid not in self.processes:
+                if pod["metadata"].get("deletionTimestamp"):
+                    continue  # deleted before it started
+                self._start(pod)
+                continue
+            proc = self.processes[uid]
+            if pod["metadata"].get("deletionTimestamp") and proc.popen.poll() is None:
+                kill_at = time.time() + (pod["metadata"].get("deletionGracePeriodSeconds") or 0)
+                if proc.kill_at is None:
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+                proc.kill_at = kill_at if proc.kill_at is None else min(proc.kill_at, kill_at)
+            if proc.kill_at is not None and time.time() >= proc.kill_at and proc.popen.poll() is None:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            code = proc.popen.poll()
+            if code is not None:
+                self._report_end(pod, proc, code)
+
+    def _start(self, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        node = self.node_for(pod)
+        self.core.create_namespaced_pod_binding(name, self.namespace, {
+            "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node}}, _preload_content=False).release_conn()
+        container = pod["spec"]["containers"][0]
+        command = [sys.executable if word == "python" else word for word in container["command"][:1]]
+        command += container["command"][1:]
+        env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env", [])}}
+        log = self.dir / f"{name}.log"
+        started = now_stamp()
+        with log.open("wb") as out:
+            popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        self.processes[pod["metadata"]["uid"]] = _Process(popen, log, started)
+        self._patch_status(name, "Running", {"running": {"startedAt": started}}, started, ready=True)
+
+    def _report_end(self, pod: dict[str, Any], proc: _Process, code: int) -> None:
+        exit_code = 128 - code if code < 0 else code  # as container runtimes report a signal death
+        terminated = {"exitCode": exit_code, "reason": "Completed" if code == 0 else "Error",
+                      "startedAt": proc.started, "finishedAt": now_stamp()}  # fmt: skip
+        self._patch_status(pod["metadata"]["name"], "Succeeded" if code == 0 else "Failed", {"terminated": terminated},
+                           proc.started, ready=False)  # fmt: skip
+        self._ended.add(pod["metadata"]["uid"])
+        if pod["metadata"].get("deletionTimestamp"):
+            self._delete_for_good(pod)
+
+    def _delete_for_good(self, pod: dict[str, Any]) -> None:
+        """What a kubelet does once a deleted pod's containers have ended (a finalizer may hold it still)."""
+        try:
+            self.core.delete_namespaced_pod(pod["metadata"]["name"], self.namespace, grace_period_seconds=0,
+                                            _preload_content=False).release_conn()
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    def _patch_status(self, name: str, phase: str, state: dict[str, Any], started: str, ready: bool) -> None:
+        status = {"phase": phase, "startTime": started, "hostIP": "127.0.0.1", "containerStatuses": [
+            {"name": "main", "ready": ready, "restartCount": 0, "image": "spotrl", "imageID": "", "state": state}]}
+        try:
+            self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
+                                                  _preload_content=False).release_conn()
+        except ApiException as e:
+            if e.status != 404:  # deleted meanwhile
+                raise
+
+    def preempt(self, name: str, grace_s: int = 2) -> None:
+        """A spot interruption as a current cluster carries it out: the DisruptionTarget
+        condition on the pod, then its deletion with a grace period."""
+        condition = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                     "message": "spot instance interrupted", "lastTransitionTime": now_stamp()}
+        self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {"conditions": [condition]}},
+                                              _preload_content=False).release_conn()
+        self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace_s,
+                                        _preload_content=False).release_conn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for proc in self.processes.values():
+            if proc.popen.poll() is None:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait()
+        self._logs.shutdown()
+        self._logs.server_close()
+
+
+class JobController:
+    """Creates the pods of the namespace's Jobs and keeps the Jobs' status (module docstring)."""
+
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.core = client.CoreV1Api(api)
+        self.batch = client.BatchV1Api(api)
+        self.namespace = namespace
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"job-controller-{namespace}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except ApiException as e:
+                if self._stop.is_set():
+                    return
+                print(f"job controller sync failed: {e}", file=sys.stderr)
+            self._stop.wait(POLL_S)
+
+    def sync(self) -> None:
+        jobs = read(self.batch.list_namespaced_job(self.namespace, _preload_content=False))["items"]
+        pods = read(self.core.list_namespaced_pod(self.namespace, _preload_content=False))["items"]
+        for job in jobs:
+            conditions = {c["type"] for c in job.get("status", {}).get("conditions") or []}
+            if conditions & {"Complete", "Failed"} or job["metadata"].get("deletionTimestamp"):
+                continue
+            mine = [p for p in pods if p["metadata"].get("labels", {}).get("controller-uid") == job["metadata"]["uid"]]
+            active = [p for p in mine if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
+            succeeded = [p for p in mine if p.get("status", {}).get("phase") == "Succeeded"]
+            failed = [p for p in mine if p.get("status", {}).get("phase") == "Failed"
+                      and not any(c["type"] == "DisruptionTarget" for c in p["status"].get("conditions") or [])]
+            status: dict[str, Any] = {"active": len(active), "succeeded": len(succeeded), "failed": len(failed),
+                                      "startTime": job.get("status", {}).get("startTime") or now_stamp()}
+            if succeeded:
+                status |= {"completionTime": now_stamp(), "conditions": [self._condition("Complete", "")]}
+            elif len(failed) > job["spec"]["backoffLimit"]:
+                status["conditions"] = [self._condition("Failed", "BackoffLimitExceeded")]
+            elif not active and job["spec"].get("parallelism", 1) > 0:
+                self._create_pod(job)
+                status["active"] = 1
+            if status != {k: job.get("status", {}).get(k) for k in status}:
+                self.batch.patch_namespaced_job_status(job["metadata"]["name"], self.namespace, {"status": status},
+                                                       _preload_content=False).release_conn()
+
+    @staticmethod
+    def _condition(kind: str, reason: str) -> dict[str, str]:
+        return {"type": kind, "status": "True", "reason": reason, "lastProbeTime": now_stamp(),
+                "lastTransitionTime": now_stamp()}
+
+    def _create_pod(self, job: dict[str, Any]) -> None:
+        template = job["spec"]["template"]
+        metadata = {
+            **template["metadata"],
+            "name": f"{job['metadata']['name']}-{secrets.token_hex(3)[:5]}",
+            "labels": {**template["metadata"].get("labels", {}), "job-name": job["metadata"]["name"],
+                       "controller-uid": job["metadata"]["uid"]},
+            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
+                                 "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}],
+        }  # fmt: skip
+        self.core.create_namespaced_pod(self.namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
+                                                         "spec": template["spec"]}, _preload_content=False).release_conn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,27 @@
+"""Kubernetes launchers for the tests, on a namespace of the real test API server where the test's
+kubelet and Job controller run the pods (tests/servers/kube.py, tests/servers/kubelet.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.backends.kubernetes_launcher import KubernetesConfig, KubernetesLauncher
+from tests.servers.kube import Cluster
+
+
+def launcher_factory(cluster: Cluster, request: pytest.FixtureRequest) -> Callable[..., KubernetesLauncher]:
+    """``open()``: a new launcher (a restarted scheduler's) on the cluster's namespace, closed after the test."""
+
+    def open_launcher(*_: object) -> KubernetesLauncher:
+        launcher = KubernetesLauncher(cluster.server.api_client(), KubernetesConfig(namespace=cluster.namespace))
+        request.addfinalizer(launcher.close)
+        return launcher
+
+    return open_launcher
+
+
+def open_kubernetes_launcher(request: pytest.FixtureRequest) -> Callable[[Path], KubernetesLauncher]:
+    return launcher_factory(request.getfixturevalue("kube_cluster"), request)

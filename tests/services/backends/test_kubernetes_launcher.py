@@ -1,0 +1,254 @@
+"""KubernetesLauncher beyond the launcher contract: its manifests (strictly valid for current
+Kubernetes versions, which the v1.20 test server cannot check), training Jobs run by the test's
+Job controller, spot preemptions, the watches' resumption, and its selection by settings."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from services.backends.kubernetes_launcher import (
+    FINALIZER, KubernetesConfig, KubernetesLauncher, Watched, job_manifest, pod_manifest, status_of,
+)  # fmt: skip
+from services.backends.launcher import PodPhase, PodSpec, cli_command
+from services.config import Settings
+from services.wiring import open_launcher
+from tests.servers.kube import Cluster, KubeServer
+from tests.services.backends.kube_support import launcher_factory
+from tests.services.backends.test_launcher_contract import SLEEPS, wait_for_log, wait_until_ended
+
+# Current versions: what a cluster installed today runs (the schemas kubernetes-validate ships).
+CURRENT_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
+CFG = KubernetesConfig(namespace="spotrl", image="registry.example/spotrl-worker:1.0")
+
+
+def training_spec(name: str = "run-1-train-3", *, command: list[str] | None = None, processes: int = 8) -> PodSpec:
+    return PodSpec(name=name, run_id="run-1", role="training",
+                   command=command or cli_command(["train-job", "run-1", "3"], processes=processes),
+                   env={"SPOTRL_STATE_URL": "postgresql+psycopg://db/spotrl"}, instance_type="p4d.24xlarge",
+                   capacity_type="on-demand", labels={"iteration": "3"})  # fmt: skip
+
+
+def rollout_spec(name: str = "run-1-rollout-0", *, command: list[str] | None = None, spot: bool = True) -> PodSpec:
+    return PodSpec(name=name, run_id="run-1", role="rollout",
+                   command=command or cli_command(["worker", "run-1", "--worker-id", name]),
+                   env={}, instance_type="g5.xlarge", capacity_type="spot" if spot else "on-demand",
+                   labels={"slot": "0"})  # fmt: skip
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@pytest.fixture
+def open_launcher_on(kube_cluster: Cluster, request: pytest.FixtureRequest) -> Callable[..., KubernetesLauncher]:
+    return launcher_factory(kube_cluster, request)
+
+
+# --- manifests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", CURRENT_VERSIONS)
+@pytest.mark.parametrize("manifest", [
+    job_manifest(training_spec(), CFG, 8, {}),
+    pod_manifest(rollout_spec(), CFG, 1, {"SPOTRL_QUEUE_URL": "kafka://kafka:9092"}),
+    pod_manifest(rollout_spec(spot=False), CFG, 1, {}),
+], ids=["training-job", "spot-rollout-pod", "on-demand-rollout-pod"])  # fmt: skip
+def test_every_manifest_is_strictly_valid_for_current_kubernetes(manifest: dict[str, Any], version: str) -> None:
+    kubernetes_validate.validate(manifest, version, strict=True)  # raises ValidationError
+
+
+def test_a_training_job_manifest() -> None:
+    job = job_manifest(training_spec(), CFG, 8, {"SPOTRL_STATE_URL": "postgresql+psycopg://db/spotrl"})
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+
+    assert job["metadata"]["name"] == "run-1-train-3"  # deterministic: a retried launch finds it
+    assert job["metadata"]["labels"]["spotrl.dev/run"] == "run-1"
+    assert spec["podFailurePolicy"] == {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
+    assert (spec["backoffLimit"], spec["activeDeadlineSeconds"], spec["ttlSecondsAfterFinished"]) == (0, 6 * 3600, 86400)
+    assert pod["restartPolicy"] == "Never"  # what podFailurePolicy requires
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p4d.24xlarge", "spotrl.dev/pool": "training"}
+    assert {"key": "spotrl.dev/pool", "operator": "Equal", "value": "training", "effect": "NoSchedule"} in pod["tolerations"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    # torchrun starts the 8 ranks; the image's python runs it, not the scheduler's interpreter.
+    assert container["command"][:5] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
+    assert {"name": "SPOTRL_STATE_URL", "value": "postgresql+psycopg://db/spotrl"} in container["env"]
+    # On-demand: no spot label of any provider may match.
+    (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert all(e["operator"] == "NotIn" for e in term["matchExpressions"])
+
+
+def test_a_spot_rollout_pod_manifest() -> None:
+    cfg = KubernetesConfig(spot_labels={"karpenter.sh/capacity-type": "spot", "example.com/pool": "cheap"})
+    pod = pod_manifest(rollout_spec(), cfg, 1, {})
+
+    assert pod["metadata"]["name"] == "run-1-rollout-0" and pod["metadata"]["finalizers"] == [FINALIZER]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 120  # the spot notice
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [  # ORed: any one provider's spot label
+        {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]},
+        {"matchExpressions": [{"key": "example.com/pool", "operator": "In", "values": ["cheap"]}]},
+    ]
+    assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "1"}
+
+
+def node_status(node_labels: dict[str, str], pod_status: dict[str, Any], cfg: KubernetesConfig = CFG) -> Any:
+    pod = pod_manifest(rollout_spec(), cfg, 1, {})
+    pod["metadata"] |= {"creationTimestamp": "2026-12-01T10:00:00Z", "uid": "u"}
+    pod["spec"]["nodeName"] = "node-a"
+    pod["status"] = pod_status
+    return status_of(pod, [pod], lambda node: node_labels, cfg.spot_labels)
+
+
+def test_the_node_labels_give_instance_and_capacity_type() -> None:
+    running = {"phase": "Running", "startTime": "2026-12-01T10:00:05Z"}
+    eks_spot = node_status({"node.kubernetes.io/instance-type": "g6.xlarge", "eks.amazonaws.com/capacityType": "SPOT"},
+                           running)  # fmt: skip
+    assert (eks_spot.instance_type, eks_spot.capacity_type, eks_spot.phase) == ("g6.xlarge", "spot", PodPhase.RUNNING)
+    gke = node_status({"node.kubernetes.io/instance-type": "g2-standard-4", "cloud.google.com/gke-spot": "true"}, running)
+    assert gke.capacity_type == "spot"
+    on_demand = node_status({"node.kubernetes.io/instance-type": "g5.xlarge", "karpenter.sh/capacity-type": "on-demand"},
+                            running)  # fmt: skip
+    assert on_demand.capacity_type == "on-demand"
+    assert on_demand.started_at == 1796119205.0  # status.startTime
+
+
+def test_a_pod_ended_by_a_disruption_is_preempted_and_a_signal_death_is_negative() -> None:
+    ended = {"phase": "Failed", "startTime": "2026-12-01T10:00:05Z",
+             "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}],
+             "containerStatuses": [{"name": "main", "state": {"terminated": {
+                 "exitCode": 143, "finishedAt": "2026-12-01T10:07:00Z"}}}]}  # fmt: skip
+    pod = node_status({"node.kubernetes.io/instance-type": "g5.xlarge"}, ended)
+    assert (pod.phase, pod.preempted, pod.exit_code, pod.ended_at) == (PodPhase.FAILED, True, -signal.SIGTERM, 1796119620.0)
+
+    ended["conditions"] = []
+    assert node_status({}, ended).preempted is False
+
+
+# --- on the real API server --------------------------------------------------------------------
+
+
+def test_a_training_job_runs_on_the_training_pool(open_launcher_on: Callable[..., KubernetesLauncher]) -> None:
+    launcher = open_launcher_on()
+    spec = training_spec("t-ok", command=python("print('trained')"))
+    launcher.launch(spec)
+    launcher.launch(spec)  # AlreadyExists is success
+
+    pod = wait_until_ended(launcher, "t-ok")
+
+    assert (pod.phase, pod.exit_code, pod.role, pod.labels) == (PodPhase.SUCCEEDED, 0, "training", {"iteration": "3"})
+    assert (pod.instance_type, pod.capacity_type) == ("p4d.24xlarge", "on-demand")  # from its node's labels
+    assert "trained" in launcher.logs("t-ok")  # the pod log API, through the test's kubelet
+    launcher.delete("t-ok")
+    assert launcher.list() == []
+
+
+def test_a_failed_training_job_fails_with_the_exit_code(open_launcher_on: Callable[..., KubernetesLauncher]) -> None:
+    launcher = open_launcher_on()
+    launcher.launch(training_spec("t-bad", command=python("raise SystemExit(3)")))
+    pod = wait_until_ended(launcher, "t-bad")
+    assert (pod.phase, pod.exit_code, pod.preempted) == (PodPhase.FAILED, 3, False)
+
+
+def test_a_preempted_training_pod_is_retried_by_the_job_not_failed(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster, tmp_path: Path, wait_for
+) -> None:
+    launcher = open_launcher_on()
+    # The first pod sleeps until preempted; its successor finds the marker and succeeds.
+    marker = tmp_path / "first-ran"
+    code = f"import os, time, pathlib; p = pathlib.Path({str(marker)!r})\nif p.exists(): print('second'); raise SystemExit(0)\n" \
+           "p.touch(); print('ready', flush=True); time.sleep(60)"  # fmt: skip
+    launcher.launch(training_spec("t-spot", command=python(code)))
+    wait_for_log(launcher, "t-spot", "ready")
+    (first,) = [p["metadata"]["name"] for p in launcher.pods.snapshot()]
+
+    kube_cluster.kubelet.preempt(first)
+
+    pod = wait_until_ended(launcher, "t-spot")
+    assert pod.phase is PodPhase.SUCCEEDED  # the preemption did not count as the job's failure
+    assert "second" in launcher.logs("t-spot")  # the logs are the latest pod's
+
+
+def test_stopping_a_training_job_sigterms_its_pod_and_keeps_its_status(
+    open_launcher_on: Callable[..., KubernetesLauncher],
+) -> None:
+    launcher = open_launcher_on()
+    launcher.launch(training_spec("t-stop", command=python(SLEEPS)))
+    wait_for_log(launcher, "t-stop", "ready")
+
+    launcher.stop("t-stop", grace_s=5)
+
+    pod = wait_until_ended(launcher, "t-stop")
+    assert (pod.phase, pod.exit_code) == (PodPhase.FAILED, -signal.SIGTERM)
+    assert open_launcher_on().list() == [pod]  # a restarted scheduler sees it ended too
+    launcher.delete("t-stop")
+    assert launcher.list() == [] and launcher.pods.snapshot() == []
+
+
+def test_a_preempted_spot_pod_is_reported_preempted(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster
+) -> None:
+    launcher = open_launcher_on()
+    launcher.launch(rollout_spec("r-spot", command=python(SLEEPS)))
+    wait_for_log(launcher, "r-spot", "ready")
+    assert launcher.list()[0].capacity_type == "spot"
+
+    kube_cluster.kubelet.preempt("r-spot")  # the node's spot notice: DisruptionTarget, then deletion
+
+    pod = wait_until_ended(launcher, "r-spot")  # still listed: the finalizer keeps it until reaped
+    assert (pod.phase, pod.preempted, pod.exit_code) == (PodPhase.FAILED, True, -signal.SIGTERM)
+
+
+def test_pods_inherit_the_launchers_spotrl_settings(
+    open_launcher_on: Callable[..., KubernetesLauncher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTRL_KAFKA_SECURITY_PROTOCOL", "SSL")
+    monkeypatch.setenv("SPOTRL_LAUNCHER", "kubernetes")
+    monkeypatch.setenv("SPOTRL_KUBE_NAMESPACE", "elsewhere")
+    launcher = open_launcher_on()
+    launcher.launch(PodSpec("r-env", "run-1", "rollout", python("pass"), {"POD": "x"}, "g5.xlarge", "spot"))
+
+    sent = launcher.pods.get("r-env")
+    assert sent is not None
+    env = {e["name"]: e["value"] for e in sent["spec"]["containers"][0]["env"]}
+    assert (env["SPOTRL_KAFKA_SECURITY_PROTOCOL"], env["POD"]) == ("SSL", "x")
+    assert "SPOTRL_LAUNCHER" not in env and "SPOTRL_KUBE_NAMESPACE" not in env  # a pod launches nothing
+
+
+def test_the_watch_resumes_from_its_version_and_lists_again_only_when_it_is_gone(
+    open_launcher_on: Callable[..., KubernetesLauncher], wait_for
+) -> None:
+    launcher = open_launcher_on()
+    for slot in range(3):
+        launcher.launch(rollout_spec(f"r-{slot}", command=python("print('x')")))
+    for slot in range(3):
+        wait_until_ended(launcher, f"r-{slot}")
+    assert launcher.pods.relists == 1  # every change since came from the watch
+
+    watched: Watched = launcher.pods
+    watched.resource_version = "1"  # compacted away long ago: the server answers 410 Gone
+    watched._response.shutdown()  # break the current watch, as a server restart would
+    wait_for(lambda: watched.relists == 2, message="the watch listed again after 410 Gone")
+    launcher.launch(rollout_spec("r-after", command=python("print('after')")))
+    assert wait_until_ended(launcher, "r-after").phase is PodPhase.SUCCEEDED
+    assert watched.relists == 2
+
+
+def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespace: str, tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, launcher="kubernetes", kube_config=kube.kubeconfig, kube_namespace=kube_namespace,
+                        kube_spot_labels="example.com/spot=yes")  # fmt: skip
+    launcher = open_launcher(settings, tmp_path)
+    try:
+        assert isinstance(launcher, KubernetesLauncher)
+        assert launcher.cfg.namespace == kube_namespace and launcher.cfg.spot_labels == {"example.com/spot": "yes"}
+        assert launcher.list() == []
+    finally:
+        launcher.close()
