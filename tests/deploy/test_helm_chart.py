@@ -128,17 +128,17 @@ def test_rbac_scope(rendered) -> None:
     assert scheduler == {
         ("batch", "jobs"): manage, ("apps", "deployments"): manage, ("apps", "deployments/scale"): {"get", "update", "patch"},
         ("", "pods"): manage, ("", "pods/log"): {"get"}, ("", "pods/status"): {"get"},
-        ("", "services"): {"get", "list", "watch", "create", "delete"},
     }  # fmt: skip
+    # The API opens the same launcher, read-only: it watches pods and Jobs and reads pod logs.
     api = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-api"]["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert api == {("", "pods"): {"get", "list", "watch"}, ("", "pods/log"): {"get"}}
+    assert api == {("", "pods"): {"get", "list", "watch"}, ("", "pods/log"): {"get"}, ("batch", "jobs"): {"get", "list", "watch"}}
     # The one cluster-wide grant: reading nodes (their instance-type and capacity labels).
     (nodes,) = cluster_roles.values()
     assert nodes["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
     bindings = list(by_kind(docs, "RoleBinding").values()) + list(by_kind(docs, "ClusterRoleBinding").values())
     subjects = {(b["roleRef"]["kind"], b["roleRef"]["name"]): [s["name"] for s in b["subjects"]] for b in bindings}
     assert subjects == {("Role", "spotrl-scheduler"): ["spotrl-scheduler"], ("Role", "spotrl-api"): ["spotrl-api"],
-                        ("ClusterRole", nodes["metadata"]["name"]): ["spotrl-scheduler"]}  # fmt: skip
+                        ("ClusterRole", nodes["metadata"]["name"]): ["spotrl-scheduler", "spotrl-api"]}  # fmt: skip
     for rule in [r for role in [*roles.values(), nodes] for r in role["rules"]]:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"] and "secrets" not in rule["resources"]
     deployments = by_kind(docs, "Deployment")
