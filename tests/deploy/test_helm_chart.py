@@ -345,6 +345,15 @@ def test_missing_required_settings_fail_with_the_key_named(drop: str, message: s
         render(values)
 
 
+def test_extra_env_cannot_shadow_a_chart_setting() -> None:
+    values = scenario("minimal-trial-values.yaml")
+    values["settings"] = {"extraEnv": {"SPOTRL_DATA_DIRS": "/data"}}
+    assert settings_env(render(values))["SPOTRL_DATA_DIRS"] == "/data"
+    values["settings"] = {"extraEnv": {"SPOTRL_LAUNCHER": "local"}}
+    with pytest.raises(helm.HelmError, match="settings.extraEnv.SPOTRL_LAUNCHER"):
+        render(values)
+
+
 def test_insecure_no_auth_is_explicit() -> None:
     values = scenario("minimal-trial-values.yaml")
     values["auth"] = {"insecureNoAuth": True}
