@@ -345,6 +345,14 @@ def test_missing_required_settings_fail_with_the_key_named(drop: str, message: s
         render(values)
 
 
+@pytest.mark.parametrize(("name", "warns"), [("minimal-trial-values.yaml", True), ("production-values.yaml", False)])
+def test_notes_warn_of_trial_backends(name: str, warns: bool) -> None:
+    manifests = helm.Chart.load(CHART).render(scenario(name), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    notes = manifests["spotrl/templates/NOTES.txt"]
+    assert ("WARNING: trial backends" in notes) is warns
+    assert ("https://spotrl.acme.example" in notes) is (name == "production-values.yaml")
+
+
 def test_extra_env_cannot_shadow_a_chart_setting() -> None:
     values = scenario("minimal-trial-values.yaml")
     values["settings"] = {"extraEnv": {"SPOTRL_DATA_DIRS": "/data"}}
