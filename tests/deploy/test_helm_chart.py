@@ -394,6 +394,18 @@ def test_dashboards_become_sidecar_configmaps(tmp_path: Path) -> None:
     assert not [n for n in by_kind(render(values, chart), "ConfigMap") if "-dashboard-" in n]
 
 
+def test_the_charts_own_dashboards_each_become_a_configmap() -> None:
+    """The dashboards in the chart (deploy/grafana writes them), one valid sidecar ConfigMap each."""
+    files = sorted((CHART / "dashboards").glob("*.json"))
+    maps = {n: d for n, d in by_kind(render(scenario("minimal-trial-values.yaml")), "ConfigMap").items() if "-dashboard-" in n}
+    assert set(maps) == {f"spotrl-dashboard-{f.stem}" for f in files}
+    for f in files:
+        cm = maps[f"spotrl-dashboard-{f.stem}"]
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert json.loads(cm["data"][f.name]) == json.loads(f.read_text())
+        assert len(f.read_bytes()) < 1 << 20  # a ConfigMap holds at most 1 MiB
+
+
 def test_long_release_names_stay_within_63_characters() -> None:
     release = "a-release-name-of-exactly-fifty-three-characters-long"
     assert len(release) == 53
