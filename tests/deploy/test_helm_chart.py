@@ -81,6 +81,10 @@ def test_pods_run_non_root_with_limits(rendered) -> None:
         assert pod["securityContext"]["runAsUser"] > 0, name
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
         assert pod["enableServiceLinks"] is False, name
+        # Pod Security Standards, "restricted": no host namespaces, only the volume types it allows.
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod), name
+        for volume in pod.get("volumes", []):
+            assert set(volume) - {"name"} <= {"configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "downwardAPI"}, (name, volume)
         for c in containers(deployment):
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, name
