@@ -172,7 +172,7 @@ def test_selectors_match_their_pods(rendered) -> None:
 PROPOSED_LAUNCHER_SETTINGS = {
     f"SPOTRL_KUBE_{name}" for name in (
         "ROLLOUT_IMAGE", "TRAINING_IMAGE", "REWARD_IMAGE", "IMAGE_PULL_POLICY", "IMAGE_PULL_SECRETS", "SERVICE_ACCOUNT",
-        "ENV_SECRETS", "POD_LABELS", "ROLLOUT_NODE_SELECTOR", "ROLLOUT_TOLERATIONS", "TRAINING_NODE_SELECTOR",
+        "ENV_SECRETS", "PRICE_CATALOG_CONFIGMAP", "POD_LABELS", "ROLLOUT_NODE_SELECTOR", "ROLLOUT_TOLERATIONS", "TRAINING_NODE_SELECTOR",
         "TRAINING_TOLERATIONS", "REWARD_NODE_SELECTOR", "REWARD_TOLERATIONS",
     )
 }  # fmt: skip
@@ -220,6 +220,8 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     # The files the settings name are where the pods mount them.
     mounts = {m["name"]: m["mountPath"] for m in api["volumeMounts"]}
     assert env["SPOTRL_PRICE_CATALOG"] == f"{mounts['price-catalog']}/catalog.json"
+    catalog = next(v for v in deployments["spotrl-api"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "price-catalog")
+    assert catalog["configMap"]["name"] == env["SPOTRL_KUBE_PRICE_CATALOG_CONFIGMAP"]
     assert env["SPOTRL_TOKENS_FILE"] == f"{mounts['tokens']}/tokens.json"
     assert {m["name"] for m in scheduler["volumeMounts"]} == {"tmp", "price-catalog"}  # no tokens: it serves nothing
     # The backends' URLs come from a Secret, to the chart's pods and (SPOTRL_KUBE_ENV_SECRETS) to launched ones.
