@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     reward_cache_url: str | None = Field(default=None, repr=False, description="redis://host:6379/0; default: the SQLite reward cache in home.")
     objects_url: str | None = Field(default=None, repr=False, description="s3://bucket/prefix (AWS settings from the environment); default: a directory in home.")
     model_cache: Path | None = Field(default=None, description="Where converted base models are cached; default: home/models.")
+    price_catalog: Path | None = Field(
+        default=None,
+        description="Price catalog file (the JSON of services/cost/catalog.json) with the operator's own prices; default: the catalog shipped with spotrl.",
+    )
     tick_seconds: float = Field(default=0.5, gt=0, description="Scheduler reconcile interval.")
     lease_seconds: float = Field(default=10.0, gt=0, description="How long the leading scheduler's lease lasts unrenewed: a standby scheduler takes over this long after the leader dies. Several ticks long, so a slow tick does not lose it.")
     session_timeout_s: float = Field(default=60.0, gt=0, description="A rollout worker that has not polled for this long (it polls between batches) loses its prompts to the others.")

@@ -8,6 +8,8 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
+from services.config import get_settings
+
 
 class UnknownInstanceTypeError(ValueError):
     """An instance type that the price catalog does not list."""
@@ -54,8 +56,13 @@ def parse_catalog(data: dict) -> PriceCatalog:
     return PriceCatalog(currency=data["currency"], instances=instances)
 
 
-@cache
 def load_catalog(path: Path | None = None) -> PriceCatalog:
-    """The catalog at ``path``, or the one shipped with spotrl."""
+    """The catalog at ``path``, else at ``SPOTRL_PRICE_CATALOG`` (an operator's prices, e.g. a mounted
+    ConfigMap), else the one shipped with spotrl."""
+    return _read_catalog(path or get_settings().price_catalog)
+
+
+@cache
+def _read_catalog(path: Path | None) -> PriceCatalog:
     text = path.read_text() if path else resources.files("services.cost").joinpath("catalog.json").read_text()
     return parse_catalog(json.loads(text))

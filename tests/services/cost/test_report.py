@@ -67,3 +67,19 @@ def test_a_run_with_no_spend_has_no_ratios(catalog) -> None:
 def test_unknown_instance_type_names_the_known_ones() -> None:
     with pytest.raises(UnknownInstanceTypeError, match="g6.xlarge"):
         load_catalog().get("x9.huge")
+
+
+def test_catalog_from_spotrl_price_catalog(tmp_path, monkeypatch) -> None:
+    """An operator's catalog (the Helm chart mounts one from a ConfigMap) replaces the shipped one."""
+    from services.config import get_settings
+
+    path = tmp_path / "catalog.json"
+    path.write_text(CATALOG)
+    monkeypatch.setenv("SPOTRL_PRICE_CATALOG", str(path))
+    get_settings.cache_clear()
+    try:
+        assert sorted(load_catalog().instances) == ["big", "small"]
+    finally:
+        monkeypatch.delenv("SPOTRL_PRICE_CATALOG")
+        get_settings.cache_clear()
+    assert "p4d.24xlarge" in load_catalog().instances

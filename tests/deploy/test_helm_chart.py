@@ -1,0 +1,513 @@
+"""The Helm chart deploy/helm/spotrl, checked with Helm's own Go code (helm-python-sdk: render,
+lint, the values schema) and every rendered manifest validated strictly against the OpenAPI
+schemas of current Kubernetes releases (kubernetes-validate), for each scenario in ci/."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.config import Settings
+from services.cost.catalog import parse_catalog
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy/helm/spotrl"
+SCENARIOS = sorted(p.name for p in (CHART / "ci").glob("*.yaml"))
+# The oldest Kubernetes release with patch support from every large provider, and the newest schema kubernetes-validate has.
+KUBE_VERSIONS = ["1.30.0", "1.37.0"]
+RELEASE, NAMESPACE = "spotrl", "ml"
+# The Prometheus Operator's kind is a CRD: kubernetes-validate carries the built-in kinds only, so
+# its shape is asserted in test_service_monitor instead.
+CUSTOM_KINDS = {"ServiceMonitor"}
+
+
+def scenario(name: str) -> dict[str, Any]:
+    return yaml.safe_load((CHART / "ci" / name).read_text())
+
+
+def render(values: dict[str, Any], chart_dir: Path = CHART, release: str = RELEASE, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    manifests = helm.Chart.load(chart_dir).render(values, name=release, namespace=namespace, is_install=True)
+    return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]  # fmt: skip
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return doc["spec"]["template"]["spec"]["containers"]
+
+
+@pytest.fixture(scope="module", params=SCENARIOS)
+def rendered(request) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(scenario(request.param))
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_lints_strictly(name: str) -> None:
+    report = helm.lint(CHART, scenario(name), strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSIONS[0]}")
+    # Severity 1 is information ("icon is recommended"); warnings (2) fail under strict, as errors (3) do.
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], problems or report["errors"]
+
+
+def test_every_manifest_validates_strictly(rendered) -> None:
+    name, docs = rendered
+    checked = 0
+    for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            continue
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)  # raises on an unknown field or a wrong type
+        checked += 1
+    assert checked >= 15, f"{name} rendered only {checked} built-in objects"
+
+
+def test_pods_run_non_root_with_limits(rendered) -> None:
+    _, docs = rendered
+    for name, deployment in by_kind(docs, "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] > 0, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert pod["enableServiceLinks"] is False, name
+        # Pod Security Standards, "restricted": no host namespaces, only the volume types it allows.
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod), name
+        for volume in pod.get("volumes", []):
+            assert set(volume) - {"name"} <= {"configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "downwardAPI"}, (name, volume)
+        for c in containers(deployment):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, name
+            assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"], name
+            if c["image"].split("/")[-1].startswith("spotrl-"):
+                assert sc["readOnlyRootFilesystem"] is True, name
+        # Only the two control-plane components talk to the Kubernetes API.
+        if not name.endswith(("-api", "-scheduler")):
+            assert pod.get("automountServiceAccountToken") is False, name
+
+
+def test_no_secret_outside_secrets(rendered) -> None:
+    """Passwords, keys and token hashes of the scenario appear in Secrets and nowhere else."""
+    name, docs = rendered
+    values = scenario(name)
+    secrets = [values.get("trial", {}).get("postgresql", {}).get("password"),
+               values.get("s3", {}).get("accessKey", {}).get("secret"),
+               values.get("s3", {}).get("accessKey", {}).get("id")]  # fmt: skip
+    secrets += [t["sha256"] for t in values.get("auth", {}).get("tokens", {}).values()]
+    if state_url := values.get("backends", {}).get("stateUrl"):
+        secrets.append(re.search(r"://[^:]+:([^@]+)@", state_url).group(1))
+    secrets = [s for s in secrets if s]
+    for doc in docs:
+        text = json.dumps(doc)
+        if doc["kind"] == "Secret":
+            continue
+        leaked = [s for s in secrets if s in text]
+        assert not leaked, f"{doc['kind']} {doc['metadata']['name']} holds {leaked}"
+        for c in (containers(doc) if doc["kind"] == "Deployment" else []):
+            for env in c.get("env", []):
+                assert not re.search("PASSWORD|SECRET|TOKEN", env["name"]) or "valueFrom" in env, (doc["metadata"]["name"], env)
+    if values.get("auth", {}).get("tokens"):
+        (tokens,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-tokens")]
+        assert {e["sha256"] for e in json.loads(tokens["stringData"]["tokens.json"])["tokens"]} == {
+            t["sha256"] for t in values["auth"]["tokens"].values()
+        }
+
+
+def test_rbac_scope(rendered) -> None:
+    _, docs = rendered
+    roles, cluster_roles = by_kind(docs, "Role"), by_kind(docs, "ClusterRole")
+    scheduler = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-scheduler"]["rules"]
+                 for g in rule["apiGroups"] for r in rule["resources"]}  # fmt: skip
+    manage = {"get", "list", "watch", "create", "update", "patch", "delete"}
+    assert scheduler == {
+        ("batch", "jobs"): manage, ("apps", "deployments"): manage, ("apps", "deployments/scale"): {"get", "update", "patch"},
+        ("", "pods"): manage, ("", "pods/log"): {"get"}, ("", "pods/status"): {"get"},
+    }  # fmt: skip
+    # The API opens the same launcher, read-only: it watches pods and Jobs and reads pod logs.
+    api = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-api"]["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert api == {("", "pods"): {"get", "list", "watch"}, ("", "pods/log"): {"get"}, ("batch", "jobs"): {"get", "list", "watch"}}
+    # The one cluster-wide grant: reading nodes (their instance-type and capacity labels).
+    (nodes,) = cluster_roles.values()
+    assert nodes["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    bindings = list(by_kind(docs, "RoleBinding").values()) + list(by_kind(docs, "ClusterRoleBinding").values())
+    subjects = {(b["roleRef"]["kind"], b["roleRef"]["name"]): [s["name"] for s in b["subjects"]] for b in bindings}
+    assert subjects == {("Role", "spotrl-scheduler"): ["spotrl-scheduler"], ("Role", "spotrl-api"): ["spotrl-api"],
+                        ("ClusterRole", nodes["metadata"]["name"]): ["spotrl-scheduler", "spotrl-api"]}  # fmt: skip
+    for rule in [r for role in [*roles.values(), nodes] for r in role["rules"]]:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"] and "secrets" not in rule["resources"]
+    deployments = by_kind(docs, "Deployment")
+    assert deployments["spotrl-scheduler"]["spec"]["template"]["spec"]["serviceAccountName"] == "spotrl-scheduler"
+    assert deployments["spotrl-api"]["spec"]["template"]["spec"]["serviceAccountName"] == "spotrl-api"
+
+
+def test_selectors_match_their_pods(rendered) -> None:
+    """Selectors carry name, instance and component only; every Service, PDB and NetworkPolicy selects a Deployment's pods."""
+    _, docs = rendered
+    pods = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in by_kind(docs, "Deployment").items()}
+    for name, d in by_kind(docs, "Deployment").items():
+        assert set(d["spec"]["selector"]["matchLabels"]) == {"app.kubernetes.io/name", "app.kubernetes.io/instance",
+                                                            "app.kubernetes.io/component"}  # fmt: skip
+    selectors = [(d["kind"], d["metadata"]["name"], d["spec"]["selector"]) for d in docs if d["kind"] == "Service"]
+    selectors += [(d["kind"], d["metadata"]["name"], d["spec"]["selector"]["matchLabels"]) for d in docs if d["kind"] == "PodDisruptionBudget"]
+    selectors += [(d["kind"], d["metadata"]["name"], d["spec"]["podSelector"]["matchLabels"]) for d in docs if d["kind"] == "NetworkPolicy"]
+    for kind, name, selector in selectors:
+        matched = [p for p, labels in pods.items() if selector.items() <= labels.items()]
+        assert matched == [name], (kind, name, matched)
+    for pdb in by_kind(docs, "PodDisruptionBudget").values():
+        assert pdb["apiVersion"] == "policy/v1" and "maxUnavailable" in pdb["spec"]
+
+
+# Settings the chart passes that services/config.py does not read yet: the Kubernetes launcher
+# (services/backends/kubernetes_launcher.py) takes one image and fixed pools today.
+PROPOSED_LAUNCHER_SETTINGS = {
+    f"SPOTRL_KUBE_{name}" for name in (
+        "ROLLOUT_IMAGE", "TRAINING_IMAGE", "REWARD_IMAGE", "IMAGE_PULL_POLICY", "IMAGE_PULL_SECRETS", "SERVICE_ACCOUNT",
+        "ENV_SECRETS", "PRICE_CATALOG_CONFIGMAP", "POD_LABELS", "ROLLOUT_NODE_SELECTOR", "ROLLOUT_TOLERATIONS", "TRAINING_NODE_SELECTOR",
+        "TRAINING_TOLERATIONS", "REWARD_NODE_SELECTOR", "REWARD_TOLERATIONS",
+    )
+}  # fmt: skip
+CAPACITY_LABELS = {
+    "karpenter": {"rollout": {"karpenter.sh/capacity-type": "spot"}, "training": {"karpenter.sh/capacity-type": "on-demand"}},
+    "eks": {"rollout": {"eks.amazonaws.com/capacityType": "SPOT"}, "training": {"eks.amazonaws.com/capacityType": "ON_DEMAND"}},
+    "gke": {"rollout": {"cloud.google.com/gke-spot": "true"}},
+    "none": {},
+}
+
+
+def settings_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return by_kind(docs, "ConfigMap")["spotrl-settings"]["data"]
+
+
+def test_processes_and_their_settings(rendered, monkeypatch) -> None:
+    """The containers run the real `spotrl` commands, and every setting the chart passes is one spotrl reads."""
+    name, docs = rendered
+    values = scenario(name)
+    deployments = by_kind(docs, "Deployment")
+    (api,), (scheduler,) = containers(deployments["spotrl-api"]), containers(deployments["spotrl-scheduler"])
+    assert api["args"][:1] == ["serve"] and "--no-scheduler" in api["args"] and "--insecure-no-auth" not in api["args"]
+    assert scheduler["args"] == ["scheduler"]
+    assert deployments["spotrl-scheduler"]["spec"]["replicas"] == values.get("scheduler", {}).get("replicas", 2)
+    env = settings_env(docs)
+    # Every name is a setting spotrl reads, or one the chart offers a launcher that takes per-role pools and images.
+    fields = {f"SPOTRL_{f.upper()}" for f in Settings.model_fields}
+    assert {k for k in env if k.startswith("SPOTRL_")} - fields <= PROPOSED_LAUNCHER_SETTINGS
+    for key, value in env.items():
+        if key in fields:
+            monkeypatch.setenv(key, value)
+    parsed = Settings()  # the values parse as the settings' types
+    assert parsed.launcher == "kubernetes" and parsed.kube_image == env["SPOTRL_KUBE_IMAGE"]
+    assert str(parsed.price_catalog) == env["SPOTRL_PRICE_CATALOG"] and parsed.stop_grace_s == float(env["SPOTRL_STOP_GRACE_S"])
+    pools = helm.Chart.load(CHART).merge_values(values)["pools"]
+    capacity = CAPACITY_LABELS[pools["capacityLabel"]]
+    for pool in ("rollout", "training", "reward"):
+        selector = json.loads(env[f"SPOTRL_KUBE_{pool.upper()}_NODE_SELECTOR"])
+        assert selector == capacity.get(pool, {}) | pools[pool]["nodeSelector"]
+        assert json.loads(env[f"SPOTRL_KUBE_{pool.upper()}_TOLERATIONS"]) == pools[pool]["tolerations"]
+    assert env["SPOTRL_KUBE_SERVICE_ACCOUNT"] in by_kind(docs, "ServiceAccount")
+    assert env["SPOTRL_KUBE_ROLLOUT_IMAGE"].rsplit("/", 1)[-1].startswith("spotrl-rollout:")
+    assert env["SPOTRL_KUBE_TRAINING_IMAGE"].rsplit("/", 1)[-1].startswith("spotrl-training:")
+    assert env["SPOTRL_OBJECTS_URL"] == values["s3"]["url"]
+    # The files the settings name are where the pods mount them.
+    mounts = {m["name"]: m["mountPath"] for m in api["volumeMounts"]}
+    assert env["SPOTRL_PRICE_CATALOG"] == f"{mounts['price-catalog']}/catalog.json"
+    catalog = next(v for v in deployments["spotrl-api"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "price-catalog")
+    assert catalog["configMap"]["name"] == env["SPOTRL_KUBE_PRICE_CATALOG_CONFIGMAP"]
+    assert env["SPOTRL_TOKENS_FILE"] == f"{mounts['tokens']}/tokens.json"
+    assert {m["name"] for m in scheduler["volumeMounts"]} == {"tmp", "price-catalog"}  # no tokens: it serves nothing
+    # The backends' URLs come from a Secret, to the chart's pods and (SPOTRL_KUBE_ENV_SECRETS) to launched ones.
+    secret_refs = [e["secretRef"]["name"] for e in api["envFrom"] if "secretRef" in e]
+    assert secret_refs == env["SPOTRL_KUBE_ENV_SECRETS"].split(",")
+    backends = values.get("backends", {}).get("existingSecret")
+    if not backends:
+        urls = by_kind(docs, "Secret")[secret_refs[0]]["stringData"]
+        assert urls["SPOTRL_STATE_URL"].startswith("postgresql+psycopg://")
+        assert urls["SPOTRL_QUEUE_URL"].startswith("kafka://") and urls["SPOTRL_REWARD_CACHE_URL"].startswith("redis://")
+    else:
+        assert secret_refs[0] == backends
+
+
+def test_minimal_trial_wires_the_in_chart_backends() -> None:
+    docs = render(scenario("minimal-trial-values.yaml"))
+    urls = by_kind(docs, "Secret")["spotrl-backends"]["stringData"]
+    services = {name: d["spec"]["ports"][0]["port"] for name, d in by_kind(docs, "Service").items()}
+    assert urls["SPOTRL_QUEUE_URL"] == f"kafka://spotrl-kafka:{services['spotrl-kafka']}"
+    assert urls["SPOTRL_REWARD_CACHE_URL"] == f"redis://spotrl-redis:{services['spotrl-redis']}/0"
+    assert urls["SPOTRL_STATE_URL"] == f"postgresql+psycopg://spotrl:trial-postgres-password@spotrl-postgresql:{services['spotrl-postgresql']}/spotrl"
+    assert urls["AWS_SECRET_ACCESS_KEY"] == "trial-secret-access-key-example"
+    (pg,) = containers(by_kind(docs, "Deployment")["spotrl-postgresql"])
+    password = next(e for e in pg["env"] if e["name"] == "POSTGRES_PASSWORD")
+    assert password["valueFrom"]["secretKeyRef"]["name"] in by_kind(docs, "Secret")
+    # The trial servers take connections from this release's pods only.
+    policy = by_kind(docs, "NetworkPolicy")["spotrl-postgresql"]["spec"]["ingress"]
+    assert policy == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE}}}], "ports": [{"port": 5432, "protocol": "TCP"}]}]
+    assert json.loads(settings_env(docs)["SPOTRL_KUBE_POD_LABELS"])["app.kubernetes.io/instance"] == RELEASE
+    assert by_kind(docs, "NetworkPolicy")["spotrl-scheduler"]["spec"].get("ingress") is None  # no ingress at all
+
+
+def test_price_catalog_ships_spotrl_catalog_with_user_prices() -> None:
+    assert (CHART / "files/catalog.json").read_text() == (ROOT / "services/cost/catalog.json").read_text(), \
+        "copy services/cost/catalog.json to the chart's files/ when prices change"
+    shipped = json.loads((ROOT / "services/cost/catalog.json").read_text())
+    values = scenario("production-values.yaml")
+    docs = render(values)
+    catalog = parse_catalog(json.loads(by_kind(docs, "ConfigMap")["spotrl-price-catalog"]["data"]["catalog.json"]))
+    assert catalog.get("g5.xlarge").spot == 0.38  # the operator's price wins
+    assert catalog.get("g6e.2xlarge").on_demand == pytest.approx(2.24208)  # an added type
+    assert catalog.get("p4d.24xlarge").on_demand == shipped["instances"]["p4d.24xlarge"]["on_demand"]  # the rest stay
+    assert set(catalog.instances) == set(shipped["instances"]) | set(values["priceCatalog"]["instances"])
+    # Changed prices roll the pods (a checksum of the catalog in their template).
+    cheaper = json.loads(json.dumps(values))
+    cheaper["priceCatalog"]["instances"]["g5.xlarge"]["spot"] = 0.30
+    checksum = lambda docs: by_kind(docs, "Deployment")["spotrl-scheduler"]["spec"]["template"]["metadata"]["annotations"]["checksum/price-catalog"]  # noqa: E731
+    assert checksum(render(cheaper)) != checksum(docs)
+
+
+def test_production_ingress_service_monitor_and_identity() -> None:
+    values = scenario("production-values.yaml")
+    docs = render(values)
+    (ingress,) = by_kind(docs, "Ingress").values()
+    assert ingress["spec"]["tls"] == [{"hosts": ["spotrl.acme.example"], "secretName": "spotrl-acme-tls"}]
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] == {"name": "spotrl-api", "port": {"name": "http"}}
+    for account in by_kind(docs, "ServiceAccount").values():
+        assert account["metadata"]["annotations"] == values["serviceAccount"]["annotations"]
+    # The chart makes no Secret of its own: backends and tokens are the operator's.
+    assert by_kind(docs, "Secret") == {}
+    (reward,) = containers(by_kind(docs, "Deployment")["spotrl-reward"])
+    assert reward["args"] == ["reward-server", "--host", "0.0.0.0", "--port", "8100", "--model", "/models/helpfulness-rm-v3"]
+    assert settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"] == "http://spotrl-reward.ml.svc:8100"
+    assert reward["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_service_monitor() -> None:
+    docs = render(scenario("production-values.yaml"))
+    (monitor,) = by_kind(docs, "ServiceMonitor").values()
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"]["matchLabels"] == by_kind(docs, "Service")["spotrl-api"]["spec"]["selector"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    # /metrics needs an admin token: the operator's Secret holds the token itself.
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "spotrl-metrics-token", "key": "token"}}
+
+
+BAD_VALUES = [
+    ({"s3": {"url": "https://bucket/prefix"}}, "/s3/url"),
+    ({"unknownKey": 1}, "additional properties 'unknownKey'"),
+    ({"api": {"replicas": -1}}, "/api/replicas"),
+    ({"api": {"replica": 3}}, "additional properties 'replica'"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot"),
+    ({"containerSecurityContext": {"allowPrivilegeEscalation": True}}, "/containerSecurityContext/allowPrivilegeEscalation"),
+    ({"auth": {"tokens": {"me": {"sha256": "not-a-hash", "tenant": "a"}}}}, "/auth/tokens/me/sha256"),
+    ({"auth": {"tokens": {"me": {"token": "plain-text-token", "tenant": "a"}}}}, "additional properties 'token'"),
+    ({"backends": {"queueUrl": "localhost:9092"}}, "/backends/queueUrl"),
+    ({"settings": {"keepPolicyVersions": 1}}, "/settings/keepPolicyVersions"),
+    ({"settings": {"extraEnv": {"lower_case": "x"}}}, "'lower_case' does not match"),
+    ({"pools": {"rollout": {"nodeSelector": {"spot": True}, "tolerations": []}}}, "/pools/rollout/nodeSelector/spot"),
+    ({"pools": {"training": {"tolerations": [{"key": "a", "effect": "Sometimes"}], "nodeSelector": {}}}}, "/pools/training/tolerations/0/effect"),
+    ({"trial": {"postgresql": {"enabled": True, "password": "short"}}}, "/trial/postgresql/password"),
+    ({"reward": {"enabled": True}}, "/reward/model/existingClaim"),
+    ({"reward": {"model": {"path": "../../etc"}}}, "/reward/model/path"),
+    ({"priceCatalog": {"instances": {"x1": {"gpu": "A10G", "gpus": 1}}}}, "/priceCatalog/instances/x1"),
+    ({"api": {"resources": {"limits": {"memory": "lots"}}}}, "/api/resources/limits/memory"),
+]
+
+
+@pytest.mark.parametrize(("change", "named"), BAD_VALUES, ids=[n for _, n in BAD_VALUES])
+def test_schema_rejects_bad_values(change: dict[str, Any], named: str) -> None:
+    chart = helm.Chart.load(CHART)
+    base = scenario("minimal-trial-values.yaml")
+    chart.validate_schema(base)  # the scenario alone is fine
+    values = helm.Chart.load(CHART).merge_values(base)  # coalesced like an install, then the bad change on top
+    with pytest.raises(helm.HelmValuesError, match=re.escape(named)):
+        chart.validate_schema(_merge(values, change))
+
+
+def _merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in change.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) and value else value
+    return out
+
+
+@pytest.mark.parametrize(("drop", "message"), [
+    ("auth", "auth.tokens"),
+    ("trial", "backends.stateUrl"),
+])  # fmt: skip
+def test_missing_required_settings_fail_with_the_key_named(drop: str, message: str) -> None:
+    values = scenario("minimal-trial-values.yaml")
+    del values[drop]
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(values)
+
+
+@pytest.mark.parametrize(("name", "warns"), [("minimal-trial-values.yaml", True), ("production-values.yaml", False)])
+def test_notes_warn_of_trial_backends(name: str, warns: bool) -> None:
+    manifests = helm.Chart.load(CHART).render(scenario(name), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    notes = manifests["spotrl/templates/NOTES.txt"]
+    assert ("WARNING: trial backends" in notes) is warns
+    assert ("https://spotrl.acme.example" in notes) is (name == "production-values.yaml")
+
+
+def test_extra_env_cannot_shadow_a_chart_setting() -> None:
+    values = scenario("minimal-trial-values.yaml")
+    values["settings"] = {"extraEnv": {"SPOTRL_DATA_DIRS": "/data"}}
+    assert settings_env(render(values))["SPOTRL_DATA_DIRS"] == "/data"
+    values["settings"] = {"extraEnv": {"SPOTRL_LAUNCHER": "local"}}
+    with pytest.raises(helm.HelmError, match="settings.extraEnv.SPOTRL_LAUNCHER"):
+        render(values)
+
+
+def test_insecure_no_auth_is_explicit() -> None:
+    values = scenario("minimal-trial-values.yaml")
+    values["auth"] = {"insecureNoAuth": True}
+    docs = render(values)
+    (api,) = containers(by_kind(docs, "Deployment")["spotrl-api"])
+    assert "--insecure-no-auth" in api["args"] and "SPOTRL_TOKENS_FILE" not in settings_env(docs)
+    assert "spotrl-tokens" not in by_kind(docs, "Secret")
+
+
+def test_dashboards_become_sidecar_configmaps(tmp_path: Path) -> None:
+    chart = tmp_path / "spotrl"
+    shutil.copytree(CHART, chart)
+    for old in (chart / "dashboards").glob("*.json"):  # another branch's dashboards, if merged
+        old.unlink()
+    values = scenario("minimal-trial-values.yaml")
+    assert [d for d in render(values, chart) if "dashboard" in d["metadata"]["name"]] == []  # an empty folder renders nothing
+    cost = {"title": "spotrl cost", "panels": [{"targets": [{"expr": "sum(spotrl_run_cost_dollars_total)"}]}]}
+    (chart / "dashboards/Cost_Overview.json").write_text(json.dumps(cost))
+    (chart / "dashboards/pipeline.json").write_text(json.dumps({"title": "spotrl pipeline", "panels": []}))
+    (chart / "dashboards/notes.txt").write_text("not a dashboard")
+    maps = {n: d for n, d in by_kind(render(values, chart), "ConfigMap").items() if "-dashboard-" in n}
+    assert set(maps) == {"spotrl-dashboard-cost-overview", "spotrl-dashboard-pipeline"}
+    cm = maps["spotrl-dashboard-cost-overview"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["annotations"]["grafana_folder"] == "spotrl"
+    assert json.loads(cm["data"]["Cost_Overview.json"]) == cost
+    for doc in maps.values():
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    values["dashboards"] = {"enabled": False}
+    assert not [n for n in by_kind(render(values, chart), "ConfigMap") if "-dashboard-" in n]
+
+
+def test_the_charts_own_dashboards_each_become_a_configmap() -> None:
+    """The dashboards in the chart (deploy/grafana writes them), one valid sidecar ConfigMap each."""
+    files = sorted((CHART / "dashboards").glob("*.json"))
+    maps = {n: d for n, d in by_kind(render(scenario("minimal-trial-values.yaml")), "ConfigMap").items() if "-dashboard-" in n}
+    assert set(maps) == {f"spotrl-dashboard-{f.stem}" for f in files}
+    for f in files:
+        cm = maps[f"spotrl-dashboard-{f.stem}"]
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert json.loads(cm["data"][f.name]) == json.loads(f.read_text())
+        assert len(f.read_bytes()) < 1 << 20  # a ConfigMap holds at most 1 MiB
+
+
+def test_long_release_names_stay_within_63_characters() -> None:
+    release = "a-release-name-of-exactly-fifty-three-characters-long"
+    assert len(release) == 53
+    docs = render(scenario("minimal-trial-values.yaml"), release=release)
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert all(len(n) <= 63 and not n.endswith("-") for _, n in names), [n for _, n in names if len(n) > 63]
+    assert len(set(names)) == len(names), "truncation made two objects' names collide"
+    for labels in [d["metadata"]["labels"] for d in docs]:
+        assert all(len(v) <= 63 for v in labels.values())
+
+
+def _param_paths() -> list[str]:
+    return re.findall(r"^\s*## @param (\S+) ", (CHART / "values.yaml").read_text(), flags=re.MULTILINE)
+
+
+def _key_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        paths.append(path)
+        if isinstance(value, dict):
+            paths += _key_paths(value, f"{path}.")
+    return paths
+
+
+def test_every_value_is_documented() -> None:
+    """Each key of values.yaml is a `## @param` (or inside one, for maps documented whole), each
+    @param names a real key, the schema knows every key, and the README's table lists every @param."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    params = _param_paths()
+    keys = _key_paths(values)
+    assert len(params) == len(set(params))
+    assert set(params) <= set(keys), set(params) - set(keys)
+    for key in keys:
+        documented = any(key == p or key.startswith(f"{p}.") for p in params)
+        parent = any(p.startswith(f"{key}.") for p in params)  # a section whose keys are documented one by one
+        assert documented or parent, f"values.yaml key {key} has no ## @param"
+    readme = (CHART / "README.md").read_text()
+    assert not [p for p in params if f"`{p}`" not in readme], "README.md misses parameters"
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for key in [k for k in keys if any(k == p for p in params)]:
+        node = schema
+        for part in key.split("."):
+            node = node["properties"][part]
+        assert node, key
+
+
+# policy/v1 PodDisruptionBudget arrived in Kubernetes 1.21, after the test server's v1.20 (which
+# has only policy/v1beta1); the ServiceMonitor's CRD is not installed there. Both are still
+# validated (the PDBs against 1.30 and 1.37 above) and their fields asserted.
+NOT_ON_V1_20 = {("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_creates_on_a_real_api_server(name: str, kube) -> None:
+    """Every rendered object is created on a real kube-apiserver (v1.20, tests/servers/kube.py)
+    through the dynamic client, so the server's own validation judges the raw manifest, and what
+    it stores keeps every field sent: v1.20 silently drops fields it does not know."""
+    from kubernetes.dynamic import DynamicClient
+
+    namespace = kube.new_namespace()
+    docs = render(scenario(name), namespace=namespace)
+    with kube.api_client() as api:
+        dynamic = DynamicClient(api)
+        created = 0
+        for doc in docs:
+            if (doc["apiVersion"], doc["kind"]) in NOT_ON_V1_20:
+                continue
+            resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+            stored = resource.create(body=doc, namespace=namespace if resource.namespaced else None).to_dict()
+            _assert_kept(doc, stored, f"{doc['kind']}/{doc['metadata']['name']}")
+            created += 1
+        assert created == len([d for d in docs if (d["apiVersion"], d["kind"]) not in NOT_ON_V1_20])
+        # The server's defaulting ran on the real objects: a Deployment has its strategy, a Service its cluster IP.
+        scheduler = dynamic.resources.get(api_version="apps/v1", kind="Deployment").get(name="spotrl-scheduler", namespace=namespace)
+        assert scheduler.spec.strategy.type == "RollingUpdate"
+        api_service = dynamic.resources.get(api_version="v1", kind="Service").get(name="spotrl-api", namespace=namespace)
+        assert api_service.spec.clusterIP
+
+
+def _assert_kept(sent: Any, stored: Any, where: str) -> None:
+    """``sent`` is contained in ``stored``, allowing for the server's normal forms (quantities as strings, Secret data base64)."""
+    if isinstance(sent, dict):
+        assert isinstance(stored, dict), where
+        for key, value in sent.items():
+            if key == "stringData":  # write-only: the server stores it base64-encoded under data
+                decoded = {k: base64.b64decode(v).decode() for k, v in stored["data"].items()}
+                assert decoded == value, where
+                continue
+            assert key in stored, f"{where}: the server dropped {key}"
+            _assert_kept(value, stored[key], f"{where}.{key}")
+    elif isinstance(sent, list):
+        assert isinstance(stored, list) and len(stored) == len(sent), where
+        for i, (a, b) in enumerate(zip(sent, stored, strict=True)):
+            _assert_kept(a, b, f"{where}[{i}]")
+    elif isinstance(stored, str) and isinstance(sent, int | float) and not isinstance(sent, bool):
+        assert stored == str(sent), where  # a quantity: 1 GPU is stored as "1"
+    else:
+        assert stored == sent, f"{where}: sent {sent!r}, stored {stored!r}"
