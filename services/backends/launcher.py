@@ -72,6 +72,26 @@ class PodStatus:
     pid: int | None  # the workload process (local pods only)
 
 
+class PodOutcome(StrEnum):
+    """How an ended pod ended, as the cost ledger keeps it (``ledger.outcome``)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # its command exited non-zero, or the launcher lost track of it
+    KILLED = "killed"  # ended by a signal: a spot reclaim, a stop past its grace period, an OOM kill
+
+
+def pod_outcome(pod: PodStatus) -> PodOutcome:
+    """How ``pod`` (ended) ended. The one place that tells a killed pod from a failed one: a
+    launcher that knows a preemption when it sees one (Kubernetes' ``DisruptionTarget``
+    condition) adds its own outcome here, and the preemption count follows
+    (``services.api.metrics.PREEMPTED``)."""
+    if pod.phase == PodPhase.SUCCEEDED:
+        return PodOutcome.SUCCEEDED
+    if pod.exit_code is not None and pod.exit_code < 0:
+        return PodOutcome.KILLED
+    return PodOutcome.FAILED
+
+
 class PodNotFoundError(LookupError):
     """No pod has that name (never launched, or deleted)."""
 
