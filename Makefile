@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spotrl-installed
 
-.PHONY: demo demo-tiny test setup bench
+.PHONY: demo demo-tiny test setup bench prometheus
 
 setup: $(STAMP)
 
@@ -28,8 +28,14 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	$(VENV)/bin/spotrl demo --model tiny
 
+# Debian's Prometheus for the dashboard test (tests/deploy/test_dashboards.py): the one on PATH, or
+# else `apt-get download prometheus` unpacked with `dpkg-deb -x` into ~/.cache/spotrl/prometheus
+# (no root, no service started); a second run finds the binary and does nothing.
+prometheus: $(STAMP)
+	$(PY) -m tests.servers.prometheus
+
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
