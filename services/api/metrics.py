@@ -174,21 +174,25 @@ class RunCollector(Collector):
             f.dropped_by_reason.add_metric([r.id, reason], n)
 
     def _workers(self, f: _Families, r: RunRow, entries: list[LedgerEntry]) -> None:
-        stats = self.b.state.worker_stats(r.id)
-        if not stats:
+        """Each rollout worker's counters, at 0 from its pod's launch (its ledger entry opens
+        first) until its first report: a rate over the first batch needs that baseline."""
+        if r.started_at is None:
             return
+        stats = {w.worker: w for w in self.b.state.worker_stats(r.id)}
         # A worker's id is its pod's name, so its ledger entry tells where it runs.
-        where = {e.pod: (e.capacity_type, e.instance_type) for e in entries}
+        where = {e.pod: (e.capacity_type, e.instance_type) for e in entries if e.role == "rollout"}
         cache = {"hit": 0, "miss": 0, "error": 0}
-        for w in stats:
-            capacity, instance = where.get(w.worker, ("unknown", "unknown"))
-            labels = [r.id, "rollout", capacity, instance, w.worker]
-            f.worker_samples.add_metric(labels, w.samples_produced)
-            f.worker_generation.add_metric(labels, w.generation_seconds)
-            f.worker_report.add_metric(labels, w.reported_at)
-            cache["hit"] += w.reward_cache_hits
-            cache["miss"] += w.reward_cache_misses
-            cache["error"] += w.reward_cache_errors
+        for worker in sorted(where.keys() | stats.keys()):
+            capacity, instance = where.get(worker, ("unknown", "unknown"))
+            labels = [r.id, "rollout", capacity, instance, worker]
+            w = stats.get(worker)
+            f.worker_samples.add_metric(labels, w.samples_produced if w else 0)
+            f.worker_generation.add_metric(labels, w.generation_seconds if w else 0.0)
+            if w is not None:
+                f.worker_report.add_metric(labels, w.reported_at)
+                cache["hit"] += w.reward_cache_hits
+                cache["miss"] += w.reward_cache_misses
+                cache["error"] += w.reward_cache_errors
         for result, n in cache.items():
             f.cache.add_metric([r.id, result], n)
 

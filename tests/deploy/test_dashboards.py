@@ -175,6 +175,10 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
             results.setdefault((stem, panel["title"]), []).append((target.get("legendFormat", ""), series))
         _render(results, out, run_id, started)
         print(f"\npanel query results drawn in {out}")
+        if no_data:  # what the scrapes saw, to tell a missing series from failed scrapes
+            for expr in ('up', 'scrape_duration_seconds', f'{{run="{run_id}", __name__=~"spotrl_reward_cache.*|spotrl_worker_samples.*"}}'):
+                for s in prom.query_range(expr, started, end, SCRAPE_S):
+                    no_data.append(f"  {s['metric']}: {[v for _, v in s['values']]}")
         assert no_data == [], "panel queries without data:\n" + "\n".join(no_data)
 
         # The figures a reader looks at first are the right ones.

@@ -44,6 +44,8 @@ def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: S
 
     assert value("spotrl_worker_samples_produced_total", role="rollout", capacity_type="spot",
                  instance_type="g6.xlarge", worker="r1-rollout-0") == 6  # fmt: skip
+    assert value("spotrl_worker_samples_produced_total", role="rollout", capacity_type="spot",
+                 instance_type="g6.xlarge", worker="r1-rollout-1") == 0  # launched, never reported  # fmt: skip
     assert value("spotrl_reward_cache_requests_total", result="hit") == 2
     assert value("spotrl_reward_cache_requests_total", result="error") == 0
     where = dict(role="rollout", capacity_type="spot", instance_type="g6.xlarge")
