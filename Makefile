@@ -5,7 +5,7 @@ STAMP := $(VENV)/.spotrl-installed
 # checkov pins boto3, packaging and networkx below what spotrl's venv holds: it gets a venv of its own.
 CHECKOV := $(VENV)/checkov/bin/checkov
 
-.PHONY: demo demo-tiny test setup bench kube-apiserver image-control image-rollout image-training
+.PHONY: demo demo-tiny test setup bench kube-apiserver prometheus image-control image-rollout image-training
 
 setup: $(STAMP)
 
@@ -35,8 +35,14 @@ demo-tiny: $(STAMP)
 kube-apiserver:
 	scripts/build-kube-apiserver.sh
 
+# Debian's Prometheus for the dashboard test (tests/deploy/test_dashboards.py): the one on PATH, or
+# else `apt-get download prometheus` unpacked with `dpkg-deb -x` into ~/.cache/spotrl/prometheus
+# (no root, no service started); a second run finds the binary and does nothing.
+prometheus: $(STAMP)
+	$(PY) -m tests.servers.prometheus
+
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
-test: $(STAMP) $(CHECKOV) kube-apiserver
+test: $(STAMP) $(CHECKOV) kube-apiserver prometheus
 	$(VENV)/bin/lint-imports --no-cache
 	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q
 

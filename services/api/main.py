@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
         app.state.backends = backends
         app.state.catalog = load_catalog()
         app.state.metrics_registry = CollectorRegistry()
-        app.state.metrics_registry.register(RunCollector(backends))
+        app.state.metrics_registry.register(RunCollector(backends, app.state.catalog))
         stop = threading.Event()
         app.state.scheduler_thread = None
         if with_scheduler:

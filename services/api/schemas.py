@@ -95,6 +95,8 @@ class LedgerEntryPublic(BaseModel):
     price_source: str
     started_at: float
     ended_at: float | None
+    # How the pod ended: succeeded, failed or killed (a spot preemption among them); None while it runs.
+    outcome: str | None = None
     seconds: float
     dollars: float
 

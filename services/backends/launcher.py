@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,27 @@ class PodStatus:
     # Ended because the platform took its machine back (a spot interruption: Kubernetes'
     # DisruptionTarget condition), not by a fault of its own; its phase is then Failed.
     preempted: bool = False
+
+
+class PodOutcome(StrEnum):
+    """How an ended pod ended, as the cost ledger keeps it (``ledger.outcome``)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # its command exited non-zero, or the launcher lost track of it
+    KILLED = "killed"  # ended by a signal: a stop past its grace period, an OOM kill
+    PREEMPTED = "preempted"  # its machine taken back (a spot interruption): PodStatus.preempted
+
+
+def pod_outcome(pod: PodStatus) -> PodOutcome:
+    """How ``pod`` (ended) ended: the one place that tells a preempted pod (its launcher says so:
+    Kubernetes' ``DisruptionTarget`` condition) from a killed or a failed one."""
+    if pod.phase == PodPhase.SUCCEEDED:
+        return PodOutcome.SUCCEEDED
+    if pod.preempted:
+        return PodOutcome.PREEMPTED
+    if pod.exit_code is not None and pod.exit_code < 0:
+        return PodOutcome.KILLED
+    return PodOutcome.FAILED
 
 
 class PodNotFoundError(LookupError):
@@ -277,6 +299,10 @@ def _read_status(pod_dir: Path) -> PodStatus | None:
         started_at=meta["launched_at"],
         ended_at=ended["ended_at"] if ended else None,
         pid=pid,
+        # A spot "machine" taken back without notice, as the chaos driver plays it: SIGKILLed
+        # without being asked to stop.
+        preempted=spec.capacity_type == "spot" and ended is not None
+        and ended["exit_code"] == -signal.SIGKILL and not (pod_dir / STOP_FILE).exists(),
     )
 
 

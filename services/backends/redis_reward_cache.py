@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
-from services.backends.reward_cache import _check_finite
+from services.backends.reward_cache import RequestCounts, _check_finite
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ SCHEMES = ("redis", "rediss")
 KEY_PREFIX = "spotrl:reward:"
 DEFAULT_TTL_S = 7 * 24 * 3600
 
+# This process's counts (its default registry): what a scrape of the process itself would see.
+# Each adapter also keeps its own ``requests`` (RequestCounts), which a rollout worker reports
+# into the state store, so that one scrape of the API covers every worker of every run.
 REQUESTS = Counter(
     "spotrl_reward_cache_requests",
     "Reward cache keys by result: hit or miss for each key looked up; error for each key not looked up "
@@ -108,6 +111,7 @@ class RedisRewardCache:
         self._lock = threading.Lock()
         self._down_since: float | None = None  # monotonic time of the outage's first failure
         self._retry_at = 0.0
+        self.requests = RequestCounts()
 
     def __repr__(self) -> str:
         return f"RedisRewardCache({self._where})"
@@ -117,18 +121,18 @@ class RedisRewardCache:
         if not unique:
             return {}
         if not self._may_try():
-            REQUESTS.labels(result="error").inc(len(unique))
+            self._count("error", len(unique))
             return {}
         try:
             values = self._client.mget([self._prefix + k for k in unique])
         except redis.exceptions.RedisError as exc:
             self._failed("lookup", exc)
-            REQUESTS.labels(result="error").inc(len(unique))
+            self._count("error", len(unique))
             return {}
         self._succeeded()
         hits = {k: float(v) for k, v in zip(unique, values, strict=True) if v is not None}
-        REQUESTS.labels(result="hit").inc(len(hits))
-        REQUESTS.labels(result="miss").inc(len(unique) - len(hits))
+        self._count("hit", len(hits))
+        self._count("miss", len(unique) - len(hits))
         return hits
 
     def put_many(self, items: Mapping[str, float]) -> None:
@@ -136,7 +140,7 @@ class RedisRewardCache:
         if not items:
             return
         if not self._may_try():
-            REQUESTS.labels(result="error").inc(len(items))
+            self._count("error", len(items))
             return
         pipe = self._client.pipeline(transaction=False)
         for key, value in items.items():
@@ -146,12 +150,16 @@ class RedisRewardCache:
             pipe.execute()
         except redis.exceptions.RedisError as exc:
             self._failed("write", exc)
-            REQUESTS.labels(result="error").inc(len(items))
+            self._count("error", len(items))
             return
         self._succeeded()
 
     def close(self) -> None:
         self._client.close()
+
+    def _count(self, result: str, n: int) -> None:
+        REQUESTS.labels(result=result).inc(n)
+        self.requests.add(result, n)
 
     # The circuit breaker: closed while Redis answers; open for retry_after_s after a failure;
     # then one call tries again (and either closes it or opens it for another period).

@@ -19,7 +19,32 @@ from typing import Protocol
 from services.backends._sqlite import SqliteFile
 
 
+class RequestCounts:
+    """Keys looked up or written, by result, since the last ``take``: ``hit`` and ``miss`` for
+    each key looked up, ``error`` for each key not looked up or not written because the cache
+    failed. Every adapter keeps one (``requests``); a rollout worker takes them after each batch
+    and reports them into the state store, whence the API's /metrics exports them by run."""
+
+    RESULTS = ("hit", "miss", "error")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.RESULTS, 0)
+
+    def add(self, result: str, n: int) -> None:
+        with self._lock:
+            self._counts[result] += n
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last take, and start again from zero."""
+        with self._lock:
+            counts, self._counts = self._counts, dict.fromkeys(self.RESULTS, 0)
+        return counts
+
+
 class RewardCache(Protocol):
+    requests: RequestCounts
+
     def get_many(self, keys: Sequence[str]) -> dict[str, float]:
         """The cached rewards of ``keys``; keys never stored (or evicted) are left out."""
         ...
@@ -41,6 +66,11 @@ def reward_cache_key(*parts: str) -> str:
     return digest.hexdigest()
 
 
+def _count_lookup(requests: RequestCounts, looked_up: int, hits: int) -> None:
+    requests.add("hit", hits)
+    requests.add("miss", looked_up - hits)
+
+
 def _check_finite(items: Mapping[str, float]) -> None:
     # SQLite stores NaN as NULL and Redis as the string "nan": reject it up front, in every adapter.
     bad = {k: v for k, v in items.items() if not math.isfinite(v)}
@@ -57,12 +87,15 @@ class InProcessRewardCache:
         self._max_entries = max_entries
         self._items: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
+        self.requests = RequestCounts()
 
     def get_many(self, keys: Sequence[str]) -> dict[str, float]:
+        unique = list(dict.fromkeys(keys))
         with self._lock:
-            hits = {k: self._items[k] for k in keys if k in self._items}
+            hits = {k: self._items[k] for k in unique if k in self._items}
             for key in hits:
                 self._items.move_to_end(key)
+        _count_lookup(self.requests, len(unique), len(hits))
         return hits
 
     def put_many(self, items: Mapping[str, float]) -> None:
@@ -90,6 +123,7 @@ class SqliteRewardCache:
     def __init__(self, path: Path) -> None:
         # synchronous=NORMAL: a cache may lose its last writes on power loss; they are recomputed.
         self._file = SqliteFile(path, schema=_SCHEMA, synchronous="NORMAL")
+        self.requests = RequestCounts()
 
     def get_many(self, keys: Sequence[str]) -> dict[str, float]:
         unique = list(dict.fromkeys(keys))
@@ -99,6 +133,7 @@ class SqliteRewardCache:
                 chunk = unique[i : i + _KEYS_PER_QUERY]
                 marks = ",".join("?" * len(chunk))
                 hits.update(conn.execute(f"SELECT key, reward FROM rewards WHERE key IN ({marks})", chunk))
+        _count_lookup(self.requests, len(unique), len(hits))
         return hits
 
     def put_many(self, items: Mapping[str, float]) -> None:

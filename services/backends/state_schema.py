@@ -99,6 +99,26 @@ class LedgerRow(Base):
     price_source: Mapped[str] = mapped_column(String(300))
     started_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
+    # How the pod ended (``services.backends.launcher.pod_outcome``: succeeded, failed, killed),
+    # set when its entry is closed; None while it runs, and for entries closed before version 5.
+    outcome: Mapped[str | None] = mapped_column(String(16))
+
+
+class WorkerStatsRow(Base):
+    """What one rollout worker (a pod; ``worker`` is its pod name) has done, summed over its
+    reports: counters that only grow, so a restarted worker of the same name adds to them."""
+
+    __tablename__ = "worker_stats"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    worker: Mapped[str] = mapped_column(String(128), primary_key=True)
+    samples_produced: Mapped[int] = mapped_column(Integer, default=0)
+    generation_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    # Reward cache keys by result, as the worker's cache adapter counted them (RequestCounts).
+    reward_cache_hits: Mapped[int] = mapped_column(Integer, default=0)
+    reward_cache_misses: Mapped[int] = mapped_column(Integer, default=0)
+    reward_cache_errors: Mapped[int] = mapped_column(Integer, default=0)
+    reported_at: Mapped[float] = mapped_column(Float)
 
 
 class LeaseRow(Base):
@@ -164,11 +184,20 @@ def _m004_queues_deleted(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE runs ADD COLUMN queues_deleted BOOLEAN NOT NULL DEFAULT FALSE"))
 
 
+def _m005_worker_stats_and_pod_outcomes(conn: Connection) -> None:
+    """``worker_stats`` (rollout workers' counters, exported by the API's /metrics) and
+    ``ledger.outcome``; entries closed before it keep no outcome."""
+    WorkerStatsRow.__table__.create(conn, checkfirst=True)
+    if "outcome" not in {c["name"] for c in inspect(conn).get_columns("ledger")}:
+        conn.execute(text("ALTER TABLE ledger ADD COLUMN outcome VARCHAR(16)"))
+
+
 MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m001_initial,
     _m002_leases_and_stopping_statuses,
     _m003_tenants_prompt_counts_reward_failures,
     _m004_queues_deleted,
+    _m005_worker_stats_and_pod_outcomes,
 )
 
 

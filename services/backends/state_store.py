@@ -41,7 +41,15 @@ from sqlalchemy.engine import URL, Connection
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
-from services.backends.state_schema import DEFAULT_TENANT, IterationRow, LeaseRow, LedgerRow, RunRow, migrate
+from services.backends.state_schema import (
+    DEFAULT_TENANT,
+    IterationRow,
+    LeaseRow,
+    LedgerRow,
+    RunRow,
+    WorkerStatsRow,
+    migrate,
+)
 
 
 class IllegalTransitionError(Exception):
@@ -66,6 +74,7 @@ class LedgerEntry:
     price_source: str
     started_at: float
     ended_at: float | None
+    outcome: str | None = None  # how the pod ended (``launcher.pod_outcome``); None while open or unknown
 
     def seconds(self, now: float) -> float:
         return max(0.0, (self.ended_at if self.ended_at is not None else now) - self.started_at)
@@ -359,8 +368,9 @@ class StateStore:
                 )
             )
 
-    def close_ledger(self, pod: str, *, ended_at: float) -> None:
-        """Stop billing a pod at ``ended_at``; closing an already closed pod changes nothing.
+    def close_ledger(self, pod: str, *, ended_at: float, outcome: str | None = None) -> None:
+        """Stop billing a pod at ``ended_at``, recording how it ended (``outcome``, see
+        ``launcher.pod_outcome``; None: unknown); closing an already closed pod changes nothing.
 
         One UPDATE of the open entries only: of two closes at once, the second finds none open.
         """
@@ -368,7 +378,10 @@ class StateStore:
             s.execute(
                 update(LedgerRow)
                 .where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None))
-                .values(ended_at=case((LedgerRow.started_at > ended_at, LedgerRow.started_at), else_=ended_at))
+                .values(
+                    ended_at=case((LedgerRow.started_at > ended_at, LedgerRow.started_at), else_=ended_at),
+                    outcome=outcome,
+                )
             )
 
     def ledger(self, run_id: str) -> list[LedgerEntry]:
@@ -386,6 +399,7 @@ class StateStore:
                     price_source=r.price_source,
                     started_at=r.started_at,
                     ended_at=r.ended_at,
+                    outcome=r.outcome,
                 )
                 for r in rows
             ]
@@ -395,6 +409,46 @@ class StateStore:
             return s.scalar(
                 select(func.count()).select_from(LedgerRow).where(LedgerRow.run_id == run_id, LedgerRow.ended_at.is_(None))
             ) or 0
+
+    # --- rollout workers' counters ------------------------------------------------------
+    def report_worker(
+        self,
+        run_id: str,
+        worker: str,
+        *,
+        samples: int,
+        generation_seconds: float,
+        reward_cache: dict[str, int],
+    ) -> None:
+        """Add a rollout worker's work since its last report to its counters (one upsert, no
+        read: workers report after every batch). ``reward_cache`` holds keys by result (hit,
+        miss, error). Adding, not setting: a restarted worker of the same name continues them."""
+        now = time.time()
+        added = {
+            "samples_produced": samples,
+            "generation_seconds": generation_seconds,
+            "reward_cache_hits": reward_cache.get("hit", 0),
+            "reward_cache_misses": reward_cache.get("miss", 0),
+            "reward_cache_errors": reward_cache.get("error", 0),
+        }
+        with self._write_engine.begin() as conn:
+            upsert = _dialect_insert(conn.dialect.name)(WorkerStatsRow).values(
+                run_id=run_id, worker=worker, reported_at=now, **added
+            )
+            conn.execute(
+                upsert.on_conflict_do_update(
+                    index_elements=[WorkerStatsRow.run_id, WorkerStatsRow.worker],
+                    set_={
+                        **{name: getattr(WorkerStatsRow, name) + getattr(upsert.excluded, name) for name in added},
+                        "reported_at": upsert.excluded.reported_at,
+                    },
+                )
+            )
+
+    def worker_stats(self, run_id: str) -> list[WorkerStatsRow]:
+        """The run's rollout workers' counters, by worker name."""
+        with self._session() as s:
+            return list(s.scalars(select(WorkerStatsRow).where(WorkerStatsRow.run_id == run_id).order_by(WorkerStatsRow.worker)))
 
     # --- leases -------------------------------------------------------------------------
     def acquire_lease(self, name: str, holder: str, seconds: float) -> bool:

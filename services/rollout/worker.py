@@ -8,6 +8,10 @@ On SIGTERM (a spot interruption notice, or a scale-down) the worker takes no new
 the batch in hand is finished if it can be before the grace deadline, and abandoned
 (uncommitted, so redelivered) otherwise.
 
+After each batch the worker adds what it did to its counters in the state store
+(``StateStore.report_worker``: samples, generation seconds, reward cache keys by result), which
+the API's /metrics exports: one scrape of the API covers every worker, wherever its pod runs.
+
 A reward that fails or times out for a response scores 0.0 for its term (`score_batch`): the
 sample is still produced, its reward is not cached, and the failures are counted on the run
 (`runs.reward_failures`, `runs.last_reward_error`), with a warning logged once per reason.
@@ -177,8 +181,20 @@ class RolloutWorker:
                 except CommitFailedError:
                     # The group rebalanced while we generated: the new owner redoes these prompts.
                     log.warning("prompt commit fenced after a rebalance; %d prompts will be redone", len(records))
+                self._report(samples)
         finally:
             consumer.close()
+
+    def _report(self, samples: Sequence[Sample]) -> None:
+        """Add this batch to the worker's counters in the state store (queued samples count, also
+        when a rebalance fenced the commit: they are in the queue)."""
+        self.state.report_worker(
+            self.run_id,
+            self.worker_id,
+            samples=len(samples),
+            generation_seconds=sum(s.generation_seconds for s in samples),
+            reward_cache=self.rewards.requests.take(),
+        )
 
     def _load_latest_policy(self) -> None:
         version = self.state.policy_version(self.run_id)

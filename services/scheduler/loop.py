@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
-from services.backends.launcher import PodSpec, cli_command
+from services.backends.launcher import PodSpec, cli_command, pod_outcome
 from services.backends.queue import next_offsets
 from services.backends.state_schema import IterationRow, RunRow
 from services.config import Settings
@@ -263,7 +263,7 @@ class Scheduler:
                 log.warning("pod %s has an open ledger entry but was never launched; closed with nothing billed", pod)
                 self.b.state.close_ledger(pod, ended_at=ended_at)
             case p.ReapPod(pod):
-                self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time())
+                self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time(), outcome=pod_outcome(pod))
                 # Pods and their logs go away together; keep the log where `spotrl logs` finds it.
                 log_text = self.b.launcher.logs(pod.name, tail=LOG_LINES_KEPT)
                 self.b.objects.put_bytes(pod_log_key(pod.run_id, pod.name), log_text.encode())

@@ -38,6 +38,20 @@ def select_samples(
     return selection
 
 
+def selection_metrics(selection: Selection, policy_version: int) -> dict[str, float]:
+    """The batch's `data/` metrics: how stale the trained samples were (versions between the
+    policy that generated each and ``policy_version``, the one being updated) and how many were
+    dropped, by reason. Stored with the iteration; the API's /metrics exports them."""
+    lags = [policy_version - s.policy_version for s in selection.kept]
+    return {
+        "data/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+        "data/staleness_max": float(max(lags, default=0)),
+        "data/dropped_duplicate": float(len(selection.dropped.duplicate)),
+        "data/dropped_stale": float(len(selection.dropped.stale)),
+        "data/dropped_uneven": float(len(selection.dropped.uneven)),
+    }
+
+
 def even_shares(samples: Sequence[Sample], world_size: int) -> tuple[list[Sample], list[str]]:
     """`samples` less as few trailing groups as it takes for `shard_samples` to give every rank
     as many samples in whole groups; and the ids of the samples left out."""

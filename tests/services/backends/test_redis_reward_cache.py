@@ -101,6 +101,9 @@ def test_counters_count_hits_misses_and_errors(cache: RedisRewardCache) -> None:
     down.put_many({"z": 1.0})
     down.close()
     assert {r: _count(r) - before[r] for r in before} == {"hit": 2, "miss": 1, "error": 3}
+    # Each client's own counts too, which a rollout worker reports into the state store.
+    assert cache.requests.take() == {"hit": 2, "miss": 1, "error": 0}
+    assert down.requests.take() == {"hit": 0, "miss": 0, "error": 3}
     assert b'spotrl_reward_cache_requests_total{result="hit"}' in generate_latest(REGISTRY)
 
 

@@ -90,3 +90,10 @@ def test_sqlite_cache_is_shared_with_other_processes(tmp_path: Path) -> None:
     cache = SqliteRewardCache(path)
     assert cache.get_many(["from-child"]) == {"from-child": 0.5}
     cache.close()
+
+
+def test_requests_count_each_key_looked_up_once_by_result(cache: RewardCache) -> None:
+    cache.put_many({"a": 1.0})
+    cache.get_many(["a", "b", "a"])  # a key asked twice in one call is one lookup
+    assert cache.requests.take() == {"hit": 1, "miss": 1, "error": 0}
+    assert cache.requests.take() == {"hit": 0, "miss": 0, "error": 0}  # taken: counting starts again

@@ -124,12 +124,24 @@ def test_ledger_open_close(store: StateStore) -> None:
     store.open_ledger(pod="p1", started_at=105.0, **kw)  # idempotent while open
     assert store.open_ledger_count("r1") == 1
     assert store.ledger("r1")[0].dollars(now=200.0) == pytest.approx(0.1)
-    store.close_ledger("p1", ended_at=150.0)
-    store.close_ledger("p1", ended_at=190.0)  # already closed: unchanged
+    assert store.ledger("r1")[0].outcome is None  # running
+    store.close_ledger("p1", ended_at=150.0, outcome="killed")
+    store.close_ledger("p1", ended_at=190.0, outcome="failed")  # already closed: unchanged
     (entry,) = store.ledger("r1")
-    assert (entry.started_at, entry.ended_at) == (100.0, 150.0)
+    assert (entry.started_at, entry.ended_at, entry.outcome) == (100.0, 150.0, "killed")
     assert entry.dollars(now=10_000.0) == pytest.approx(0.05)
     assert store.open_ledger_count("r1") == 0
+
+
+def test_worker_reports_add_up_per_worker(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    store.report_worker("r1", "w0", samples=4, generation_seconds=1.5, reward_cache={"hit": 1, "miss": 3, "error": 0})
+    store.report_worker("r1", "w0", samples=2, generation_seconds=0.5, reward_cache={"miss": 2, "error": 2})
+    store.report_worker("r1", "w1", samples=8, generation_seconds=2.0, reward_cache={})
+    got = {w.worker: (w.samples_produced, w.generation_seconds, w.reward_cache_hits, w.reward_cache_misses,
+                      w.reward_cache_errors) for w in store.worker_stats("r1")}  # fmt: skip
+    assert got == {"w0": (6, 2.0, 1, 5, 2), "w1": (8, 2.0, 0, 0, 0)}
+    assert store.worker_stats("other") == []
 
 
 def test_spent_of_a_page_of_runs_is_what_their_ledgers_bill(store: StateStore) -> None:
@@ -193,6 +205,8 @@ def test_version_1_file_is_upgraded_with_stopping_runs_kept_stopping(tmp_path: P
             s.set_status(run_id, RunStatus.RUNNING)
     with create_engine(url).begin() as conn:  # back to version 1: the flag beside RUNNING, no leases
         conn.execute(text("DROP TABLE leases"))
+        conn.execute(text("DROP TABLE worker_stats"))
+        conn.execute(text("ALTER TABLE ledger DROP COLUMN outcome"))
         conn.execute(text("ALTER TABLE runs DROP COLUMN last_error"))
         conn.execute(text("ALTER TABLE runs ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT 0"))
         conn.execute(text("UPDATE runs SET cancel_requested = 1 WHERE id = 'cancelled'"))
@@ -214,6 +228,8 @@ def _back_to_version_1(url: str) -> None:
     engine = create_engine(url)
     with engine.begin() as conn:
         conn.execute(text("DROP TABLE leases"))
+        conn.execute(text("DROP TABLE worker_stats"))
+        conn.execute(text("ALTER TABLE ledger DROP COLUMN outcome"))
         conn.execute(text("DROP INDEX ix_runs_tenant"))  # SQLite drops no indexed column
         for column in ("tenant", "prompt_count", "reward_failures", "last_reward_error", "last_error"):
             conn.execute(text(f"ALTER TABLE runs DROP COLUMN {column}"))
@@ -251,6 +267,8 @@ def test_version_1_store_is_brought_up_to_date(store_url: str) -> None:
         columns = {c["name"] for c in inspect(conn).get_columns("runs")}
         assert "cancel_requested" not in columns and {"tenant", "last_error", "last_reward_error"} <= columns
         assert "ix_runs_tenant" in {i["name"] for i in inspect(conn).get_indexes("runs")}
+        assert "worker_stats" in inspect(conn).get_table_names()
+        assert "outcome" in {c["name"] for c in inspect(conn).get_columns("ledger")}
         assert conn.execute(text("SELECT version FROM schema_version ORDER BY version")).scalars().all() == \
             list(range(1, len(MIGRATIONS) + 1))
     engine.dispose()
