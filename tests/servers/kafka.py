@@ -28,14 +28,13 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.servers.process import end, free_port, paused
+from tests.servers.process import end, free_port, paused, wait_until_it_answers
 
 # The Kafka session timeouts the test broker accepts, as a KafkaQueue URL's settings.
 TEST_SESSION_RANGE = "session_timeout_min_s=1&session_timeout_max_s=2"
@@ -68,7 +67,7 @@ class KafkaBroker:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.pid = self._proc.pid
-        self._wait_until_it_answers(timeout_s=20.0)
+        wait_until_it_answers(self._proc, "tansu", self._answers, self._log, timeout_s=20.0)
 
     @property
     def bootstrap(self) -> str:
@@ -87,30 +86,14 @@ class KafkaBroker:
         url = f"{self.url}?{TEST_SESSION_RANGE}" + (f"&{query}" if query else "")
         return KafkaQueue(url, producer_config=producer_config, **options)
 
-    def _wait_until_it_answers(self, timeout_s: float) -> None:
-        """Until an ApiVersions round trip succeeds (kafka-python's bootstrap)."""
+    def _answers(self) -> bool:
+        """An ApiVersions round trip succeeds (kafka-python's bootstrap)."""
         from kafka.admin import KafkaAdminClient
 
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"tansu exited with {self._proc.returncode}: {self.log_tail()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    pass
-                KafkaAdminClient(bootstrap_servers=self.bootstrap, bootstrap_timeout_ms=2000).close()
-                return
-            except Exception:  # noqa: BLE001 - not up yet: refused, or no answer
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"tansu did not answer within {timeout_s} s: {self.log_tail()}") from None
-                time.sleep(0.02)
-
-    def log_tail(self) -> str:
-        try:
-            return self._log.read_text(errors="replace")[-2000:]
-        except OSError:
-            return "(no log)"
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+            pass
+        KafkaAdminClient(bootstrap_servers=self.bootstrap, bootstrap_timeout_ms=2000).close()
+        return True
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """The broker unresponsive for a while: the process is stopped (SIGSTOP), so connections

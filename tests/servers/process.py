@@ -1,5 +1,6 @@
-"""What every test server's process needs: a free loopback port, a pause (the server hung or
-partitioned away: SIGSTOP, then SIGCONT), and an end that works on a paused one."""
+"""What every test server's process needs: a free loopback port, a wait until it answers, a
+pause (the server hung or partitioned away: SIGSTOP, then SIGCONT), and an end that works on a
+paused one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -39,3 +42,29 @@ def end(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def wait_until_it_answers(proc: subprocess.Popen, name: str, answers: Callable[[], bool], log: Path,
+                          timeout_s: float, every_s: float = 0.02) -> None:
+    """Until ``answers()`` says yes (a failed attempt may raise); ``RuntimeError`` with the log's
+    tail if the server exits first, or is still silent after ``timeout_s`` (then it is ended)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}: {log_tail(log)}")
+        try:
+            if answers():
+                return
+        except Exception:  # noqa: BLE001 - not up yet: refused, or no answer
+            pass
+        if time.monotonic() > deadline:
+            end(proc)
+            raise RuntimeError(f"{name} did not answer within {timeout_s} s: {log_tail(log)}")
+        time.sleep(every_s)
+
+
+def log_tail(log: Path, chars: int = 2000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"

@@ -19,14 +19,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests.servers.process import end, free_port, paused
+from tests.servers.process import end, free_port, paused, wait_until_it_answers
 
 
 def redis_server_binary() -> str:
@@ -61,7 +60,11 @@ class RedisServer:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.pid = self._proc.pid
-        self._wait_until_it_answers(timeout_s=20.0)
+        client = self.client()
+        try:
+            wait_until_it_answers(self._proc, "redis-server", client.ping, self._log, timeout_s=20.0)
+        finally:
+            client.close()
 
     @property
     def url(self) -> str:
@@ -71,31 +74,6 @@ class RedisServer:
     def client(self) -> redis.Redis:
         """A plain redis-py client for the test's own checks (FLUSHALL, TTL, INFO)."""
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10)
-
-    def _wait_until_it_answers(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        client = self.client()
-        try:
-            while True:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {self.log_tail()}")
-                try:
-                    if client.ping():
-                        return
-                except redis.exceptions.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not answer PING within {timeout_s} s: {self.log_tail()}")
-                time.sleep(0.02)
-        finally:
-            client.close()
-
-    def log_tail(self) -> str:
-        try:
-            return self._log.read_text()[-2000:]
-        except OSError:
-            return "(no log)"
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Redis unreachable for a while: the process is stopped (SIGSTOP), so connections are

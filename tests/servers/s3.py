@@ -25,7 +25,6 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from tests.servers.process import end, free_port, paused
+from tests.servers.process import end, free_port, paused, wait_until_it_answers
 
 REGION = "us-east-1"
 ACCESS_KEY_ID = "AKIASPOTRLTESTKEY"
@@ -54,7 +53,9 @@ class S3Server:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.pid = self._proc.pid
-        self._wait_until_it_answers(timeout_s=60.0)
+        client = self.client()
+        wait_until_it_answers(self._proc, "moto server", lambda: bool(client.list_buckets()), self._log,
+                              timeout_s=60.0, every_s=0.1)
 
     def client(self) -> Any:  # a botocore S3 client (its class is made at run time)
         """A plain boto3 client for the test's own setup and checks (its own retries off)."""
@@ -65,27 +66,6 @@ class S3Server:
             config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}, connect_timeout=5,
                           read_timeout=30),
         )  # fmt: skip
-
-    def _wait_until_it_answers(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        client = self.client()
-        while True:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {self._proc.returncode}: {self.log_tail()}")
-            try:
-                client.list_buckets()
-                return
-            except Exception:  # not listening yet
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"moto server did not answer within {timeout_s} s: {self.log_tail()}") from None
-                time.sleep(0.1)
-
-    def log_tail(self) -> str:
-        try:
-            return self._log.read_text(errors="replace")[-2000:]
-        except OSError:
-            return "(no log)"
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """S3 unreachable for a while: the process is stopped (SIGSTOP), so connections are
