@@ -60,19 +60,11 @@ from tests.servers.kafka import TEST_SESSION_RANGE, KafkaBroker, tansu_binary
 from tests.servers.postgres import PostgresServer
 from tests.servers.redis import RedisServer
 from tests.servers.s3 import S3Bucket
+from tests.test_chaos import SPEC as CHAOS_SPEC
 
 pytestmark = pytest.mark.slow
 
-SPEC = {
-    "model": "tiny",
-    "prompts": [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)],
-    "samples_per_prompt": 4,
-    "sampling": {"max_new_tokens": 8},
-    "batch_samples": 16,
-    "iterations": 3,
-    "rollout": {"min_workers": 2, "max_workers": 2, "prompts_per_batch": 2},
-    "training": {"learning_rate": 1e-3, "micro_batch": 8},
-}
+SPEC = {**CHAOS_SPEC, "iterations": 3}  # the embedded chaos run's, one iteration shorter
 NO_CHAOS = ChaosPlan(worker_kills=0, training_kills=0, scheduler_restarts=0)
 OUTAGE_S = 10.0
 RUN_TIMEOUT_S = 240.0
