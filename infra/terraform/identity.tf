@@ -1,6 +1,19 @@
 ################################################################################
-# EKS Pod Identity: the spotrl service account reads and writes the bucket
+# EKS Pod Identity: the Helm chart's service accounts read and write the bucket
 ################################################################################
+
+locals {
+  # The chart's object names (deploy/helm/spotrl/templates/_helpers.tpl, "spotrl.fullname"): the
+  # release name, with "-spotrl" appended unless it already contains "spotrl", cut to 52
+  # characters. helm_values pins it as fullnameOverride, so the names hold whatever the release.
+  helm_fullname = trimsuffix(substr(strcontains(var.helm_release_name, "spotrl") ? var.helm_release_name : "${var.helm_release_name}-spotrl", 0, 52), "-")
+
+  # All three of the chart's service accounts use the bucket: the API stores prompt sets and reads
+  # the pod logs kept there, the scheduler reads job results, keeps pod logs and rotates policy
+  # versions, and the launched pods (`-workload`: rollout workers, training jobs, reward services)
+  # read and publish policy versions and trainer state.
+  spotrl_service_accounts = { for component in ["api", "scheduler", "workload"] : component => "${local.helm_fullname}-${component}" }
+}
 
 data "aws_iam_policy_document" "spotrl_assume" {
   statement {
@@ -16,7 +29,7 @@ data "aws_iam_policy_document" "spotrl_assume" {
 
 resource "aws_iam_role" "spotrl" {
   name               = "${var.name}-spotrl"
-  description        = "spotrl ${var.name}: pods of service account ${var.spotrl_namespace}/${var.spotrl_service_account} (API, scheduler, rollout workers, training jobs, reward service)"
+  description        = "spotrl ${var.name}: pods of the Helm release ${var.spotrl_namespace}/${var.helm_release_name} (API, scheduler, rollout workers, training jobs, reward service)"
   assume_role_policy = data.aws_iam_policy_document.spotrl_assume.json
 
   tags = local.tags
@@ -55,10 +68,13 @@ resource "aws_iam_role_policy" "spotrl_objects" {
   policy = data.aws_iam_policy_document.spotrl_objects.json
 }
 
+# One association per service account (an association names exactly one); none needs an annotation.
 resource "aws_eks_pod_identity_association" "spotrl" {
+  for_each = local.spotrl_service_accounts
+
   cluster_name    = module.eks.cluster_name
   namespace       = var.spotrl_namespace
-  service_account = var.spotrl_service_account
+  service_account = each.value
   role_arn        = aws_iam_role.spotrl.arn
 
   tags = local.tags

@@ -52,6 +52,24 @@ locals {
       budgets              = [{ nodes = "1" }]
     }
   }
+
+  # Where each spotrl pool's pods go, in Kubernetes shape: the `node_pools` and `helm_values` outputs.
+  pool_scheduling = merge(
+    {
+      system = {
+        capacity_types = ["on-demand"]
+        node_selector  = { (local.pool_label_key) = "system" }
+        tolerations    = []
+      }
+    },
+    {
+      for name, pool in local.gpu_pools : name => {
+        capacity_types = pool.capacity_types
+        node_selector  = pool.labels
+        tolerations    = [for t in pool.taints : { key = t.key, operator = "Equal", value = t.value, effect = t.effect }]
+      }
+    },
+  )
 }
 
 resource "kubectl_manifest" "gpu_node_class" {

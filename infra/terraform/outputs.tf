@@ -28,22 +28,13 @@ output "region" {
 
 output "node_pools" {
   description = "Per pool: the capacity types, the node labels to select (`nodeSelector`) and the taints to tolerate (`tolerations`, Kubernetes shape); system has no taint"
-  value = merge(
-    {
-      system = {
-        capacity_types = ["on-demand"]
-        node_selector  = { (local.pool_label_key) = "system" }
-        tolerations    = []
-      }
-    },
-    {
-      for name, pool in local.gpu_pools : name => {
-        capacity_types = pool.capacity_types
-        node_selector  = pool.labels
-        tolerations    = [for t in pool.taints : { key = t.key, operator = "Equal", value = t.value, effect = t.effect }]
-      }
-    },
-  )
+  value = {
+    for name, pool in local.pool_scheduling : name => {
+      capacity_types = pool.capacity_types
+      node_selector  = pool.node_selector
+      tolerations    = pool.tolerations
+    }
+  }
 }
 
 output "karpenter_node_pool_names" {
@@ -76,11 +67,43 @@ output "spotrl_role_arn" {
 }
 
 output "spotrl_namespace" {
-  description = "Namespace the Pod Identity association expects spotrl in"
+  description = "Namespace the Pod Identity associations expect the Helm release in (`helm install -n ...`)"
   value       = var.spotrl_namespace
 }
 
-output "spotrl_service_account" {
-  description = "Service account name the Pod Identity association expects"
-  value       = var.spotrl_service_account
+output "helm_release_name" {
+  description = "Release name the Pod Identity associations were made for (`helm install <name>`)"
+  value       = var.helm_release_name
+}
+
+output "spotrl_service_accounts" {
+  description = "The chart's service accounts that get the bucket through EKS Pod Identity, by component (api, scheduler, workload)"
+  value       = local.spotrl_service_accounts
+}
+
+################################################################################
+# Helm values
+################################################################################
+
+output "helm_values" {
+  description = "Values for deploy/helm/spotrl under the chart's own keys: `terraform output -json helm_values > terraform-values.yaml` (JSON is YAML), then `helm install -f terraform-values.yaml -f your-values.yaml`. The bucket (s3.url, s3.region), fullnameOverride (the service-account names the Pod Identity associations expect), each GPU pool's nodeSelector and tolerations, and the API and scheduler on the system pool"
+  value = {
+    fullnameOverride = local.helm_fullname
+    s3 = {
+      url    = try("s3://${aws_s3_bucket.this.id}", null)
+      region = data.aws_region.current.region
+    }
+    # The chart adds karpenter.sh/capacity-type to the rollout (spot) and training (on-demand) selectors.
+    pools = merge(
+      { capacityLabel = "karpenter" },
+      {
+        for name in keys(local.gpu_pools) : name => {
+          nodeSelector = local.pool_scheduling[name].node_selector
+          tolerations  = local.pool_scheduling[name].tolerations
+        }
+      },
+    )
+    api       = { nodeSelector = local.pool_scheduling.system.node_selector }
+    scheduler = { nodeSelector = local.pool_scheduling.system.node_selector }
+  }
 }

@@ -215,13 +215,18 @@ variable "abort_incomplete_multipart_upload_days" {
 }
 
 variable "spotrl_namespace" {
-  description = "Kubernetes namespace the Helm chart installs spotrl into"
+  description = "Kubernetes namespace the Helm chart is installed into (`helm install -n ...`)"
   type        = string
   default     = "spotrl"
 }
 
-variable "spotrl_service_account" {
-  description = "Name of spotrl's Kubernetes service account, which Pod Identity lets use the bucket"
+variable "helm_release_name" {
+  description = "Name of the chart's Helm release (`helm install <name>`): its service accounts `<fullname>-api`, `-scheduler` and `-workload` get the bucket (fullname: the name, suffixed `-spotrl` unless it contains \"spotrl\")"
   type        = string
   default     = "spotrl"
+
+  validation {
+    condition     = length(var.helm_release_name) <= 53 && can(regex("^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", var.helm_release_name))
+    error_message = "helm_release_name is a Helm release name: lowercase letters, digits and '-', at most 53 characters."
+  }
 }

@@ -296,6 +296,9 @@ def test_service_monitor() -> None:
     assert monitor["spec"]["selector"]["matchLabels"] == by_kind(docs, "Service")["spotrl-api"]["spec"]["selector"]
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    # The series keep their own pod/instance labels: the dashboards join spotrl_pod_info{pod} to
+    # DCGM_FI_DEV_GPU_UTIL{pod}, which a scrape target's pod label would break.
+    assert endpoint["honorLabels"] is True
     # /metrics needs an admin token: the operator's Secret holds the token itself.
     assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "spotrl-metrics-token", "key": "token"}}
 

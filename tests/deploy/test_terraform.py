@@ -2,8 +2,9 @@
 these machines cannot reach): `terraform fmt`, a python-hcl2 parse of every file with assertions
 on what the cluster must be (the node pools' labels, taints, capacity types and families that the
 Helm chart relies on, the training pool at zero when idle, the bucket's versioning, encryption and
-lifecycle, Pod Identity for the spotrl service account, documented variables and outputs), and
-checkov: no failed check, and every skip justified where it applies.
+lifecycle, Pod Identity for the chart's service accounts, documented variables and outputs), the
+`helm_values` output evaluated by `terraform apply` on a copy of its locals and rendered with the
+chart, and checkov: no failed check, and every skip justified where it applies.
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import hcl2
+import helm_python as helm
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 TF = ROOT / "infra" / "terraform"
 EXAMPLE = TF / "examples" / "complete"
+CHART = ROOT / "deploy" / "helm" / "spotrl"
 POOL_KEY = "spotrl.dev/pool"
 GPU_POOLS = {"rollout", "training", "reward"}
 # Inputs a caller must give; every other variable has a default.
@@ -73,10 +78,15 @@ def with_defaults(value: Any) -> Any:
     return value
 
 
-def test_terraform_fmt() -> None:
+def terraform_command() -> str:
     terraform = shutil.which("terraform")
     if terraform is None:
         pytest.fail("terraform is not on PATH (TEST-INFRA.md: these machines have terraform 1.11)")
+    return terraform
+
+
+def test_terraform_fmt() -> None:
+    terraform = terraform_command()
     result = subprocess.run([terraform, "fmt", "-check", "-recursive", "-diff", str(TF)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -93,7 +103,7 @@ def test_variables_and_outputs_are_documented(folder: Path) -> None:
     for name, body in outputs.items():
         assert body.get("description"), f"output {name} has no description"
     for name in ("cluster_name", "cluster_endpoint", "region", "bucket_name", "objects_url", "spotrl_role_arn",
-                 "spotrl_namespace", "spotrl_service_account", "node_pools"):
+                 "spotrl_namespace", "helm_release_name", "spotrl_service_accounts", "node_pools", "helm_values"):
         assert name in outputs, f"{folder.name} does not output {name}"
     if folder == TF:
         # Module outputs of resources go through try(), as terraform-aws-eks does.
@@ -180,12 +190,15 @@ def test_bucket_versioning_encryption_public_access_and_lifecycle() -> None:
     assert rules["abort-incomplete-multipart-uploads"]["abort_incomplete_multipart_upload"][0]["days_after_initiation"] > 0
 
 
-def test_spotrl_service_account_gets_the_bucket_through_pod_identity() -> None:
+def test_the_charts_service_accounts_get_the_bucket_through_pod_identity() -> None:
     res = resources(TF)
     association = res[("aws_eks_pod_identity_association", "spotrl")]
-    assert with_defaults(association["service_account"]) == "spotrl"
+    # One association per service account of the chart (evaluated in test_helm_values_feed_the_chart).
+    assert association["for_each"] == "${local.spotrl_service_accounts}"
+    assert association["service_account"] == "${each.value}"
     assert with_defaults(association["namespace"]) == "spotrl"
     assert association["role_arn"] == "${aws_iam_role.spotrl.arn}"
+    assert named(TF, "variable")["helm_release_name"]["default"] == "spotrl"
     assume = resources(TF, "data")[("aws_iam_policy_document", "spotrl_assume")]["statement"][0]
     assert assume["principals"][0]["identifiers"] == ["pods.eks.amazonaws.com"]
     assert set(assume["actions"]) == {"sts:AssumeRole", "sts:TagSession"}
@@ -194,6 +207,91 @@ def test_spotrl_service_account_gets_the_bucket_through_pod_identity() -> None:
     assert granted["s3:GetObject"] == granted["s3:PutObject"] == ["${aws_s3_bucket.this.arn}/*"]
     assert granted["s3:ListBucket"] == ["${aws_s3_bucket.this.arn}"]
     assert "*" not in str(granted.values()).replace("/*", "")
+
+
+def top_level_blocks(path: Path, header: str) -> list[str]:
+    """The text of each top-level block of a .tf file whose first line starts with ``header``
+    (terraform fmt puts a top-level block's closing brace alone at the start of a line)."""
+    return re.findall(rf"^{re.escape(header)}.*?^\}}$", path.read_text(), flags=re.M | re.S)
+
+
+def evaluate_helm_outputs(release: str) -> dict[str, Any]:
+    """`helm_values` and `spotrl_service_accounts` as `terraform apply` computes them, for a release
+    name: the module's variables and locals (none reads a provider) and the two outputs, with the
+    bucket and the region stubbed, applied offline in a scratch folder."""
+    stubs = {"data.aws_region.current.region": '"us-west-2"', "aws_s3_bucket.this.id": '"spotrl-123456789012-us-west-2"'}
+    parts = [(TF / "variables.tf").read_text()]
+    for name in ("main.tf", "node_pools.tf", "identity.tf"):
+        parts += top_level_blocks(TF / name, "locals {")
+    for name in ("helm_values", "spotrl_service_accounts"):
+        (block,) = top_level_blocks(TF / "outputs.tf", f'output "{name}" {{')
+        for ref, stub in stubs.items():
+            block = block.replace(ref, stub)
+        parts.append(block)
+    terraform = terraform_command()
+    env = {**os.environ, "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1"}
+    with tempfile.TemporaryDirectory() as scratch:
+        (Path(scratch) / "main.tf").write_text("\n\n".join(parts))
+        run = lambda *args: subprocess.run([terraform, *args], cwd=scratch, env=env, capture_output=True, text=True, timeout=120)  # noqa: E731
+        for args in (["init", "-input=false"],
+                     ["apply", "-input=false", "-auto-approve", "-var", "vpc_id=vpc-1", "-var", 'subnet_ids=["subnet-1"]',
+                      "-var", f"helm_release_name={release}"]):  # fmt: skip
+            result = run(*args)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        result = run("output", "-json")
+        assert result.returncode == 0, result.stderr
+    return {name: output["value"] for name, output in json.loads(result.stdout).items()}
+
+
+def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Helm's merge of two values files: maps key by key, anything else replaced by the later file."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def render_by_kind(values: dict[str, Any], release: str) -> dict[str, dict[str, Any]]:
+    """The chart's manifests for these values, by kind and name."""
+    manifests = helm.Chart.load(CHART).render(values, name=release, namespace="spotrl", is_install=True)
+    kinds: dict[str, dict[str, Any]] = {}
+    for path, text in manifests.items():
+        for doc in yaml.safe_load_all(text) if not path.endswith("NOTES.txt") else ():
+            if doc:
+                kinds.setdefault(doc["kind"], {})[doc["metadata"]["name"]] = doc
+    return kinds
+
+
+@pytest.mark.parametrize("release", ["spotrl", "research"])
+def test_helm_values_feed_the_chart(release: str) -> None:
+    """The chart installed with `terraform output -json helm_values` (and the rest of a trial's values)
+    runs its pods as exactly the service accounts that have Pod Identity associations, on the bucket,
+    and launches each role onto its Terraform pool."""
+    outputs = evaluate_helm_outputs(release)
+    values, accounts = outputs["helm_values"], outputs["spotrl_service_accounts"]
+    assert set(accounts) == {"api", "scheduler", "workload"}
+    trial = yaml.safe_load((CHART / "ci" / "minimal-trial-values.yaml").read_text())
+    del trial["s3"]  # the bucket comes from Terraform; with Pod Identity, no keys
+    # `helm install <release> -f terraform-values.yaml -f values.yaml`: the later file wins.
+    kinds = render_by_kind(merged(values, trial), release)
+    assert set(kinds["ServiceAccount"]) == set(accounts.values())
+    # helm_values pins fullnameOverride; the module's names follow the chart's own naming without it too.
+    unpinned = render_by_kind(merged({k: v for k, v in values.items() if k != "fullnameOverride"}, trial), release)
+    assert set(unpinned["ServiceAccount"]) == set(accounts.values())
+    for component in ("api", "scheduler"):
+        # The Deployment and its service account share the chart's component name.
+        pod = kinds["Deployment"][accounts[component]]["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == accounts[component]
+        assert pod["nodeSelector"] == {POOL_KEY: "system"}
+    (settings,) = (cm["data"] for name, cm in kinds["ConfigMap"].items() if name.endswith("-settings"))
+    assert settings["SPOTRL_KUBE_SERVICE_ACCOUNT"] == accounts["workload"]
+    assert settings["SPOTRL_OBJECTS_URL"] == "s3://spotrl-123456789012-us-west-2"
+    assert settings["AWS_REGION"] == "us-west-2"
+    capacity = {"rollout": {"karpenter.sh/capacity-type": "spot"}, "training": {"karpenter.sh/capacity-type": "on-demand"}, "reward": {}}
+    for pool in sorted(GPU_POOLS):
+        assert json.loads(settings[f"SPOTRL_KUBE_{pool.upper()}_NODE_SELECTOR"]) == {POOL_KEY: pool, **capacity[pool]}
+        assert json.loads(settings[f"SPOTRL_KUBE_{pool.upper()}_TOLERATIONS"]) == [
+            {"key": POOL_KEY, "operator": "Equal", "value": pool, "effect": "NoSchedule"}]  # fmt: skip
 
 
 def test_example_calls_the_module_with_its_vpc() -> None:

@@ -43,6 +43,9 @@ module "spotrl" {
   endpoint_public_access       = true
   endpoint_public_access_cidrs = var.endpoint_public_access_cidrs
 
+  spotrl_namespace  = var.spotrl_namespace
+  helm_release_name = var.helm_release_name
+
   tags = var.tags
 }
 

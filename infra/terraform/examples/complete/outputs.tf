@@ -38,7 +38,17 @@ output "spotrl_namespace" {
   value       = module.spotrl.spotrl_namespace
 }
 
-output "spotrl_service_account" {
-  description = "Service account name the chart must use"
-  value       = module.spotrl.spotrl_service_account
+output "helm_release_name" {
+  description = "Release name to install the Helm chart as"
+  value       = module.spotrl.helm_release_name
+}
+
+output "spotrl_service_accounts" {
+  description = "The chart's service accounts that get the bucket through EKS Pod Identity"
+  value       = module.spotrl.spotrl_service_accounts
+}
+
+output "helm_values" {
+  description = "Values for the Helm chart: `terraform output -json helm_values > terraform-values.yaml`"
+  value       = module.spotrl.helm_values
 }

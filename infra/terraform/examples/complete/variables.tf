@@ -16,6 +16,18 @@ variable "name" {
   default     = "spotrl"
 }
 
+variable "spotrl_namespace" {
+  description = "Namespace the Helm chart will be installed into (`helm install -n ...`)"
+  type        = string
+  default     = "spotrl"
+}
+
+variable "helm_release_name" {
+  description = "Release name the Helm chart will be installed as (`helm install <name>`): its service accounts get the bucket"
+  type        = string
+  default     = "spotrl"
+}
+
 variable "endpoint_public_access_cidrs" {
   description = "CIDR blocks that may reach the cluster's API endpoint: the machine running terraform, helm and kubectl (e.g. [\"203.0.113.7/32\"])"
   type        = list(string)
