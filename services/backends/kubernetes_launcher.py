@@ -22,7 +22,7 @@ its grace period (SIGTERM, SIGKILL after it), the ended pod stays readable, and 
 removes the finalizer. A training Job is stopped by setting its parallelism to 0 (the Job
 controller starts no new pod) and deleting its running pods the same way.
 
-Each role (rollout, training, reward) has its own image, node selector and tolerations
+Each role (rollout, training) has its own image, node selector and tolerations
 (``KubernetesConfig``; the chart's ``SPOTRL_KUBE_*`` settings, services/wiring.py). Pods inherit
 the launcher's ``SPOTRL_*`` settings, but never a secret one as a value in the pod spec: with
 ``env_secrets`` the backends' URLs (and any setting named as a secret) reach them only through
@@ -83,7 +83,7 @@ CLOSE_TIMEOUT_S = 10.0  # then the (daemon) watch thread is left to die with the
 SECRET_SETTINGS = frozenset({"SPOTRL_STATE_URL", "SPOTRL_QUEUE_URL", "SPOTRL_REWARD_CACHE_URL"})
 SECRET_NAME = re.compile("PASSWORD|SECRET|TOKEN")
 CATALOG_VOLUME = "price-catalog"
-ROLES = ("rollout", "training", "reward")  # each role's pods run on its own pool
+ROLES = ("rollout", "training")  # each role's pods run on its own pool
 
 
 def _pool_tolerations(pool: str, *extra: dict[str, str]) -> list[dict[str, Any]]:
@@ -98,7 +98,7 @@ class KubernetesConfig:
 
     namespace: str = "default"
     image: str = "spotrl:latest"  # the data-plane image: spotrl installed, `python` on PATH
-    images: dict[str, str] = field(default_factory=dict)  # a role's own image (rollout, training, reward), else `image`
+    images: dict[str, str] = field(default_factory=dict)  # a role's own image (rollout, training), else `image`
     python: str = "python"  # the image's interpreter, run where a command names the launcher's own
     image_pull_policy: str | None = None  # unset: Kubernetes' default
     image_pull_secrets: tuple[str, ...] = ()
@@ -114,8 +114,7 @@ class KubernetesConfig:
     tolerations: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {
         "rollout": _pool_tolerations("rollout", {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
                                                  "effect": "NoSchedule"}),
-        "training": _pool_tolerations("training"),
-        "reward": _pool_tolerations("reward")})  # fmt: skip
+        "training": _pool_tolerations("training")})  # fmt: skip
     spot_notice_s: int = 120  # AWS's two-minute interruption notice: a rollout pod's grace period
     training_grace_s: int = 60  # a training job stopped mid-step has nothing to hand back
     training_deadline_s: int = 6 * 3600  # activeDeadlineSeconds of a training Job

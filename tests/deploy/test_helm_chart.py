@@ -133,8 +133,7 @@ def test_rbac_scope(rendered) -> None:
                  for g in rule["apiGroups"] for r in rule["resources"]}  # fmt: skip
     manage = {"get", "list", "watch", "create", "update", "patch", "delete"}
     assert scheduler == {
-        ("batch", "jobs"): manage, ("apps", "deployments"): manage, ("apps", "deployments/scale"): {"get", "update", "patch"},
-        ("", "pods"): manage, ("", "pods/log"): {"get"}, ("", "pods/status"): {"get"},
+        ("batch", "jobs"): manage, ("", "pods"): manage, ("", "pods/log"): {"get"}, ("", "pods/status"): {"get"},
     }  # fmt: skip
     # The API opens the same launcher, read-only: it watches pods and Jobs and reads pod logs.
     api = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-api"]["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
@@ -203,7 +202,7 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     assert str(parsed.price_catalog) == env["SPOTRL_PRICE_CATALOG"] and parsed.stop_grace_s == float(env["SPOTRL_STOP_GRACE_S"])
     pools = helm.Chart.load(CHART).merge_values(values)["pools"]
     capacity = CAPACITY_LABELS[pools["capacityLabel"]]
-    for pool in ("rollout", "training", "reward"):
+    for pool in ("rollout", "training"):  # the reward pool is the chart's reward service's
         selector = json.loads(env[f"SPOTRL_KUBE_{pool.upper()}_NODE_SELECTOR"])
         assert selector == capacity.get(pool, {}) | pools[pool]["nodeSelector"]
         assert json.loads(env[f"SPOTRL_KUBE_{pool.upper()}_TOLERATIONS"]) == pools[pool]["tolerations"]
@@ -331,6 +330,11 @@ def test_production_ingress_service_monitor_and_identity() -> None:
     assert reward["args"] == ["reward-server", "--host", "0.0.0.0", "--port", "8100", "--model", "/models/helpfulness-rm-v3"]
     assert settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"] == "http://spotrl-reward.ml.svc:8100"
     assert reward["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # On the reward pool; its Service is the URL runs name (SPOTRL_REWARD_SERVICE_URLS).
+    pool, pod = helm.Chart.load(CHART).merge_values(values)["pools"]["reward"], by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"]
+    assert (pod["nodeSelector"], pod["tolerations"]) == (pool["nodeSelector"], pool["tolerations"])
+    service = by_kind(docs, "Service")["spotrl-reward"]
+    assert f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}" == settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"]
 
 
 def test_service_monitor() -> None:
