@@ -246,9 +246,9 @@ def test_the_launcher_runs_pods_as_the_chart_means(rendered, monkeypatch) -> Non
     inherited = inherited_env()
     assert secret_values.keys() & inherited.keys()  # the scheduler has the secrets; its pods must not show them
     # A run asks for its pool's instance type, where the pool has one.
-    instance = lambda role, default: values["pools"][role]["nodeSelector"].get("node.kubernetes.io/instance-type", default)  # noqa: E731
-    rollout = PodSpec("run-1-rollout-0", "run-1", "rollout", ["spotrl", "worker"], {}, instance("rollout", "g5.xlarge"), "on-demand")
-    training = PodSpec("run-1-train-0", "run-1", "training", ["spotrl", "train-job"], {}, instance("training", "p4d.24xlarge"), "on-demand")
+    pinned = {role: values["pools"][role]["nodeSelector"].get("node.kubernetes.io/instance-type") for role in ("rollout", "training")}
+    rollout = PodSpec("run-1-rollout-0", "run-1", "rollout", ["spotrl", "worker"], {}, pinned["rollout"] or "g5.xlarge", "on-demand")
+    training = PodSpec("run-1-train-0", "run-1", "training", ["spotrl", "train-job"], {}, pinned["training"] or "p4d.24xlarge", "on-demand")
     manifests = {"rollout": pod_manifest(rollout, cfg, 1, inherited),
                  "training": job_manifest(training, cfg, 8, inherited)["spec"]["template"]}  # fmt: skip
     for role, manifest in manifests.items():

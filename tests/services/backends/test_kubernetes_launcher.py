@@ -1,6 +1,8 @@
 """KubernetesLauncher beyond the launcher contract: its manifests (strictly valid for current
 Kubernetes versions, which the v1.20 test server cannot check), training Jobs run by the test's
-Job controller, spot preemptions, the watches' resumption, and its selection by settings."""
+Job controller, spot preemptions, the watches' resumption, secret settings kept out of the pod
+specs the server stores, the price catalog's mount, a Job's pod name in the metrics, and its
+selection and configuration by settings."""
 
 from __future__ import annotations
 
