@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -66,6 +66,22 @@ class Settings(BaseSettings):
     kube_config: Path | None = Field(default=None, description="The kubeconfig of the Kubernetes launcher; unset: the service account's in-cluster config inside a pod, else $KUBECONFIG or ~/.kube/config.")
     kube_namespace: str = Field(default="default", description="The namespace of the Kubernetes launcher's pods and Jobs.")
     kube_image: str = Field(default="spotrl:latest", description="The data-plane image of the Kubernetes launcher's pods (rollout worker, training job).")
+    kube_rollout_image: str | None = Field(default=None, description="The rollout worker image (CUDA, vLLM); unset: kube_image.")
+    kube_training_image: str | None = Field(default=None, description="The training job image (CUDA, DeepSpeed); unset: kube_image.")
+    kube_image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None, description="imagePullPolicy of the launcher's containers; unset: Kubernetes' default.")
+    kube_image_pull_secrets: str = Field(default="", description="Image pull Secrets of the launcher's pods (names, comma-separated).")
+    kube_service_account: str | None = Field(default=None, description="The service account of the launcher's pods (their workload identity, e.g. for S3); its token is not mounted: a pod launches nothing.")
+    kube_env_secrets: str = Field(
+        default="",
+        description="Secrets (names, comma-separated) the launcher's pods read their environment from (envFrom): the backends' URLs and "
+        "every other secret setting reach pods only through them, never as values in a pod spec. Empty: the values are passed as they are (development only).",
+    )
+    kube_price_catalog_configmap: str | None = Field(default=None, description="ConfigMap of the price catalog, mounted in the launcher's pods where SPOTRL_PRICE_CATALOG names it (its key: that file's name).")
+    kube_pod_labels: dict[str, str] = Field(default_factory=dict, description="Labels of the launcher's pods and Jobs besides its own (JSON), e.g. those a NetworkPolicy admits.")
+    kube_rollout_node_selector: dict[str, str] | None = Field(default=None, description="Node labels of the rollout pool (JSON); unset: spotrl.dev/pool=rollout.")
+    kube_training_node_selector: dict[str, str] | None = Field(default=None, description="Node labels of the training pool (JSON); unset: spotrl.dev/pool=training.")
+    kube_rollout_tolerations: list[dict[str, Any]] | None = Field(default=None, description="Tolerations of the rollout pool's pods (JSON, Kubernetes' form); unset: the pool's and the GPU nodes' taints.")
+    kube_training_tolerations: list[dict[str, Any]] | None = Field(default=None, description="Tolerations of the training pool's pods (JSON); unset: the pool's and the GPU nodes' taints.")
     kube_spot_labels: str = Field(
         default="karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true",
         description="Node labels of spot capacity (label=value, comma-separated; a node matching any one is spot): what spot rollout pods ask for, and how a node's capacity type is read.",

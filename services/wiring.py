@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.backends.launcher import Launcher, LocalLauncher
 from services.backends.object_store import LocalObjectStore, ObjectStore
@@ -15,6 +16,9 @@ from services.backends.reward_cache import RewardCache, SqliteRewardCache
 from services.backends.sqlite_queue import SqliteQueue
 from services.backends.state_store import StateStore
 from services.config import Settings
+
+if TYPE_CHECKING:
+    from services.backends.kubernetes_launcher import KubernetesConfig
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Backends:
         self.queue.close()
         self.rewards.close()
         self.state.close()
+        self.launcher.close()
 
 
 def open_queue(url: str | None, home: Path) -> Queue:
@@ -88,12 +93,43 @@ def open_launcher(settings: Settings, home: Path) -> Launcher:
     """``kubernetes``: pods and Jobs in ``SPOTRL_KUBE_NAMESPACE`` (in-cluster config or
     ``SPOTRL_KUBE_CONFIG``); ``local``: local processes under ``home``."""
     if settings.launcher == "kubernetes":
-        from services.backends.kubernetes_launcher import KubernetesConfig, KubernetesLauncher  # the client only where used
+        from services.backends.kubernetes_launcher import KubernetesLauncher  # the client only where used
 
-        spot_labels = dict(pair.strip().split("=", 1) for pair in settings.kube_spot_labels.split(",") if pair.strip())
-        cfg = KubernetesConfig(namespace=settings.kube_namespace, image=settings.kube_image, spot_labels=spot_labels)
-        return KubernetesLauncher.from_environment(cfg, str(settings.kube_config) if settings.kube_config else None)
+        return KubernetesLauncher.from_environment(kubernetes_config(settings),
+                                                   str(settings.kube_config) if settings.kube_config else None)  # fmt: skip
     return LocalLauncher(home / "pods")
+
+
+def kubernetes_config(settings: Settings) -> KubernetesConfig:
+    """The Kubernetes launcher's configuration from the ``SPOTRL_KUBE_*`` settings; a pool's unset
+    node selector or tolerations are the launcher's defaults."""
+    from services.backends.kubernetes_launcher import KubernetesConfig
+
+    defaults = KubernetesConfig()
+    return KubernetesConfig(
+        namespace=settings.kube_namespace,
+        image=settings.kube_image,
+        images={role: image for role, image in (("rollout", settings.kube_rollout_image),
+                                                ("training", settings.kube_training_image)) if image},
+        image_pull_policy=settings.kube_image_pull_policy,
+        image_pull_secrets=_names(settings.kube_image_pull_secrets),
+        service_account=settings.kube_service_account,
+        env_secrets=_names(settings.kube_env_secrets),
+        price_catalog_configmap=settings.kube_price_catalog_configmap,
+        pod_labels=settings.kube_pod_labels,
+        spot_labels=dict(pair.split("=", 1) for pair in _names(settings.kube_spot_labels)),
+        node_selectors=defaults.node_selectors | {role: selector for role, selector in (
+            ("rollout", settings.kube_rollout_node_selector), ("training", settings.kube_training_node_selector))
+            if selector is not None},
+        tolerations=defaults.tolerations | {role: tolerations for role, tolerations in (
+            ("rollout", settings.kube_rollout_tolerations), ("training", settings.kube_training_tolerations))
+            if tolerations is not None},
+    )  # fmt: skip
+
+
+def _names(value: str) -> tuple[str, ...]:
+    """The items of a comma-separated setting."""
+    return tuple(n.strip() for n in value.split(",") if n.strip())
 
 
 def open_backends(settings: Settings) -> Backends:

@@ -90,7 +90,7 @@ class RunCollector(Collector):
             if pod.phase == PodPhase.RUNNING:
                 key = (pod.run_id, pod.role, pod.capacity_type, pod.instance_type)
                 counts[key] += 1
-                info.add_metric([*key, pod.name], 1)
+                info.add_metric([*key, pod.platform_name or pod.name], 1)  # the name dcgm-exporter labels it with
         for key, n in counts.items():
             pods.add_metric(list(key), n)
         yield pods

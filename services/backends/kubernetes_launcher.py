@@ -22,6 +22,15 @@ its grace period (SIGTERM, SIGKILL after it), the ended pod stays readable, and 
 removes the finalizer. A training Job is stopped by setting its parallelism to 0 (the Job
 controller starts no new pod) and deleting its running pods the same way.
 
+Each role (rollout, training) has its own image, node selector and tolerations
+(``KubernetesConfig``; the chart's ``SPOTRL_KUBE_*`` settings, services/wiring.py). Pods inherit
+the launcher's ``SPOTRL_*`` settings, but never a secret one as a value in the pod spec: with
+``env_secrets`` the backends' URLs (and any setting named as a secret) reach them only through
+``envFrom`` of those Secrets, which the launcher never reads. The price catalog the settings name
+(``SPOTRL_PRICE_CATALOG``, a file of the control plane's pod) is mounted in each pod at the same
+path from its ConfigMap. A Job's PodStatus keeps the Job's name (``name``: the scheduler's) and
+gives its current pod's (``platform_name``), the one a GPU exporter labels its metrics with.
+
 Status comes from watches (pods and Jobs of the namespace that spotrl manages), resumed from the
 last resourceVersion seen, and listed again only when the server no longer has that version
 (410 Gone): a tick reads the launcher's cache, not the API. The node's instance type and
@@ -35,12 +44,14 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import PurePosixPath
 from typing import Any
 
 import urllib3
@@ -67,24 +78,43 @@ RETRY_S = 1.0  # after a failed watch or list (the API server restarting, a netw
 CLOSE_TIMEOUT_S = 10.0  # then the (daemon) watch thread is left to die with the process
 
 
+# Settings that may carry a password: the backends' URLs, and any named as a secret (Kafka's
+# SPOTRL_KAFKA_SASL_PLAIN_PASSWORD). With env_secrets they reach pods from those Secrets only.
+SECRET_SETTINGS = frozenset({"SPOTRL_STATE_URL", "SPOTRL_QUEUE_URL", "SPOTRL_REWARD_CACHE_URL"})
+SECRET_NAME = re.compile("PASSWORD|SECRET|TOKEN")
+CATALOG_VOLUME = "price-catalog"
+ROLES = ("rollout", "training")  # each role's pods run on its own pool
+
+
+def _pool_tolerations(pool: str, *extra: dict[str, str]) -> list[dict[str, Any]]:
+    """The pool's taint (so that only spotrl's pods land there) and the GPU nodes' usual one."""
+    return [{"key": "spotrl.dev/pool", "operator": "Equal", "value": pool, "effect": "NoSchedule"},
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}, *extra]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class KubernetesConfig:
     """Where and how the launcher's pods run."""
 
     namespace: str = "default"
     image: str = "spotrl:latest"  # the data-plane image: spotrl installed, `python` on PATH
+    images: dict[str, str] = field(default_factory=dict)  # a role's own image (rollout, training), else `image`
     python: str = "python"  # the image's interpreter, run where a command names the launcher's own
+    image_pull_policy: str | None = None  # unset: Kubernetes' default
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account: str | None = None  # the pods' identity (S3 access); no token is mounted: a pod launches nothing
+    # Secrets the pods read their environment from (envFrom); then no secret setting is a value in a pod spec.
+    env_secrets: tuple[str, ...] = ()
+    # The price catalog's ConfigMap, mounted where SPOTRL_PRICE_CATALOG (the launcher's own) names the file.
+    price_catalog_configmap: str | None = None
+    pod_labels: dict[str, str] = field(default_factory=dict)  # besides the launcher's own (a NetworkPolicy's)
     spot_labels: dict[str, str] = field(default_factory=lambda: dict(SPOT_LABELS))
-    training_node_selector: dict[str, str] = field(default_factory=lambda: {"spotrl.dev/pool": "training"})
-    rollout_node_selector: dict[str, str] = field(default_factory=lambda: {"spotrl.dev/pool": "rollout"})
-    # The pools' taints (so that only spotrl's pods land there) and the GPU nodes' usual one.
-    training_tolerations: list[dict[str, str]] = field(default_factory=lambda: [
-        {"key": "spotrl.dev/pool", "operator": "Equal", "value": "training", "effect": "NoSchedule"},
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])  # fmt: skip
-    rollout_tolerations: list[dict[str, str]] = field(default_factory=lambda: [
-        {"key": "spotrl.dev/pool", "operator": "Equal", "value": "rollout", "effect": "NoSchedule"},
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-        {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}])  # fmt: skip
+    node_selectors: dict[str, dict[str, str]] = field(default_factory=lambda: {
+        role: {"spotrl.dev/pool": role} for role in ROLES})  # fmt: skip
+    tolerations: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {
+        "rollout": _pool_tolerations("rollout", {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
+                                                 "effect": "NoSchedule"}),
+        "training": _pool_tolerations("training")})  # fmt: skip
     spot_notice_s: int = 120  # AWS's two-minute interruption notice: a rollout pod's grace period
     training_grace_s: int = 60  # a training job stopped mid-step has nothing to hand back
     training_deadline_s: int = 6 * 3600  # activeDeadlineSeconds of a training Job
@@ -100,7 +130,7 @@ def _gpus_from_catalog(instance_type: str) -> int:
     return load_catalog().get(instance_type).gpus
 
 
-def _inherited_env() -> dict[str, str]:
+def inherited_env() -> dict[str, str]:
     """The launcher's own SPOTRL_* settings (backends' URLs, Kafka and pod settings) for its pods, but
     not the launcher's: a pod launches nothing, and so opens no Kubernetes client."""
     return {k: v for k, v in os.environ.items()
@@ -140,37 +170,54 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, st
     training = spec.role == "training"
     described = {"run_id": spec.run_id, "role": spec.role, "instance_type": spec.instance_type,
                  "capacity_type": spec.capacity_type, "labels": spec.labels}  # fmt: skip
-    labels = {**MANAGED_BY, POD_LABEL: spec.name, "spotrl.dev/run": spec.run_id, "spotrl.dev/role": spec.role,
-              **{f"spotrl.dev/{k}": v for k, v in spec.labels.items()}}  # fmt: skip
+    labels = {**cfg.pod_labels, **MANAGED_BY, POD_LABEL: spec.name, "spotrl.dev/run": spec.run_id,
+              "spotrl.dev/role": spec.role, **{f"spotrl.dev/{k}": v for k, v in spec.labels.items()}}  # fmt: skip
     command = list(spec.command)
     if command and command[0] == sys.executable:  # the scheduler's interpreter path means nothing in the image
         command[0] = cfg.python
+    # The capacity type is each pod's own (the affinity below): a pool's capacity label, such as a
+    # rollout pool's karpenter.sh/capacity-type=spot, would leave an on-demand rollout pod no node.
+    # The instance type is the spec's: the one the scheduler bills.
+    pool = {k: v for k, v in cfg.node_selectors.get(spec.role, {}).items() if k not in cfg.spot_labels}
     gpu = {"nvidia.com/gpu": str(gpus)}
-    return {
-        "metadata": {
-            "name": spec.name,
-            "labels": labels,
-            "annotations": {SPEC_ANNOTATION: json.dumps(described, sort_keys=True)},
-            "finalizers": [FINALIZER],
-        },
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": cfg.training_grace_s if training else cfg.spot_notice_s,
-            "nodeSelector": {INSTANCE_TYPE_LABEL: spec.instance_type,
-                             **(cfg.training_node_selector if training else cfg.rollout_node_selector)},
-            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": _capacity_terms(spec.capacity_type == "spot", cfg.spot_labels)}}},
-            "tolerations": cfg.training_tolerations if training else cfg.rollout_tolerations,
-            "enableServiceLinks": False,
-            "containers": [{
-                "name": CONTAINER,
-                "image": cfg.image,
-                "command": command,
-                "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
-                "resources": {"requests": gpu, "limits": gpu},
-            }],
-        },
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": cfg.images.get(spec.role, cfg.image),
+        "command": command,
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items()) if not (cfg.env_secrets and _secret(k))],
+        "resources": {"requests": gpu, "limits": gpu},
+    }
+    if cfg.env_secrets:
+        container["envFrom"] = [{"secretRef": {"name": name}} for name in cfg.env_secrets]
+    if cfg.image_pull_policy:
+        container["imagePullPolicy"] = cfg.image_pull_policy
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": cfg.training_grace_s if training else cfg.spot_notice_s,
+        "nodeSelector": {**pool, INSTANCE_TYPE_LABEL: spec.instance_type},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": _capacity_terms(spec.capacity_type == "spot", cfg.spot_labels)}}},
+        "tolerations": cfg.tolerations.get(spec.role, []),
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "containers": [container],
     }  # fmt: skip
+    if cfg.service_account:
+        pod["serviceAccountName"] = cfg.service_account
+    if cfg.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in cfg.image_pull_secrets]
+    # The catalog file the pod's settings name (inherited from the launcher's) is where its own pod mounts it.
+    if cfg.price_catalog_configmap and (catalog := env.get("SPOTRL_PRICE_CATALOG")):
+        pod["volumes"] = [{"name": CATALOG_VOLUME, "configMap": {"name": cfg.price_catalog_configmap}}]
+        container["volumeMounts"] = [{"name": CATALOG_VOLUME, "mountPath": str(PurePosixPath(catalog).parent),
+                                      "readOnly": True}]  # fmt: skip
+    metadata = {"name": spec.name, "labels": labels, "finalizers": [FINALIZER],
+                "annotations": {SPEC_ANNOTATION: json.dumps(described, sort_keys=True)}}  # fmt: skip
+    return {"metadata": metadata, "spec": pod}
+
+
+def _secret(name: str) -> bool:
+    return name in SECRET_SETTINGS or bool(SECRET_NAME.search(name))
 
 
 def _capacity_terms(spot: bool, spot_labels: dict[str, str]) -> list[dict[str, Any]]:
@@ -258,6 +305,7 @@ def status_of(obj: dict[str, Any], pods: list[dict[str, Any]], node_labels: Call
         started_at=started_at,
         ended_at=ended_at if phase is not PodPhase.RUNNING else None,
         pid=None,
+        platform_name=latest["metadata"]["name"] if obj["kind"] == "Job" and latest else None,
         preempted=phase is PodPhase.FAILED and latest is not None and _disrupted(latest),
     )
 
@@ -433,7 +481,7 @@ class KubernetesLauncher:
 
     def launch(self, spec: PodSpec) -> None:
         check_pod_name(spec.name)
-        env = _inherited_env() | spec.env
+        env = inherited_env() | spec.env
         gpus = self._gpus(spec.instance_type)
         try:
             if spec.role == "training":

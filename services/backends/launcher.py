@@ -75,6 +75,9 @@ class PodStatus:
     # Ended because the platform took its machine back (a spot interruption: Kubernetes'
     # DisruptionTarget condition), not by a fault of its own; its phase is then Failed.
     preempted: bool = False
+    # The platform's name of the pod it runs as, where that is not ``name``: a Kubernetes Job's
+    # latest pod (``<job>-xxxxx``), the name GPU exporters (dcgm-exporter's ``pod``) label it with.
+    platform_name: str | None = None
 
 
 class PodOutcome(StrEnum):
@@ -127,6 +130,10 @@ class Launcher(Protocol):
 
     def logs(self, name: str, tail: int = 100) -> str:
         """The last ``tail`` lines of the pod's output; PodNotFoundError for an unknown pod."""
+        ...
+
+    def close(self) -> None:
+        """Release what the launcher holds open (watches, connections); its pods run on."""
         ...
 
 
@@ -244,6 +251,9 @@ class LocalLauncher:
         if not path.exists():
             raise PodNotFoundError(f"no pod {name!r} under {self.root}; LocalLauncher.list() shows the pods")
         return _tail(path, tail)
+
+    def close(self) -> None:
+        """Nothing to release: the pods' state is on disk, and the pods outlive the launcher."""
 
     def _pod_dir(self, name: str) -> Path:
         check_pod_name(name)

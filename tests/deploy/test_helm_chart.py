@@ -16,8 +16,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.backends.kubernetes_launcher import inherited_env, job_manifest, pod_manifest
+from services.backends.launcher import PodSpec
 from services.config import Settings
 from services.cost.catalog import parse_catalog
+from services.wiring import kubernetes_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/helm/spotrl"
@@ -130,8 +133,7 @@ def test_rbac_scope(rendered) -> None:
                  for g in rule["apiGroups"] for r in rule["resources"]}  # fmt: skip
     manage = {"get", "list", "watch", "create", "update", "patch", "delete"}
     assert scheduler == {
-        ("batch", "jobs"): manage, ("apps", "deployments"): manage, ("apps", "deployments/scale"): {"get", "update", "patch"},
-        ("", "pods"): manage, ("", "pods/log"): {"get"}, ("", "pods/status"): {"get"},
+        ("batch", "jobs"): manage, ("", "pods"): manage, ("", "pods/log"): {"get"}, ("", "pods/status"): {"get"},
     }  # fmt: skip
     # The API opens the same launcher, read-only: it watches pods and Jobs and reads pod logs.
     api = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-api"]["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
@@ -167,15 +169,6 @@ def test_selectors_match_their_pods(rendered) -> None:
         assert pdb["apiVersion"] == "policy/v1" and "maxUnavailable" in pdb["spec"]
 
 
-# Settings the chart passes that services/config.py does not read yet: the Kubernetes launcher
-# (services/backends/kubernetes_launcher.py) takes one image and fixed pools today.
-PROPOSED_LAUNCHER_SETTINGS = {
-    f"SPOTRL_KUBE_{name}" for name in (
-        "ROLLOUT_IMAGE", "TRAINING_IMAGE", "REWARD_IMAGE", "IMAGE_PULL_POLICY", "IMAGE_PULL_SECRETS", "SERVICE_ACCOUNT",
-        "ENV_SECRETS", "PRICE_CATALOG_CONFIGMAP", "POD_LABELS", "ROLLOUT_NODE_SELECTOR", "ROLLOUT_TOLERATIONS", "TRAINING_NODE_SELECTOR",
-        "TRAINING_TOLERATIONS", "REWARD_NODE_SELECTOR", "REWARD_TOLERATIONS",
-    )
-}  # fmt: skip
 CAPACITY_LABELS = {
     "karpenter": {"rollout": {"karpenter.sh/capacity-type": "spot"}, "training": {"karpenter.sh/capacity-type": "on-demand"}},
     "eks": {"rollout": {"eks.amazonaws.com/capacityType": "SPOT"}, "training": {"eks.amazonaws.com/capacityType": "ON_DEMAND"}},
@@ -198,9 +191,9 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     assert scheduler["args"] == ["scheduler"]
     assert deployments["spotrl-scheduler"]["spec"]["replicas"] == values.get("scheduler", {}).get("replicas", 2)
     env = settings_env(docs)
-    # Every name is a setting spotrl reads, or one the chart offers a launcher that takes per-role pools and images.
+    # Every name is a setting spotrl reads.
     fields = {f"SPOTRL_{f.upper()}" for f in Settings.model_fields}
-    assert {k for k in env if k.startswith("SPOTRL_")} - fields <= PROPOSED_LAUNCHER_SETTINGS
+    assert {k for k in env if k.startswith("SPOTRL_")} <= fields, {k for k in env if k.startswith("SPOTRL_")} - fields
     for key, value in env.items():
         if key in fields:
             monkeypatch.setenv(key, value)
@@ -209,7 +202,7 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     assert str(parsed.price_catalog) == env["SPOTRL_PRICE_CATALOG"] and parsed.stop_grace_s == float(env["SPOTRL_STOP_GRACE_S"])
     pools = helm.Chart.load(CHART).merge_values(values)["pools"]
     capacity = CAPACITY_LABELS[pools["capacityLabel"]]
-    for pool in ("rollout", "training", "reward"):
+    for pool in ("rollout", "training"):  # the reward pool is the chart's reward service's
         selector = json.loads(env[f"SPOTRL_KUBE_{pool.upper()}_NODE_SELECTOR"])
         assert selector == capacity.get(pool, {}) | pools[pool]["nodeSelector"]
         assert json.loads(env[f"SPOTRL_KUBE_{pool.upper()}_TOLERATIONS"]) == pools[pool]["tolerations"]
@@ -234,6 +227,57 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
         assert urls["SPOTRL_QUEUE_URL"].startswith("kafka://") and urls["SPOTRL_REWARD_CACHE_URL"].startswith("redis://")
     else:
         assert secret_refs[0] == backends
+
+
+def test_the_launcher_runs_pods_as_the_chart_means(rendered, monkeypatch) -> None:
+    """The scheduler's launcher, configured by the chart's settings (and its Secret's URLs in its
+    environment, as envFrom puts them), launches pods with the chart's images, identity, pools and
+    labels, the price catalog mounted where SPOTRL_PRICE_CATALOG names it, and no secret value."""
+    name, docs = rendered
+    values = helm.Chart.load(CHART).merge_values(scenario(name))
+    env = settings_env(docs)
+    secret_values = {k: v for secret in by_kind(docs, "Secret").values() for k, v in secret.get("stringData", {}).items()}
+    if values["backends"]["existingSecret"]:  # the operator's Secret: what it would hold
+        secret_values = {"SPOTRL_STATE_URL": "postgresql+psycopg://spotrl:operators-db-password@db/spotrl",
+                         "SPOTRL_KAFKA_SASL_PLAIN_PASSWORD": "operators-kafka-password"}  # fmt: skip
+    for key, value in {**env, **secret_values}.items():
+        monkeypatch.setenv(key, value)
+    cfg = kubernetes_config(Settings())
+    inherited = inherited_env()
+    assert secret_values.keys() & inherited.keys()  # the scheduler has the secrets; its pods must not show them
+    # A run asks for its pool's instance type, where the pool has one.
+    pinned = {role: values["pools"][role]["nodeSelector"].get("node.kubernetes.io/instance-type") for role in ("rollout", "training")}
+    rollout = PodSpec("run-1-rollout-0", "run-1", "rollout", ["spotrl", "worker"], {}, pinned["rollout"] or "g5.xlarge", "on-demand")
+    training = PodSpec("run-1-train-0", "run-1", "training", ["spotrl", "train-job"], {}, pinned["training"] or "p4d.24xlarge", "on-demand")
+    manifests = {"rollout": pod_manifest(rollout, cfg, 1, inherited),
+                 "training": job_manifest(training, cfg, 8, inherited)["spec"]["template"]}  # fmt: skip
+    for role, manifest in manifests.items():
+        pod, labels = manifest["spec"], manifest["metadata"]["labels"]
+        (container,) = pod["containers"]
+        assert container["image"] == env[f"SPOTRL_KUBE_{role.upper()}_IMAGE"], role
+        assert container["imagePullPolicy"] == values["image"]["pullPolicy"]
+        assert [s["name"] for s in pod.get("imagePullSecrets", [])] == values["image"]["pullSecrets"]
+        assert pod["serviceAccountName"] == env["SPOTRL_KUBE_SERVICE_ACCOUNT"] and pod["automountServiceAccountToken"] is False
+        # The secrets come from the chart's Secrets, by reference.
+        assert [e["secretRef"]["name"] for e in container["envFrom"]] == env["SPOTRL_KUBE_ENV_SECRETS"].split(",")
+        leaked = [k for k, v in secret_values.items() if v in json.dumps(manifest)]
+        assert not leaked, (role, leaked)
+        # The price catalog file its settings name is there.
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "price-catalog")
+        volume = next(v for v in pod["volumes"] if v["name"] == "price-catalog")
+        assert f"{mount['mountPath']}/catalog.json" == env["SPOTRL_PRICE_CATALOG"] == inherited["SPOTRL_PRICE_CATALOG"]
+        assert volume["configMap"]["name"] == env["SPOTRL_KUBE_PRICE_CATALOG_CONFIGMAP"]
+        # The pool: its labels (the capacity label is the pod's own affinity) and tolerations.
+        assert values["pools"][role]["nodeSelector"].items() <= pod["nodeSelector"].items()
+        assert pod["tolerations"] == values["pools"][role]["tolerations"]
+        # The reward service and trial backends admit the release's pods: these carry its labels.
+        for policy_name, policy in by_kind(docs, "NetworkPolicy").items():
+            if policy_name.rsplit("-", 1)[-1] in {"reward", "kafka", "redis", "postgresql"}:
+                ((source,),) = [rule["from"] for rule in policy["spec"]["ingress"]]
+                assert source["podSelector"]["matchLabels"].items() <= labels.items(), (role, policy_name)
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role}, "spec": pod},
+                                         version, strict=True)  # fmt: skip
 
 
 def test_minimal_trial_wires_the_in_chart_backends() -> None:
@@ -286,6 +330,11 @@ def test_production_ingress_service_monitor_and_identity() -> None:
     assert reward["args"] == ["reward-server", "--host", "0.0.0.0", "--port", "8100", "--model", "/models/helpfulness-rm-v3"]
     assert settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"] == "http://spotrl-reward.ml.svc:8100"
     assert reward["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # On the reward pool; its Service is the URL runs name (SPOTRL_REWARD_SERVICE_URLS).
+    pool, pod = helm.Chart.load(CHART).merge_values(values)["pools"]["reward"], by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"]
+    assert (pod["nodeSelector"], pod["tolerations"]) == (pool["nodeSelector"], pool["tolerations"])
+    service = by_kind(docs, "Service")["spotrl-reward"]
+    assert f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}" == settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"]
 
 
 def test_service_monitor() -> None:

@@ -4,7 +4,8 @@
 node that fits what the pod asks (a Node object it creates, labelled with the instance type
 and the capacity type), binds the pod there, runs the pod's command as a local process, and
 reports it through the pod's status subresource the way a kubelet does (phase, start time,
-the container's state and exit code, 128+n for a signal death). A pod being deleted gets
+the container's state and exit code, 128+n for a signal death), its environment with the
+``envFrom`` Secrets' and ConfigMaps' variables. A pod being deleted gets
 SIGTERM and, once its grace period is over, SIGKILL; once ended it is deleted for good (unless a
 finalizer holds it). The pod log API works: the API server asks this kubelet's HTTPS endpoint
 (``/containerLogs/...``), which answers from the process's output.
@@ -20,6 +21,7 @@ are what the tests are about.
 
 from __future__ import annotations
 
+import base64
 import http.server
 import json
 import os
@@ -195,7 +197,7 @@ class Kubelet:
         container = pod["spec"]["containers"][0]
         command = [sys.executable if word == "python" else word for word in container["command"][:1]]
         command += container["command"][1:]
-        env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env", [])}}
+        env = {**os.environ, **self._env_from(container), **{e["name"]: e["value"] for e in container.get("env", [])}}
         log = self.dir / f"{name}.log"
         started = now_stamp()
         with log.open("wb") as out:
@@ -203,6 +205,20 @@ class Kubelet:
                                      start_new_session=True)  # fmt: skip
         self.processes[pod["metadata"]["uid"]] = _Process(popen, log, started)
         self._patch_status(name, "Running", {"running": {"startedAt": started}}, started, ready=True)
+
+    def _env_from(self, container: dict[str, Any]) -> dict[str, str]:
+        """The variables of the container's ``envFrom`` Secrets and ConfigMaps, as a kubelet reads them
+        (``env`` overrides them)."""
+        env: dict[str, str] = {}
+        for source in container.get("envFrom", []):
+            if "secretRef" in source:
+                data = read(self.core.read_namespaced_secret(source["secretRef"]["name"], self.namespace,
+                                                             _preload_content=False)).get("data", {})  # fmt: skip
+                env |= {k: base64.b64decode(v).decode() for k, v in data.items()}
+            else:
+                env |= read(self.core.read_namespaced_config_map(source["configMapRef"]["name"], self.namespace,
+                                                                 _preload_content=False)).get("data", {})  # fmt: skip
+        return env
 
     def _report_end(self, pod: dict[str, Any], proc: _Process, code: int) -> None:
         exit_code = 128 - code if code < 0 else code  # as container runtimes report a signal death

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,10 +14,11 @@ from tests.servers.kube import Cluster
 
 
 def launcher_factory(cluster: Cluster, request: pytest.FixtureRequest) -> Callable[..., KubernetesLauncher]:
-    """``open()``: a new launcher (a restarted scheduler's) on the cluster's namespace, closed after the test."""
+    """``open(**cfg)``: a new launcher (a restarted scheduler's) on the cluster's namespace, configured
+    by ``cfg`` (KubernetesConfig's fields), closed after the test."""
 
-    def open_launcher(*_: object) -> KubernetesLauncher:
-        launcher = KubernetesLauncher(cluster.server.api_client(), KubernetesConfig(namespace=cluster.namespace))
+    def open_launcher(*_: object, **cfg: Any) -> KubernetesLauncher:
+        launcher = KubernetesLauncher(cluster.server.api_client(), KubernetesConfig(namespace=cluster.namespace, **cfg))
         request.addfinalizer(launcher.close)
         return launcher
 

@@ -1,9 +1,12 @@
 """KubernetesLauncher beyond the launcher contract: its manifests (strictly valid for current
 Kubernetes versions, which the v1.20 test server cannot check), training Jobs run by the test's
-Job controller, spot preemptions, the watches' resumption, and its selection by settings."""
+Job controller, spot preemptions, the watches' resumption, secret settings kept out of the pod
+specs the server stores, the price catalog's mount, a Job's pod name in the metrics, and its
+selection and configuration by settings."""
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from collections.abc import Callable
@@ -12,20 +15,30 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from kubernetes import client
+from prometheus_client import CollectorRegistry
 
+from services.api.metrics import RunCollector
 from services.backends.kubernetes_launcher import (
     FINALIZER, KubernetesConfig, KubernetesLauncher, Watched, job_manifest, pod_manifest, status_of,
 )  # fmt: skip
 from services.backends.launcher import PodPhase, PodSpec, cli_command
-from services.config import Settings
-from services.wiring import open_launcher
+from services.config import Settings, get_settings
+from services.cost.catalog import load_catalog
+from services.wiring import open_backends, open_launcher
 from tests.servers.kube import Cluster, KubeServer
 from tests.services.backends.kube_support import launcher_factory
 from tests.services.backends.test_launcher_contract import SLEEPS, wait_for_log, wait_until_ended
 
 # Current versions: what a cluster installed today runs (the schemas kubernetes-validate ships).
 CURRENT_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
+ROOT = Path(__file__).resolve().parents[3]
 CFG = KubernetesConfig(namespace="spotrl", image="registry.example/spotrl-worker:1.0")
+# Everything the chart configures: its Secrets, catalog, identity, pull secrets, labels.
+CHART_CFG = KubernetesConfig(namespace="spotrl", images={"rollout": "r.example/spotrl-rollout:2"}, image_pull_policy="Always",
+                             image_pull_secrets=("pull",), service_account="spotrl-workload", env_secrets=("backends",),
+                             price_catalog_configmap="prices", pod_labels={"app.kubernetes.io/instance": "spotrl"})  # fmt: skip
+CHART_ENV = {"SPOTRL_STATE_URL": "postgresql+psycopg://u:p@db/spotrl", "SPOTRL_PRICE_CATALOG": "/etc/spotrl/catalog/catalog.json"}
 
 
 def training_spec(name: str = "run-1-train-3", *, command: list[str] | None = None, processes: int = 8) -> PodSpec:
@@ -59,7 +72,9 @@ def open_launcher_on(kube_cluster: Cluster, request: pytest.FixtureRequest) -> C
     job_manifest(training_spec(), CFG, 8, {}),
     pod_manifest(rollout_spec(), CFG, 1, {"SPOTRL_QUEUE_URL": "kafka://kafka:9092"}),
     pod_manifest(rollout_spec(spot=False), CFG, 1, {}),
-], ids=["training-job", "spot-rollout-pod", "on-demand-rollout-pod"])  # fmt: skip
+    job_manifest(training_spec(), CHART_CFG, 8, CHART_ENV),
+    pod_manifest(rollout_spec(), CHART_CFG, 1, CHART_ENV),
+], ids=["training-job", "spot-rollout-pod", "on-demand-rollout-pod", "chart-training-job", "chart-rollout-pod"])  # fmt: skip
 def test_every_manifest_is_strictly_valid_for_current_kubernetes(manifest: dict[str, Any], version: str) -> None:
     kubernetes_validate.validate(manifest, version, strict=True)  # raises ValidationError
 
@@ -97,6 +112,24 @@ def test_a_spot_rollout_pod_manifest() -> None:
         {"matchExpressions": [{"key": "example.com/pool", "operator": "In", "values": ["cheap"]}]},
     ]
     assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "1"}
+
+
+def test_each_role_has_its_image_and_pool_and_the_pod_its_own_capacity_type() -> None:
+    cfg = KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2"},
+                           node_selectors={"rollout": {"spotrl.dev/pool": "rollout", "karpenter.sh/capacity-type": "spot"}},
+                           tolerations={"rollout": [{"key": "spot", "operator": "Exists"}]},
+                           pod_labels={"app.kubernetes.io/instance": "spotrl", "spotrl.dev/run": "not-this"})  # fmt: skip
+    pod = pod_manifest(rollout_spec(spot=False), cfg, 1, {})
+    # The pool's spot label would leave an on-demand pod no node: its capacity is its affinity's.
+    assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "rollout", "node.kubernetes.io/instance-type": "g5.xlarge"}
+    assert pod["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists"}]
+    assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-rollout:2"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "spotrl"
+    assert pod["metadata"]["labels"]["spotrl.dev/run"] == "run-1"  # the launcher's own labels win
+    assert job_manifest(training_spec(), cfg, 8, {})["spec"]["template"]["spec"]["containers"][0]["image"] == cfg.image
+    # No Secrets named: the values are the pod's (a development cluster).
+    (container,) = pod_manifest(rollout_spec(), cfg, 1, {"SPOTRL_QUEUE_URL": "kafka://k:9092"})["spec"]["containers"]
+    assert container["env"] == [{"name": "SPOTRL_QUEUE_URL", "value": "kafka://k:9092"}] and "envFrom" not in container
 
 
 def node_status(node_labels: dict[str, str], pod_status: dict[str, Any], cfg: KubernetesConfig = CFG) -> Any:
@@ -251,13 +284,108 @@ def test_the_watch_resumes_from_its_version_and_lists_again_only_when_it_is_gone
     assert watched.relists == 2  # and then watched on from the new list's version
 
 
-def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespace: str, tmp_path: Path) -> None:
-    settings = Settings(home=tmp_path, launcher="kubernetes", kube_config=kube.kubeconfig, kube_namespace=kube_namespace,
-                        kube_spot_labels="example.com/spot=yes")  # fmt: skip
+def read_back(cluster: Cluster, kind: str, name: str) -> dict[str, Any]:
+    """The object as the API server stores it (not the launcher's cache)."""
+    with cluster.server.api_client() as api:
+        read = client.BatchV1Api(api).read_namespaced_job if kind == "Job" else client.CoreV1Api(api).read_namespaced_pod
+        response = read(name, cluster.namespace, _preload_content=False)
+        return json.loads(response.data)
+
+
+def test_secret_settings_reach_pods_only_from_secrets_and_the_price_catalog_is_mounted(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, request: pytest.FixtureRequest,
+) -> None:
+    state_url = "postgresql+psycopg://spotrl:db-password-3f9a@db:5432/spotrl"
+    kafka_password = "kafka-password-77c1"
+    with kube_cluster.server.api_client() as api:  # the operator's Secret, as the chart's envFrom reads it
+        client.CoreV1Api(api).create_namespaced_secret(kube_cluster.namespace, {
+            "metadata": {"name": "backends"},
+            "stringData": {"SPOTRL_STATE_URL": state_url, "SPOTRL_KAFKA_SASL_PLAIN_PASSWORD": kafka_password}})  # fmt: skip
+    # The scheduler's environment: the Secret's values, and the catalog file its own pod mounts.
+    monkeypatch.setenv("SPOTRL_STATE_URL", state_url)
+    monkeypatch.setenv("SPOTRL_KAFKA_SASL_PLAIN_PASSWORD", kafka_password)
+    catalog = tmp_path / "catalog/catalog.json"  # the scheduler reads it too (the GPUs of an instance type)
+    catalog.parent.mkdir()
+    catalog.write_text((ROOT / "services/cost/catalog.json").read_text())
+    monkeypatch.setenv("SPOTRL_PRICE_CATALOG", str(catalog))
+    get_settings.cache_clear()  # the settings of this environment, for this test only
+    request.addfinalizer(get_settings.cache_clear)
+    launcher = open_launcher_on(env_secrets=("backends",), price_catalog_configmap="prices")
+    show = "import os; print('got', os.environ['SPOTRL_STATE_URL'], os.environ['SPOTRL_KAFKA_SASL_PLAIN_PASSWORD'])"
+    launcher.launch(rollout_spec("r-secret", command=python(show)))
+    launcher.launch(PodSpec("t-secret", "run-1", "training", python(show), {"SPOTRL_STATE_URL": state_url}, "p4d.24xlarge",
+                            "on-demand"))  # fmt: skip
+
+    for name in ("r-secret", "t-secret"):
+        wait_until_ended(launcher, name)
+        assert f"got {state_url} {kafka_password}" in launcher.logs(name)  # the kubelet read them from the Secret
+    (job_pod,) = [p["metadata"]["name"] for p in launcher.pods.snapshot() if p["metadata"]["name"].startswith("t-secret-")]
+    for kind, name in (("Pod", "r-secret"), ("Job", "t-secret"), ("Pod", job_pod)):
+        stored = read_back(kube_cluster, kind, name)
+        text = json.dumps(stored)
+        assert "db-password-3f9a" not in text and kafka_password not in text, f"{kind} {name} holds a password"
+        pod = stored["spec"]["template"]["spec"] if kind == "Job" else stored["spec"]
+        (container,) = pod["containers"]
+        assert container["envFrom"] == [{"secretRef": {"name": "backends"}}]
+        assert pod["volumes"] == [{"name": "price-catalog", "configMap": {"name": "prices", "defaultMode": 420}}]
+        assert container["volumeMounts"] == [{"name": "price-catalog", "mountPath": str(catalog.parent), "readOnly": True}]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["SPOTRL_PRICE_CATALOG"] == str(catalog)  # the same path as the scheduler's
+
+
+def test_a_jobs_status_names_the_pod_the_gpu_exporter_labels(kube_cluster: Cluster, tmp_path: Path) -> None:
+    """spotrl_pod_info{pod} is the Job's Kubernetes pod (``<job>-xxxxx``), as dcgm-exporter's
+    DCGM_FI_DEV_GPU_UTIL{pod} has it; the PodStatus keeps the Job's name."""
+    settings = Settings(home=tmp_path, launcher="kubernetes", kube_config=kube_cluster.server.kubeconfig,
+                        kube_namespace=kube_cluster.namespace)  # fmt: skip
+    backends = open_backends(settings)
+    launcher = backends.launcher
+    assert isinstance(launcher, KubernetesLauncher)
+    try:
+        launcher.launch(training_spec("t-gpu", command=python(SLEEPS)))
+        wait_for_log(launcher, "t-gpu", "ready")
+        (pod,) = [p["metadata"]["name"] for p in launcher.pods.snapshot()]
+        (status,) = launcher.list()
+        assert (status.name, status.platform_name) == ("t-gpu", pod) and pod.startswith("t-gpu-")
+
+        registry = CollectorRegistry()
+        registry.register(RunCollector(backends, load_catalog()))
+        labels = {"run": "run-1", "role": "training", "capacity_type": "on-demand", "instance_type": "p4d.24xlarge"}
+        assert registry.get_sample_value("spotrl_pod_info", {**labels, "pod": pod}) == 1
+        launcher.delete("t-gpu")
+    finally:
+        backends.close()
+    # Closing the backends closed the launcher: its watches have ended.
+    assert not launcher.pods._thread.is_alive() and not launcher.jobs._thread.is_alive()
+
+
+def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespace: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # As the chart passes them: names comma-separated, maps and lists as JSON.
+    for key, value in {"LAUNCHER": "kubernetes", "KUBE_CONFIG": str(kube.kubeconfig), "KUBE_NAMESPACE": kube_namespace,
+                       "KUBE_SPOT_LABELS": "example.com/spot=yes", "KUBE_ROLLOUT_IMAGE": "r.example/spotrl-rollout:2",
+                       "KUBE_TRAINING_IMAGE": "r.example/spotrl-training:2", "KUBE_IMAGE_PULL_POLICY": "Always",
+                       "KUBE_IMAGE_PULL_SECRETS": "pull-a, pull-b", "KUBE_SERVICE_ACCOUNT": "spotrl-workload",
+                       "KUBE_ENV_SECRETS": "backends,s3-keys", "KUBE_PRICE_CATALOG_CONFIGMAP": "spotrl-price-catalog",
+                       "KUBE_POD_LABELS": '{"app.kubernetes.io/instance": "spotrl"}',
+                       "KUBE_ROLLOUT_NODE_SELECTOR": '{"example.com/pool": "gpu-spot"}',
+                       "KUBE_TRAINING_TOLERATIONS": '[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]',
+                       }.items():  # fmt: skip
+        monkeypatch.setenv(f"SPOTRL_{key}", value)
+    settings = Settings(home=tmp_path)
     launcher = open_launcher(settings, tmp_path)
     try:
         assert isinstance(launcher, KubernetesLauncher)
-        assert launcher.cfg.namespace == kube_namespace and launcher.cfg.spot_labels == {"example.com/spot": "yes"}
+        cfg = launcher.cfg
+        assert cfg.namespace == kube_namespace and cfg.spot_labels == {"example.com/spot": "yes"}
+        assert cfg.images == {"rollout": "r.example/spotrl-rollout:2", "training": "r.example/spotrl-training:2"}
+        assert (cfg.image_pull_policy, cfg.image_pull_secrets, cfg.service_account) == ("Always", ("pull-a", "pull-b"), "spotrl-workload")
+        assert (cfg.env_secrets, cfg.price_catalog_configmap) == (("backends", "s3-keys"), "spotrl-price-catalog")
+        assert cfg.pod_labels == {"app.kubernetes.io/instance": "spotrl"}
+        defaults = KubernetesConfig()
+        assert cfg.node_selectors == {**defaults.node_selectors, "rollout": {"example.com/pool": "gpu-spot"}}
+        assert cfg.tolerations == {**defaults.tolerations, "training": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]}
         assert launcher.list() == []
     finally:
         launcher.close()

@@ -73,6 +73,9 @@ class ScriptedLauncher:
     def delete(self, name: str) -> None:
         self.pods.pop(name, None)
 
+    def close(self) -> None:
+        pass
+
     def logs(self, name: str, tail: int = 100) -> str:
         return ""
 
