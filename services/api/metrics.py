@@ -38,6 +38,8 @@ from services.names import ROLLOUT_GROUP, TRAINER_GROUP, prompts_topic, samples_
 from services.runspec import RunSpec
 from services.wiring import Backends
 
+GROUP_SIZE_DEFAULT = RunSpec.model_fields["samples_per_prompt"].default
+
 # Outcomes of a spot pod that count as a preemption (``services.backends.launcher.pod_outcome``).
 PREEMPTED = frozenset({PodOutcome.PREEMPTED.value})
 
@@ -100,7 +102,7 @@ class RunCollector(Collector):
         run = r.id
         f.version.add_metric([run], r.policy_version)
         if not RunStatus(r.status).is_terminal() and r.started_at is not None:
-            group_size = RunSpec.from_stored(r.spec).samples_per_prompt  # a sample record is a group
+            group_size = r.spec.get("samples_per_prompt", GROUP_SIZE_DEFAULT)  # a sample record is a group
             f.backlog.add_metric([run], group_size * self.b.queue.backlog(samples_topic(run), TRAINER_GROUP))
             f.prompt_backlog.add_metric([run], self.b.queue.backlog(prompts_topic(run), ROLLOUT_GROUP))
         f.produced.add_metric([run], r.samples_produced)

@@ -50,7 +50,7 @@ def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: S
     assert value("spotrl_reward_cache_requests_total", result="error") == 0
     where = dict(role="rollout", capacity_type="spot", instance_type="g6.xlarge")
     assert value("spotrl_spot_preemptions_total", **where) == 1
-    assert value("spotrl_pods_ended_total", **where, outcome="killed") == 1
+    assert value("spotrl_pods_ended_total", **where, outcome="preempted") == 1
     assert value("spotrl_cost_dollars_per_hour", **where) == 0.5  # the one still running
     assert value("spotrl_training_clip_fraction") == 0.1
     assert value("spotrl_training_kl") == 0.01
