@@ -309,6 +309,15 @@ def test_local_a_sigkilled_workload_fails_with_minus_9(local: Launcher) -> None:
     os.kill(pid, signal.SIGKILL)
     pod = wait_until_ended(local, "victim")
     assert pod.phase is PodPhase.FAILED and pod.exit_code == -9 and pod.pid == pid
+    assert pod.preempted, "a spot pod SIGKILLed unasked is the local stand-in for a reclaimed machine"
+
+
+def test_local_a_pod_killed_after_its_stop_is_not_preempted(local: Launcher) -> None:
+    local.launch(local_spec("stubborn", IGNORES_SIGTERM))
+    wait_for_log(local, "stubborn", "ready")
+    local.stop("stubborn", grace_s=0.5)  # killed at the end of its grace period: asked to go
+    pod = wait_until_ended(local, "stubborn")
+    assert (pod.exit_code, pod.preempted) == (-9, False)
 
 
 def test_local_a_pod_whose_supervisor_died_fails_and_its_workload_dies_too(local: Launcher, wait_for) -> None:
