@@ -5,9 +5,9 @@ Slow by nature (each pod is a Python process that imports torch): kept to the ti
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +23,9 @@ from services.chaos import Audit, audit_run
 from services.config import Settings
 from services.names import samples_topic
 from services.wiring import open_backends
+from tests.servers.process import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -48,23 +43,25 @@ class Served:
         raise AssertionError(f"run {run_id} did not finish in {timeout_s} s: {run}")
 
 
-@pytest.fixture
-def served(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    port = _free_port()
+@contextlib.contextmanager
+def serving(tmp_path: Path, model_cache: Path, **env: str) -> Iterator[Served]:
+    """A real `spotrl serve` on a free port with the tests' short timings (``env`` adds settings),
+    stopped at the end, and no local pod of its left running."""
+    port = free_port()
     home = tmp_path / "home"
     env = {
         **os.environ,
         "SPOTRL_HOME": str(home),
-        "SPOTRL_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models"),
+        "SPOTRL_MODEL_CACHE": str(model_cache),
         "SPOTRL_TICK_SECONDS": "0.2",
         "SPOTRL_SESSION_TIMEOUT_S": "3",
         "SPOTRL_STOP_GRACE_S": "10",
         "SPOTRL_POD_THREADS": "1",
+        **env,
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port)],
-        env=env, stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT,
-    )
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port)], env=env,
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
     s = Served(home, port)
     try:
         deadline = time.monotonic() + 60
@@ -74,7 +71,7 @@ def served(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "spotrl serve did not become ready"
             time.sleep(0.2)
         yield s
@@ -84,9 +81,16 @@ def served(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        for pod in LocalLauncher(home / "pods").list():  # nothing of ours is left running
-            if pod.phase == PodPhase.RUNNING and pod.pid:
-                os.kill(pod.pid, signal.SIGKILL)
+        if (home / "pods").exists():  # the local launcher's: nothing of ours is left running
+            for pod in LocalLauncher(home / "pods").list():
+                if pod.phase == PodPhase.RUNNING and pod.pid:
+                    os.kill(pod.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def served(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serving(tmp_path, tmp_path_factory.getbasetemp() / "models") as s:
+        yield s
 
 
 def tiny_spec(**changes) -> dict:

@@ -5,63 +5,23 @@ tests/test_end_to_end.py, whose helpers this reuses."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from services.backends.kubernetes_launcher import KubernetesConfig, KubernetesLauncher
 from tests.servers.kube import Cluster
-from tests.servers.process import free_port
-from tests.test_end_to_end import Served, assert_guarantees_held, tiny_spec
+from tests.test_end_to_end import Served, assert_guarantees_held, serving, tiny_spec
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def served_on_kubernetes(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, kube_cluster: Cluster) -> Iterator[Served]:
-    port = free_port()
-    home = tmp_path / "home"
-    env = {
-        **os.environ,
-        "SPOTRL_HOME": str(home),
-        "SPOTRL_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models"),
-        "SPOTRL_TICK_SECONDS": "0.2",
-        "SPOTRL_SESSION_TIMEOUT_S": "3",
-        "SPOTRL_STOP_GRACE_S": "10",
-        "SPOTRL_POD_THREADS": "1",
-        "SPOTRL_LAUNCHER": "kubernetes",
-        "SPOTRL_KUBE_CONFIG": str(kube_cluster.server.kubeconfig),
-        "SPOTRL_KUBE_NAMESPACE": kube_cluster.namespace,
-    }
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port)], env=env,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
-    served = Served(home, port)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if served.client.get("/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "spotrl serve did not become ready"
-            time.sleep(0.2)
-        yield served
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with serving(tmp_path, tmp_path_factory.getbasetemp() / "models", SPOTRL_LAUNCHER="kubernetes",
+                 SPOTRL_KUBE_CONFIG=str(kube_cluster.server.kubeconfig), SPOTRL_KUBE_NAMESPACE=kube_cluster.namespace) as s:
+        yield s
 
 
 def test_a_run_on_the_kubernetes_launcher(served_on_kubernetes: Served, kube_cluster: Cluster) -> None:

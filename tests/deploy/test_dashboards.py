@@ -34,8 +34,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.backends.launcher import LocalLauncher, PodPhase
+from tests.servers.process import free_port
 from tests.servers.prometheus import Prometheus, ensure_prometheus
-from tests.test_end_to_end import Served, _free_port, served, tiny_spec  # noqa: F401 (served: the fixture)
+from tests.test_end_to_end import Served, served, tiny_spec  # noqa: F401 (served: the fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +144,7 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
     prometheus_bin = ensure_prometheus()
     dcgm = FakeDcgmExporter(served.client)
     api_address = str(served.client.base_url).removeprefix("http://").rstrip("/")
-    prom = Prometheus(prometheus_bin, tmp_path / "prometheus", _free_port(),
+    prom = Prometheus(prometheus_bin, tmp_path / "prometheus", free_port(),
                       {"spotrl-api": api_address, "dcgm-exporter-test-stand-in": dcgm.address}, SCRAPE_S)  # fmt: skip
     try:
         prom.wait_ready()
