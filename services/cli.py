@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,8 +44,9 @@ def _settings(home: Path | None) -> Settings:
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # `kill -USR1 <pid>` prints every thread's stack to the log: what a process that seems stuck is doing.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR1 <pid>` prints every thread's stack to the log: what a process that seems stuck is
+    # doing. The process's own stderr: sys.stderr may be a stand-in without a file (run in-process).
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 @app.command()
