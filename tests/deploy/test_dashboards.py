@@ -151,7 +151,10 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
         started = time.time()
         spec = tiny_spec(
             iterations=1,  # one training job: every training series has a value, and the test stays short
-            batch_samples=16,
+            # Eight prompts one at a time on two workers: the one killed once samples flow still has
+            # prompts to do, so the scheduler has not asked it to stop (a pod killed while stopping
+            # is not a preemption).
+            batch_samples=32,
             rollout={"min_workers": 2, "max_workers": 2, "prompts_per_batch": 1},
             training={"learning_rate": 1e-3, "micro_batch": 8, "entropy_coef": 0.01},  # entropy is reported when it is in the loss
         )
