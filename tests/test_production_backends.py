@@ -58,6 +58,7 @@ from services.names import pod_log_key, policy_prefix, prompts_topic, samples_to
 from services.wiring import Backends, open_backends
 from tests.servers.kafka import TEST_SESSION_RANGE, KafkaBroker, tansu_binary
 from tests.servers.postgres import PostgresServer
+from tests.servers.process import wait_until_it_answers
 from tests.servers.redis import RedisServer
 from tests.servers.s3 import S3Bucket
 from tests.test_chaos import SPEC as CHAOS_SPEC
@@ -220,7 +221,7 @@ class BrokerBehindLink(KafkaBroker):
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.pid = self._proc.pid
-        self._wait_until_it_answers(timeout_s=20.0)
+        wait_until_it_answers(self._proc, "tansu", self._answers, self._log, timeout_s=20.0)
 
     def stop(self) -> None:
         super().stop()

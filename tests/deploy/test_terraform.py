@@ -287,11 +287,18 @@ def test_helm_values_feed_the_chart(release: str) -> None:
     assert settings["SPOTRL_KUBE_SERVICE_ACCOUNT"] == accounts["workload"]
     assert settings["SPOTRL_OBJECTS_URL"] == "s3://spotrl-123456789012-us-west-2"
     assert settings["AWS_REGION"] == "us-west-2"
-    capacity = {"rollout": {"karpenter.sh/capacity-type": "spot"}, "training": {"karpenter.sh/capacity-type": "on-demand"}, "reward": {}}
-    for pool in sorted(GPU_POOLS):
+    def toleration(pool: str) -> list[dict]:
+        return [{"key": POOL_KEY, "operator": "Equal", "value": pool, "effect": "NoSchedule"}]
+
+    capacity = {"rollout": {"karpenter.sh/capacity-type": "spot"}, "training": {"karpenter.sh/capacity-type": "on-demand"}}
+    for pool in ("rollout", "training"):  # the launcher's pools, handed to it as settings
         assert json.loads(settings[f"SPOTRL_KUBE_{pool.upper()}_NODE_SELECTOR"]) == {POOL_KEY: pool, **capacity[pool]}
-        assert json.loads(settings[f"SPOTRL_KUBE_{pool.upper()}_TOLERATIONS"]) == [
-            {"key": POOL_KEY, "operator": "Equal", "value": pool, "effect": "NoSchedule"}]  # fmt: skip
+        assert json.loads(settings[f"SPOTRL_KUBE_{pool.upper()}_TOLERATIONS"]) == toleration(pool)
+    # The reward pool is the chart's own reward service's.
+    with_reward = merged(merged(values, trial), {"reward": {"enabled": True, "model": {"existingClaim": "rm", "path": "rm-v1"}}})
+    reward = next(d for name, d in render_by_kind(with_reward, release)["Deployment"].items() if name.endswith("-reward"))
+    pod = reward["spec"]["template"]["spec"]
+    assert pod["nodeSelector"][POOL_KEY] == "reward" and pod["tolerations"] == toleration("reward")
 
 
 def test_example_calls_the_module_with_its_vpc() -> None:
