@@ -1,0 +1,31 @@
+"""`spotrl demo`, the README's first command, as a user runs it: a process on a fresh home, the
+tiny model, its summary and its exit code (the SmolLM2 demo takes minutes; its code path is this one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_demo_trains_bills_and_exits_0(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    summary = tmp_path / "summary.json"
+    env = {**os.environ, "SPOTRL_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models")}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "demo", "--model", "tiny", "--home", str(tmp_path / "home"),
+         "--summary-json", str(summary)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    assert result["status"] == "SUCCEEDED"
+    assert [it["iteration"] for it in result["iterations"]] == list(range(1, len(result["iterations"]) + 1))
+    assert all(it["samples"] > 0 for it in result["iterations"]) and result["iterations"]
+    assert 0 < result["cost"]["total_dollars"] <= result["cost"]["always_on_dollars"]
+    assert "always-on" in done.stdout  # the bill is printed
