@@ -64,27 +64,37 @@ def serving(tmp_path: Path, model_cache: Path, **env: str) -> Iterator[Served]:
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
     s = Served(home, port)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if s.client.get("/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "spotrl serve did not become ready"
-            time.sleep(0.2)
+        wait_until_ready(proc, s.client, log)
         yield s
     finally:
-        proc.send_signal(signal.SIGINT)
+        stop_serving(proc, home)
+
+
+def wait_until_ready(proc: subprocess.Popen, client: httpx.Client, log: Path) -> None:
+    """Until `spotrl serve` answers /readyz (its log, should it exit first)."""
+    deadline = time.monotonic() + 60
+    while True:
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if (home / "pods").exists():  # the local launcher's: nothing of ours is left running
-            for pod in LocalLauncher(home / "pods").list():
-                if pod.phase == PodPhase.RUNNING and pod.pid:
-                    os.kill(pod.pid, signal.SIGKILL)
+            if client.get("/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "spotrl serve did not become ready"
+        time.sleep(0.2)
+
+
+def stop_serving(proc: subprocess.Popen, home: Path) -> None:
+    """Stop `spotrl serve` (Ctrl-C), and SIGKILL any local pod of its still running."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    if (home / "pods").exists():  # the local launcher's
+        for pod in LocalLauncher(home / "pods").list():
+            if pod.phase == PodPhase.RUNNING and pod.pid:
+                os.kill(pod.pid, signal.SIGKILL)
 
 
 @pytest.fixture

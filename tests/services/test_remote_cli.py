@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,17 +23,12 @@ import yaml
 from typer.testing import CliRunner
 
 from services.api.auth import add_token
-from services.backends.launcher import LocalLauncher, PodPhase
 from services.cli import app as spotrl
+from tests.servers.process import free_port
+from tests.test_end_to_end import stop_serving, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -54,7 +46,7 @@ def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
 
 
 def _serve(root: Path, tokens_file: tuple[Path, dict[str, str]], *extra: str) -> tuple[subprocess.Popen, Server]:
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),  # the serve process and its pods run this checkout's code
@@ -73,29 +65,9 @@ def _serve(root: Path, tokens_file: tuple[Path, dict[str, str]], *extra: str) ->
     return proc, Server(url, root / "home", tokens_file[1], httpx.Client(base_url=url, timeout=30))
 
 
-def _ready(proc: subprocess.Popen, server: Server, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if server.http.get("/readyz").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "spotrl serve did not become ready"
-        time.sleep(0.1)
-
-
 def _stop(proc: subprocess.Popen, server: Server) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_serving(proc, server.home)
     server.http.close()
-    for pod in LocalLauncher(server.home / "pods").list():  # nothing of ours is left running
-        if pod.phase == PodPhase.RUNNING and pod.pid:
-            os.kill(pod.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +77,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tokens_file) -> Iterator[d
     busy_proc, busy = _serve(busy_root, tokens_file)
     idle_proc, idle = _serve(idle_root, tokens_file, "--no-scheduler")
     try:
-        _ready(busy_proc, busy, busy_root / "serve.log")
-        _ready(idle_proc, idle, idle_root / "serve.log")
+        wait_until_ready(busy_proc, busy.http, busy_root / "serve.log")
+        wait_until_ready(idle_proc, idle.http, idle_root / "serve.log")
         yield {"busy": busy, "idle": idle}
     finally:
         _stop(busy_proc, busy)
@@ -282,7 +254,7 @@ def test_an_invalid_spec_is_the_apis_422_field_by_field(servers, cli, tmp_path: 
 def test_no_server_or_an_unreachable_one_says_so(cli) -> None:
     r = cli("runs", "list")
     assert r.code == 2 and "no API server: pass --server URL, set SPOTRL_SERVER" in r.stderr
-    r = cli("runs", "list", server=f"http://127.0.0.1:{_free_port()}")
+    r = cli("runs", "list", server=f"http://127.0.0.1:{free_port()}")
     assert r.code == 1 and r.stderr.startswith("error: cannot reach the API at http://127.0.0.1:")
 
 
@@ -291,7 +263,7 @@ def test_no_server_or_an_unreachable_one_says_so(cli) -> None:
 
 def test_flags_then_environment_then_config_file(servers, cli, config_file: Path) -> None:
     idle = servers["idle"]
-    nowhere = f"http://127.0.0.1:{_free_port()}"
+    nowhere = f"http://127.0.0.1:{free_port()}"
     try:
         login = cli("login", "--server", idle.url, "--token", idle.tokens["acme"])
         assert login.code == 0, login.stderr
