@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -86,7 +87,8 @@ class Kubelet:
         self._ended: set[str] = set()  # uids reported ended
         self._stop = threading.Event()
         self._logs = self._serve_logs()
-        self._thread = threading.Thread(target=self._run, name=f"kubelet-{namespace}", daemon=True)
+        self._thread = threading.Thread(target=_sync_until_stopped, args=(self.sync, self._stop, "kubelet"),
+                                        name=f"kubelet-{namespace}", daemon=True)
         self._thread.start()
 
     # --- the nodes and the log endpoint ---
@@ -149,16 +151,6 @@ class Kubelet:
         return server
 
     # --- the loop ---
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sync()
-            except ApiException as e:
-                if self._stop.is_set():
-                    return
-                print(f"kubelet sync failed: {e}", file=sys.stderr)
-            self._stop.wait(POLL_S)
-
     def sync(self) -> None:
         pods = read(self.core.list_namespaced_pod(self.namespace, _preload_content=False))["items"]
         present = {p["metadata"]["uid"] for p in pods}
@@ -278,18 +270,9 @@ class JobController:
         self.batch = client.BatchV1Api(api)
         self.namespace = namespace
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"job-controller-{namespace}", daemon=True)
+        self._thread = threading.Thread(target=_sync_until_stopped, args=(self.sync, self._stop, "job controller"),
+                                        name=f"job-controller-{namespace}", daemon=True)
         self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sync()
-            except ApiException as e:
-                if self._stop.is_set():
-                    return
-                print(f"job controller sync failed: {e}", file=sys.stderr)
-            self._stop.wait(POLL_S)
 
     def sync(self) -> None:
         jobs = read(self.batch.list_namespaced_job(self.namespace, _preload_content=False))["items"]
@@ -337,3 +320,15 @@ class JobController:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def _sync_until_stopped(sync: Callable[[], None], stop: threading.Event, who: str) -> None:
+    """The kubelet's and the Job controller's loop: ``sync`` every ``POLL_S`` until ``stop``."""
+    while not stop.is_set():
+        try:
+            sync()
+        except ApiException as e:
+            if stop.is_set():
+                return
+            print(f"{who} sync failed: {e}", file=sys.stderr)
+        stop.wait(POLL_S)
