@@ -236,11 +236,11 @@ class _Families:
         )
         self.pod_seconds = CounterMetricFamily("spotrl_pod_seconds", "Seconds of pods billed.", labels=_POD)
         self.pods_ended = CounterMetricFamily(
-            "spotrl_pods_ended", "Pods ended, by outcome (succeeded, failed, killed; unknown before it was recorded).",
+            "spotrl_pods_ended", "Pods ended, by outcome (succeeded, failed, killed, preempted; unknown before it was recorded).",
             labels=[*_POD, "outcome"],
         )  # fmt: skip
         self.preemptions = CounterMetricFamily(
-            "spotrl_spot_preemptions", "Spot pods that ended killed (a reclaim, as far as the launcher can tell).", labels=_POD
+            "spotrl_spot_preemptions", "Spot pods preempted: their machine taken back (the launcher's PodStatus.preempted).", labels=_POD
         )
         self.always_on = GaugeMetricFamily(
             "spotrl_run_always_on_dollars", "What the same work would have cost on an always-on on-demand cluster.", labels=run
