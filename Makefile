@@ -44,7 +44,7 @@ prometheus: $(STAMP)
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
 test: $(STAMP) $(CHECKOV) kube-apiserver prometheus
 	$(VENV)/bin/lint-imports --no-cache
-	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q
+	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q --durations=15
 
 # tests/deploy/test_terraform.py runs it on infra/terraform.
 $(CHECKOV):
