@@ -11,7 +11,7 @@ from services.cost.plan_schemas import PlanPublic, PlanRequest, plan_public, pla
 router = APIRouter(prefix="/v1/plan", tags=["plan"], responses=errors(401))
 
 
-@router.post("", response_model=PlanPublic, responses=errors(413, 422))
+@router.post("", response_model=PlanPublic, responses=errors(400, 413, 422))
 async def plan(body: PlanRequest, catalog: CatalogDep, _: PrincipalDep) -> PlanPublic:
     """The cheapest rollout pool and training shape per update among the options given, the cost per
     update and per day against always-on, and each term's arithmetic. Pure arithmetic: no I/O."""

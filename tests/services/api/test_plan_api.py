@@ -92,7 +92,7 @@ async def test_the_openapi_document_describes_the_plan(client) -> None:
     operation = doc["paths"]["/v1/plan"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/PlanRequest")
     assert operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/PlanPublic")
-    assert {"401", "413", "422"} <= set(operation["responses"])
+    assert {"400", "401", "413", "422"} <= set(operation["responses"])
     assert operation["security"] == [{"bearer": []}]
     plan = doc["components"]["schemas"]["PlanPublic"]
     assert {"cost_per_update", "cost_per_day", "always_on_per_update", "saving", "terms"} <= set(plan["required"])
