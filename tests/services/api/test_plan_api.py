@@ -18,6 +18,7 @@ from services.cli import app as cli
 
 SEED_FILE = Path(__file__).parents[3] / "examples" / "plan-seed.yaml"
 SEED = yaml.safe_load(SEED_FILE.read_text())
+README = SEED_FILE.parents[1] / "README.md"
 MARKER = "ZZsecretZZ"
 
 
@@ -57,6 +58,7 @@ async def test_the_api_and_the_cli_give_the_seeds_plan(client) -> None:
     assert table.exit_code == 0, table.output
     assert "CNY     112.00   CNY 40.00 + CNY 72.00" in table.output
     assert "88% less than always-on" in table.output
+    assert table.output.strip() in README.read_text()  # the README shows this very output
 
 
 async def test_the_plan_needs_a_token(client) -> None:

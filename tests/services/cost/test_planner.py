@@ -71,13 +71,14 @@ def test_a_restart_is_paid_when_the_gap_is_longer_than_the_start_up() -> None:
 
 def test_training_seconds_are_derived_and_shapes_that_cannot_hold_the_model_are_left_out() -> None:
     training = [{"instance_type": f"a100x{n}", "gpu": "A100-80GB", "gpus": n, "price_per_hour": 120.0 * n} for n in (1, 2, 4)]
-    p = plan(training=training, tokens_per_sample=1024, training_mfu=0.35)
-    # 7e9 parameters · 16 bytes = 112 GB: one A100-80GB (64 GB usable) cannot hold it; 2 and 4 cost
-    # the same per batch (ideal scaling), and 4 are faster but the pool is capped at 4 L20s.
-    assert p.training.gpus in (2, 4)
+    p = plan(training=training, tokens_per_sample=1024, training_mfu=0.35, overheads={"node_start_seconds": 90})
+    # 7e9 parameters x 16 bytes = 112 GB: one A100-80GB (64 GB usable) cannot hold it. Two and four
+    # cost the same per batch (ideal scaling: 3151 s or 1575 s), but four pay twice the start-up.
+    assert p.training.gpus == 2
     assert any("training[0]" in note and "112 GB" in note for note in p.notes)
-    expected = 8 * 7e9 * 12000 * 1024 / (p.training.gpus * 312e12 * 0.35)
+    expected = 8 * 7e9 * 12000 * 1024 / (2 * 312e12 * 0.35)
     assert p.training_seconds_per_batch == pytest.approx(expected)
+    assert p.training_cost == pytest.approx(240 * (expected + 90) / 3600)
     assert p.training_seconds_derived
 
 
