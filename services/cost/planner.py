@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from functools import partial
 
 from services.cost.gpus import gpu_figures
@@ -134,8 +134,9 @@ class Term:
 
 
 @dataclass(frozen=True)
-class Plan:
-    currency: str
+class Shape:
+    """A rollout pool and a training shape, with their steady-state seconds and costs per update."""
+
     rollout: RolloutOption
     rollout_instances: int
     training: TrainingOption
@@ -147,10 +148,6 @@ class Plan:
     training_billed_seconds: float
     rollout_cost: float
     training_cost: float
-    always_on: AlwaysOn
-    always_on_per_update: float
-    terms: tuple[Term, ...]
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def cost_per_update(self) -> float:
@@ -163,6 +160,17 @@ class Plan:
     @property
     def cost_per_day(self) -> float:
         return self.cost_per_update * self.updates_per_day
+
+
+@dataclass(frozen=True)
+class Plan(Shape):
+    """The shape recommended, against always-on, with the arithmetic of each term."""
+
+    currency: str
+    always_on: AlwaysOn
+    always_on_per_update: float
+    terms: tuple[Term, ...]
+    notes: tuple[str, ...]
 
     @property
     def always_on_per_day(self) -> float:
@@ -193,10 +201,8 @@ def plan_run(
     if not training_fit:
         raise PlanError(("training",), "no training option holds the model for training: add one with more GPUs or GPU memory")
     seconds = {i: _training_seconds(i, o, workload) for i, o in training_fit}
-    shapes = [
-        _shape(workload, r, t, seconds[j], overheads) for _, r in rollout_fit for j, t in training_fit
-    ]  # fmt: skip
-    best = min(shapes, key=lambda s: (s.cost, s.update_seconds))
+    shapes = [_shape(workload, r, t, seconds[j], overheads) for _, r in rollout_fit for j, t in training_fit]
+    best = min(shapes, key=lambda s: (s.cost_per_update, s.update_seconds))
     if always_on is None:
         r = best.rollout
         if r.on_demand_price_per_hour is None:
@@ -206,32 +212,13 @@ def plan_run(
                 "the chosen rollout option has no on-demand price for the always-on comparison: give it, or give always_on",
             )
         always_on = AlwaysOn(
-            f"{best.instances} x {r.instance_type} + {best.training.instance_type}, on-demand",
-            best.instances * r.on_demand_price_per_hour + best.training.price_per_hour,
+            f"{best.rollout_instances} x {r.instance_type} + {best.training.instance_type}, on-demand",
+            best.rollout_instances * r.on_demand_price_per_hour + best.training.price_per_hour,
         )
     return _plan(best, workload, overheads, always_on, currency, tuple(notes))
 
 
-@dataclass(frozen=True)
-class _Shape:
-    rollout: RolloutOption
-    instances: int
-    training: TrainingOption
-    training_seconds: float
-    derived: bool
-    rollout_seconds: float
-    update_seconds: float
-    warm: bool
-    training_billed_seconds: float
-    rollout_cost: float
-    training_cost: float
-
-    @property
-    def cost(self) -> float:
-        return self.rollout_cost + self.training_cost
-
-
-def _shape(workload: Workload, r: RolloutOption, t: TrainingOption, train_s: float, overheads: Overheads) -> _Shape:
+def _shape(workload: Workload, r: RolloutOption, t: TrainingOption, train_s: float, overheads: Overheads) -> Shape:
     samples = workload.samples_per_update
     ready_as_training_ends = math.floor(samples * SECONDS_PER_HOUR / (r.samples_per_hour * train_s) + _WHOLE)
     n = min(r.max_instances, max(1, ready_as_training_ends))
@@ -240,9 +227,10 @@ def _shape(workload: Workload, r: RolloutOption, t: TrainingOption, train_s: flo
     gap = update_s - train_s
     warm = gap < overheads.seconds
     billed = train_s + min(gap, overheads.seconds)
-    return _Shape(
-        rollout=r, instances=n, training=t, training_seconds=train_s, derived=t.seconds_per_batch is None,
-        rollout_seconds=rollout_s, update_seconds=update_s, warm=warm, training_billed_seconds=billed,
+    return Shape(
+        rollout=r, rollout_instances=n, training=t, training_seconds_per_batch=train_s,
+        training_seconds_derived=t.seconds_per_batch is None, keep_training_warm=warm,
+        rollout_seconds=rollout_s, update_seconds=update_s, training_billed_seconds=billed,
         rollout_cost=n * r.price_per_hour * update_s / SECONDS_PER_HOUR,
         training_cost=t.price_per_hour * billed / SECONDS_PER_HOUR,
     )  # fmt: skip
@@ -297,25 +285,30 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:,.1f} min"
 
 
-def _plan(s: _Shape, workload: Workload, overheads: Overheads, always_on: AlwaysOn, currency: str, notes: tuple[str, ...]) -> Plan:
+def _plan(s: Shape, workload: Workload, overheads: Overheads, always_on: AlwaysOn, currency: str, notes: tuple[str, ...]) -> Plan:
     r, t = s.rollout, s.training
     m = partial(_money, currency)
-    per_batch = f"{_minutes(s.training_seconds)} per batch ({_training_seconds_note(t, workload)})"
-    if s.warm:
-        idle = s.update_seconds - s.training_seconds
+    per_batch = f"{_minutes(s.training_seconds_per_batch)} per batch ({_training_seconds_note(t, workload)})"
+    if s.keep_training_warm:
+        idle = s.update_seconds - s.training_seconds_per_batch
         training_time = f"{per_batch} + {_minutes(idle)} idle, kept warm (a restart costs {_minutes(overheads.seconds)} of start-up)"
     else:
         training_time = f"{per_batch} + {_minutes(overheads.seconds)} start-up"
     terms = (
         Term(
             "rollout",
-            f"{s.instances} x {r.instance_type} ({r.gpus} x {r.gpu}, {r.capacity_type}) at {m(r.price_per_hour)}/h each "
+            f"{s.rollout_instances} x {r.instance_type} ({r.gpus} x {r.gpu}, {r.capacity_type}) at {m(r.price_per_hour)}/h each "
             f"for {_minutes(s.update_seconds)} ({workload.samples_per_update:,} samples at "
-            f"{s.instances * r.samples_per_hour:,.0f} samples/h take {_minutes(s.rollout_seconds)})",
+            f"{s.rollout_instances * r.samples_per_hour:,.0f} samples/h take {_minutes(s.rollout_seconds)})",
             s.rollout_cost,
         ),
-        Term("training", f"{t.instance_type} ({t.gpus} x {t.gpu}, on-demand) at {m(t.price_per_hour)}/h for {_minutes(s.training_billed_seconds)}: {training_time}", s.training_cost),
-        Term("per update", f"{m(s.rollout_cost)} + {m(s.training_cost)}", s.cost),
+        Term(
+            "training",
+            f"{t.instance_type} ({t.gpus} x {t.gpu}, on-demand) at {m(t.price_per_hour)}/h "
+            f"for {_minutes(s.training_billed_seconds)}: {training_time}",
+            s.training_cost,
+        ),
+        Term("per update", f"{m(s.rollout_cost)} + {m(s.training_cost)}", s.cost_per_update),
         Term(
             "always-on per update",
             f"{always_on.instance_type} at {m(always_on.price_per_hour)}/h for {_minutes(s.update_seconds)}",
@@ -323,9 +316,6 @@ def _plan(s: _Shape, workload: Workload, overheads: Overheads, always_on: Always
         ),
     )
     return Plan(
-        currency=currency, rollout=r, rollout_instances=s.instances, training=t,
-        training_seconds_per_batch=s.training_seconds, training_seconds_derived=s.derived, keep_training_warm=s.warm,
-        rollout_seconds=s.rollout_seconds, update_seconds=s.update_seconds, training_billed_seconds=s.training_billed_seconds,
-        rollout_cost=s.rollout_cost, training_cost=s.training_cost, always_on=always_on,
-        always_on_per_update=terms[-1].amount, terms=terms, notes=notes,
-    )  # fmt: skip
+        **{f.name: getattr(s, f.name) for f in fields(Shape)},
+        currency=currency, always_on=always_on, always_on_per_update=terms[-1].amount, terms=terms, notes=notes,
+    )
