@@ -64,7 +64,8 @@ async def test_the_api_and_the_cli_give_the_seeds_plan(client) -> None:
 async def test_the_plan_needs_a_token(client) -> None:
     api, _ = client
     for headers in ({}, {"Authorization": "Bearer srl_wrong"}):
-        assert (await api.post("/v1/plan", json=SEED, headers=headers)).status_code == 401
+        for body in (SEED, {"not": "a plan"}):  # nothing about the body is told before the token is checked
+            assert (await api.post("/v1/plan", json=body, headers=headers)).status_code == 401
 
 
 async def test_every_input_is_bounded_finite_and_known(client) -> None:
