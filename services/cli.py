@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from services.client.commands import config_app, login, runs_app
+from services.client.commands import Output, OutputOption, config_app, login, runs_app
 
 if TYPE_CHECKING:
     from services.config import Settings
@@ -114,6 +114,38 @@ def token_add(
         typer.echo(add_token(file, tenant=tenant, admin=admin, label=label))
     except TokensFileError as e:
         raise typer.BadParameter(str(e)) from None
+
+
+@app.command()
+def plan(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="What to plan, YAML or JSON: the body of POST /v1/plan.")],
+    output: OutputOption = Output.TABLE,
+) -> None:
+    """Plan a run's bill before starting it: the rollout pool and training shape, the cost per update
+    and per day against always-on, each term's arithmetic (prices: SPOTRL_PRICE_CATALOG or given)."""
+    import json
+
+    import yaml
+    from pydantic import ValidationError
+
+    from services.cost.catalog import load_catalog
+    from services.cost.plan_schemas import PlanRequest, plan_public, plan_request
+    from services.cost.plan_text import format_plan
+    from services.cost.planner import PlanError
+
+    try:
+        data = yaml.safe_load(file.read_text())  # JSON is YAML too
+        result = plan_request(PlanRequest.model_validate(data), load_catalog())
+    except OSError as e:
+        raise typer.BadParameter(f"cannot read {file}: {e.strerror}", param_hint="FILE") from None
+    except yaml.YAMLError as e:
+        raise typer.BadParameter(f"{file} is neither YAML nor JSON: {e}", param_hint="FILE") from None
+    except ValidationError as e:
+        raise typer.BadParameter(f"{file} is not a plan request (see POST /v1/plan in the API's /docs):\n{e}", param_hint="FILE") from None
+    except PlanError as e:
+        where = ".".join(map(str, e.loc))
+        raise typer.BadParameter(f"{where}: {e}", param_hint="FILE") from None
+    typer.echo(plan_public(result).model_dump_json(indent=2) if output is Output.JSON else format_plan(result))
 
 
 @app.command("scheduler")

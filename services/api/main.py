@@ -16,11 +16,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.api.auth import TokenBook
 from services.api.body_limit import BodyLimit
 from services.api.metrics import RunCollector
-from services.api.routes import datasets, health, runs
+from services.api.routes import datasets, health, plan, runs
 from services.api.service import InvalidCursorError, PodNotOfRunError, SpecFieldError
 from services.backends.state_store import IllegalTransitionError, RunNotFoundError
 from services.config import Settings, get_settings
 from services.cost.catalog import load_catalog
+from services.cost.planner import PlanError
 from services.prompts import InvalidPromptsError
 from services.scheduler.loop import Scheduler
 from services.wiring import open_backends
@@ -82,6 +83,7 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
     app.include_router(health.router)
     app.include_router(runs.router)
     app.include_router(datasets.router)
+    app.include_router(plan.router)
     app.add_middleware(
         BodyLimit,
         limit_for=lambda path: settings.max_dataset_bytes if path == "/v1/datasets" else settings.max_body_bytes,
@@ -124,6 +126,10 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
     @app.exception_handler(SpecFieldError)
     async def _bad_field(_: Request, exc: SpecFieldError) -> JSONResponse:
         return unprocessable(exc.loc, str(exc))
+
+    @app.exception_handler(PlanError)
+    async def _no_plan(_: Request, exc: PlanError) -> JSONResponse:
+        return unprocessable(("body", *exc.loc), str(exc))
 
     @app.exception_handler(InvalidPromptsError)
     async def _bad_prompts(_: Request, exc: InvalidPromptsError) -> JSONResponse:
