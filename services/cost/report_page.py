@@ -74,15 +74,14 @@ def report_page(
     ]
     figures = [
         ("reward", "Mean reward by iteration", reward_chart(iterations)),
-        ("cost", f"Cumulative cost ({currency})", cost_chart(entries, catalog=catalog, currency=currency,
-                                                             training_instance_type=training_instance_type,
-                                                             run_started_at=run_started_at, run_ended_at=run_ended_at,
-                                                             now=now, start=start)),  # fmt: skip
-        ("rollout-timeline", "Rollout workers", pod_timeline("rollout-timeline", [e for e in entries if e.role != "training"],
-                                                             start=start, end=end, now=now)),  # fmt: skip
-        ("training-timeline", "Training jobs", pod_timeline("training-timeline", [e for e in entries if e.role == "training"],
-                                                            start=start, end=end, now=now)),  # fmt: skip
-    ]
+        ("cost", f"Cumulative cost ({currency})", cost_chart(
+            entries, catalog=catalog, currency=currency, training_instance_type=training_instance_type,
+            run_started_at=run_started_at, run_ended_at=run_ended_at, now=now, start=start)),
+        ("rollout-timeline", "Rollout workers", pod_timeline(
+            "rollout-timeline", [e for e in entries if e.role != "training"], start=start, end=end, now=now)),
+        ("training-timeline", "Training jobs", pod_timeline(
+            "training-timeline", [e for e in entries if e.role == "training"], start=start, end=end, now=now)),
+    ]  # fmt: skip
     rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in summary)
     body = "".join(f'<figure id="{fid}"><figcaption>{escape(caption)}</figcaption>{svg}</figure>' for fid, caption, svg in figures)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
@@ -103,7 +102,7 @@ def cost_chart(entries: Sequence[LedgerEntry], *, catalog: PriceCatalog, currenc
     bound, over seconds since the run started."""
     curve = cost_over_time(entries, catalog=catalog, training_instance_type=training_instance_type,
                            run_started_at=run_started_at, run_ended_at=run_ended_at, now=now)  # fmt: skip
-    keys = list(dict.fromkeys(key for e in entries for key in [(e.role, e.capacity_type)]))
+    keys = list(dict.fromkeys((e.role, e.capacity_type) for e in entries))
     series = [
         Series(f"{role} {capacity}", [(c.at - start, c.by_role_and_capacity.get((role, capacity), 0.0)) for c in curve],
                SERIES_COLORS[i % len(SERIES_COLORS)])  # fmt: skip

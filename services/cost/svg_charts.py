@@ -139,8 +139,10 @@ def timeline_chart(name: str, bars: Sequence[Bar], *, x_range: tuple[float, floa
                    empty: str = "none ran") -> str:  # fmt: skip
     """One row per distinct ``Bar.row`` (in first-seen order), each bar from its start to its end
     over ``x_range``; a marked bar ends in a cross. ``legend``: (label, color) swatches."""
-    rows = list(dict.fromkeys(b.row for b in bars))
-    legend_items = [*((label, color, None) for label, color in legend), *([("preempted", MARK_COLOR, None)] if any(b.marked for b in bars) else [])]
+    rows = {row: i for i, row in enumerate(dict.fromkeys(b.row for b in bars))}  # row -> its index, top down
+    legend_items = [(label, color, None) for label, color in legend]
+    if any(b.marked for b in bars):
+        legend_items.append(("preempted", MARK_COLOR, None))
     legend_height = _LEGEND_ROW * len(legend_items) + 6 if legend_items else 0
     plot_height = max(1, len(rows)) * row_height
     height = _MARGIN_TOP + plot_height + _MARGIN_BOTTOM + legend_height
@@ -150,10 +152,10 @@ def timeline_chart(name: str, bars: Sequence[Bar], *, x_range: tuple[float, floa
     parts = _axes(x, y, x_label=x_label, y_label="", y_ticks=False)
     if not bars:
         parts.append(_text((x.px_lo + x.px_hi) / 2, (y.px_lo + y.px_hi) / 2 + 4, empty, anchor="middle", css="empty"))
-    for i, row in enumerate(rows):
+    for row, i in rows.items():
         parts.append(_text(x.px_lo - 6, _MARGIN_TOP + (i + 0.5) * row_height + 4, row, anchor="end", css="row-label"))
     for b in bars:
-        top = _MARGIN_TOP + rows.index(b.row) * row_height + 3
+        top = _MARGIN_TOP + rows[b.row] * row_height + 3
         left, right = x(b.start), max(x(b.end), x(b.start) + 2)  # a pod of a few seconds stays visible
         parts.append(f'<rect class="bar {escape(b.kind)}" x="{left:.1f}" y="{top:.1f}" width="{right - left:.1f}" '
                      f'height="{row_height - 6}" fill="{b.color}"><title>{escape(b.title)}</title></rect>')  # fmt: skip
