@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
 
 from services.api import service
-from services.api.responses import errors
+from services.api.responses import errors, json_errors
 from services.api.deps import BackendsDep, CatalogDep, PrincipalDep, SettingsDep
 from services.api.schemas import CostPublic, PodLogPublic, PodsPublic, RunPublic, RunsPublic
 from services.cost.report_page import CSP
@@ -57,7 +57,7 @@ async def run_cost(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, pr
     return await run_in_threadpool(service.run_cost, backends=backends, catalog=catalog, principal=principal, run_id=run_id)
 
 
-@router.get("/{run_id}/report", response_class=HTMLResponse, responses=errors(404))
+@router.get("/{run_id}/report", response_class=HTMLResponse, responses=json_errors(401, 404))
 async def run_report(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> HTMLResponse:
     """The run's report page: one self-contained HTML page (reward by iteration, cumulative cost
     against always-on and the lower bound, pod timelines with preemptions marked) that loads nothing."""

@@ -186,3 +186,12 @@ def test_spotrl_report_writes_the_page_the_api_serves(report, tmp_path: Path, mo
     assert out.read_text(encoding="utf-8") == page  # the run has ended: its page no longer changes
     r = CliRunner().invoke(cli, ["report", "run-0123456789", "--home", str(home)])
     assert r.exit_code == 2 and "no run 'run-0123456789'" in r.output
+
+
+async def test_the_openapi_document_lists_the_page(api: httpx.AsyncClient) -> None:
+    operation = (await api.get("/openapi.json")).json()["paths"]["/v1/runs/{run_id}/report"]["get"]
+    assert list(operation["responses"]["200"]["content"]) == ["text/html"]
+    for error in ("401", "404"):  # JSON, like every error
+        assert list(operation["responses"][error]["content"]) == ["application/json"]
+    run = (await api.get("/openapi.json")).json()["components"]["schemas"]["RunPublic"]
+    assert "report_url" in run["required"]
