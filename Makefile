@@ -5,7 +5,7 @@ STAMP := $(VENV)/.spotrl-installed
 # checkov pins boto3, packaging and networkx below what spotrl's venv holds: it gets a venv of its own.
 CHECKOV := $(VENV)/checkov/bin/checkov
 
-.PHONY: demo demo-tiny test setup bench kube-apiserver prometheus image-control image-rollout image-training
+.PHONY: demo demo-tiny test setup bench kube-apiserver prometheus chromium image-control image-rollout image-training
 
 setup: $(STAMP)
 
@@ -41,8 +41,14 @@ kube-apiserver:
 prometheus: $(STAMP)
 	$(PY) -m tests.servers.prometheus
 
+# Debian's Chromium for the report page's test (tests/services/cost/test_report_page.py): the one on
+# PATH, or else `apt-get download` of chromium and of those of its dependencies the machine lacks,
+# unpacked with `dpkg-deb -x` into ~/.cache/spotrl/chromium (no root); a second run does nothing.
+chromium: $(STAMP)
+	$(PY) -m tests.servers.chromium
+
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
-test: $(STAMP) $(CHECKOV) kube-apiserver prometheus
+test: $(STAMP) $(CHECKOV) kube-apiserver prometheus chromium
 	$(VENV)/bin/lint-imports --no-cache
 	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q --durations=15
 

@@ -420,5 +420,31 @@ def logs(
         backends.close()
 
 
+@app.command()
+def report(
+    run_id: str,
+    out: Annotated[Path | None, typer.Option("--out", help="The HTML file to write [default: <run>-report.html].")] = None,
+    home: HomeOption = None,
+) -> None:
+    """Write the run's report page: one HTML file that works offline (reward by iteration, cumulative
+    cost against always-on and the lower bound, pod timelines with preemptions marked), on the
+    server's machine; from elsewhere, GET /v1/runs/RUN/report."""
+    from services.api.service import report_page_of
+    from services.backends.state_store import RunNotFoundError
+    from services.cost.catalog import load_catalog
+    from services.wiring import open_backends
+
+    backends = open_backends(_settings(home))
+    try:
+        page = report_page_of(backends.state, load_catalog(), backends.state.get_run(run_id))
+    except RunNotFoundError:
+        raise typer.BadParameter(f"no run {run_id!r} in {backends.state.url}: `spotrl runs list` shows the runs") from None
+    finally:
+        backends.close()
+    path = out or Path(f"{run_id}-report.html")
+    path.write_text(page, encoding="utf-8")
+    typer.echo(str(path))
+
+
 if __name__ == "__main__":
     app()

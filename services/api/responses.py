@@ -20,3 +20,15 @@ _MEANINGS = {
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ValidationErrorPublic if code == 422 else ErrorPublic, "description": _MEANINGS[code]} for code in codes}
+
+
+def json_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``errors`` for an operation that answers other than JSON (an HTML page): FastAPI would
+    document its error bodies in that media type, but they are JSON like every other error."""
+    return {
+        code: {
+            "description": _MEANINGS[code],
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+        for code, model in ((c, ValidationErrorPublic if c == 422 else ErrorPublic) for c in codes)
+    }

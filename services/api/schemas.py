@@ -54,6 +54,7 @@ class RunPublic(RunSummaryPublic):
     )
     reward_failures: int = Field(default=0, description="Reward computations that failed or timed out (each such response scored 0).")
     last_reward_error: str | None = Field(default=None, description="Why the latest failed reward computation failed.")
+    report_url: str = Field(description="The run's report page (HTML: reward, cost and pod timelines), relative to the API's root.")
 
 
 class RunsPublic(BaseModel):

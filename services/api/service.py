@@ -35,6 +35,7 @@ from services.backends.state_store import RunNotFoundError, StateStore
 from services.config import Settings
 from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
+from services.cost.report_page import IterationPoint, report_page
 from services.names import pod_log_key, pod_logs_prefix, prompts_key, role_of_pod, run_id_of_pod, tenant_object_key
 from services.prompts import INLINE, STORE_SCHEME, InvalidPromptsError, load_prompts, parse_jsonl, to_jsonl
 from services.runspec import RewardFn, RunSpec
@@ -151,6 +152,7 @@ def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
         last_error=row.last_error,
         reward_failures=row.reward_failures,
         last_reward_error=row.last_reward_error,
+        report_url=f"/v1/runs/{row.id}/report",
     )
 
 
@@ -223,6 +225,27 @@ def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal,
             LedgerEntryPublic.model_validate({**asdict(e), "seconds": e.seconds(now), "dollars": e.dollars(now)})
             for e in entries
         ],
+    )
+
+
+def run_report(*, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str) -> str:
+    """The run's report page (HTML), for a caller who may see the run."""
+    return report_page_of(backends.state, catalog, _visible_run(backends.state, principal, run_id))
+
+
+def report_page_of(state: StateStore, catalog: PriceCatalog, row: RunRow) -> str:
+    """The report page of the run ``row`` as its stores hold it now (``spotrl report`` and the API)."""
+    return report_page(
+        run_id=row.id,
+        status=row.status,
+        currency=catalog.currency,
+        iterations=[IterationPoint(it.iteration, it.mean_reward) for it in state.iterations(row.id)],
+        entries=state.ledger(row.id),
+        catalog=catalog,
+        training_instance_type=row.spec["training"]["instance_type"],
+        run_started_at=row.started_at,
+        run_ended_at=row.ended_at,
+        now=time.time(),
     )
 
 

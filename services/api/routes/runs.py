@@ -1,4 +1,4 @@
-"""/v1/runs: submit, list, inspect, cancel, cost, pod logs. Thin: the work is in ``services.api.service``."""
+"""/v1/runs: submit, list, inspect, cancel, cost, report page, pod logs. Thin: the work is in ``services.api.service``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, status
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse
 
 from services.api import service
-from services.api.responses import errors
+from services.api.responses import errors, json_errors
 from services.api.deps import BackendsDep, CatalogDep, PrincipalDep, SettingsDep
 from services.api.schemas import CostPublic, PodLogPublic, PodsPublic, RunPublic, RunsPublic
+from services.cost.report_page import CSP
 from services.runspec import RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=errors(401))
@@ -53,6 +55,14 @@ async def cancel_run(run_id: RunId, backends: BackendsDep, principal: PrincipalD
 @router.get("/{run_id}/cost", response_model=CostPublic, responses=errors(404))
 async def run_cost(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> CostPublic:
     return await run_in_threadpool(service.run_cost, backends=backends, catalog=catalog, principal=principal, run_id=run_id)
+
+
+@router.get("/{run_id}/report", response_class=HTMLResponse, responses=json_errors(401, 404))
+async def run_report(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> HTMLResponse:
+    """The run's report page: one self-contained HTML page (reward by iteration, cumulative cost
+    against always-on and the lower bound, pod timelines with preemptions marked) that loads nothing."""
+    page = await run_in_threadpool(service.run_report, backends=backends, catalog=catalog, principal=principal, run_id=run_id)
+    return HTMLResponse(page, headers={"Content-Security-Policy": CSP})
 
 
 @router.get("/{run_id}/pods", response_model=PodsPublic, responses=errors(404))

@@ -56,7 +56,7 @@ async def test_the_file_holds_hashes_only(tokens) -> None:
 async def test_every_route_but_health_and_docs_needs_a_token(client: httpx.AsyncClient, headers: dict) -> None:
     for method, path in [("GET", "/v1/runs"), ("POST", "/v1/runs"), ("GET", "/v1/runs/run-0123456789"),
                          ("POST", "/v1/runs/run-0123456789/cancel"), ("GET", "/v1/runs/run-0123456789/cost"),
-                         ("GET", "/v1/runs/run-0123456789/pods"), ("GET", "/v1/runs/run-0123456789/pods/run-0123456789-train-1/logs"),
+                         ("GET", "/v1/runs/run-0123456789/report"), ("GET", "/v1/runs/run-0123456789/pods"), ("GET", "/v1/runs/run-0123456789/pods/run-0123456789-train-1/logs"),
                          ("POST", "/v1/datasets"), ("GET", "/metrics")]:  # fmt: skip
         r = await client.request(method, path, headers=headers, json=SPEC if path == "/v1/runs" else None)
         assert r.status_code == 401, (method, path, r.text)
@@ -70,7 +70,7 @@ async def test_a_tenant_sees_its_own_runs_only(client: httpx.AsyncClient, tokens
     globex = (await client.post("/v1/runs", json=SPEC, headers=auth(tokens["globex"]))).json()
     assert (acme["tenant"], globex["tenant"]) == ("acme", "globex")
 
-    for path in (f"/v1/runs/{acme['id']}", f"/v1/runs/{acme['id']}/cost"):
+    for path in (f"/v1/runs/{acme['id']}", f"/v1/runs/{acme['id']}/cost", f"/v1/runs/{acme['id']}/report"):
         mine = await client.get(path, headers=auth(tokens["acme"]))
         theirs = await client.get(path, headers=auth(tokens["globex"]))
         nobody = await client.get("/v1/runs/run-0123456789" + path.removeprefix(f"/v1/runs/{acme['id']}"),
