@@ -76,5 +76,5 @@ def test_a_vllm_worker_reloads_full_versions_from_disk_and_swaps_adapters(
         else:
             assert llm.calls[0] == ("reload_weights", str(version_dir)) and llm.calls[1][0] == "reset_prefix_cache"
         completions = worker.engine.generate([[5, 6]], worker.sampling, seed=0)
-        assert completions is not None and completions[0].token_ids[0] == 100
+        assert completions is not None and completions[0].token_ids[0] == 10
     b.close()

@@ -101,7 +101,7 @@ def test_generate_keeps_order_seeds_each_request_and_aborts_on_stop(
     assert llm.options["gpu_memory_utilization"] == 0.3
     assert llm.options["dtype"] == "float32"  # the checkpoint's, not vLLM's "auto" (bf16)
     completions = engine.generate([[1, 2], [3], [4, 5]], SamplingParams(temperature=1.0), seed=10)
-    assert [c.token_ids for c in completions] == [[110, 2], [111, 2], [112, 2]]
+    assert [c.token_ids for c in completions] == [[20, 2], [21, 2], [22, 2]]
     assert llm.intermediate_outputs == 0  # output_kind FINAL_ONLY
     assert engine.generate([[1]], SamplingParams(), should_stop=lambda: True) is None
     assert llm.calls[-1][0] == "abort" and not llm.requests
@@ -188,7 +188,7 @@ def test_lora_versions_sample_through_an_engine_built_for_their_rank(
     engine.set_lora(v2 := _adapter(tmp_path / "v2", 12))
     request = engine._lora_request
     assert (request.lora_name, request.lora_int_id, request.lora_path) == ("policy-2", 2, str(v2))  # a new id per version
-    assert [c.token_ids for c in engine.generate([[1]], SamplingParams(), seed=0)] == [[100, 2]]
+    assert [c.token_ids for c in engine.generate([[1]], SamplingParams(), seed=0)] == [[10, 2]]
     with pytest.raises(RuntimeError, match="pass lora_rank"):
         VLLMEngine(tmp_path / "m").set_lora(v2)
 

@@ -28,7 +28,8 @@ What it enforces, and where vLLM does the same:
   `output_kind=RequestOutputKind.FINAL_ONLY` (sampling_params.py:194) `step` returns finished
   requests only, otherwise also every unfinished one with all its tokens so far.
 
-Each request samples token 100 + its seed, then token 2 (two engine steps).
+Each request samples token 10 + its seed % 50 (in the tiny model's vocabulary), then token 2
+(two engine steps). Every `LLM` built since `install` is in `built`.
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ class _Worker:
         return names
 
 
+built: list[LLM] = []
+
+
 class LLM:
     """`vllm.LLM` and its `llm_engine` (the LLMEngine calls live on the same object)."""
 
@@ -163,6 +167,7 @@ class LLM:
         self.intermediate_outputs = 0  # outputs of unfinished requests that step returned
         self.llm_engine = self
         self._worker = _Worker(self)
+        built.append(self)
 
     # LLMEngine
     def add_request(
@@ -192,7 +197,7 @@ class LLM:
         outputs = []
         for request_id in sorted(self.requests, reverse=True):  # out of order
             params, tokens, _ = self.requests[request_id]
-            tokens.append(100 + params.kwargs.get("seed", 0) if not tokens else 2)
+            tokens.append(10 + params.kwargs.get("seed", 0) % 50 if not tokens else 2)
             finished = len(tokens) == 2
             if finished:
                 del self.requests[request_id]
@@ -259,6 +264,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
         ("vllm.lora.request", lora),
     ]:
         monkeypatch.setitem(sys.modules, name, mod)
+    built.clear()
     for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
         monkeypatch.delenv(var, raising=False)
     return module
