@@ -8,7 +8,7 @@ file:line citations are inside that wheel), and the tests run this module agains
 Two ways to push new full weights, as vLLM's engine runs in another process by default
 (VLLM_ENABLE_V1_MULTIPROCESSING, envs.py:1429), where `collective_rpc` arguments travel by msgpack:
 no callable unless VLLM_ALLOW_INSECURE_SERIALIZATION=1, and tensors arrive as plain lists
-(v1/serial_utils.py:220, 256-272):
+(v1/serial_utils.py:220, 256-272; decoded untyped at v1/engine/core.py:1836):
 - `load_weights_from(dir)`: the worker's `reload_weights(weights_path=dir)` reads the checkpoint
   there (v1/worker/gpu_model_runner.py:5492), with its layerwise post-processing; only a path
   crosses the process boundary. For rollout workers, which have each version on disk.
@@ -217,7 +217,7 @@ class VLLMEngine:
 
     def _reset_prefix_cache(self, timeout_s: float = PREFIX_CACHE_RESET_TIMEOUT_S) -> None:
         """Drop cached prefixes, whose keys and values the old weights computed. vLLM refuses
-        (returns False) while running requests hold cache blocks (v1/core/block_pool.py:840), so
+        (returns False) while running requests hold cache blocks (v1/core/block_pool.py:840-845), so
         this retries until they finish, and fails after `timeout_s`: sampling would go on
         reusing the old weights' keys and values."""
         deadline = time.monotonic() + timeout_s

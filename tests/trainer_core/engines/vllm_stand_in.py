@@ -11,13 +11,14 @@ What it enforces, and where vLLM does the same:
   envs.py:1429, v1/engine/llm_engine.py:180) sends its arguments with msgpack: a callable or
   any other object msgpack cannot encode raises TypeError unless
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 (v1/serial_utils.py:220), and a tensor always arrives as a
-  plain [dtype, shape, data] list (v1/serial_utils.py:256-272; the receiving side has no type to
-  rebuild it into). In process the call is direct (v1/executor/uniproc_executor.py:103).
+  plain [dtype, shape, data] list (encoded at v1/serial_utils.py:256-272; the engine core decodes
+  utility calls with an untyped decoder, v1/engine/core.py:1766 and 1836, so nothing rebuilds
+  it). In process the call is direct (v1/executor/uniproc_executor.py:103).
 - the worker method `reload_weights(weights_iterator=None, weights_path=None,
   is_checkpoint_format=True)` (v1/worker/gpu_model_runner.py:5492) reads the checkpoint at
   `weights_path` and makes it the model's path from then on (line 5534).
 - `reset_prefix_cache()` returns a bool, False while requests hold KV blocks
-  (entrypoints/llm.py:802, v1/core/block_pool.py:830-845).
+  (entrypoints/llm.py:802, v1/core/block_pool.py:840-845).
 - a `lora_request` without `enable_lora` raises "LoRA is not enabled!"
   (v1/engine/input_processor.py:249); an adapter of rank above `max_lora_rank` is refused
   (lora/peft_helper.py:130); LoRA ids start at 1 (lora/request.py:39).
