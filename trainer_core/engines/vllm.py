@@ -217,9 +217,9 @@ class VLLMEngine:
 
     def _reset_prefix_cache(self, timeout_s: float = PREFIX_CACHE_RESET_TIMEOUT_S) -> None:
         """Drop cached prefixes, whose keys and values the old weights computed. vLLM refuses
-        (returns False) while running requests hold cache blocks (v1/core/block_pool.py:840-845), so
-        this retries until they finish, and fails after `timeout_s`: sampling would go on
-        reusing the old weights' keys and values."""
+        (returns False) while requests hold cache blocks (v1/core/block_pool.py:840-845): in
+        its engine process, requests aborted a moment ago may still do. So this retries, and
+        fails after `timeout_s`: sampling would go on reusing the old weights' keys and values."""
         deadline = time.monotonic() + timeout_s
         while not self._llm.reset_prefix_cache():
             if time.monotonic() > deadline:
