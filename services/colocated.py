@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -145,6 +145,7 @@ class VLLMSampler:
         self.vllm = vllm
         self.hybrid = hybrid
         self.adapters_dir = adapters_dir
+        shutil.rmtree(adapters_dir, ignore_errors=True)  # an earlier segment's, if resumed
         self._pushes = 0
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:

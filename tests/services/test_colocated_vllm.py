@@ -48,3 +48,13 @@ def test_vllm_sleeps_while_the_trainer_updates_and_then_serves_the_new_weights(
         assert calls == update + [("wake_up", ["kv_cache"])] + update
         reloaded = next(names for name, names in llm.calls if name == "reload_weights")
         assert "model.embed_tokens.weight" in reloaded  # the trainer's model, by Hugging Face name
+
+
+def test_a_resumed_run_hands_vllm_the_checkpointed_weights_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_stand_in.install(monkeypatch)
+    run_colocated(RunSpec.model_validate(SPEC | {"iterations": 1}), out_dir=tmp_path, model_cache=tmp_path / "models")
+    run_colocated(RunSpec.model_validate(SPEC), out_dir=tmp_path, model_cache=tmp_path / "models", resume=True)
+    first, resumed = vllm_stand_in.built
+    assert first.calls[0] == ("sleep", 2)
+    # vLLM starts from the base weights: the resumed segment serves iteration 1's before sampling.
+    assert [c[0] for c in resumed.calls[:3]] == ["reload_weights", "reset_prefix_cache", "sleep"]
