@@ -15,6 +15,8 @@ no callable unless VLLM_ALLOW_INSECURE_SERIALIZATION=1, and tensors arrive as pl
 - `load_weights(named_tensors)` / `set_model(model)`: in process only (`in_process=True`, which
   sets VLLM_ENABLE_V1_MULTIPROCESSING=0 before `LLM()`), the tensors go to the same
   `reload_weights(weights_iterator=...)` with no copy through a socket. For colocated runs.
+vLLM 0.31 also has a weight-transfer API (`LLM.init_weight_transfer_engine` / `update_weights`,
+entrypoints/llm.py:870-912), for a trainer sending weights from other GPUs; spotrl does not need it.
 """
 
 from __future__ import annotations
