@@ -13,6 +13,11 @@ does), score them with the spec's reward terms, update the policy once (as a tra
 does), and write a checkpoint. ``resume=True`` continues after the latest checkpoint in the
 output directory, RNG states included, so a resumed run trains to the same weights as an
 uninterrupted one with the same seed.
+
+With ``rollout.engine: vllm`` (a CUDA GPU), vLLM samples instead, from its own copy of the
+weights: it sleeps while the hybrid engine trains (level 2, dropping weights the update replaces;
+level 1 for LoRA runs, whose base weights it keeps in CPU memory), then takes the new weights in
+process (full weights) or the saved adapter (LoRA), and wakes for the next rollout.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,10 +40,12 @@ from services.backends.object_store import ObjectStore
 from services.cost.catalog import load_catalog
 from services.prompts import load_prompts
 from services.reward.functions import RewardInput, total_rewards
+from services.rollout.vllm_engine import build_vllm_engine
 from services.rollout.worker import build_samples, reward_source
-from services.runspec import PromptItem, RunSpec
+from services.runspec import PromptItem, RolloutEngine, RunSpec
 from services.training.job import build_value_head, kl_controller, reference_model, with_adapter
 from trainer_core.engines.hf import Completion, SamplingParams
+from trainer_core.engines.vllm import VLLMEngine
 from trainer_core.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.models.loading import encode_prompt, load_policy, save_policy
 from trainer_core.models.lora import is_lora
@@ -46,6 +55,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 POLICY_DIR = "policy"
+VLLM_ADAPTERS_DIR = "vllm-adapters"  # the adapter vLLM serves in a colocated LoRA run
 WORKER_ID = "colocated"
 # Spec fields that a resumed run may change: when to stop, not what an iteration does.
 _GOAL_FIELDS = frozenset({"name", "iterations", "target_mean_reward", "budget_dollars"})
@@ -128,6 +138,43 @@ class ColocatedResult:
     cost: CostLine
 
 
+class VLLMSampler:
+    """vLLM sampling for a hybrid engine: asleep while it trains, then given the updated weights."""
+
+    def __init__(self, vllm: VLLMEngine, hybrid: HybridEngine, adapters_dir: Path) -> None:
+        self.vllm = vllm
+        self.hybrid = hybrid
+        self.adapters_dir = adapters_dir
+        shutil.rmtree(adapters_dir, ignore_errors=True)  # an earlier segment's, if resumed
+        self._pushes = 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        # Seeded from the torch RNG, which the checkpoints carry, as HFEngine samples from it.
+        completions = self.vllm.generate(prompts, params, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+        assert completions is not None  # no should_stop given
+        return completions
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """Around an update of the hybrid engine's weights: vLLM frees the GPU, then serves them."""
+        self.vllm.sleep(level=1 if is_lora(self.hybrid.model) else 2)
+        yield
+        self.push()
+
+    def push(self) -> None:
+        """Serve the hybrid engine's current weights: the model's in process, or its adapter,
+        saved to a new directory (vLLM caches adapters by id and reads each from disk once)."""
+        model = self.hybrid.model
+        if not is_lora(model):
+            self.vllm.set_model(model)
+            return
+        self._pushes += 1
+        adapter = self.adapters_dir / f"{self._pushes}"
+        model.save_pretrained(adapter)
+        self.vllm.set_lora(adapter)
+        shutil.rmtree(self.adapters_dir / f"{self._pushes - 1}", ignore_errors=True)  # no longer served
+
+
 def stop_reason(spec: RunSpec, history: Sequence[IterationRecord], dollars: float = 0.0) -> str | None:
     """Why the run is done after `history`, having spent `dollars`, or None while it is not."""
     if spec.budget_dollars is not None and dollars >= spec.budget_dollars:
@@ -178,9 +225,14 @@ def run_colocated(
     price = catalog.get(spec.training.instance_type)
 
     engine = _build_engine(spec, model_cache, device)
+    sampler = None
+    if spec.rollout.engine == RolloutEngine.VLLM:
+        sampler = VLLMSampler(build_vllm_engine(spec, engine.policy, colocated=True), engine, out_dir / VLLM_ADAPTERS_DIR)
     config = {"spec": spec.model_dump(mode="json"), "seed": seed, "run_id": run_id}
     # Resumed last, so that nothing drawn during the setup above shifts the restored RNG streams.
     history, elapsed_before = _resume(latest, engine, config) if latest is not None else ([], 0.0)
+    if latest is not None and sampler is not None:
+        sampler.push()  # vLLM loaded the base weights
     if latest is None:
         _seed_everything(seed)
     # Adaptive KL continues from the coefficient the last iteration ended with.
@@ -191,7 +243,7 @@ def run_colocated(
         return elapsed_before + time.monotonic() - started
 
     while (reason := stop_reason(spec, history, elapsed() * price.on_demand / 3600.0)) is None:
-        history.append(record := _iteration(engine, spec, len(history) + 1, items, run_id))
+        history.append(record := _iteration(engine, spec, len(history) + 1, items, run_id, sampler))
         save_checkpoint(
             checkpoints, record.iteration, policy=engine.policy, optimizer=engine.optimizer, value_head=engine.value_head,
             config=config, metadata={"history": [asdict(r) for r in history], "elapsed_seconds": elapsed()},
@@ -256,9 +308,15 @@ def _seed_everything(seed: int) -> None:
 
 
 def _iteration(
-    engine: HybridEngine, spec: RunSpec, iteration: int, items: Sequence[PromptItem], run_id: str
+    engine: HybridEngine,
+    spec: RunSpec,
+    iteration: int,
+    items: Sequence[PromptItem],
+    run_id: str,
+    sampler: VLLMSampler | None = None,
 ) -> IterationRecord:
-    """Sample, score and train the batch of iteration `iteration` (from 1) of the prompt set `items`."""
+    """Sample (with `sampler`, or the hybrid engine itself), score and train the batch of
+    iteration `iteration` (from 1) of the prompt set `items`."""
     prompts = iteration_prompts(items, iteration, spec.batch_samples // spec.samples_per_prompt)
     sampling = SamplingParams(
         temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
@@ -272,7 +330,9 @@ def _iteration(
     # KV cache, (chunk x n x sequence) entries, whatever the batch size.
     chunk = spec.rollout.prompts_per_batch
     for start in range(0, len(prompt_ids), chunk):
-        completions += engine.generate([ids for ids in prompt_ids[start : start + chunk] for _ in range(n)], sampling)
+        completions += (sampler or engine).generate(
+            [ids for ids in prompt_ids[start : start + chunk] for _ in range(n)], sampling
+        )
     rollout_seconds = time.monotonic() - started
 
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
@@ -296,7 +356,8 @@ def _iteration(
         reward_source=reward_source(spec.reward),
         generation_seconds=rollout_seconds / len(completions),
     )
-    metrics = engine.train(samples)
+    with sampler.training() if sampler is not None else nullcontext():
+        metrics = engine.train(samples)
     return IterationRecord(
         iteration=iteration,
         mean_reward=sum(s.reward for s in samples) / len(samples),

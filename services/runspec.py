@@ -41,6 +41,16 @@ class RolloutEngine(StrEnum):
     VLLM = "vllm"  # vLLM on the worker's GPU (pip install 'spotrl[gpu]'; untested on CPU-only machines)
 
 
+class VLLMDtype(StrEnum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+# vLLM's largest max_lora_rank (MaxLoRARanks in vllm/config/lora.py of vLLM 0.31).
+VLLM_MAX_LORA_RANK = 512
+
+
 class PromptItem(BaseModel):
     """One line of a prompt set: ``{"prompt": ..., "answer": ...}``."""
 
@@ -108,6 +118,14 @@ class RolloutPool(BaseModel):
         default=RolloutEngine.HF,
         description="Sampler of each worker: hf (transformers in the worker, CPU or GPU) or vllm (vLLM on the worker's GPU, "
         "pip install 'spotrl[gpu]'; untested on the CPU machines spotrl is developed on).",
+    )
+    vllm_dtype: VLLMDtype | None = Field(
+        default=None, description="Weights dtype of the vllm engine: float32, bfloat16 or float16; default the checkpoint's "
+        "(vLLM's own 'auto' would serve a float32 checkpoint in bfloat16).",
+    )
+    vllm_gpu_memory_utilization: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="Share of the GPU the vllm engine takes for weights and KV cache; "
+        "default 0.9 on rollout workers, 0.5 in colocated runs (the trainer shares the GPU).",
     )
 
     _instance = field_validator("instance_type")(_known_instance_type)
@@ -205,6 +223,15 @@ class RunSpec(BaseModel):
     def _known_training_instance(cls, v: TrainConfig) -> TrainConfig:
         _known_instance_type(v.instance_type)
         return v
+
+    @model_validator(mode="after")
+    def _check_vllm_lora(self) -> RunSpec:
+        if self.rollout.engine == RolloutEngine.VLLM and self.training.lora_rank > VLLM_MAX_LORA_RANK:
+            raise ValueError(
+                f"rollout.engine vllm serves LoRA adapters of rank up to {VLLM_MAX_LORA_RANK}, not "
+                f"training.lora_rank {self.training.lora_rank}: lower it, or sample with engine hf"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_goal(self) -> RunSpec:

@@ -36,6 +36,7 @@ from services.backends.state_store import StateStore
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.policy_store import load_version, policy_dir
 from services.reward.functions import RewardInput, score_batch, terms_fingerprint
+from services.rollout.vllm_engine import build_vllm_engine
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.engines import make_engine
 from trainer_core.models.lora import is_adapter_dir
@@ -47,13 +48,14 @@ from trainer_core.engines.vllm import VLLMEngine
 log = logging.getLogger(__name__)
 
 
-def rollout_engine(name: str, policy: Policy) -> HFEngine | VLLMEngine:
-    """A worker's sampler over the run's base `policy`: `hf` over the policy's own model object,
-    `vllm` loaded from the directory the base weights came from. Later versions arrive through
-    `set_model` (full weights) or, on vLLM, `set_lora` (adapters)."""
-    if name == "hf":
+def rollout_engine(spec: RunSpec, policy: Policy) -> HFEngine | VLLMEngine:
+    """A worker's sampler (`spec.rollout.engine`) over the run's base `policy`: `hf` over the
+    policy's own model object, `vllm` loaded from the directory the base weights came from.
+    Later versions arrive through `set_model` (hf) or, on vLLM, `load_weights_from` (full
+    weights) and `set_lora` (adapters)."""
+    if spec.rollout.engine == "hf":
         return make_engine("hf", model=policy.model, tokenizer=policy.tokenizer)
-    return make_engine(name, model=policy.model.name_or_path, tokenizer=policy.tokenizer)
+    return build_vllm_engine(spec, policy)
 
 
 def reward_source(terms: Sequence[RewardTerm]) -> str:
@@ -203,11 +205,16 @@ class RolloutWorker:
         if self.engine is None:
             self._policy = load_policy(self.spec.model, cache_dir=self.model_cache)
             self._policy.model.eval()
-            self.engine = rollout_engine(self.spec.rollout.engine, self._policy)
+            self.engine = rollout_engine(self.spec, self._policy)
         if version > 0:
             local = policy_dir(self.objects, self.run_id, version, self.model_cache)
-            if is_adapter_dir(local) and isinstance(self.engine, VLLMEngine):
-                self.engine.set_lora(local)  # vLLM applies adapters itself, swapped per version
+            if isinstance(self.engine, VLLMEngine):
+                # vLLM reads the version from disk itself: adapters swapped per request, full
+                # weights reloaded in its engine process.
+                if is_adapter_dir(local):
+                    self.engine.set_lora(local)
+                else:
+                    self.engine.load_weights_from(local)
             else:
                 # Into the one model this worker holds: a new version never costs a second copy.
                 self._policy.model = load_version(self._policy.model, local).eval()

@@ -14,7 +14,7 @@ from trainer_core.engines.vllm import VLLMEngine
 class EngineName(str, Enum):
     HF = "hf"  # HFEngine(model, tokenizer): a transformers model in this process
     OPENAI = "openai"  # OpenAIEngine(base_url, server=..., tokenizer=...): a completions server
-    VLLM = "vllm"  # VLLMEngine(model_dir, tokenizer=..., ...): vLLM in this process, GPU only
+    VLLM = "vllm"  # VLLMEngine(model_dir, tokenizer=..., ...): vLLM's offline engine, GPU only
 
 
 _ENGINES: dict[EngineName, Callable[..., GenerationEngine]] = {

@@ -1,16 +1,30 @@
-"""Sampling with vLLM's offline engine (`vllm.LLM`) on a GPU rollout worker.
+"""Sampling with vLLM's offline engine (`vllm.LLM`) on a GPU.
 
-UNTESTED HERE: vLLM needs a GPU and this project's machines have none. The tests cover what runs
-without vLLM: this module imports, `VLLMEngine` without vLLM raises the install hint, and the pure
-helpers at the bottom (sampling arguments, output conversion) are checked on objects shaped as
-vLLM documents them. The calls into vLLM follow its documented offline API as of vLLM 0.30-0.32
-(the releases built for torch 2.13.0): `LLM(..., logprobs_mode=...)`, `LLMEngine.add_request` /
-`step` / `abort_request`, `LLM.sleep` / `wake_up`, `LLM.collective_rpc`, `LoRARequest`.
+NOT RUN HERE: vLLM needs a GPU and this project's machines have none. Every call into vLLM below
+was checked against the Python source of the vLLM 0.31.0 wheel (0.30 and 0.32 agree; the
+file:line citations are inside that wheel), and the tests run this module against a stand-in
+`vllm` (tests/trainer_core/engines/vllm_stand_in.py) that enforces those contracts.
+
+Two ways to push new full weights, as vLLM's engine runs in another process by default
+(VLLM_ENABLE_V1_MULTIPROCESSING, envs.py:1429), where `collective_rpc` arguments travel by msgpack:
+no callable unless VLLM_ALLOW_INSECURE_SERIALIZATION=1, and tensors arrive as plain lists
+(v1/serial_utils.py:220, 256-272; decoded untyped at v1/engine/core.py:1836):
+- `load_weights_from(dir)`: the worker's `reload_weights(weights_path=dir)` reads the checkpoint
+  there (v1/worker/gpu_model_runner.py:5492), with its layerwise post-processing; only a path
+  crosses the process boundary. For rollout workers, which have each version on disk.
+- `load_weights(named_tensors)` / `set_model(model)`: in process only (`in_process=True`, which
+  sets VLLM_ENABLE_V1_MULTIPROCESSING=0 before `LLM()`), the tensors go to the same
+  `reload_weights(weights_iterator=...)` with no copy through a socket. For colocated runs.
+vLLM 0.31 also has a weight-transfer API (`LLM.init_weight_transfer_engine` / `update_weights`,
+entrypoints/llm.py:870-912), for a trainer sending weights from other GPUs; spotrl does not need it.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +41,13 @@ INSTALL_HINT = (
     "the vllm generation engine needs vLLM and a CUDA GPU: pip install 'spotrl[gpu]' "
     "(vLLM 0.30-0.32, built for the torch 2.13.0 that spotrl pins)"
 )
-
+# vLLM's LoRAConfig.max_lora_rank is one of these (MaxLoRARanks, config/lora.py:27).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM's ModelDType (config/model.py:99), less "auto": that turns fp32 checkpoints into bf16
+# (config/model.py:2373), so spotrl always names the dtype.
+VLLM_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # of the whole GPU, weights and KV cache (vLLM's: 0.92)
+PREFIX_CACHE_RESET_TIMEOUT_S = 30.0
 
 
 def _import_vllm() -> Any:
@@ -38,10 +58,33 @@ def _import_vllm() -> Any:
     return vllm
 
 
+def max_lora_rank_for(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of rank `rank`."""
+    for allowed in MAX_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA adapters of rank up to {MAX_LORA_RANKS[-1]}, not {rank}: lower lora_rank")
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str:
+    """The dtype the checkpoint in `model_dir` was saved in (config.json's `dtype`, formerly
+    `torch_dtype`), as vLLM names it."""
+    config_file = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except OSError:
+        raise ValueError(f"cannot read {config_file} to learn the checkpoint's dtype: pass dtype explicitly") from None
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if dtype not in VLLM_DTYPES:
+        raise ValueError(f"{config_file} names dtype {dtype!r}: pass dtype, one of {', '.join(VLLM_DTYPES)}")
+    return dtype
+
+
 class VLLMEngine:
     """`GenerationEngine` over `vllm.LLM`, with the hooks an RL loop needs: new weights for each
-    policy version (`load_weights`, `set_model`), a LoRA adapter per version (`set_lora`), and
-    sleeping while a colocated trainer uses the GPU (`sleep`, `wake_up`).
+    policy version (`load_weights_from`, or in process `load_weights` / `set_model`), a LoRA
+    adapter per version (`set_lora`), and sleeping while a colocated trainer uses the GPU
+    (`sleep`, `wake_up`).
 
     Log-probs: the engine runs with logprobs_mode="processed_logprobs", so a sampled token's
     log-prob is log_softmax(logits / temperature), as `Completion.logprobs` promises (vLLM's
@@ -55,34 +98,52 @@ class VLLMEngine:
         *,
         tokenizer: PreTrainedTokenizerBase | None = None,
         stop_ids: Sequence[int] | None = None,
+        dtype: str | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        lora_rank: int | None = None,
         colocated: bool = False,
-        max_lora_rank: int | None = None,
         **llm_options: Any,
     ) -> None:
-        """`model` is a Hugging Face model directory or hub name. `colocated` enables vLLM's
-        sleep mode, for a trainer sharing the GPU; `max_lora_rank` enables LoRA adapters of up to
-        that rank. `llm_options` go to `vllm.LLM` as they are (gpu_memory_utilization,
-        max_model_len, dtype, ...). Completions end at the first of `stop_ids`, by default the
-        tokenizer's eos and end-of-turn tokens (vLLM also stops at the model's own eos)."""
+        """`model` is a Hugging Face model directory; vLLM serves it in `dtype` (default: the
+        checkpoint's) within `gpu_memory_utilization` of the GPU. `lora_rank` enables LoRA
+        adapters of up to that rank (rounded up to a rank vLLM allows). `colocated` is for a
+        trainer in this process sharing the GPU: it enables vLLM's sleep mode and runs vLLM's
+        engine in this process (`load_weights`). `llm_options` go to `vllm.LLM` as they are
+        (max_model_len, enforce_eager, ...). Completions end at the first of `stop_ids`, by
+        default the tokenizer's eos and end-of-turn tokens (vLLM also stops at the model's own eos)."""
         vllm = _import_vllm()
         self.tokenizer = tokenizer  # callers encode prompts and decode completions with it
         if stop_ids is None:
             stop_ids = stop_token_ids(tokenizer) if tokenizer is not None else []
         self.stop_ids = list(stop_ids)
         self._vllm = vllm
-        lora = {"enable_lora": True, "max_lora_rank": max_lora_rank} if max_lora_rank else {}
+        from vllm.sampling_params import RequestOutputKind
+
+        # Only finished requests come out of `step` (sampling_params.py:194): the default,
+        # CUMULATIVE, rebuilds every unfinished request's token and log-prob lists each step.
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        if lora_rank:
+            llm_options |= {"enable_lora": True, "max_lora_rank": max_lora_rank_for(lora_rank)}
+        self.in_process = colocated
+        if colocated:
+            # Read when LLM() builds its engine (v1/engine/llm_engine.py:180), and cached in this
+            # process from then on (envs.py:2249, v1/engine/core.py:252).
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self._llm = vllm.LLM(
             model=str(model),
+            dtype=dtype or checkpoint_dtype(model),
+            gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
+            # The cumem allocator that sleep() frees memory through (config/model.py:621).
             enable_sleep_mode=colocated,
-            **lora,
             **llm_options,
         )
+        self._lora_enabled = bool(lora_rank)
         self._lora_request: Any = None
-        self._lora_ids = itertools.count(1)
+        self._lora_ids = itertools.count(1)  # vLLM's LoRA ids start at 1 (lora/request.py:39)
         self._weights_asleep = False
         self._cache_asleep = False
-        self._weights_dropped = False  # by sleep(level=2), until load_weights
+        self._weights_dropped = False  # by sleep(level=2), until new weights are loaded
 
     def generate(
         self,
@@ -111,8 +172,8 @@ class VLLMEngine:
             options = sampling_options(params, None if seed is None else seed + i, self.stop_ids)
             engine.add_request(
                 request_id,
-                {"prompt_token_ids": list(prompt)},  # a TokensPrompt
-                self._vllm.SamplingParams(**options),
+                self._vllm.TokensPrompt(prompt_token_ids=list(prompt)),  # inputs/llm.py:111
+                self._vllm.SamplingParams(**options, output_kind=self._final_only),
                 lora_request=self._lora_request,
             )
         finished: dict[str, Any] = {}
@@ -129,24 +190,50 @@ class VLLMEngine:
                 engine.abort_request(unfinished)
         return [completion_from_vllm(finished[r].outputs[0], self.stop_ids) for r in request_ids]
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the served weights in place; names as in the Hugging Face checkpoint.
+    def load_weights_from(self, model_dir: str | Path) -> None:
+        """Serve the full-weight checkpoint saved in `model_dir` (safetensors, names as in the
+        Hugging Face checkpoint) from now on. Only the path crosses into vLLM's engine process."""
+        self._reload_weights({"weights_path": str(model_dir)})
 
-        The tensors reach every vLLM worker through `LLM.collective_rpc`; with vLLM's engine in
-        another process (its default) they are pickled there, so a colocated trainer sets
-        VLLM_ENABLE_V1_MULTIPROCESSING=0 to keep them in this process.
-        """
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the served weights with `named_tensors` (names as in the Hugging Face
+        checkpoint). In process only (`colocated=True`): across processes vLLM would receive
+        the tensors as plain lists."""
+        if not self.in_process:
+            raise RuntimeError(
+                "load_weights passes tensors, which reach vLLM's engine process as plain lists: "
+                "build the engine with colocated=True, or save the weights and call load_weights_from(dir)"
+            )
+        self._reload_weights({"weights_iterator": iter(named_tensors)})
+
+    def _reload_weights(self, source: dict[str, Any]) -> None:
         if self._weights_asleep:
             # Loading into offloaded weights writes to memory that waking up then overwrites.
             self._llm.wake_up(tags=["weights"])
             self._weights_asleep = False
-        self._llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors),))
+        # The worker's reload_weights (v1/worker/gpu_worker.py:566), by name: a name needs no
+        # pickling, and it runs vLLM's layerwise post-processing after the load.
+        self._llm.collective_rpc("reload_weights", kwargs=source)
         self._weights_dropped = False
-        # Cached prefixes hold keys and values of the old weights.
-        self._llm.reset_prefix_cache()
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self, timeout_s: float = PREFIX_CACHE_RESET_TIMEOUT_S) -> None:
+        """Drop cached prefixes, whose keys and values the old weights computed. vLLM refuses
+        (returns False) while requests hold cache blocks (v1/core/block_pool.py:840-845): in
+        its engine process, requests aborted a moment ago may still do. So this retries, and
+        fails after `timeout_s`: sampling would go on reusing the old weights' keys and values."""
+        deadline = time.monotonic() + timeout_s
+        while not self._llm.reset_prefix_cache():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"vLLM kept its prefix cache for {timeout_s:.0f} s after a weight update, as requests still "
+                    "hold it: finish or abort them before loading new weights"
+                )
+            time.sleep(0.05)
 
     def set_model(self, model: torch.nn.Module) -> None:
-        """Serve `model`'s weights from now on (after a training step), as `HFEngine.set_model`."""
+        """Serve `model`'s weights from now on (after a training step in this process), as
+        `HFEngine.set_model`."""
         self.load_weights(model.state_dict().items())
 
     def set_lora(self, adapter_dir: str | Path | None) -> None:
@@ -158,6 +245,8 @@ class VLLMEngine:
         if adapter_dir is None:
             self._lora_request = None
             return
+        if not self._lora_enabled:
+            raise RuntimeError("this vLLM engine was built without LoRA: pass lora_rank to VLLMEngine")
         from vllm.lora.request import LoRARequest
 
         lora_id = next(self._lora_ids)
@@ -165,8 +254,10 @@ class VLLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Free the GPU for a colocated trainer: level 1 moves the weights to CPU memory, level 2
-        drops them (`load_weights` must then run before the next `generate`); both drop the KV
-        cache. Needs `colocated=True`."""
+        drops them (new weights must then be loaded before the next `generate`); both drop the
+        KV cache. Needs `colocated=True` (vLLM's sleep mode)."""
+        if not self.in_process:
+            raise RuntimeError("sleep needs vLLM's sleep mode: build the engine with colocated=True")
         self._llm.sleep(level=level)
         self._weights_asleep = self._cache_asleep = True
         self._weights_dropped = level >= 2
@@ -179,11 +270,6 @@ class VLLMEngine:
         if tags:
             self._llm.wake_up(tags=tags)
         self._weights_asleep = self._cache_asleep = False
-
-
-def _load_weights_on_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    # Runs inside each vLLM worker (collective_rpc passes the worker as the first argument).
-    worker.model_runner.model.load_weights(weights=named_tensors)
 
 
 def sampling_options(params: SamplingParams, seed: int | None, stop_ids: Sequence[int]) -> dict[str, Any]:

@@ -1,25 +1,29 @@
 """VLLMEngine without vLLM (no GPU here): the import, the install hint, the pure helpers on
-objects shaped as vLLM documents them, and the engine's own bookkeeping over a stand-in `vllm`
-module that records the documented calls. None of this shows that vLLM itself behaves so; that
-needs a GPU machine. Also the engine factory, `make_engine`."""
+objects shaped as vLLM's source builds them, and the engine over a stand-in `vllm`
+(vllm_stand_in.py) that enforces the contracts read in vLLM 0.31.0's source. None of this shows
+that vLLM itself behaves so; that needs a GPU machine. Also the engine factory, `make_engine`."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from trainer_core.engines import make_engine
 from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
 from trainer_core.models.loading import Policy
 from trainer_core.engines.openai import OpenAIEngine
-from trainer_core.engines.vllm import VLLMEngine, completion_from_vllm, sampling_options
+from trainer_core.engines.vllm import VLLMEngine, completion_from_vllm, max_lora_rank_for, sampling_options
+
+from tests.trainer_core.engines import vllm_stand_in
 
 
 @pytest.fixture
@@ -69,104 +73,124 @@ def test_completion_from_vllm_output() -> None:
         completion_from_vllm(_output([5], [-1.0], "abort"), [])
 
 
-class _StandInLLM:
-    """Records the documented `vllm.LLM` calls; each request emits token 100 + its seed, then 2."""
-
-    def __init__(self, **options: Any) -> None:
-        self.options = options
-        self.calls: list[tuple[str, Any]] = []
-        self.requests: dict[str, Any] = {}
-        self.llm_engine = self
-
-    # LLMEngine
-    def add_request(
-        self, request_id: str, prompt: dict[str, Any], params: Any, lora_request: Any = None
-    ) -> str:
-        self.requests[request_id] = (prompt, params, lora_request)
-        return request_id
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> list[SimpleNamespace]:
-        # Finishes the newest request first, so that outputs arrive out of order.
-        request_id = sorted(self.requests)[-1]
-        _, params, _ = self.requests.pop(request_id)
-        token = 100 + params.kwargs.get("seed", 0)
-        out = _output([token, 2], [-0.5, -0.1], "stop")
-        return [SimpleNamespace(request_id=request_id, finished=True, outputs=[out])]
-
-    def abort_request(self, request_ids: list[str]) -> None:
-        self.calls.append(("abort", sorted(request_ids)))
-        for r in request_ids:
-            self.requests.pop(r, None)
-
-    # LLM
-    def sleep(self, level: int) -> None:
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.calls.append(("wake_up", tags))
-
-    def collective_rpc(self, method: Any, args: tuple[Any, ...] = ()) -> list[Any]:
-        model = SimpleNamespace(
-            load_weights=lambda weights: self.calls.append(("load_weights", [n for n, _ in weights]))
-        )
-        method(SimpleNamespace(model_runner=SimpleNamespace(model=model)), *args)
-        return [None]
-
-    def reset_prefix_cache(self) -> None:
-        self.calls.append(("reset_prefix_cache", None))
-
-
 @pytest.fixture
-def stand_in_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
-    module = types.ModuleType("vllm")
-    module.LLM = _StandInLLM  # type: ignore[attr-defined]
-    module.SamplingParams = lambda **kwargs: SimpleNamespace(kwargs=kwargs)  # type: ignore[attr-defined]
-    lora = types.ModuleType("vllm.lora.request")
-    lora.LoRARequest = lambda name, lora_id, path: (name, lora_id, path)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
-    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
-    yield module
+def stand_in_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    return vllm_stand_in.install(monkeypatch)
 
 
-def test_generate_keeps_order_seeds_each_request_and_aborts_on_stop(stand_in_vllm: types.ModuleType) -> None:
-    engine = VLLMEngine("some/model", stop_ids=[2], gpu_memory_utilization=0.3)
+def _checkpoint(path: Path, dtype: str = "bfloat16") -> Path:
+    """A model directory as vLLM reads it: config.json and a safetensors file."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": dtype}))
+    save_file({"weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
+    return path
+
+
+def _adapter(path: Path, rank: int) -> Path:
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "peft_type": "LORA"}))
+    return path
+
+
+def test_generate_keeps_order_seeds_each_request_and_aborts_on_stop(
+    stand_in_vllm: types.ModuleType, tmp_path: Path
+) -> None:
+    engine = VLLMEngine(_checkpoint(tmp_path / "m", "float32"), stop_ids=[2], gpu_memory_utilization=0.3)
     llm = engine._llm
     assert llm.options["logprobs_mode"] == "processed_logprobs"
     assert llm.options["gpu_memory_utilization"] == 0.3
+    assert llm.options["dtype"] == "float32"  # the checkpoint's, not vLLM's "auto" (bf16)
     completions = engine.generate([[1, 2], [3], [4, 5]], SamplingParams(temperature=1.0), seed=10)
-    assert [c.token_ids for c in completions] == [[110, 2], [111, 2], [112, 2]]
+    assert [c.token_ids for c in completions] == [[20, 2], [21, 2], [22, 2]]
+    assert llm.intermediate_outputs == 0  # output_kind FINAL_ONLY
     assert engine.generate([[1]], SamplingParams(), should_stop=lambda: True) is None
     assert llm.calls[-1][0] == "abort" and not llm.requests
     with pytest.raises(ValueError, match="top_p=0.9"):
         engine.generate([[1]], SamplingParams(temperature=1.0, top_p=0.9))
 
 
-def test_weights_adapters_and_sleep(stand_in_vllm: types.ModuleType) -> None:
-    engine = VLLMEngine("some/model", colocated=True, max_lora_rank=8)
+def test_options_vllm_does_not_know_are_refused(stand_in_vllm: types.ModuleType, tmp_path: Path) -> None:
+    model = _checkpoint(tmp_path / "m")
+    assert VLLMEngine(model, dtype="float16", max_model_len=512)._llm.options["dtype"] == "float16"
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['max_lora_ranks'\\]"):
+        VLLMEngine(model, max_lora_ranks=8)
+    (tmp_path / "hub").mkdir()
+    with pytest.raises(ValueError, match="pass dtype explicitly"):
+        VLLMEngine(tmp_path / "hub")
+
+
+def test_a_full_weight_push_reloads_the_checkpoint_by_path_and_resets_the_prefix_cache(
+    stand_in_vllm: types.ModuleType, tmp_path: Path
+) -> None:
+    engine = VLLMEngine(_checkpoint(tmp_path / "base"), stop_ids=[2])
     llm = engine._llm
-    assert llm.options["enable_sleep_mode"] and llm.options["max_lora_rank"] == 8
+    assert llm.multiprocess  # vLLM's default: the engine in another process
+    version = _checkpoint(tmp_path / "v1")
+    llm.busy_resets = 2  # requests still hold cache blocks for two tries
+    engine.load_weights_from(version)
+    assert llm.calls == [("reload_weights", str(version))] + [("reset_prefix_cache", None)] * 3
+    assert llm.model == str(version)
+    with pytest.raises(RuntimeError, match="colocated=True, or save the weights and call load_weights_from"):
+        engine.set_model(torch.nn.Linear(2, 2))
+    llm.busy_resets = 10**9
+    with pytest.raises(RuntimeError, match="vLLM kept its prefix cache"):
+        engine._reset_prefix_cache(timeout_s=0.1)
+
+
+def test_tensors_and_functions_do_not_cross_into_vllms_engine_process(
+    stand_in_vllm: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the old push, collective_rpc(a function, args=(tensors,)), met.
+    llm = VLLMEngine(_checkpoint(tmp_path / "m"))._llm
+    weights = [("weight", torch.zeros(2, 2))]
+    with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+        llm.collective_rpc(lambda worker, w: worker.model_runner.model.load_weights(w), args=(weights,))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    with pytest.raises(AttributeError, match="arrived as list \\['float32', \\[2, 2\\], 0\\]"):
+        llm.collective_rpc(lambda worker, w: worker.model_runner.model.load_weights(w), args=(weights,))
+
+
+def test_a_colocated_engine_pushes_tensors_in_process_and_sleeps(stand_in_vllm: types.ModuleType, tmp_path: Path) -> None:
+    engine = VLLMEngine(_checkpoint(tmp_path / "m"), colocated=True, stop_ids=[2])
+    llm = engine._llm
+    assert llm.options["enable_sleep_mode"] and not llm.multiprocess
     engine.set_model(torch.nn.Linear(2, 2))
-    assert llm.calls == [("load_weights", ["weight", "bias"]), ("reset_prefix_cache", None)]
-    engine.set_lora("/adapters/v1")
-    engine.set_lora("/adapters/v2")
-    assert engine._lora_request == ("policy-2", 2, "/adapters/v2")  # a new id per version
+    assert llm.calls == [("reload_weights", ["weight", "bias"]), ("reset_prefix_cache", None)]
     llm.calls.clear()
     engine.sleep(level=2)
     with pytest.raises(RuntimeError, match="dropped the weights"):
         engine.generate([[1]], SamplingParams())
     engine.load_weights([("weight", torch.zeros(2, 2))])
     engine.generate([[1]], SamplingParams(temperature=0.0))
-    assert llm.calls[:4] == [
+    assert llm.calls == [
         ("sleep", 2),
         ("wake_up", ["weights"]),
-        ("load_weights", ["weight"]),
+        ("reload_weights", ["weight"]),
         ("reset_prefix_cache", None),
+        ("wake_up", ["kv_cache"]),
     ]
-    assert llm.calls[4] == ("wake_up", ["kv_cache"])
+    with pytest.raises(RuntimeError, match="colocated=True"):
+        VLLMEngine(tmp_path / "m").sleep()
+
+
+def test_max_lora_rank_is_the_run_rank_rounded_up_to_one_vllm_allows() -> None:
+    assert [max_lora_rank_for(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
+    with pytest.raises(ValueError, match="up to 512, not 513"):
+        max_lora_rank_for(513)
+
+
+def test_lora_versions_sample_through_an_engine_built_for_their_rank(
+    stand_in_vllm: types.ModuleType, tmp_path: Path
+) -> None:
+    engine = VLLMEngine(_checkpoint(tmp_path / "m"), lora_rank=12, stop_ids=[2])
+    assert engine._llm.options | {"enable_lora": True, "max_lora_rank": 16} == engine._llm.options
+    engine.set_lora(_adapter(tmp_path / "v1", 12))
+    engine.set_lora(v2 := _adapter(tmp_path / "v2", 12))
+    request = engine._lora_request
+    assert (request.lora_name, request.lora_int_id, request.lora_path) == ("policy-2", 2, str(v2))  # a new id per version
+    assert [c.token_ids for c in engine.generate([[1]], SamplingParams(), seed=0)] == [[10, 2]]
+    with pytest.raises(RuntimeError, match="pass lora_rank"):
+        VLLMEngine(tmp_path / "m").set_lora(v2)
 
 
 def test_make_engine_builds_each_engine_by_name(tiny_policy: Policy, no_vllm: None) -> None:

@@ -1,0 +1,271 @@
+"""A stand-in `vllm` module for machines without a GPU, enforcing the contracts of vLLM 0.31.0
+that `VLLMEngine` relies on. Each contract was read in the wheel's Python source
+(`pip download vllm==0.31.0 --no-deps`); the file:line citations are inside that wheel.
+
+What it enforces, and where vLLM does the same:
+- `LLM(**options)` takes only LLM.__init__'s parameters and EngineArgs' fields
+  (entrypoints/llm.py:180, engine/arg_utils.py:464; the list is vllm_0_31_llm_options.txt);
+  `dtype` is a ModelDType (config/model.py:99); `max_lora_rank` one of MaxLoRARanks
+  (config/lora.py:27).
+- `collective_rpc` across processes (VLLM_ENABLE_V1_MULTIPROCESSING, on unless set to 0:
+  envs.py:1429, v1/engine/llm_engine.py:180) sends its arguments with msgpack: a callable or
+  any other object msgpack cannot encode raises TypeError unless
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 (v1/serial_utils.py:220), and a tensor always arrives as a
+  plain [dtype, shape, data] list (encoded at v1/serial_utils.py:256-272; the engine core decodes
+  utility calls with an untyped decoder, v1/engine/core.py:1766 and 1836, so nothing rebuilds
+  it). In process the call is direct (v1/executor/uniproc_executor.py:103).
+- the worker method `reload_weights(weights_iterator=None, weights_path=None,
+  is_checkpoint_format=True)` (v1/worker/gpu_model_runner.py:5492) reads the checkpoint at
+  `weights_path` and makes it the model's path from then on (line 5534).
+- `reset_prefix_cache()` returns a bool, False while requests hold KV blocks
+  (entrypoints/llm.py:802, v1/core/block_pool.py:840-845).
+- a `lora_request` without `enable_lora` raises "LoRA is not enabled!"
+  (v1/engine/input_processor.py:249); an adapter of rank above `max_lora_rank` is refused
+  (lora/peft_helper.py:130); LoRA ids start at 1 (lora/request.py:39).
+- `sleep` frees memory only with `enable_sleep_mode` (its cumem allocator, config/model.py:621);
+  vLLM itself then silently frees nothing, the stand-in raises. `wake_up` tags are
+  "weights", "kv_cache", "scheduling" (entrypoints/llm.py:842).
+- `SamplingParams` takes only its own fields (sampling_params.py:211); with
+  `output_kind=RequestOutputKind.FINAL_ONLY` (sampling_params.py:194) `step` returns finished
+  requests only, otherwise also every unfinished one with all its tokens so far.
+
+Each request samples token 10 + its seed % 50 (in the tiny model's vocabulary), then token 2
+(two engine steps). Every `LLM` built since `install` is in `built`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import types
+from enum import Enum
+from pathlib import Path
+from types import FunctionType, SimpleNamespace
+from typing import Any, TypedDict
+
+import pytest
+import torch
+
+LLM_OPTIONS = frozenset(
+    line for line in (Path(__file__).parent / "vllm_0_31_llm_options.txt").read_text().split("\n")
+    if line and not line.startswith("#")
+)
+MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
+SAMPLING_FIELDS = frozenset(
+    "n presence_penalty frequency_penalty repetition_penalty temperature top_p top_k min_p seed stop "
+    "stop_token_ids ignore_eos max_tokens min_tokens logprobs prompt_logprobs detokenize skip_special_tokens "
+    "include_stop_str_in_output output_kind logit_bias allowed_token_ids extra_args bad_words".split()
+)
+
+
+class RequestOutputKind(Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
+    prompt: str
+
+
+class SamplingParams:
+    def __init__(self, **kwargs: Any) -> None:
+        unknown = set(kwargs) - SAMPLING_FIELDS
+        if unknown:
+            raise TypeError(f"SamplingParams got unexpected keyword arguments {sorted(unknown)}")
+        self.kwargs = kwargs
+        self.output_kind = kwargs.get("output_kind", RequestOutputKind.CUMULATIVE)
+
+
+class LoRARequest:
+    def __init__(self, lora_name: str, lora_int_id: int, lora_path: str = "") -> None:
+        if lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {lora_int_id}")
+        self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+
+def across_processes(obj: Any, insecure: bool) -> Any:
+    """`obj` as the engine core process receives it from msgpack (v1/serial_utils.py)."""
+    if obj is None or isinstance(obj, bool | int | float | str | bytes):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return [str(obj.dtype).removeprefix("torch."), list(obj.shape), 0]  # no tensor arrives
+    if isinstance(obj, list | tuple):
+        return [across_processes(x, insecure) for x in obj]
+    if isinstance(obj, dict):
+        return {k: across_processes(v, insecure) for k, v in obj.items()}
+    if not insecure:
+        raise TypeError(
+            f"Object of type {type(obj)} is not serializableSet VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow "
+            "fallback to pickle-based serialization."
+        )
+    if isinstance(obj, FunctionType):
+        return obj  # cloudpickled
+    return pickle.loads(pickle.dumps(obj))  # a generator, for one, raises TypeError here
+
+
+class _Worker:
+    """The worker methods spotrl calls through collective_rpc."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        # worker.model_runner.model.load_weights(weights): the model's own loader, without
+        # reload_weights' layerwise post-processing (gpu_model_runner.py:5545-5548).
+        self.model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load_tensors))
+
+    def reload_weights(
+        self, weights_iterator: Any = None, weights_path: str | None = None, is_checkpoint_format: bool = True
+    ) -> None:
+        llm = self.llm
+        if "weights" in llm.sleeping:
+            raise RuntimeError("reload_weights while the weights sleep: wake_up(tags=['weights']) first")
+        if weights_iterator is None:
+            path = Path(weights_path or llm.model)
+            if not list(path.glob("*.safetensors")):
+                raise RuntimeError(f"Cannot find any model weights with `{path}`")
+            llm.model = str(path)
+            llm.calls.append(("reload_weights", str(path)))
+            return
+        llm.calls.append(("reload_weights", self._load_tensors(weights_iterator)))
+
+    def _load_tensors(self, weights: Any) -> list[str]:
+        names = []
+        for name, tensor in weights:
+            if not isinstance(tensor, torch.Tensor):
+                raise AttributeError(f"weight {name} arrived as {type(tensor).__name__} {tensor!r}, not a tensor")
+            names.append(name)
+        return names
+
+
+built: list[LLM] = []
+
+
+class LLM:
+    """`vllm.LLM` and its `llm_engine` (the LLMEngine calls live on the same object)."""
+
+    def __init__(self, model: str, **options: Any) -> None:
+        unknown = set(options) - LLM_OPTIONS
+        if unknown:
+            raise TypeError(f"EngineArgs.__init__() got unexpected keyword arguments {sorted(unknown)}")
+        if options.get("dtype", "auto") not in MODEL_DTYPES:
+            raise ValueError(f"dtype {options['dtype']!r} is not one of {MODEL_DTYPES}")
+        if options.get("max_lora_rank", 16) not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank {options['max_lora_rank']!r} is not one of {MAX_LORA_RANKS}")
+        if not 0 < options.get("gpu_memory_utilization", 0.92) <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        self.model = model
+        self.options = options
+        self.multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        self.calls: list[tuple[str, Any]] = []
+        self.requests: dict[str, list[Any]] = {}  # request id -> [params, tokens so far]
+        self.sleeping: set[str] = set()
+        self.busy_resets = 0  # reset_prefix_cache answers False this many more times
+        self.intermediate_outputs = 0  # outputs of unfinished requests that step returned
+        self.llm_engine = self
+        self._worker = _Worker(self)
+        built.append(self)
+
+    # LLMEngine
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None, lora_request: Any = None
+    ) -> str:
+        if not isinstance(prompt, dict) or set(prompt) - set(TokensPrompt.__annotations__):
+            raise TypeError(f"prompt {prompt!r} is not a TokensPrompt")
+        if not all(isinstance(t, int) for t in prompt["prompt_token_ids"]):
+            raise TypeError("prompt_token_ids must be ints")
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        if lora_request is not None:
+            if not self.options.get("enable_lora"):
+                raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
+            rank = json.loads((Path(lora_request.lora_path) / "adapter_config.json").read_text())["r"]
+            if rank > self.options.get("max_lora_rank", 16):
+                raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {self.options.get('max_lora_rank', 16)}")
+        self.requests[request_id] = [params, [], lora_request]
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[SimpleNamespace]:
+        if self.sleeping:
+            raise RuntimeError(f"step while asleep ({sorted(self.sleeping)}): wake_up first")
+        outputs = []
+        for request_id in sorted(self.requests, reverse=True):  # out of order
+            params, tokens, _ = self.requests[request_id]
+            tokens.append(10 + params.kwargs.get("seed", 0) % 50 if not tokens else 2)
+            finished = len(tokens) == 2
+            if finished:
+                del self.requests[request_id]
+            elif params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
+            else:
+                self.intermediate_outputs += 1
+            steps = [{t: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=None)} for t in tokens]
+            out = SimpleNamespace(
+                index=0, text="", token_ids=list(tokens), logprobs=steps,
+                finish_reason="stop" if finished else None, stop_reason=None,
+            )
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[out]))
+        return outputs
+
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        self.calls.append(("abort", sorted(request_ids)))
+        for r in request_ids:
+            self.requests.pop(r, None)
+
+    # LLM
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        kwargs = kwargs or {}
+        if self.multiprocess:
+            insecure = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "0") == "1"
+            method, args, kwargs = (across_processes(x, insecure) for x in (method, args, kwargs))
+        if isinstance(method, str):
+            return [getattr(self._worker, method)(*args, **kwargs)]
+        return [method(self._worker, *args, **kwargs)]
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache", None))
+        if self.requests or self.busy_resets > 0:
+            self.busy_resets -= 1
+            return False
+        return True
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        if not self.options.get("enable_sleep_mode"):
+            raise RuntimeError("sleep without LLM(enable_sleep_mode=True) frees no GPU memory")
+        self.calls.append(("sleep", level))
+        self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if tags is not None and set(tags) - set(WAKE_UP_TAGS):
+            raise ValueError(f"wake_up tags must be in {WAKE_UP_TAGS}, not {tags}")
+        self.calls.append(("wake_up", tags))
+        self.sleeping -= set(tags or WAKE_UP_TAGS)
+
+
+def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """Make `import vllm` (and the submodules VLLMEngine imports) give the stand-in until the
+    test ends; vLLM's environment switches are restored then too."""
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams, module.TokensPrompt = LLM, SamplingParams, TokensPrompt  # type: ignore[attr-defined]
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind, sampling.SamplingParams = RequestOutputKind, SamplingParams  # type: ignore[attr-defined]
+    lora = types.ModuleType("vllm.lora.request")
+    lora.LoRARequest = LoRARequest  # type: ignore[attr-defined]
+    for name, mod in [
+        ("vllm", module), ("vllm.sampling_params", sampling), ("vllm.lora", types.ModuleType("vllm.lora")),
+        ("vllm.lora.request", lora),
+    ]:
+        monkeypatch.setitem(sys.modules, name, mod)
+    built.clear()
+    for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        monkeypatch.delenv(var, raising=False)
+    return module
