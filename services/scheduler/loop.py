@@ -23,7 +23,8 @@ from services.backends.launcher import PodSpec, cli_command, pod_outcome
 from services.backends.queue import next_offsets
 from services.backends.state_schema import IterationRow, RunRow
 from services.config import Settings
-from services.cost.catalog import PriceCatalog, load_catalog
+from services.cost.catalog import PriceCatalog
+from services.cost.live_prices import load_prices
 from services.errors import PermanentError, TemporaryError
 from services.names import (
     ROLLOUT_GROUP,
@@ -102,7 +103,7 @@ class Scheduler:
     def __init__(self, backends: Backends, settings: Settings, catalog: PriceCatalog | None = None) -> None:
         self.b = backends
         self.settings = settings
-        self.catalog = catalog or load_catalog()
+        self.catalog = catalog or load_prices(settings)
         self.leadership = Leadership(backends.state, settings.lease_seconds)
         self._prompt_sets: dict[str, list[dict]] = {}
         self._trouble: dict[str, _Trouble] = {}
@@ -320,7 +321,7 @@ class Scheduler:
             instance_type=instance_type,
             capacity_type=capacity_type,
             price_per_hour=price.price(capacity_type),
-            price_source=f"{price.source} ({price.date})",
+            price_source=price.described(),
             started_at=started,
         )
 
