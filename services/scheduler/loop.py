@@ -260,9 +260,11 @@ class Scheduler:
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.BillPod(pod):
                 self._bill(pod.run_id, pod.name, pod.role, pod.instance_type, pod.capacity_type, pod.started_at)
-            case p.CloseEntry(pod, ended_at):
+            case p.CloseEntry(pod, ended_at, None):
                 log.warning("pod %s has an open ledger entry but was never launched; closed with nothing billed", pod)
                 self.b.state.close_ledger(pod, ended_at=ended_at)
+            case p.CloseEntry(pod, ended_at, outcome):
+                self.b.state.close_ledger(pod, ended_at=ended_at, outcome=outcome)
             case p.ReapPod(pod):
                 self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time(), outcome=pod_outcome(pod))
                 # Pods and their logs go away together; keep the log where `spotrl logs` finds it.
