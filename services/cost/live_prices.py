@@ -20,9 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import cache
 from typing import Any
 
 import boto3
+import botocore.loaders
+import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -70,7 +73,7 @@ class AwsSpotPrices:
 
     def _fetch(self, region: str, instance_type: str) -> _Fetched:
         now = self._clock()
-        session = boto3.session.Session(region_name=region)
+        session = _session(region)
         if session.get_credentials() is None:
             return self._failed(now, instance_type, "no AWS credentials in the environment")
         try:
@@ -92,6 +95,20 @@ class AwsSpotPrices:
     def _failed(now: float, instance_type: str, reason: str) -> _Fetched:
         log.warning("no live spot price for %s (%s): using the catalog's", instance_type, reason)
         return _Fetched(at=now, spot=None, detail=reason)
+
+
+@cache
+def _service_models() -> botocore.loaders.Loader:
+    """One loader of botocore's service models for every session: each new session would
+    parse EC2's model again (~1.5 s of CPU, measured)."""
+    return botocore.loaders.create_loader()
+
+
+def _session(region: str) -> boto3.session.Session:
+    """A session of its own per fetch, so that it sees the environment's credentials as they are now."""
+    core = botocore.session.get_session()
+    core.register_component("data_loader", _service_models())
+    return boto3.session.Session(botocore_session=core, region_name=region)
 
 
 def _latest_per_zone(history: list[dict[str, Any]]) -> dict[str, float]:
