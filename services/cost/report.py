@@ -6,7 +6,8 @@ Three figures, so a user can judge the bill:
   (``services.cost.billing``: per second with a 60 s minimum on AWS, for instance).
 - ``always_on_dollars``: the same work on an always-on on-demand cluster: the training
   instance held on-demand for the run's whole wall time, and the rollout work billed at
-  the on-demand price of its instance type instead of spot.
+  the on-demand price of its instance type instead of spot (by the same billing rules).
+  A run of many jobs much shorter than the provider's minimum can cost more than this.
 - ``lower_bound_dollars``: the busy seconds of every pod at the cheapest price of its
   instance type; no schedule can pay less for the same pods.
 
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.backends.state_store import LedgerEntry
-from services.cost.billing import billed_dollars
+from services.cost.billing import billed_dollars, billed_seconds, rule_for
 from services.cost.catalog import PriceCatalog
 
 
@@ -67,9 +68,11 @@ def cost_report(
         seconds = e.seconds(now)
         lower_bound += seconds * price.cheapest() / 3600.0
         if e.role != "training":
-            rollout_on_demand += seconds * price.on_demand / 3600.0
+            rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * price.on_demand / 3600.0
     wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
-    always_on = wall * catalog.get(training_instance_type).on_demand / 3600.0 + rollout_on_demand
+    training = catalog.get(training_instance_type)
+    # Billed by the same rules as the run: one launch of the training instance, held throughout.
+    always_on = billed_seconds(wall, rule_for(training.provider)) * training.on_demand / 3600.0 + rollout_on_demand
     return CostReport(
         currency=catalog.currency_of([training_instance_type, *(e.instance_type for e in entries)]),
         total_dollars=sum(by_role.values()),
