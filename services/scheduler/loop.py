@@ -23,6 +23,7 @@ from services.backends.launcher import PodSpec, cli_command, pod_outcome
 from services.backends.queue import next_offsets
 from services.backends.state_schema import IterationRow, RunRow
 from services.config import Settings
+from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog
 from services.cost.live_prices import load_prices
 from services.errors import PermanentError, TemporaryError
@@ -225,7 +226,7 @@ class Scheduler:
             sample_backlog=group_size * self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
             samples_produced=group_size * sum(self.b.queue.end_offsets(samples).values()) if started else 0,
             trainer_committed=sum(self.b.queue.committed(samples, TRAINER_GROUP).values()) if started else 0,
-            spent_dollars=sum(e.dollars(now) for e in ledger),
+            spent_dollars=sum(billed_dollars(e, self.catalog, now) for e in ledger),  # the cost report's figure
             billed=frozenset(e.pod for e in ledger),
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},
             now=now,
