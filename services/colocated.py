@@ -254,7 +254,7 @@ def run_colocated(
 
     policy_dir = _save_final_policy(engine, out_dir / POLICY_DIR)
     cost = CostLine(
-        instance_type=price.instance_type, price_per_hour=price.on_demand, currency=catalog.currency, wall_seconds=elapsed()
+        instance_type=price.instance_type, price_per_hour=price.on_demand, currency=price.currency, wall_seconds=elapsed()
     )
     return ColocatedResult(iterations=history, stop_reason=reason, policy_dir=policy_dir, cost=cost)
 

@@ -28,6 +28,8 @@ class Settings(BaseSettings):
         default=None,
         description="Price catalog file (the JSON of services/cost/catalog.json) with the operator's own prices; default: the catalog shipped with spotrl.",
     )
+    live_prices: bool = Field(default=False, description="Take AWS instances' spot prices from EC2's describe_spot_price_history (AWS credentials from the environment), falling back to the catalog's.")
+    live_prices_ttl_s: float = Field(default=300.0, gt=0, description="How long a live spot price (or a failure to get one) is reused before EC2 is asked again.")
     tick_seconds: float = Field(default=0.5, gt=0, description="Scheduler reconcile interval.")
     lease_seconds: float = Field(default=10.0, gt=0, description="How long the leading scheduler's lease lasts unrenewed: a standby scheduler takes over this long after the leader dies. Several ticks long, so a slow tick does not lose it.")
     session_timeout_s: float = Field(default=60.0, gt=0, description="A rollout worker that has not polled for this long (it polls between batches) loses its prompts to the others.")

@@ -234,6 +234,12 @@ class RunSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _one_currency(self) -> RunSpec:
+        """The run's bill is in one currency: its instance types' prices must share it."""
+        load_catalog().currency_of([self.rollout.instance_type, self.training.instance_type])  # a ValueError if not
+        return self
+
+    @model_validator(mode="after")
     def _check_goal(self) -> RunSpec:
         if self.iterations is None and self.target_mean_reward is None:
             raise ValueError("set `iterations`, `target_mean_reward`, or both, so the run can end")

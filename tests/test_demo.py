@@ -27,5 +27,8 @@ def test_the_demo_trains_bills_and_exits_0(tmp_path: Path, tmp_path_factory: pyt
     assert result["status"] == "SUCCEEDED"
     assert [it["iteration"] for it in result["iterations"]] == list(range(1, len(result["iterations"]) + 1))
     assert all(it["samples"] > 0 for it in result["iterations"]) and result["iterations"]
-    assert 0 < result["cost"]["total_dollars"] <= result["cost"]["always_on_dollars"]
+    # Not "cheaper than always-on": the tiny model's training jobs are shorter than AWS's 60 s
+    # minimum per launch (services/cost/billing.py), so a job per batch can cost more than an
+    # instance held throughout.
+    assert result["cost"]["total_dollars"] > 0 and result["cost"]["always_on_dollars"] > 0
     assert "always-on" in done.stdout  # the bill is printed

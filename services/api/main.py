@@ -20,7 +20,7 @@ from services.api.routes import datasets, health, plan, runs
 from services.api.service import InvalidCursorError, PodNotOfRunError, SpecFieldError
 from services.backends.state_store import IllegalTransitionError, RunNotFoundError
 from services.config import Settings, get_settings
-from services.cost.catalog import load_catalog
+from services.cost.live_prices import load_prices
 from services.cost.planner import PlanError
 from services.prompts import InvalidPromptsError
 from services.scheduler.loop import Scheduler
@@ -54,7 +54,7 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         backends = open_backends(settings)
         app.state.backends = backends
-        app.state.catalog = load_catalog()
+        app.state.catalog = load_prices(settings)
         app.state.metrics_registry = CollectorRegistry()
         app.state.metrics_registry.register(RunCollector(backends, app.state.catalog))
         stop = threading.Event()

@@ -32,6 +32,7 @@ from contracts.status import RunStatus
 from services.backends.launcher import PodOutcome, PodPhase
 from services.backends.state_schema import RunRow
 from services.backends.state_store import LedgerEntry
+from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog, load_catalog
 from services.cost.report import cost_report
 from services.names import ROLLOUT_GROUP, TRAINER_GROUP, prompts_topic, samples_topic
@@ -125,7 +126,7 @@ class RunCollector(Collector):
         preempted: dict[tuple[str, ...], int] = {}
         for e in entries:
             key = (r.id, e.role, e.capacity_type, e.instance_type)
-            dollars[key] += e.dollars(now)
+            dollars[key] += billed_dollars(e, self.catalog, now)  # the cost report's figure
             seconds[key] += e.seconds(now)
             per_hour[key] += e.price_per_hour if e.ended_at is None else 0.0  # 0 once all ended: "now" stays a series
             if e.ended_at is not None:

@@ -99,12 +99,12 @@ class LedgerEntryPublic(BaseModel):
     # How the pod ended: succeeded, failed or killed (a spot preemption among them); None while it runs.
     outcome: str | None = None
     seconds: float
-    dollars: float
+    dollars: float = Field(description="Billed by the provider's rule (per second with a 60 s minimum on AWS), in the report's currency.")
 
 
 class CostPublic(BaseModel):
     run_id: str
-    currency: str
+    currency: str = Field(description="Of every figure below (the *_dollars are amounts in it): the run's instance types' one currency.")
     total_dollars: float
     by_role: dict[str, float]
     by_capacity_type: dict[str, float]

@@ -33,6 +33,7 @@ from services.backends.object_store import ObjectNotFoundError
 from services.backends.state_schema import RunRow
 from services.backends.state_store import RunNotFoundError, StateStore
 from services.config import Settings
+from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
 from services.cost.report_page import IterationPoint, report_page
@@ -212,7 +213,7 @@ def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal,
     )
     return CostPublic(
         run_id=run_id,
-        currency=catalog.currency,
+        currency=report.currency,
         total_dollars=report.total_dollars,
         by_role=report.by_role,
         by_capacity_type=report.by_capacity_type,
@@ -222,7 +223,9 @@ def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal,
         savings_ratio=report.savings_ratio,
         efficiency=report.efficiency,
         entries=[
-            LedgerEntryPublic.model_validate({**asdict(e), "seconds": e.seconds(now), "dollars": e.dollars(now)})
+            LedgerEntryPublic.model_validate(
+                {**asdict(e), "seconds": e.seconds(now), "dollars": billed_dollars(e, catalog, now)}
+            )
             for e in entries
         ],
     )

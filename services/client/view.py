@@ -38,7 +38,7 @@ def run_progress(run: dict[str, Any]) -> Group:
 
 def cost_table(cost: dict[str, Any]) -> Table:
     """The run's bill against an always-on on-demand cluster and the lower bound."""
-    t = Table("", "dollars", title="cost report")
+    t = Table("", cost["currency"], title="cost report")
     for role, dollars in sorted(cost["by_role"].items()):
         t.add_row(f"spent: {role}", f"{dollars:.4f}")
     for cap, dollars in sorted(cost["by_capacity_type"].items()):

@@ -2,12 +2,17 @@
 
 Three figures, so a user can judge the bill:
 
-- ``total_dollars``: what the run spent, per second of every pod it started.
+- ``total_dollars``: what the run spent: every pod it started, billed by its provider's rule
+  (``services.cost.billing``: per second with a 60 s minimum on AWS, for instance).
 - ``always_on_dollars``: the same work on an always-on on-demand cluster: the training
   instance held on-demand for the run's whole wall time, and the rollout work billed at
-  the on-demand price of its instance type instead of spot.
+  the on-demand price of its instance type instead of spot (by the same billing rules).
+  A run of many jobs much shorter than the provider's minimum can cost more than this.
 - ``lower_bound_dollars``: the busy seconds of every pod at the cheapest price of its
   instance type; no schedule can pay less for the same pods.
+
+All in ``currency``: the one currency of the run's instance types (a run mixing currencies
+is refused when it is submitted: ``PriceCatalog.currency_of``).
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.backends.state_store import LedgerEntry
+from services.cost.billing import billed_dollars, billed_seconds, rule_for
 from services.cost.catalog import PriceCatalog
 
 
 @dataclass(frozen=True)
 class CostReport:
+    currency: str
     total_dollars: float
     by_role: dict[str, float]
     by_capacity_type: dict[str, float]
@@ -54,17 +61,20 @@ def cost_report(
     rollout_on_demand = 0.0
     lower_bound = 0.0
     for e in entries:
-        dollars = e.dollars(now)
+        dollars = billed_dollars(e, catalog, now)
         by_role[e.role] += dollars
         by_capacity[e.capacity_type] += dollars
         price = catalog.get(e.instance_type)
         seconds = e.seconds(now)
         lower_bound += seconds * price.cheapest() / 3600.0
         if e.role != "training":
-            rollout_on_demand += seconds * price.on_demand / 3600.0
+            rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * price.on_demand / 3600.0
     wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
-    always_on = wall * catalog.get(training_instance_type).on_demand / 3600.0 + rollout_on_demand
+    training = catalog.get(training_instance_type)
+    # Billed by the same rules as the run: one launch of the training instance, held throughout.
+    always_on = billed_seconds(wall, rule_for(training.provider)) * training.on_demand / 3600.0 + rollout_on_demand
     return CostReport(
+        currency=catalog.currency_of([training_instance_type, *(e.instance_type for e in entries)]),
         total_dollars=sum(by_role.values()),
         by_role=dict(by_role),
         by_capacity_type=dict(by_capacity),

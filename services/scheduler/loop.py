@@ -23,7 +23,9 @@ from services.backends.launcher import PodSpec, cli_command, pod_outcome
 from services.backends.queue import next_offsets
 from services.backends.state_schema import IterationRow, RunRow
 from services.config import Settings
-from services.cost.catalog import PriceCatalog, load_catalog
+from services.cost.billing import billed_dollars
+from services.cost.catalog import PriceCatalog
+from services.cost.live_prices import load_prices
 from services.errors import PermanentError, TemporaryError
 from services.names import (
     ROLLOUT_GROUP,
@@ -102,7 +104,7 @@ class Scheduler:
     def __init__(self, backends: Backends, settings: Settings, catalog: PriceCatalog | None = None) -> None:
         self.b = backends
         self.settings = settings
-        self.catalog = catalog or load_catalog()
+        self.catalog = catalog or load_prices(settings)
         self.leadership = Leadership(backends.state, settings.lease_seconds)
         self._prompt_sets: dict[str, list[dict]] = {}
         self._trouble: dict[str, _Trouble] = {}
@@ -224,7 +226,7 @@ class Scheduler:
             sample_backlog=group_size * self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
             samples_produced=group_size * sum(self.b.queue.end_offsets(samples).values()) if started else 0,
             trainer_committed=sum(self.b.queue.committed(samples, TRAINER_GROUP).values()) if started else 0,
-            spent_dollars=sum(e.dollars(now) for e in ledger),
+            spent_dollars=sum(billed_dollars(e, self.catalog, now) for e in ledger),  # the cost report's figure
             billed=frozenset(e.pod for e in ledger),
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},
             now=now,
@@ -259,9 +261,11 @@ class Scheduler:
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.BillPod(pod):
                 self._bill(pod.run_id, pod.name, pod.role, pod.instance_type, pod.capacity_type, pod.started_at)
-            case p.CloseEntry(pod, ended_at):
+            case p.CloseEntry(pod, ended_at, None):
                 log.warning("pod %s has an open ledger entry but was never launched; closed with nothing billed", pod)
                 self.b.state.close_ledger(pod, ended_at=ended_at)
+            case p.CloseEntry(pod, ended_at, outcome):
+                self.b.state.close_ledger(pod, ended_at=ended_at, outcome=outcome)
             case p.ReapPod(pod):
                 self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time(), outcome=pod_outcome(pod))
                 # Pods and their logs go away together; keep the log where `spotrl logs` finds it.
@@ -320,7 +324,7 @@ class Scheduler:
             instance_type=instance_type,
             capacity_type=capacity_type,
             price_per_hour=price.price(capacity_type),
-            price_source=f"{price.source} ({price.date})",
+            price_source=price.described(),
             started_at=started,
         )
 

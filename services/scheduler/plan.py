@@ -35,9 +35,11 @@ Work per tick is bounded: at most ``MAX_PROMPTS_PER_TICK`` prompts published and
 not hold the other runs up.
 
 The ledger is matched to the pods first, every tick: a pod without an entry (or a running one
-whose entry is closed) is billed from its start (``BillPod``), and an open entry without a pod
-is closed with nothing billed (``CloseEntry``: its scheduler died between opening the entry and
-launching the pod, which therefore never started).
+whose entry is closed) is billed from its start (``BillPod``); an ended pod whose entry is still
+open is closed at the pod's observed end (``CloseEntry`` with its outcome: a scheduler died, or a
+later action of its tick failed, before reaping it, so the entry is not billed on up to now);
+and an open entry without a pod is closed with nothing billed (``CloseEntry`` at its start: its
+scheduler died between opening the entry and launching the pod, which therefore never started).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
-from services.backends.launcher import PodPhase, PodStatus
+from services.backends.launcher import PodOutcome, PodPhase, PodStatus, pod_outcome
 from services.runspec import RunSpec
 
 ROLE_ROLLOUT = "rollout"
@@ -142,11 +144,13 @@ class BillPod:
 
 @dataclass(frozen=True)
 class CloseEntry:
-    """Close an open ledger entry whose pod does not exist, at its start (nothing billed): its
-    scheduler died between opening it and launching the pod."""
+    """Close an open ledger entry at ``ended_at``: an ended pod's at its observed end, with how it
+    ended (``outcome``); one whose pod does not exist at its start, nothing billed (``outcome``
+    None: its scheduler died between opening it and launching the pod)."""
 
     pod: str
     ended_at: float
+    outcome: PodOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,13 @@ def _match_ledger(observed: Observed) -> list[Action]:
         if p.name not in observed.billed
         # Running, yet its entries are closed: its launch raised (the entry was closed) but the pod started.
         or (p.phase == PodPhase.RUNNING and p.name not in observed.open_entries)
+    ]
+    actions += [
+        CloseEntry(p.name, p.ended_at, pod_outcome(p))
+        for p in observed.pods
+        # Ended while its entry stayed open: bill it up to its end, not up to now. (An end the
+        # launcher does not know is closed by ReapPod, at the tick that sees the pod ended.)
+        if p.phase != PodPhase.RUNNING and p.ended_at is not None and p.name in observed.open_entries
     ]
     actions += [CloseEntry(pod, started) for pod, started in sorted(observed.open_entries.items()) if pod not in listed]
     return actions

@@ -187,6 +187,27 @@ def test_a_pod_that_started_although_its_launch_raised_is_billed_from_its_start(
     assert entries(b, run_id)[pod.name][-1] == (pod.started_at, None)
 
 
+def test_an_ended_pod_is_billed_up_to_its_end_though_the_rest_of_its_tick_fails(
+    scripted_backends: Backends, settings: Settings, submit
+) -> None:
+    """The ledger is matched first in a tick: a job observed ended has its entry closed at its end
+    (and its outcome) even when a later action of the tick raises (here: it exited 0 without
+    publishing, which fails the run), so the entry is not billed on up to now meanwhile."""
+    b, launcher = scripted_backends, scripted_backends.launcher
+    scheduler = Scheduler(b, settings)
+    run_id = submit(b, SPEC)
+    scheduler.tick()
+    produce(b, run_id, 2)
+    scheduler.tick()  # training job 1 launched
+    launcher.end(job(b, 1).name, 0)  # ... and exits 0 without a result
+    ended = job(b, 1)
+    scheduler.tick()  # CloseEntry first, then RecordIteration raises PermanentError before ReapPod
+    assert launcher.list(run_id) and job(b, 1) == ended, "not reaped: its tick failed before ReapPod"
+    ((e,),) = [[e for e in b.state.ledger(run_id) if e.pod == ended.name]]
+    assert (e.started_at <= ended.started_at, e.ended_at, e.outcome) == (True, ended.ended_at, "succeeded")
+    assert b.state.get_run(run_id).status in (RunStatus.ENDING, RunStatus.FAILED)
+
+
 def test_one_tick_publishes_a_bounded_chunk_of_a_huge_batch_and_reconciles_the_other_runs(
     scripted_backends: Backends, settings: Settings, submit
 ) -> None:

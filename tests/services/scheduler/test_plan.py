@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from contracts.status import RunStatus
-from services.backends.launcher import PodPhase, PodStatus
+from services.backends.launcher import PodOutcome, PodPhase, PodStatus
 from services.runspec import RunSpec
 from services.scheduler.plan import (
     BeginEnding,
@@ -81,6 +81,7 @@ T1_OK = pod("r-train-1", "training", PodPhase.SUCCEEDED, 0, iteration="1")
 T1_FAIL = pod("r-train-1", "training", PodPhase.FAILED, 1, iteration="1")
 T1_KILLED = pod("r-train-1", "training", PodPhase.FAILED, -9, iteration="1")
 T3_STOPPED = pod("r-train-3", "training", PodPhase.FAILED, -15, iteration="3")
+T1_END_UNKNOWN = dataclasses.replace(T1_OK, ended_at=None)
 W0_DEAD = pod("r-rollout-0", "rollout", PodPhase.FAILED, -9, slot="0")
 CANCELLING = run(status=RunStatus.CANCELLING, prompts_published=2, worker_slots_used=1,
                  ending_status=RunStatus.CANCELLED, ending_reason="cancelled by the user")
@@ -109,6 +110,12 @@ CASES = [
      run(prompts_published=4, worker_slots_used=1), seen([W0, T1], prompts=0, samples=16), [StopPod("r-rollout-0")]),
     ("finished training job is recorded and reaped", run(), seen([W0, T1_OK], samples=8),
      [RecordIteration("r", 1), ReapPod(T1_OK)]),
+    ("an ended job whose entry is still open (its scheduler died before reaping it) is billed up to its end",
+     run(), seen([W0, T1_OK], samples=8, entries={W0.name: NOW - 10, T1_OK.name: NOW - 10}),
+     [CloseEntry(T1_OK.name, NOW - 1, PodOutcome.SUCCEEDED), RecordIteration("r", 1), ReapPod(T1_OK)]),
+    ("an ended pod whose end the launcher does not know is left to ReapPod",
+     run(), seen([W0, T1_END_UNKNOWN], samples=8, entries={W0.name: NOW - 10, T1_OK.name: NOW - 10}),
+     [RecordIteration("r", 1), ReapPod(T1_END_UNKNOWN)]),
     ("failed training job is retried after backoff", run(), seen([W0, T1_FAIL], samples=8),
      [RecordTrainingFailure("r", 1, 1, NOW + retry_delay(1)), ReapPod(T1_FAIL)]),
     ("no relaunch before the backoff passes", run(prompts_published=2, worker_slots_used=1, train_failures=1, next_train_at=NOW + 5),
