@@ -241,7 +241,7 @@ def report_page_of(state: StateStore, catalog: PriceCatalog, row: RunRow) -> str
     return report_page(
         run_id=row.id,
         status=row.status,
-        currency=catalog.currency,
+        currency=catalog.currency_of([row.spec["training"]["instance_type"], row.spec["rollout"]["instance_type"]]),
         iterations=[IterationPoint(it.iteration, it.mean_reward) for it in state.iterations(row.id)],
         entries=state.ledger(row.id),
         catalog=catalog,

@@ -183,8 +183,7 @@ def _priced(
         return None, o.price_per_hour
     if o.price_per_hour is not None:
         return entry, o.price_per_hour  # a price given directly is in the plan's currency, whatever the catalog's
-    # A per-instance currency where the catalog has one, else the catalog's.
-    currencies.add(getattr(entry, "currency", None) or catalog.currency)
+    currencies.add(entry.currency)
     return entry, entry.price(capacity_type)
 
 
@@ -192,7 +191,7 @@ def _rollout(i: int, o: RolloutOptionIn, catalog: PriceCatalog, currencies: set[
     entry, price = _priced(("rollout", i), o, catalog, currencies, o.capacity_type)
     on_demand = o.on_demand_price_per_hour
     if on_demand is None and entry is not None:
-        currencies.add(getattr(entry, "currency", None) or catalog.currency)
+        currencies.add(entry.currency)
         on_demand = entry.on_demand
     per_hour = o.samples_per_hour_per_gpu or o.samples_per_second_per_gpu * SECONDS_PER_HOUR  # type: ignore[operator]
     return RolloutOption(

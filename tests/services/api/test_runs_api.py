@@ -29,7 +29,8 @@ async def test_submit_get_list(api: httpx.AsyncClient) -> None:
     assert run["id"].startswith("run-")
     assert run["spec"]["batch_samples"] == 8
     assert run["spec"]["rollout"] == {"instance_type": "g6.xlarge", "spot": True, "min_workers": 2, "max_workers": 10,
-                                      "prompts_per_batch": 8, "engine": "hf"}
+                                      "prompts_per_batch": 8, "engine": "hf", "vllm_dtype": None,
+                                      "vllm_gpu_memory_utilization": None}
     got = (await api.get(f"/v1/runs/{run['id']}")).json()
     assert got["name"] == "first"
     assert got["samples"] == {"produced": 0, "trained": 0, "dropped": 0}
