@@ -8,7 +8,7 @@ view and the bill are ``spotrl runs watch`` and ``spotrl runs cost``'s (``servic
 With ``chaos`` (``spotrl demo --chaos``) the scheduler runs as its own process and
 ``services.chaos.Chaos`` SIGKILLs rollout workers, a training job between publishing its
 policy and committing its samples, and the scheduler itself (restarting it) during the run;
-the demo then prints what was done and the audit of the run (``services.chaos.audit_run``), and
+the demo then prints what was done and the audit of the run (``services.run_audit.audit_run``), and
 succeeds only if the run did and the audit found nothing wrong.
 """
 
@@ -29,7 +29,8 @@ from rich.console import Console
 from contracts.model_sources import BUILTIN_MODELS
 from services.api.main import create_app
 from services.arithmetic import arithmetic_prompts
-from services.chaos import Audit, Chaos, ChaosPlan, ChaosTally, audit_run
+from services.chaos import Chaos, ChaosPlan, ChaosTally
+from services.run_audit import Audit, audit_run
 from services.client.view import cost_table, watch_run
 from services.config import Settings
 from services.wiring import open_backends

@@ -3,7 +3,7 @@ reward cache, the S3 object store and the PostgreSQL state store (tests/servers/
 local processes and the scheduler as its own process (``services.chaos.Chaos``).
 
 One run undisturbed, with evidence that each server was used; then two runs under faults, each
-counted by the driver as it happened, and the same audit (``services.chaos.audit_run``):
+counted by the driver as it happened, and the same audit (``services.run_audit.audit_run``):
 
 - run A: rollout workers SIGKILLed mid-batch, the scheduler killed and restarted, Redis
   unresponsive for 10 s;
@@ -52,7 +52,8 @@ from services.backends.launcher import PodPhase
 from services.backends.redis_reward_cache import KEY_PREFIX, RedisRewardCache
 from services.backends.s3_object_store import S3ObjectStore
 from services.backends.state_store import LedgerEntry
-from services.chaos import Audit, Chaos, ChaosPlan, ChaosTally, Levers, audit_run
+from services.chaos import Chaos, ChaosPlan, ChaosTally, Levers
+from services.run_audit import Audit, audit_run
 from services.config import Settings
 from services.names import pod_log_key, policy_prefix, prompts_topic, samples_topic
 from services.wiring import Backends, open_backends
