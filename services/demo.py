@@ -129,12 +129,21 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
         server.should_exit = True
         thread.join(timeout=60)
 
+    audited = (tally, audit) if chaos is not None else None
+    _report(console, run, cost, audited, summary_json)
+    return run["status"] == "SUCCEEDED" and (chaos is None or audit.ok)
+
+
+def _report(console: Console, run: dict[str, Any], cost: dict[str, Any], audited: tuple[ChaosTally, Audit] | None,
+            summary_json: Path | None) -> None:
+    """Print how the run went (and, under chaos, what was done to it and its audit); write the summary file."""
     console.print()
     console.print(f"run {run['id']} {run['status']}: {run['status_reason']}")
     rewards = [it["mean_reward"] for it in run["iterations"]]
     console.print("mean reward per iteration: " + " -> ".join(f"{r:.3f}" for r in rewards))
     console.print(cost_table(cost))
-    if chaos is not None:
+    if audited is not None:
+        tally, audit = audited
         console.print(tally.line())
         for line in audit.lines():
             console.print(line, style="bold red" if line.startswith("PROBLEM") else None, markup=False)
@@ -149,10 +158,9 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
             ],
             "cost": {"total_dollars": cost["total_dollars"], "always_on_dollars": cost["always_on_dollars"]},
         }
-        if chaos is not None:
-            summary["chaos"] = _chaos_summary(tally, audit)
+        if audited is not None:
+            summary["chaos"] = _chaos_summary(*audited)
         summary_json.write_text(json.dumps(summary, indent=2))
-    return run["status"] == "SUCCEEDED" and (chaos is None or audit.ok)
 
 
 def _watch(client: httpx.Client, run: dict[str, Any], console: Console) -> dict[str, Any]:

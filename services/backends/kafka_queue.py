@@ -348,6 +348,9 @@ class _KafkaConsumer:
         client: Callable[[Callable[[], Any]], Any],
         on_close: Callable[[_KafkaConsumer], None],
     ) -> None:
+        """Join ``group`` on ``topic`` and wait for the first assignment. Longer than a function
+        should be because it declares the consumer's whole state in one place (the class docstring
+        says what guards what), before the Kafka client and the background thread that use it."""
         self._topic = topic
         self._partitions = partitions
         self._group = group
