@@ -29,7 +29,8 @@ from rich.console import Console
 from contracts.model_sources import BUILTIN_MODELS
 from services.api.main import create_app
 from services.arithmetic import arithmetic_prompts
-from services.chaos import Chaos, ChaosPlan, ChaosTally
+from services.chaos import Chaos
+from services.chaos_plan import ChaosPlan, ChaosTally
 from services.run_audit import Audit, audit_run
 from services.client.view import cost_table, watch_run
 from services.config import Settings
