@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from services.api.service import InvalidCursorError, PodNotOfRunError, SpecFieldError
 from services.backends.state_store import IllegalTransitionError, RunNotFoundError
@@ -21,14 +22,17 @@ def _short(part: object) -> object:
     return part[:100] if isinstance(part, str) else part
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
 def _methods_at(app: FastAPI, path: str) -> list[str]:
-    """Every method some route of ``app`` serves at ``path``."""
-    methods = set()
-    for route in app.router.routes:
-        regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
-        if regex is not None and route_methods and regex.match(path):
-            methods |= route_methods
-    return sorted(methods)
+    """Every method some route of ``app`` serves at ``path``, asked of the routes themselves
+    (``matches``): FastAPI keeps an included router's routes inside it, not in ``app.router.routes``."""
+    def served(method: str) -> bool:
+        scope = {"type": "http", "path": path, "method": method, "root_path": "", "headers": [], "query_string": b""}
+        return any(route.matches(scope)[0] == Match.FULL for route in app.router.routes)
+
+    return [method for method in _METHODS if served(method)]
 
 
 def _unprocessable(loc: tuple | list, message: str, kind: str = "value_error") -> JSONResponse:
