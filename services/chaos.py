@@ -19,10 +19,8 @@ are local processes and, from two threads, disrupts it for real:
   brokers or the reward cache unresponsive for ``outage_s``, by turns with the above, and the
   object store while a training job publishes its policy version (instead of killing that job).
 
-``audit_run`` then checks the promises of README "Guarantees" on what the stores hold: no prompt
-lost, no sample trained twice, every sample trained or counted dropped (and the run's counters
-saying so), policy versions increasing, every ledger entry closed, no pod left, the run ended.
-``spotrl demo --chaos`` and tests/test_chaos.py both use these two.
+``services.run_audit.audit_run`` then checks the run against README "Guarantees";
+``spotrl demo --chaos`` and tests/test_chaos.py both use the two.
 
 Control plane only (no torch): it reads the stores and signals processes by pid, so its pods are
 local processes; on the embedded backends it needs nothing else (``embedded_levers``), on
@@ -31,43 +29,26 @@ production adapters the caller hands it the levers of their servers (tests/test_
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
-import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from contracts.job_result import JobResult
-from contracts.messages import PromptMessage
-from contracts.samples import Sample, decode_group
 from contracts.status import RunStatus
 from services.backends.launcher import LocalLauncher, PodPhase, PodStatus
-from services.backends.queue import Queue, Record
 from services.backends.sqlite_queue import SqliteQueue
+from services.chaos_plan import ChaosPlan, ChaosTally, Levers, Outage, embedded_levers
 from services.config import Settings
-from services.runspec import RunSpec
-from services.names import (
-    ROLLOUT_GROUP,
-    TRAINER_GROUP,
-    leftover_key,
-    policy_prefix,
-    prompts_topic,
-    result_key,
-    samples_topic,
-)
+from services.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
 from services.scheduler.lease import SCHEDULER_LEASE
 from services.wiring import Backends
 
@@ -86,274 +67,6 @@ _LOCK_HOLD_MAX_S = 15.0
 _INTO_COMMIT_S = 0.5
 # Longest the monkey waits for a job that published through an object store outage to write its result.
 _RESULT_WAIT_S = 120.0
-
-
-# --- the audit ------------------------------------------------------------------------
-@dataclass
-class Audit:
-    """What the stores say about one run, and every broken promise found (``problems``)."""
-
-    run_id: str
-    status: str
-    produced: int  # samples queued, by the queue
-    trained: int  # samples in the stored results' trained ids
-    dropped: int  # samples in the results' dropped ids and the run's leftovers
-    dropped_by_reason: dict[str, int]  # duplicate, stale, uneven, run_ended
-    counted: dict[str, int]  # the run's own counters: produced, trained, dropped
-    policy_versions: list[int]  # of the recorded iterations, in order
-    policy_version: int  # the run's
-    prompts_published: int
-    prompts_committed: int
-    ledger_entries: int
-    open_entries: int
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def lines(self) -> list[str]:
-        c = self.counted
-        return [
-            f"run {self.run_id} {self.status}; policy v{self.policy_version}, iterations' versions {self.policy_versions}",
-            f"samples: produced {self.produced}, trained {self.trained}, dropped {self.dropped} "
-            f"({', '.join(f'{k} {v}' for k, v in sorted(self.dropped_by_reason.items())) or 'none'}; "
-            f"the run counts {c['produced']} / {c['trained']} / {c['dropped']})",
-            f"prompts: published {self.prompts_published}, committed by workers {self.prompts_committed}",
-            f"ledger: {self.ledger_entries} entries, {self.open_entries} open",
-        ] + [f"PROBLEM: {p}" for p in self.problems]
-
-
-def _read_all(queue: Queue, topic: str, patience_s: float = 30.0) -> list[Record]:
-    """Every record of ``topic``, read by a consumer group of its own (from the start). A broker's
-    fetches may come up empty for a while (a consumer just joined): polls go on until every record
-    is in, for ``patience_s`` at most."""
-    want = sum(queue.end_offsets(topic).values())
-    consumer = queue.consumer(topic, f"audit-{uuid.uuid4().hex[:8]}", member_id="audit")
-    records: list[Record] = []
-    deadline = time.monotonic() + patience_s
-    try:
-        while len(records) < want and time.monotonic() < deadline:
-            records += consumer.poll(1000, timeout_s=1.0)
-    finally:
-        consumer.close()
-    return records
-
-
-def _committed_prefix(records: list[Record], committed: dict[int, int]) -> list[Record]:
-    return [r for r in records if r.offset < committed.get(r.partition, 0)]
-
-
-def audit_run(backends: Backends, run_id: str) -> Audit:
-    """Check an ended run against the guarantees, from the queue, the object store, the state
-    store and the launcher (module docstring). Problems are collected, not raised."""
-    run = backends.state.get_run(run_id)
-    problems: list[str] = []
-    started = run.started_at is not None
-
-    records = _read_all(backends.queue, samples_topic(run_id)) if started else []
-    samples: list[Sample] = [sample for r in records for sample in decode_group(r.value)]
-    produced = [s.sample_id for s in samples]
-
-    # Trained and dropped, from what each recorded iteration's job wrote.
-    iterations = backends.state.iterations(run_id)
-    trained: list[str] = []
-    dropped: list[str] = []
-    reasons: Counter[str] = Counter()
-    for it in iterations:
-        result = JobResult.from_json(backends.objects.get_bytes(result_key(run_id, it.iteration)))
-        trained += result.trained_ids
-        for reason, ids in result.dropped.model_dump().items():
-            dropped += ids
-            reasons[reason] += len(ids)
-        if result.policy_version != it.iteration or it.policy_version != it.iteration:
-            problems.append(f"iteration {it.iteration} published v{result.policy_version}, recorded v{it.policy_version}")
-        if (len(result.trained_ids), result.dropped.count()) != (it.samples_trained, it.samples_dropped):
-            problems.append(f"iteration {it.iteration}: recorded counts differ from its result")
-    # The chunks under runs/<run>/leftover/ (services.scheduler.loop), or one leftover.json of older runs.
-    for key in backends.objects.list(leftover_key(run_id).removesuffix(".json")):
-        if key.endswith(".json"):
-            ids = _json_ids(backends.objects.get_bytes(key))
-            dropped += ids
-            reasons["run_ended"] += len(ids)
-
-    # Every published result is a recorded iteration (a job killed after publishing included).
-    recorded = {it.iteration for it in iterations}
-    for key in backends.objects.list(f"runs/{run_id}/trainer/"):
-        if (m := re.search(r"/v(\d+)/result\.json$", key)) and int(m.group(1)) not in recorded:
-            problems.append(f"v{m.group(1)} was published (its result is stored) but is not a recorded iteration")
-
-    if len(trained) != len(set(trained)):
-        twice = [i for i, k in Counter(trained).items() if k > 1]
-        problems.append(f"{len(twice)} samples trained more than once, e.g. {twice[:3]}")
-    accounted, queued = Counter(trained + dropped), Counter(produced)
-    if accounted != queued:
-        missing = list((queued - accounted).elements())
-        extra = list((accounted - queued).elements())
-        problems.append(
-            f"samples neither trained nor dropped: {len(missing)} {missing[:3]}; trained or dropped more often than "
-            f"queued (or never queued): {len(extra)} {extra[:3]}"
-        )
-    counted = {"produced": run.samples_produced, "trained": run.samples_trained, "dropped": run.samples_dropped}
-    if counted != {"produced": len(produced), "trained": len(trained), "dropped": len(dropped)}:
-        problems.append(f"the run counts {counted}, the stores hold produced {len(produced)}, trained {len(trained)}, "
-                        f"dropped {len(dropped)}")
-    if run.samples_produced != run.samples_trained + run.samples_dropped:
-        problems.append(f"produced {run.samples_produced} != trained {run.samples_trained} + dropped {run.samples_dropped}")
-
-    # Policy versions: one per iteration, increasing; the run's is the last; workers never go back.
-    versions = [it.policy_version for it in iterations]
-    if versions != list(range(1, len(versions) + 1)):
-        problems.append(f"the iterations' policy versions are {versions}, not 1..{len(versions)}")
-    if run.policy_version != (versions[-1] if versions else 0):
-        problems.append(f"the run reports policy v{run.policy_version}, its last iteration published v{versions[-1] if versions else 0}")
-    if versions and not backends.objects.list(policy_prefix(run_id, versions[-1])):
-        problems.append(f"policy v{versions[-1]} is not in the object store")
-    by_worker: dict[str, list[Sample]] = defaultdict(list)
-    for s in samples:
-        by_worker[s.worker_id].append(s)
-    for worker, theirs in by_worker.items():
-        seen = [s.policy_version for s in sorted(theirs, key=lambda s: s.created_at)]
-        if seen != sorted(seen):
-            problems.append(f"worker {worker} generated with policy versions going back: {seen}")
-
-    # No prompt lost: each prompt a worker committed became a whole group of samples.
-    prompts_committed = 0
-    if started:
-        topic = prompts_topic(run_id)
-        prompt_records = _read_all(backends.queue, topic)
-        done = _committed_prefix(prompt_records, backends.queue.committed(topic, ROLLOUT_GROUP))
-        prompts_committed = len(done)
-        if len(prompt_records) < run.prompts_published:
-            problems.append(f"{run.prompts_published} prompts published, {len(prompt_records)} in the queue")
-        groups: dict[str, list[Sample]] = defaultdict(list)
-        for s in samples:
-            groups[s.group_id].append(s)
-        n = RunSpec.from_stored(run.spec).samples_per_prompt
-        generated = Counter(g[0].prompt_id for g in groups.values() if len(g) == n)
-        if broken := [gid for gid, g in groups.items() if len(g) != n]:
-            problems.append(f"{len(broken)} groups of samples are not whole ({n} samples each), e.g. {broken[:3]}")
-        wanted = Counter(PromptMessage.decode(r.value).prompt_id for r in done)
-        if short := {p: (k, generated[p]) for p, k in wanted.items() if generated[p] < k}:
-            problems.append(f"prompts committed without their samples (prompt: committed, generated): {short}")
-
-    # The ledger: every entry closed, no pod billed twice over the same seconds; no pod left.
-    ledger = backends.state.ledger(run_id)
-    open_entries = [e.pod for e in ledger if e.ended_at is None]
-    if open_entries:
-        problems.append(f"ledger entries still open: {open_entries}")
-    by_pod: dict[str, list[Any]] = defaultdict(list)
-    for e in ledger:
-        by_pod[e.pod].append(e)
-    for pod, entries in by_pod.items():
-        entries.sort(key=lambda e: e.started_at)
-        for a, b in zip(entries, entries[1:]):
-            if a.ended_at is None or b.started_at < a.ended_at:
-                problems.append(f"pod {pod} is billed twice from {b.started_at:.3f}")
-    if left := [p.name for p in backends.launcher.list(run_id)]:
-        problems.append(f"pods left: {left}")
-    if not RunStatus(run.status).is_terminal():
-        problems.append(f"the run has not ended: {run.status}")
-
-    return Audit(
-        run_id=run_id, status=run.status, produced=len(produced), trained=len(trained), dropped=len(dropped),
-        dropped_by_reason=dict(reasons),
-        counted=counted, policy_versions=versions, policy_version=run.policy_version,
-        prompts_published=run.prompts_published, prompts_committed=prompts_committed,
-        ledger_entries=len(ledger), open_entries=len(open_entries), problems=problems,
-    )
-
-
-def _json_ids(data: bytes) -> list[str]:
-    return list(json.loads(data)["run_ended"])
-
-
-# --- the monkey -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class ChaosPlan:
-    """How much to break. Disruptions of workers, the scheduler, the queue and the reward cache
-    take turns, ``pause_s`` apart at least; a training job caught publishing is killed, up to
-    ``training_kills``, and the jobs caught after those publish through an object store outage,
-    up to ``object_store_outages``. Outages need the ``Levers`` of real servers."""
-
-    worker_kills: int = 3
-    training_kills: int = 1
-    scheduler_restarts: int = 2  # alternately after a SIGKILL and after a SIGTERM
-    queue_outages: int = 0  # the queue's brokers unresponsive for outage_s
-    reward_cache_outages: int = 0  # the reward cache unresponsive for outage_s, while rollout workers run
-    object_store_outages: int = 0  # the object store unresponsive for outage_s while a job publishes
-    outage_s: float = 10.0
-    pause_s: float = 5.0
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class Levers:
-    """How the monkey makes the backends fail: each a context manager, the failure lasting for its block.
-
-    ``withhold_commits``: no queue commit gets through, and one that a process was blocked in
-    when it died never does (embedded: the queue file's write lock; Kafka: a cut link between the
-    processes and the brokers, which loses a dead process's unsent bytes, as a lost machine
-    does). ``reads_while_withheld``: whether the queue still answers reads meanwhile (the
-    embedded queue does: WAL readers go on under the write lock), so the monkey can check a
-    killed job's commit before anyone else can commit for it.
-    ``queue_outage``, ``reward_cache_outage``, ``object_store_outage``: that server unresponsive
-    (hung or partitioned, as SIGSTOP and SIGCONT of a test server's process make it); None where
-    the monkey has no such lever.
-    """
-
-    withhold_commits: Callable[[], AbstractContextManager[object]]
-    reads_while_withheld: bool = False
-    queue_outage: Callable[[], AbstractContextManager[object]] | None = None
-    reward_cache_outage: Callable[[], AbstractContextManager[object]] | None = None
-    object_store_outage: Callable[[], AbstractContextManager[object]] | None = None
-
-
-def embedded_levers(settings: Settings) -> Levers:
-    """The embedded backends' one lever: the queue file's write lock (module docstring)."""
-    queue_file = settings.home.resolve() / "queue.db"  # where services.wiring.open_queue keeps it
-    return Levers(withhold_commits=lambda: _queue_write_lock(queue_file), reads_while_withheld=True)
-
-
-@dataclass(frozen=True)
-class Outage:
-    """One server made unresponsive by the monkey while the run went on."""
-
-    server: str  # "queue", "reward cache" or "object store"
-    seconds: float
-    groups_during: int  # groups of samples queued meanwhile (counted when the queue answers again)
-    iteration: int | None = None  # the training job publishing meanwhile (object store outages)
-
-
-@dataclass
-class ChaosTally:
-    """What the monkey did."""
-
-    worker_kills: list[str] = field(default_factory=list)  # pods SIGKILLed
-    training_kills: list[int] = field(default_factory=list)  # iterations killed after publishing, before committing
-    training_missed: int = 0  # jobs caught publishing that committed before the kill (nothing to count)
-    scheduler_kills: int = 0  # SIGKILLs
-    scheduler_stops: int = 0  # SIGTERMs (a clean stop, the lease released)
-    scheduler_starts: int = 0
-    outages: list[Outage] = field(default_factory=list)
-    outages_missed: int = 0  # object store outages that began after the job had published (nothing to count)
-
-    def of(self, server: str) -> list[Outage]:
-        return [o for o in self.outages if o.server == server]
-
-    def line(self) -> str:
-        outages = "; ".join(
-            f"{o.server} unresponsive {o.seconds:.1f} s ({o.groups_during} groups of samples queued meanwhile"
-            + (f", job {o.iteration} publishing)" if o.iteration is not None else ")")
-            for o in self.outages
-        )
-        return (
-            f"chaos: {len(self.worker_kills)} rollout workers SIGKILLed; training jobs SIGKILLed between publish and "
-            f"commit: iterations {self.training_kills or 'none'} ({self.training_missed} missed); scheduler "
-            f"SIGKILLed {self.scheduler_kills}x, SIGTERMed {self.scheduler_stops}x, started {self.scheduler_starts}x"
-            + (f"; outages: {outages}" if outages else "")
-            + (f" ({self.outages_missed} missed)" if self.outages_missed else "")
-        )
 
 
 class Chaos:
@@ -664,17 +377,3 @@ def _wait_ended(backends: Backends, pod: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not _ended(backends, pod) and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-@contextmanager
-def _queue_write_lock(path: Path) -> Iterator[None]:
-    """The embedded queue's SQLite write lock, held for the block: to writers, a slow broker."""
-    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        finally:
-            conn.execute("ROLLBACK")
-    finally:
-        conn.close()

@@ -189,7 +189,7 @@ def demo(
     """Train a policy on small arithmetic with GRPO, end to end on this machine, and print the bill."""
     import time
 
-    from services.chaos import ChaosPlan
+    from services.chaos_plan import ChaosPlan
     from services.demo import run_demo
 
     # A fresh state directory per demo; converted base models are cached across demos.

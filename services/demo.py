@@ -8,7 +8,7 @@ view and the bill are ``spotrl runs watch`` and ``spotrl runs cost``'s (``servic
 With ``chaos`` (``spotrl demo --chaos``) the scheduler runs as its own process and
 ``services.chaos.Chaos`` SIGKILLs rollout workers, a training job between publishing its
 policy and committing its samples, and the scheduler itself (restarting it) during the run;
-the demo then prints what was done and the audit of the run (``services.chaos.audit_run``), and
+the demo then prints what was done and the audit of the run (``services.run_audit.audit_run``), and
 succeeds only if the run did and the audit found nothing wrong.
 """
 
@@ -29,7 +29,9 @@ from rich.console import Console
 from contracts.model_sources import BUILTIN_MODELS
 from services.api.main import create_app
 from services.arithmetic import arithmetic_prompts
-from services.chaos import Audit, Chaos, ChaosPlan, ChaosTally, audit_run
+from services.chaos import Chaos
+from services.chaos_plan import ChaosPlan, ChaosTally
+from services.run_audit import Audit, audit_run
 from services.client.view import cost_table, watch_run
 from services.config import Settings
 from services.wiring import open_backends
@@ -128,12 +130,21 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
         server.should_exit = True
         thread.join(timeout=60)
 
+    audited = (tally, audit) if chaos is not None else None
+    _report(console, run, cost, audited, summary_json)
+    return run["status"] == "SUCCEEDED" and (chaos is None or audit.ok)
+
+
+def _report(console: Console, run: dict[str, Any], cost: dict[str, Any], audited: tuple[ChaosTally, Audit] | None,
+            summary_json: Path | None) -> None:
+    """Print how the run went (and, under chaos, what was done to it and its audit); write the summary file."""
     console.print()
     console.print(f"run {run['id']} {run['status']}: {run['status_reason']}")
     rewards = [it["mean_reward"] for it in run["iterations"]]
     console.print("mean reward per iteration: " + " -> ".join(f"{r:.3f}" for r in rewards))
     console.print(cost_table(cost))
-    if chaos is not None:
+    if audited is not None:
+        tally, audit = audited
         console.print(tally.line())
         for line in audit.lines():
             console.print(line, style="bold red" if line.startswith("PROBLEM") else None, markup=False)
@@ -148,10 +159,9 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
             ],
             "cost": {"total_dollars": cost["total_dollars"], "always_on_dollars": cost["always_on_dollars"]},
         }
-        if chaos is not None:
-            summary["chaos"] = _chaos_summary(tally, audit)
+        if audited is not None:
+            summary["chaos"] = _chaos_summary(*audited)
         summary_json.write_text(json.dumps(summary, indent=2))
-    return run["status"] == "SUCCEEDED" and (chaos is None or audit.ok)
 
 
 def _watch(client: httpx.Client, run: dict[str, Any], console: Console) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from services.backends.state_store import StateStore
 from services.config import Settings
 
 if TYPE_CHECKING:
-    from services.backends.kubernetes_launcher import KubernetesConfig
+    from services.backends.kubernetes_objects import KubernetesConfig
 
 
 @dataclass
@@ -103,7 +103,7 @@ def open_launcher(settings: Settings, home: Path) -> Launcher:
 def kubernetes_config(settings: Settings) -> KubernetesConfig:
     """The Kubernetes launcher's configuration from the ``SPOTRL_KUBE_*`` settings; a pool's unset
     node selector or tolerations are the launcher's defaults."""
-    from services.backends.kubernetes_launcher import KubernetesConfig
+    from services.backends.kubernetes_objects import KubernetesConfig
 
     defaults = KubernetesConfig()
     return KubernetesConfig(

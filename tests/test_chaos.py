@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 from services.backends.launcher import PodPhase
-from services.chaos import Chaos, ChaosPlan, ChaosTally, audit_run
+from services.chaos import Chaos
+from services.chaos_plan import ChaosPlan, ChaosTally
+from services.run_audit import audit_run
 from services.config import Settings
 from services.wiring import open_backends
 

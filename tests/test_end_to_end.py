@@ -19,7 +19,7 @@ import pytest
 
 from services.backends.launcher import LocalLauncher, PodPhase
 from services.backends.sqlite_queue import SqliteQueue
-from services.chaos import Audit, audit_run
+from services.run_audit import Audit, audit_run
 from services.config import Settings
 from services.names import samples_topic
 from services.wiring import open_backends
@@ -119,7 +119,7 @@ def tiny_spec(**changes) -> dict:
 
 
 def assert_guarantees_held(home: Path, run: dict) -> Audit:
-    """The run's audit (services.chaos.audit_run) finds nothing wrong: every queued sample trained
+    """The run's audit (services.run_audit.audit_run) finds nothing wrong: every queued sample trained
     exactly once or counted as dropped, every committed prompt generated, no ledger entry open;
     and the API reports the counts the stores hold."""
     backends = open_backends(Settings(home=home))

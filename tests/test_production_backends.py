@@ -3,7 +3,7 @@ reward cache, the S3 object store and the PostgreSQL state store (tests/servers/
 local processes and the scheduler as its own process (``services.chaos.Chaos``).
 
 One run undisturbed, with evidence that each server was used; then two runs under faults, each
-counted by the driver as it happened, and the same audit (``services.chaos.audit_run``):
+counted by the driver as it happened, and the same audit (``services.run_audit.audit_run``):
 
 - run A: rollout workers SIGKILLed mid-batch, the scheduler killed and restarted, Redis
   unresponsive for 10 s;
@@ -14,7 +14,7 @@ A worker is killed at any point of its batch, queueing it included: each GRPO gr
 record (``contracts.samples.encode_group``), which the broker appends whole or not at all, so no
 part of a group is ever left behind.
 
-Levers on the servers (``services.chaos.Levers``): Redis, moto and the broker are paused by
+Levers on the servers (``services.chaos_plan.Levers``): Redis, moto and the broker are paused by
 SIGSTOP/SIGCONT (``paused()``), which looks like a hung or partitioned server: the kernel accepts
 connections, nothing answers. Withholding a commit on Kafka needs more than a paused broker: a
 request written before the pause sits in the broker's socket buffer and is applied once it runs
@@ -52,7 +52,9 @@ from services.backends.launcher import PodPhase
 from services.backends.redis_reward_cache import KEY_PREFIX, RedisRewardCache
 from services.backends.s3_object_store import S3ObjectStore
 from services.backends.state_store import LedgerEntry
-from services.chaos import Audit, Chaos, ChaosPlan, ChaosTally, Levers, audit_run
+from services.chaos import Chaos
+from services.chaos_plan import ChaosPlan, ChaosTally, Levers
+from services.run_audit import Audit, audit_run
 from services.config import Settings
 from services.names import pod_log_key, policy_prefix, prompts_topic, samples_topic
 from services.wiring import Backends, open_backends

@@ -204,6 +204,8 @@ class _Families:
     """The per-run families of one scrape."""
 
     def __init__(self) -> None:
+        """One family per statement, name and help text side by side: a declaration list, which
+        is long because the families are many; split, they would read as pieces of one list."""
         run = ["run"]
         worker = [*_POD, "worker"]
         self.version = GaugeMetricFamily("spotrl_policy_version", "Latest published policy version.", labels=run)

@@ -143,14 +143,7 @@ class S3ObjectStore:
         _check_prefix(prefix)
         self.bucket = bucket
         self.root = _folder_key(prefix, "") if prefix else ""  # "" or "a/b/"
-        env_endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if "@" in urlsplit(endpoint_url or env_endpoint or "").netloc:
-            # Not echoed: what comes before '@' may be a secret; botocore would quote it in its errors.
-            raise ValueError(
-                "the S3 endpoint URL must not carry credentials (user:password@): give them as AWS_ACCESS_KEY_ID"
-                " and AWS_SECRET_ACCESS_KEY, and the endpoint as http(s)://host:port"
-            )
-        if addressing_style is None and (endpoint_url or env_endpoint):
+        if addressing_style is None and _endpoint_in_use(endpoint_url):
             addressing_style = "path"
         self.max_attempts = max_attempts or _env_int("AWS_MAX_ATTEMPTS") or MAX_ATTEMPTS
         config = Config(
@@ -400,6 +393,19 @@ class S3ObjectStore:
         else:
             error_class, message = ObjectStoreConfigError, f"{at} failed: {code}: {_scrub(str(err))}"
         raise error_class(message, code) from None
+
+
+def _endpoint_in_use(endpoint_url: str | None) -> str | None:
+    """``endpoint_url``, else the environment's S3 endpoint, else None (AWS's); refused if it
+    carries credentials."""
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if "@" in urlsplit(endpoint or "").netloc:
+        # Not echoed: what comes before '@' may be a secret; botocore would quote it in its errors.
+        raise ValueError(
+            "the S3 endpoint URL must not carry credentials (user:password@): give them as AWS_ACCESS_KEY_ID"
+            " and AWS_SECRET_ACCESS_KEY, and the endpoint as http(s)://host:port"
+        )
+    return endpoint
 
 
 def _env_int(name: str) -> int | None:

@@ -16,8 +16,6 @@ write outside any transaction.
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,19 +26,17 @@ from sqlalchemy import (
     String,
     and_,
     case,
-    create_engine,
     delete,
-    event,
     func,
     make_url,
     or_,
     select,
     update,
 )
-from sqlalchemy.engine import URL, Connection
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
+from services.backends.state_engine import WRITE_OPTION, create_state_engine, dialect_insert
 from services.backends.state_schema import (
     DEFAULT_TENANT,
     IterationRow,
@@ -83,57 +79,6 @@ class LedgerEntry:
         return self.seconds(now) * self.price_per_hour / 3600.0
 
 
-def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
-    # isolation_level=None: pysqlite issues no BEGIN of its own (it would only before the first
-    # write, leaving the reads before it outside the transaction); _sqlite_begin issues them.
-    dbapi_conn.isolation_level = None
-    # WAL lets the API read while a pod writes; the busy timeout rides out short write locks.
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=30000")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.close()
-
-
-_WRITE = "spotrl_write"  # execution option of the connections of writing sessions
-
-
-def _sqlite_begin(conn: Connection) -> None:
-    # A writer takes the write lock up front: writers queue on the busy timeout, and none reads a
-    # row that another changes before it writes. A reader gets one snapshot, never blocking (WAL).
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with NaN and infinities as None: JSON has no such numbers (PostgreSQL refuses them)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _json_dumps(value: Any) -> str:
-    return json.dumps(_finite(value), allow_nan=False)
-
-
-def _create_engine(url: URL) -> Any:
-    if url.get_backend_name() not in ("sqlite", "postgresql"):
-        raise ValueError(f"the state store runs on SQLite or PostgreSQL (postgresql+psycopg://...), not {url.get_backend_name()}")
-    if url.get_backend_name() == "sqlite":
-        engine = create_engine(url, json_serializer=_json_dumps)
-        event.listen(engine, "connect", _sqlite_connect)
-        event.listen(engine, "begin", _sqlite_begin)
-        return engine
-    # READ COMMITTED whatever the server's default: after waiting for a row lock, the next
-    # statement sees what the lock's holder committed (under REPEATABLE READ or SERIALIZABLE it
-    # would fail with a serialization error instead). pool_pre_ping: a connection the server
-    # closed (restart, failover, idle timeout) is replaced rather than failing a request.
-    return create_engine(url, json_serializer=_json_dumps, isolation_level="READ COMMITTED", pool_pre_ping=True)
-
-
 class StateStore:
     """Runs, iterations and ledger. ``StateStore("sqlite:///path.db")`` or a PostgreSQL URL."""
 
@@ -141,8 +86,8 @@ class StateStore:
         parsed = make_url(url)
         # What messages and logs show: the URL with its password masked (``***``).
         self.url = parsed.render_as_string(hide_password=True)
-        self._engine = _create_engine(parsed)
-        self._write_engine = self._engine.execution_options(**{_WRITE: True})
+        self._engine = create_state_engine(parsed)
+        self._write_engine = self._engine.execution_options(**{WRITE_OPTION: True})
         migrate(self._write_engine)
         self._reads = sessionmaker(self._engine, expire_on_commit=False)
         self._writes = sessionmaker(self._write_engine, expire_on_commit=False)
@@ -432,7 +377,7 @@ class StateStore:
             "reward_cache_errors": reward_cache.get("error", 0),
         }
         with self._write_engine.begin() as conn:
-            upsert = _dialect_insert(conn.dialect.name)(WorkerStatsRow).values(
+            upsert = dialect_insert(conn.dialect.name)(WorkerStatsRow).values(
                 run_id=run_id, worker=worker, reported_at=now, **added
             )
             conn.execute(
@@ -462,7 +407,7 @@ class StateStore:
         """
         now = time.time()
         with self._write_engine.begin() as conn:
-            upsert = _dialect_insert(conn.dialect.name)(LeaseRow).values(name=name, holder=holder, expires_at=now + seconds)
+            upsert = dialect_insert(conn.dialect.name)(LeaseRow).values(name=name, holder=holder, expires_at=now + seconds)
             upsert = upsert.on_conflict_do_update(
                 index_elements=[LeaseRow.name],
                 set_={"holder": upsert.excluded.holder, "expires_at": upsert.excluded.expires_at},
@@ -480,15 +425,6 @@ class StateStore:
         with self._session() as s:
             lease = s.get(LeaseRow, name)
             return lease.holder if lease is not None and lease.expires_at >= time.time() else None
-
-
-def _dialect_insert(dialect: str) -> Any:
-    """The INSERT with ON CONFLICT of ``dialect`` (imported here: the engine of the other is never loaded)."""
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert
 
 
 def _locked_run(s: Session, run_id: str) -> RunRow:

@@ -189,7 +189,9 @@ def _train(
 ) -> JobResult | None:
     """The job on every rank, one process or several alike: the leader reads and shares the batch,
     each rank trains its share with its strategy (`LocalStrategy` on one process), and the leader
-    publishes v(N), stores the trainer state, writes the result and commits (module docstring)."""
+    publishes v(N), stores the trainer state, writes the result and commits (module docstring).
+    One function, a little over 60 lines: it is the job's steps in their order, mostly one call
+    each, and every rank must take the same collective steps (`ranks.share`, `ranks.least`) alike."""
     if objects.exists(result_key(run_id, iteration)):
         return _commit_published(objects, run_id, iteration, consumer)
     started = time.time()

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.backends.kubernetes_launcher import inherited_env, job_manifest, pod_manifest
+from services.backends.kubernetes_objects import inherited_env, job_manifest, pod_manifest
 from services.backends.launcher import PodSpec
 from services.config import Settings
 from services.cost.catalog import parse_catalog

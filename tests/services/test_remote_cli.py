@@ -23,6 +23,9 @@ import yaml
 from typer.testing import CliRunner
 
 from services.api.auth import add_token
+from services.backends.state_store import StateStore
+from services.config import Settings
+from services.scheduler.lease import SCHEDULER_LEASE
 from services.cli import app as spotrl
 from tests.servers.process import free_port
 from tests.test_end_to_end import stop_serving, wait_until_ready
@@ -37,6 +40,7 @@ class Server:
     home: Path
     tokens: dict[str, str]
     http: httpx.Client
+    pid: int  # of its `spotrl serve` process
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def _serve(root: Path, tokens_file: tuple[Path, dict[str, str]], *extra: str) ->
         cwd=REPO, env=env, stdout=open(root / "serve.log", "wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    return proc, Server(url, root / "home", tokens_file[1], httpx.Client(base_url=url, timeout=30))
+    return proc, Server(url, root / "home", tokens_file[1], httpx.Client(base_url=url, timeout=30), proc.pid)
 
 
 def _stop(proc: subprocess.Popen, server: Server) -> None:
@@ -83,6 +87,24 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tokens_file) -> Iterator[d
     finally:
         _stop(busy_proc, busy)
         _stop(idle_proc, idle)
+
+
+def _lease_holder(home: Path) -> str | None:
+    state = StateStore(Settings(home=home).resolved_state_url())
+    try:
+        return state.lease_holder(SCHEDULER_LEASE)
+    finally:
+        state.close()
+
+
+def test_serve_runs_the_scheduler_unless_told_not_to(servers, wait_for) -> None:
+    """`spotrl serve` leads its home's scheduler lease itself (the embedded loop, by default); with
+    --no-scheduler it leaves the lease to `spotrl scheduler` processes, and none holds it there
+    (the idle server was ready, so its first tick would have taken it)."""
+    busy, idle = servers["busy"], servers["idle"]
+    holder = wait_for(lambda: _lease_holder(busy.home), message="the busy server's scheduler took the lease")
+    assert holder.split(":")[1] == str(busy.pid), holder  # host:pid:instance (services.scheduler.lease)
+    assert _lease_holder(idle.home) is None
 
 
 @pytest.fixture(scope="module")

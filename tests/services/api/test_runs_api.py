@@ -175,3 +175,17 @@ async def test_openapi_status_is_an_enum_of_every_status(api: httpx.AsyncClient)
     assert schemas[ref.rsplit("/", 1)[1]]["enum"] == [s.value for s in RunStatus]
     assert "CANCELLING: " in status["description"]
     assert schemas["RunPublic"]["properties"]["last_error"]["anyOf"] == [{"type": "string"}, {"type": "null"}]
+
+
+async def test_a_method_the_path_does_not_serve_is_405_naming_those_it_does(api: httpx.AsyncClient) -> None:
+    for path, allowed in (("/v1/runs", "GET, POST"), ("/v1/runs/some-run/cancel", "POST")):
+        r = await api.delete(path)
+        assert (r.status_code, r.headers.get("allow")) == (405, allowed), path
+
+async def test_openapi_run_spec_is_one_schema_sent_and_shown(api: httpx.AsyncClient) -> None:
+    """RunPublic.spec is the typed spec model, the very schema a client posts, not a free object."""
+    doc = (await api.get("/openapi.json")).json()
+    posted = doc["paths"]["/v1/runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert posted == {"$ref": "#/components/schemas/RunSpec"}
+    assert doc["components"]["schemas"]["RunPublic"]["properties"]["spec"]["$ref"] == posted["$ref"]
+    assert doc["components"]["schemas"]["RunSpec"]["properties"]["training"]["$ref"] == "#/components/schemas/TrainConfig"

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from services.backends.kubernetes_launcher import KubernetesConfig, KubernetesLauncher
+from services.backends.kubernetes_launcher import KubernetesLauncher
+from services.backends.kubernetes_objects import KubernetesConfig
 from tests.servers.kube import Cluster
 
 

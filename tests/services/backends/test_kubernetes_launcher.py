@@ -19,9 +19,8 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 
 from services.api.metrics import RunCollector
-from services.backends.kubernetes_launcher import (
-    FINALIZER, KubernetesConfig, KubernetesLauncher, Watched, job_manifest, pod_manifest, status_of,
-)  # fmt: skip
+from services.backends.kubernetes_launcher import KubernetesLauncher, Watched
+from services.backends.kubernetes_objects import FINALIZER, KubernetesConfig, job_manifest, pod_manifest, status_of
 from services.backends.launcher import PodPhase, PodSpec, cli_command
 from services.config import Settings, get_settings
 from services.cost.catalog import load_catalog

@@ -12,7 +12,7 @@ import pytest
 from contracts.job_result import JobResult
 from contracts.samples import Sample, decode_group, encode_group
 from contracts.status import RunStatus
-from services.chaos import audit_run
+from services.run_audit import audit_run
 from services.config import Settings
 from services.names import policy_prefix, prompts_topic, result_key, samples_topic
 from services.runspec import RunSpec
