@@ -122,6 +122,8 @@ async def test_long_or_odd_paths_are_422_not_500(api: httpx.AsyncClient, changes
         ('{"training": {"kl_coef": 1e300}}', "kl_coef"),
         ('{"sampling": {"max_new_tokens": 100000000}}', "max_new_tokens"),
         ('{"name": "' + "n" * 1000 + '"}', "name"),
+        ('{"reward": [' + ", ".join(['{"fn": "exact_match"}'] * 17) + "]}", "reward"),
+        ('{"rollout": {"instance_type": "' + "x" * 5000 + '"}}', "instance_type"),
     ],
 )
 async def test_every_number_is_finite_and_bounded(api: httpx.AsyncClient, raw: str, field: str) -> None:
