@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from services.api.main import create_app
+from services.prompts import MAX_PROMPTS, InvalidPromptsError, parse_jsonl, to_jsonl
+from services.runspec import PromptItem
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}]
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
@@ -217,3 +219,11 @@ async def test_the_openapi_document_tells_what_each_operation_returns(api: httpx
     assert {"bearer": []} in paths["/v1/runs"]["post"]["security"]
     assert "application/x-ndjson" in paths["/v1/datasets"]["post"]["requestBody"]["content"]
     assert (await api.get("/readyz")).headers["content-type"].startswith("text/plain")
+
+
+def test_a_prompt_set_is_counted_in_lines_before_it_is_read_and_split_at_newlines_only() -> None:
+    with pytest.raises(InvalidPromptsError, match=f"more than {MAX_PROMPTS} lines"):
+        parse_jsonl(b"\n" * (MAX_PROMPTS + 1), "the upload")  # blank: it once took a minute to find none
+    assert len(parse_jsonl(b'{"prompt": "x"}\n' * 3, "the upload")) == 3
+    odd = ["a\u2028b", "c\x0cd", "e\x1df\x85"]  # str.splitlines would cut each of these
+    assert [p.prompt for p in parse_jsonl(to_jsonl([PromptItem(prompt=o) for o in odd]), "the upload")] == odd
