@@ -12,7 +12,8 @@ import pytest
 
 from services.api.main import create_app
 from services.prompts import MAX_PROMPTS, InvalidPromptsError, parse_jsonl, to_jsonl
-from services.runspec import PromptItem
+from services.api.service import SpecFieldError, check_spec_for_server
+from services.runspec import PromptItem, RunSpec
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}]
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
@@ -227,3 +228,26 @@ def test_a_prompt_set_is_counted_in_lines_before_it_is_read_and_split_at_newline
     assert len(parse_jsonl(b'{"prompt": "x"}\n' * 3, "the upload")) == 3
     odd = ["a\u2028b", "c\x0cd", "e\x1df\x85"]  # str.splitlines would cut each of these
     assert [p.prompt for p in parse_jsonl(to_jsonl([PromptItem(prompt=o) for o in odd]), "the upload")] == odd
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("http://spotrl-reward.ml.svc:8100", True),
+        ("http://SPOTRL-reward.ml.svc:8100/v1/", True),
+        ("http://spotrl-reward.ml.svc:8100@metadata.internal/", False),  # userinfo: the host is metadata.internal
+        ("http://spotrl-reward.ml.svc:8100\\@metadata.internal/", False),
+        ("http://spotrl-reward.ml.svc:8100.metadata.internal/", False),
+        ("http://spotrl-reward.ml.svc:81000/", False),
+        ("https://spotrl-reward.ml.svc:8100/", False),
+        ("http://spotrl-reward.ml.svc:notaport/", False),
+    ],
+)
+def test_a_reward_service_url_is_compared_parsed_not_as_text(settings, url: str, allowed: bool) -> None:
+    run = RunSpec.model_validate(spec(reward=[{"fn": "reward_model", "url": url}]))
+    operator = settings.model_copy(update={"reward_service_urls": "http://spotrl-reward.ml.svc:8100"})
+    if allowed:
+        check_spec_for_server(run, operator)
+    else:
+        with pytest.raises(SpecFieldError, match="SPOTRL_REWARD_SERVICE_URLS"):
+            check_spec_for_server(run, operator)
