@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import time
 import uuid
 from dataclasses import asdict
@@ -172,7 +173,8 @@ def _encode_cursor(row: RunRow) -> str:
 def _decode_cursor(cursor: str) -> tuple[float, str]:
     try:
         created_at, run_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        if isinstance(created_at, float | int) and isinstance(run_id, str):
+        # bool is an int, and json reads NaN and Infinity: none of them is a time this API hands out.
+        if isinstance(created_at, float | int) and not isinstance(created_at, bool) and math.isfinite(created_at) and isinstance(run_id, str):
             return float(created_at), run_id
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         pass

@@ -4,6 +4,7 @@ large things are refused before they are read."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -195,7 +196,8 @@ async def test_runs_are_listed_in_pages(api: httpx.AsyncClient) -> None:
         if cursor is None:
             break
     assert (seen, pages) == (ids, 3)
-    assert (await api.get("/v1/runs", params={"cursor": "not-a-cursor"})).status_code == 400
+    for forged in ("not-a-cursor", *(base64.urlsafe_b64encode(f'[{t}, "run-0"]'.encode()).decode() for t in ("NaN", "-Infinity", "true"))):
+        assert (await api.get("/v1/runs", params={"cursor": forged})).status_code == 400, forged
     assert (await api.get("/v1/runs", params={"limit": 100_000})).status_code == 422
 
 
