@@ -20,6 +20,8 @@ from services.reward.safe_regex import check_pattern
 
 MAX_INLINE_PROMPTS = 10_000
 MAX_PATH_CHARS = 1024
+# Every term runs on every response: 100,000 of them took the API 20 s to validate and store.
+MAX_REWARD_TERMS = 16
 # Every model of the spec: numbers are finite (no NaN or infinity), unknown fields are refused.
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -109,7 +111,7 @@ class Sampling(BaseModel):
 class RolloutPool(BaseModel):
     model_config = STRICT
 
-    instance_type: str = Field(default="g6.xlarge", description="Catalog instance type of each rollout worker.")
+    instance_type: str = Field(default="g6.xlarge", min_length=1, max_length=64, description="Catalog instance type of each rollout worker.")
     spot: bool = Field(default=True, description="Run rollout workers on spot capacity.")
     min_workers: int = Field(default=2, ge=0, le=1024, description="Workers kept while the run is active.")
     max_workers: int = Field(default=10, ge=1, le=1024, description="Upper bound of the pool; also the prompt topic's partition count.")
@@ -154,7 +156,7 @@ class RunSpec(BaseModel):
         "(store://datasets/<id>.jsonl), or a JSONL path inside the server's SPOTRL_DATA_DIRS. A stored run shows `inline` for "
         "an inline list, and its `prompt_count`."
     )
-    reward: Annotated[list[RewardTerm], Field(min_length=1)] = Field(
+    reward: Annotated[list[RewardTerm], Field(min_length=1, max_length=MAX_REWARD_TERMS)] = Field(
         default_factory=lambda: [RewardTerm(fn=RewardFn.EXACT_MATCH)],
         description="Reward terms, summed with their weights.",
     )

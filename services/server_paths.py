@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 MAX_PATH_CHARS = 1024
 MAX_NAME_CHARS = 255  # NAME_MAX of Linux file systems: longer names fail every system call
@@ -59,3 +60,20 @@ def check_object_key(key: str) -> str:
             "and '-', each starting with a letter, digit or '_' (e.g. store://datasets/<id>.jsonl)"
         )
     return key
+
+
+def url_is_allowed(url: str, allowed: Sequence[str]) -> bool:
+    """Whether ``url`` names a service under one of the ``allowed`` URL prefixes: the same scheme,
+    host and port, and a path under the prefix's. Compared parsed, not as text: as text,
+    ``http://reward:8000@elsewhere/`` starts with ``http://reward:8000`` and goes to ``elsewhere``."""
+    try:
+        target = urlsplit(url)
+        if "@" in target.netloc or "\\" in target.netloc:
+            return False
+        for prefix in map(urlsplit, allowed):
+            same_server = (target.scheme, target.hostname, target.port) == (prefix.scheme, prefix.hostname, prefix.port)
+            if same_server and (target.path + "/").startswith(prefix.path.rstrip("/") + "/"):
+                return True
+    except ValueError:  # a port that is not a number, a malformed IPv6 host
+        return False
+    return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import time
 import uuid
 from dataclasses import asdict
@@ -40,7 +41,7 @@ from services.cost.report_page import IterationPoint, report_page
 from services.names import pod_log_key, pod_logs_prefix, prompts_key, role_of_pod, run_id_of_pod, tenant_object_key
 from services.prompts import INLINE, STORE_SCHEME, InvalidPromptsError, load_prompts, parse_jsonl, to_jsonl
 from services.runspec import RewardFn, RunSpec
-from services.server_paths import ServerPathError, check_server_path
+from services.server_paths import ServerPathError, check_server_path, url_is_allowed
 from services.wiring import Backends
 
 
@@ -85,7 +86,7 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
             raise SpecFieldError(("body", "model"), str(e) if isinstance(e, ServerPathError) else "no model directory (with config.json) or .gguf file there") from None
     allowed_urls = [u.strip() for u in settings.reward_service_urls.split(",") if u.strip()]
     for i, term in enumerate(spec.reward):
-        if term.url and not any(term.url.startswith(prefix) for prefix in allowed_urls):
+        if term.url and not url_is_allowed(term.url, allowed_urls):
             raise SpecFieldError(
                 ("body", "reward", str(i), "url"),
                 "a reward service must be one the operator allows (SPOTRL_REWARD_SERVICE_URLS); none is"
@@ -175,7 +176,8 @@ def _encode_cursor(row: RunRow) -> str:
 def _decode_cursor(cursor: str) -> tuple[float, str]:
     try:
         created_at, run_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        if isinstance(created_at, float | int) and isinstance(run_id, str):
+        # bool is an int, and json reads NaN and Infinity: none of them is a time this API hands out.
+        if isinstance(created_at, float | int) and not isinstance(created_at, bool) and math.isfinite(created_at) and isinstance(run_id, str):
             return float(created_at), run_id
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         pass

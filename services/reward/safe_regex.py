@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import re
+import re._constants as sre_constants
+import re._parser as sre_parse
 
 import regex
 
@@ -28,6 +30,10 @@ MAX_PATTERN_CHARS = 1000
 # a millisecond; one that takes this long is backtracking, and a batch of such responses would
 # stall its worker for (responses x this).
 DEFAULT_TIMEOUT_S = 0.5
+# Items of a pattern with its counted repeats unrolled, as `regex` does when it compiles:
+# `a{999999999}` took tens of GB before any time limit applied (one such spec got the API server
+# killed for memory). 10,000 compile in milliseconds; format checks need a few hundred at most.
+MAX_REPEAT_COUNT = 10_000
 
 
 class RewardError(Exception):
@@ -45,13 +51,42 @@ def check_pattern(pattern: str) -> None:
     if len(pattern) > MAX_PATTERN_CHARS:
         raise ValueError(f"`pattern` is {len(pattern)} characters long; at most {MAX_PATTERN_CHARS} are accepted")
     try:
-        re.compile(pattern)
+        parsed = sre_parse.parse(pattern)
     except re.error as e:
         raise ValueError(f"`pattern` is not a valid regular expression: {e}") from e
+    if (count := _repeat_count(parsed)) > MAX_REPEAT_COUNT:
+        raise ValueError(
+            f"`pattern` unrolls to {count} items (its counted repeats `{{n}}` multiplied out); at most {MAX_REPEAT_COUNT} are accepted"
+        )
     try:
         _compiled(pattern)
     except regex.error as e:
         raise ValueError(f"`pattern` is valid for Python's re but not for the reward's regex engine: {e}") from e
+
+
+def _repeat_count(pattern: sre_parse.SubPattern) -> int:
+    """How many items a pattern parsed by `re` unrolls to: its items summed, a repeat counting
+    its body times its upper bound (its lower one when unbounded: `*`, `+`, `{n,}`), at least 1."""
+    total = 0
+    for op, av in pattern.data:
+        if op in _REPEATS:
+            low, high, body = av
+            total += max(low if high == sre_constants.MAXREPEAT else high, 1) * _repeat_count(body)
+        else:
+            total += max(sum(_repeat_count(child) for child in _subpatterns(av)), 1)
+    return total
+
+
+def _subpatterns(av: object) -> list[sre_parse.SubPattern]:
+    """The parsed sub-patterns inside an operation's argument (a group, a branch, a lookaround)."""
+    if isinstance(av, sre_parse.SubPattern):
+        return [av]
+    if isinstance(av, list | tuple):
+        return [sub for item in av for sub in _subpatterns(item)]
+    return []
+
+
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
 
 
 @functools.lru_cache(maxsize=64)

@@ -4,6 +4,7 @@ large things are refused before they are read."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -11,6 +12,9 @@ import httpx
 import pytest
 
 from services.api.main import create_app
+from services.prompts import MAX_PROMPTS, InvalidPromptsError, parse_jsonl, to_jsonl
+from services.api.service import SpecFieldError, check_spec_for_server
+from services.runspec import PromptItem, RunSpec
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}]
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
@@ -122,6 +126,8 @@ async def test_long_or_odd_paths_are_422_not_500(api: httpx.AsyncClient, changes
         ('{"training": {"kl_coef": 1e300}}', "kl_coef"),
         ('{"sampling": {"max_new_tokens": 100000000}}', "max_new_tokens"),
         ('{"name": "' + "n" * 1000 + '"}', "name"),
+        ('{"reward": [' + ", ".join(['{"fn": "exact_match"}'] * 17) + "]}", "reward"),
+        ('{"rollout": {"instance_type": "' + "x" * 5000 + '"}}', "instance_type"),
     ],
 )
 async def test_every_number_is_finite_and_bounded(api: httpx.AsyncClient, raw: str, field: str) -> None:
@@ -190,7 +196,8 @@ async def test_runs_are_listed_in_pages(api: httpx.AsyncClient) -> None:
         if cursor is None:
             break
     assert (seen, pages) == (ids, 3)
-    assert (await api.get("/v1/runs", params={"cursor": "not-a-cursor"})).status_code == 400
+    for forged in ("not-a-cursor", *(base64.urlsafe_b64encode(f'[{t}, "run-0"]'.encode()).decode() for t in ("NaN", "-Infinity", "true"))):
+        assert (await api.get("/v1/runs", params={"cursor": forged})).status_code == 400, forged
     assert (await api.get("/v1/runs", params={"limit": 100_000})).status_code == 422
 
 
@@ -215,3 +222,34 @@ async def test_the_openapi_document_tells_what_each_operation_returns(api: httpx
     assert {"bearer": []} in paths["/v1/runs"]["post"]["security"]
     assert "application/x-ndjson" in paths["/v1/datasets"]["post"]["requestBody"]["content"]
     assert (await api.get("/readyz")).headers["content-type"].startswith("text/plain")
+
+
+def test_a_prompt_set_is_counted_in_lines_before_it_is_read_and_split_at_newlines_only() -> None:
+    with pytest.raises(InvalidPromptsError, match=f"more than {MAX_PROMPTS} lines"):
+        parse_jsonl(b"\n" * (MAX_PROMPTS + 1), "the upload")  # blank: it once took a minute to find none
+    assert len(parse_jsonl(b'{"prompt": "x"}\n' * 3, "the upload")) == 3
+    odd = ["a\u2028b", "c\x0cd", "e\x1df\x85"]  # str.splitlines would cut each of these
+    assert [p.prompt for p in parse_jsonl(to_jsonl([PromptItem(prompt=o) for o in odd]), "the upload")] == odd
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("http://spotrl-reward.ml.svc:8100", True),
+        ("http://SPOTRL-reward.ml.svc:8100/v1/", True),
+        ("http://spotrl-reward.ml.svc:8100@metadata.internal/", False),  # userinfo: the host is metadata.internal
+        ("http://spotrl-reward.ml.svc:8100\\@metadata.internal/", False),
+        ("http://spotrl-reward.ml.svc:8100.metadata.internal/", False),
+        ("http://spotrl-reward.ml.svc:81000/", False),
+        ("https://spotrl-reward.ml.svc:8100/", False),
+        ("http://spotrl-reward.ml.svc:notaport/", False),
+    ],
+)
+def test_a_reward_service_url_is_compared_parsed_not_as_text(settings, url: str, allowed: bool) -> None:
+    run = RunSpec.model_validate(spec(reward=[{"fn": "reward_model", "url": url}]))
+    operator = settings.model_copy(update={"reward_service_urls": "http://spotrl-reward.ml.svc:8100"})
+    if allowed:
+        check_spec_for_server(run, operator)
+    else:
+        with pytest.raises(SpecFieldError, match="SPOTRL_REWARD_SERVICE_URLS"):
+            check_spec_for_server(run, operator)

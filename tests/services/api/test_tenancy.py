@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from services.api.auth import TokenBook, TokensFileError, add_token, hash_token
 from services.api.main import create_app
+from services.names import pod_log_key
 from services.cli import app as cli
 
 SPEC = {"model": "tiny", "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}], "batch_samples": 8, "iterations": 2}
@@ -36,6 +37,7 @@ async def client(settings, tokens) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(settings.model_copy(update={"tokens_file": Path(tokens["file"])}), with_scheduler=False)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as c:
+            c.app = app  # type: ignore[attr-defined]
             yield c
 
 
@@ -70,13 +72,16 @@ async def test_a_tenant_sees_its_own_runs_only(client: httpx.AsyncClient, tokens
     globex = (await client.post("/v1/runs", json=SPEC, headers=auth(tokens["globex"]))).json()
     assert (acme["tenant"], globex["tenant"]) == ("acme", "globex")
 
-    for path in (f"/v1/runs/{acme['id']}", f"/v1/runs/{acme['id']}/cost", f"/v1/runs/{acme['id']}/report"):
+    pod = f"{acme['id']}-train-1"
+    client.app.state.backends.objects.put_bytes(pod_log_key(acme["id"], pod), b"loss 0.1\n")  # as the scheduler keeps it
+    for path in (f"/v1/runs/{acme['id']}", f"/v1/runs/{acme['id']}/cost", f"/v1/runs/{acme['id']}/pods",
+                 f"/v1/runs/{acme['id']}/pods/{pod}/logs", f"/v1/runs/{acme['id']}/report"):  # fmt: skip
         mine = await client.get(path, headers=auth(tokens["acme"]))
         theirs = await client.get(path, headers=auth(tokens["globex"]))
-        nobody = await client.get("/v1/runs/run-0123456789" + path.removeprefix(f"/v1/runs/{acme['id']}"),
-                                  headers=auth(tokens["globex"]))  # fmt: skip
+        nobody = await client.get(path.replace(acme["id"], "run-0123456789"), headers=auth(tokens["globex"]))
         assert (mine.status_code, theirs.status_code) == (200, 404), path
         assert theirs.json() == nobody.json()  # another tenant's run is as absent as a run that never was
+        assert (await client.get(path, headers=auth(tokens["admin"]))).content == mine.content
     r = await client.post(f"/v1/runs/{acme['id']}/cancel", headers=auth(tokens["globex"]))
     assert r.status_code == 404
     assert (await client.get(f"/v1/runs/{acme['id']}", headers=auth(tokens["acme"]))).json()["status"] == "PENDING"
