@@ -16,9 +16,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from tests.servers.debian import unpack_packages
 
 CACHE = Path(os.environ.get("SPOTRL_CHROMIUM_CACHE", Path.home() / ".cache" / "spotrl" / "chromium"))
 PACKAGE = "chromium"
@@ -81,11 +82,7 @@ def ensure_chromium() -> Path:
     found = find_chromium()
     if found is not None:
         return found
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE) as download:
-        subprocess.run(["apt-get", "download", *missing_packages([PACKAGE])], cwd=download, check=True)
-        for deb in sorted(Path(download).glob("*.deb")):
-            subprocess.run(["dpkg-deb", "-x", str(deb), str(CACHE)], check=True)
+    unpack_packages(missing_packages([PACKAGE]), CACHE)
     found = find_chromium()
     if found is None:
         raise RuntimeError(f"Debian's {PACKAGE} package unpacked into {CACHE} has no usr/lib/chromium/chromium")

@@ -15,11 +15,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from tests.servers.debian import unpack_packages
 
 CACHE = Path(os.environ.get("SPOTRL_PROMETHEUS_CACHE", Path.home() / ".cache" / "spotrl" / "prometheus"))
 PACKAGE = "prometheus"
@@ -39,11 +40,7 @@ def ensure_prometheus() -> Path:
     found = find_prometheus()
     if found is not None:
         return found
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE) as download:
-        subprocess.run(["apt-get", "download", PACKAGE], cwd=download, check=True)
-        (deb,) = Path(download).glob(f"{PACKAGE}_*.deb")
-        subprocess.run(["dpkg-deb", "-x", str(deb), str(CACHE)], check=True)
+    unpack_packages([PACKAGE], CACHE)
     found = find_prometheus()
     if found is None:
         raise RuntimeError(f"Debian's {PACKAGE} package unpacked into {CACHE} has no usr/bin/prometheus")
