@@ -176,6 +176,11 @@ class TrainConfig(BaseModel):
         "overlong_penalty, linearly over the buffer (0 = off).",
     )
     overlong_penalty: float = Field(default=1.0, ge=0.0, le=100.0, description="DAPO overlong shaping: the penalty at max_new_tokens.")
+    dynamic_sampling: bool = Field(
+        default=False,
+        description="DAPO dynamic sampling: rollout workers drop groups whose rewards are all equal (counted on the run's "
+        "samples_dropped); the batch fills with the others.",
+    )
     shuffle: bool = Field(default=True, description="Draw each epoch's mini-batches from a fresh seeded permutation of the batch.")
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed of the mini-batch permutation (epoch e uses seed + e).")
 
