@@ -107,10 +107,10 @@ def train_on_batch(
 
 
 # Per-token statistics (masked means inside a loss), averaged over micro-batches by their real
-# tokens; the loss terms are averaged by what `loss_agg` averages over, so they add up to the
+# tokens; the loss terms (entropy too, as verl) are averaged by what `loss_agg` averages over, so they add up to the
 # mini-batch's loss.
 TOKEN_MEAN_METRICS = frozenset(
-    {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy", "critic/vf_clipfrac"}
+    {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "critic/vf_clipfrac"}
 )
 
 

@@ -398,3 +398,44 @@ def test_each_new_loss_and_estimator_raises_the_reward_on_the_toy_task(
         rewards.append(train_on_batch(tiny_policy.model, samples, cfg, optimizer)["reward/mean"])
     assert max(rewards[:3]) < 0.1
     assert sum(rewards[-3:]) / 3 > 0.5, rewards
+
+
+@pytest.mark.parametrize(
+    "training",
+    [{"loss_agg": "token-sum"}, {"loss_agg": "seq-mean-token-sum-norm"}, {"policy_loss": "gspo"}, {"policy_loss": "geo_mean"}],
+    ids=lambda t: next(iter(t.values())),
+)
+def test_micro_batching_does_not_change_the_update_of_the_sum_and_sequence_losses(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], training: dict
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    results = []
+    for micro in (2, 8):
+        model = copy.deepcopy(tiny_policy.model)
+        cfg = TrainConfig(micro_batch=micro, max_grad_norm=1e9, **training)
+        metrics = train_on_batch(model, samples, cfg, torch.optim.SGD(model.parameters(), lr=0.1))
+        results.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    (m2, p2), (m8, p8) = results
+    for key in m8:
+        if not key.startswith("perf/"):
+            assert m2[key] == pytest.approx(m8[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(p2, p8, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_mini_batches_are_a_seeded_permutation_of_the_batch(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    """shuffle: epoch 0's mini-batches are those of the batch reordered by randperm(seed 0)."""
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
+    assert order != sorted(order)
+    updated = []
+    for shuffle, batch in ((True, samples), (False, [samples[i] for i in order]), (False, samples)):
+        model = copy.deepcopy(tiny_policy.model)
+        cfg = TrainConfig(mini_batch=4, micro_batch=4, shuffle=shuffle, seed=0, max_grad_norm=1e9)
+        train_on_batch(model, batch, cfg, torch.optim.SGD(model.parameters(), lr=0.5))
+        updated.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(updated[0], updated[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(updated[0], updated[2], strict=True))
