@@ -78,7 +78,7 @@ def train_on_batch(
         totals: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         grad_norms = []
         for epoch in range(cfg.epochs):
-            order = _epoch_order(len(samples), cfg, epoch)
+            order = _epoch_order(samples, mini_size, cfg, epoch)
             for mb_start in range(0, len(samples), mini_size):
                 mini = order[mb_start : mb_start + mini_size]
                 mini_mask = batch.mask[torch.tensor(mini, device=device)]
@@ -114,12 +114,19 @@ TOKEN_MEAN_METRICS = frozenset(
 )
 
 
-def _epoch_order(n: int, cfg: TrainConfig, epoch: int) -> list[int]:
-    """The order in which epoch `epoch` visits the batch's `n` samples: a permutation seeded by
-    `cfg.seed + epoch` (`shuffle`, as verl's `shuffle` of mini-batches), else 0..n-1."""
-    if not cfg.shuffle:
-        return list(range(n))
-    return torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+def _epoch_order(samples: Sequence[Sample], mini_size: int, cfg: TrainConfig, epoch: int) -> list[int]:
+    """The order in which epoch `epoch` visits the samples: with `shuffle` and more than one
+    mini-batch, the groups in a permutation seeded by `cfg.seed + epoch` (verl shuffles its
+    mini-batches likewise), each group's samples kept together so that they share their prompt's
+    pass in a micro-batch; else 0..n-1 (one mini-batch's gradient does not depend on the order)."""
+    if not cfg.shuffle or mini_size >= len(samples):
+        return list(range(len(samples)))
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, sample in enumerate(samples):
+        groups[sample.group_id].append(i)
+    members = list(groups.values())
+    permutation = torch.randperm(len(members), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+    return [i for g in permutation.tolist() for i in members[g]]
 
 
 def _checked_strategy(

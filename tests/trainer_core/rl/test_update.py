@@ -423,17 +423,19 @@ def test_micro_batching_does_not_change_the_update_of_the_sum_and_sequence_losse
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_mini_batches_are_a_seeded_permutation_of_the_batch(
+def test_mini_batches_are_a_seeded_permutation_of_the_groups(
     tiny_policy: Policy, make_sample: Callable[..., Sample]
 ) -> None:
-    """shuffle: epoch 0's mini-batches are those of the batch reordered by randperm(seed 0)."""
-    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
-    assert order != sorted(order)
+    """shuffle: epoch 0 visits the groups (kept whole) in the order randperm(seed) draws; seed 1
+    pairs the 4 groups into mini-batches other than in order ([1, 3] then [2, 0])."""
+    samples = [dataclasses.replace(s, group_id=f"g{i // 2}") for i, s in enumerate(_random_samples(make_sample, len(tiny_policy.tokenizer)))]
+    order = torch.randperm(4, generator=torch.Generator().manual_seed(1)).tolist()
+    assert {frozenset(order[:2]), frozenset(order[2:])} != {frozenset({0, 1}), frozenset({2, 3})}
     updated = []
-    for shuffle, batch in ((True, samples), (False, [samples[i] for i in order]), (False, samples)):
+    reordered = [samples[2 * g + k] for g in order for k in range(2)]
+    for shuffle, batch in ((True, samples), (False, reordered), (False, samples)):
         model = copy.deepcopy(tiny_policy.model)
-        cfg = TrainConfig(mini_batch=4, micro_batch=4, shuffle=shuffle, seed=0, max_grad_norm=1e9)
+        cfg = TrainConfig(mini_batch=4, micro_batch=4, shuffle=shuffle, seed=1, max_grad_norm=1e9)
         train_on_batch(model, batch, cfg, torch.optim.SGD(model.parameters(), lr=0.5))
         updated.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(updated[0], updated[1], strict=True):
