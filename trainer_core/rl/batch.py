@@ -124,7 +124,8 @@ def _reward_baselines(samples: Sequence[Sample], cfg: TrainConfig, device: torch
     if missing:
         raise ValueError(
             f"remax needs each sample's baseline_reward (its prompt's greedy response's reward); "
-            f"{len(missing)} samples have none, e.g. {missing[0]}: generate them with remax_baseline_rewards"
+            f"{len(missing)} samples have none, e.g. {missing[0]}. Rollout workers add it when the run's "
+            "adv_estimator is remax; colocated runs do not yet: use a disaggregated run or another estimator"
         )
     return torch.tensor([s.baseline_reward for s in samples], dtype=torch.float32, device=device)
 

@@ -101,7 +101,10 @@ def train_on_batch(
 
     release_freed_memory()  # the activations' holes, before the next generation phase
     metrics = _batch_metrics(totals, grad_norms, samples, strategy, kl_controller, start, device)
-    metrics.update({f"actor/{key}": value.item() for key, value in is_metrics.items()})
+    tokens = batch.mask.sum()
+    all_tokens = strategy.all_reduce(tokens)
+    for key, value in is_metrics.items():  # token means of this rank's share -> of the whole batch
+        metrics[f"actor/{key}"] = (strategy.all_reduce(value * tokens) / all_tokens).item()
     metrics.update(data_metrics(batch, samples, cfg, strategy))
     return metrics
 

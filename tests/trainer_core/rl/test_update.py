@@ -441,3 +441,26 @@ def test_mini_batches_are_a_seeded_permutation_of_the_groups(
     for a, b in zip(updated[0], updated[1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(updated[0], updated[2], strict=True))
+
+
+def test_remax_without_greedy_baselines_says_where_they_come_from(tiny_policy, make_sample) -> None:
+    samples = [make_sample([5, 6], [7, 8], [-1.0, -1.0], 1.0)]
+    cfg = TrainConfig(adv_estimator="remax")
+    with pytest.raises(ValueError, match="baseline_reward.*Rollout workers add it"):
+        train_on_batch(tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg))
+
+
+def test_decoupled_is_metrics_and_overlong_shaping_reach_the_update(tiny_policy, make_sample) -> None:
+    """Sequence-level IS weights are reported; an overlong response's reward drops linearly in
+    the buffer before max_new_tokens (DAPO), which moves the loss of a lr-0 update."""
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    base = {"learning_rate": 0.0, "off_policy": "decoupled", "is_level": "sequence", "max_new_tokens": 11}
+    plain = train_on_batch(tiny_policy.model, samples, TrainConfig(**base), build_optimizer(tiny_policy.model, TrainConfig()))
+    assert 0 < plain["actor/is_weight_mean"] <= 2.0 and 0 <= plain["actor/is_capfrac"] <= 1
+    assert plain["response_length/clip_ratio"] == pytest.approx(
+        sum(len(s.response_ids) >= 11 for s in samples) / len(samples)
+    )
+    shaped = train_on_batch(
+        tiny_policy.model, samples, TrainConfig(**base, overlong_buffer=6), build_optimizer(tiny_policy.model, TrainConfig())
+    )
+    assert shaped["actor/pg_loss"] != pytest.approx(plain["actor/pg_loss"], abs=1e-6)
