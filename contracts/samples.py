@@ -53,6 +53,8 @@ class Sample:
     worker_id: str
     generation_seconds: float
     created_at: float
+    # ReMax's baseline: the reward of the prompt's greedy response (None when none was made).
+    baseline_reward: float | None = None
 
 
 def _pack(typecode: str, values: list[int] | list[float]) -> bytes:

@@ -25,6 +25,29 @@ class AdvantageEstimator(StrEnum):
     RLOO = "rloo"  # r - mean of the group's other samples (Ahmadian et al. 2024)
     REINFORCE_PP = "reinforce_pp"  # discounted returns whitened over the batch (Hu 2025)
     REINFORCE_PP_BASELINE = "reinforce_pp_baseline"  # group mean subtracted, then whitened over the batch
+    REMAX = "remax"  # return minus the reward of the prompt's greedy response (Li et al. 2023)
+    OPO = "opo"  # r - the group's length-weighted mean reward (Hao et al. 2025)
+    GRPO_PASSK = "grpo_passk"  # only the group's best sample: (r_max - r_second) / std (Chen et al. 2025)
+
+
+class PolicyLoss(StrEnum):
+    """Policy losses, by verl's names (`actor.policy_loss.loss_mode`)."""
+
+    VANILLA = "vanilla"  # PPO clipped surrogate with dual clip (Schulman et al. 2017)
+    GSPO = "gspo"  # clipped sequence-level ratio (Zheng et al. 2025)
+    CISPO = "cispo"  # clipped, stop-gradient IS weight times log-prob (MiniMax-M1, 2025)
+    CLIP_COV = "clip_cov"  # PPO with high-covariance tokens' gradient cut (Cui et al. 2025)
+    KL_COV = "kl_cov"  # unclipped ratio, |log ratio| penalty on high-covariance tokens (Cui et al. 2025)
+    GPG = "gpg"  # -A log pi, no ratio (Chu et al. 2025)
+    GEO_MEAN = "geo_mean"  # geometric mean of clipped token ratios per sequence, GMPO (Zhao et al. 2025)
+    REINFORCE = "reinforce"  # -A log pi, no clipping (Williams 1992)
+
+
+class ISLevel(StrEnum):
+    """What one truncated importance weight covers (verl `rollout_is`)."""
+
+    TOKEN = "token"  # each token its own ratio (biased, low variance)
+    SEQUENCE = "sequence"  # the product of a sequence's token ratios, on all its tokens (unbiased)
 
 
 class KLEstimator(StrEnum):
@@ -33,12 +56,17 @@ class KLEstimator(StrEnum):
     K1 = "k1"
     K2 = "k2"
     K3 = "k3"
+    ABS = "abs"  # |log pi - log pi_ref|
+    K1_PLUS = "k1+"  # value of k1, gradient of k2 (straight-through)
+    K3_PLUS = "k3+"  # value of k3, gradient of k2 (straight-through)
 
 
 class LossAggMode(StrEnum):
     TOKEN_MEAN = "token-mean"  # every real token weighs the same (DAPO)
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # sum over a sequence's tokens, mean over sequences
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # mean over a sequence's tokens, then over sequences (GRPO)
+    TOKEN_SUM = "token-sum"  # sum over every real token of the mini-batch
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # token sum over response_len (Dr. GRPO)
 
 
 class KLMode(StrEnum):
@@ -81,6 +109,10 @@ class TrainConfig(BaseModel):
     temperature: SkipJsonSchema[float] = Field(
         default=1.0, ge=0.0, le=5.0, exclude=True,
         description="The run's `sampling.temperature`: the behaviour log-probs are of logits / temperature.",
+    )
+    max_new_tokens: SkipJsonSchema[int] = Field(
+        default=64, ge=1, le=8192, exclude=True,
+        description="The run's `sampling.max_new_tokens`: the response length limit (overlong shaping, clip ratio).",
     )
 
     # --- the update ----------------------------------------------------------------------------
@@ -126,6 +158,31 @@ class TrainConfig(BaseModel):
         "policy and weight tokens by min(pi_proximal / pi_behaviour, is_cap) (one extra forward pass).",
     )
     is_cap: float = Field(default=2.0, gt=0.0, le=1000.0, description="Cap of the importance weight of stale tokens (off_policy: decoupled).")
+    is_level: ISLevel = Field(
+        default=ISLevel.TOKEN,
+        description="off_policy decoupled: truncated IS weight per token, or one per sequence (the product of its tokens' ratios).",
+    )
+    is_batch_normalize: bool = Field(default=False, description="off_policy decoupled: scale the IS weights to mean 1 over the batch.")
+    policy_loss: PolicyLoss = Field(default=PolicyLoss.VANILLA, description="The policy loss (verl's names): vanilla PPO, gspo, cispo, clip_cov, kl_cov, gpg, geo_mean, reinforce.")
+    clip_cov_ratio: float = Field(default=0.0002, gt=0.0, le=1.0, description="clip_cov: fraction of tokens whose gradient is cut.")
+    clip_cov_lb: float = Field(default=1.0, ge=-1e6, le=1e6, description="clip_cov: lower bound of the covariance of a token that may be cut.")
+    clip_cov_ub: float = Field(default=5.0, ge=-1e6, le=1e6, description="clip_cov: upper bound of the covariance of a token that may be cut.")
+    kl_cov_ratio: float = Field(default=0.0002, gt=0.0, le=1.0, description="kl_cov: fraction of tokens (highest covariance) given the KL penalty.")
+    ppo_kl_coef: float = Field(default=1.0, ge=0.0, le=100.0, description="kl_cov: weight of |log ratio| on the selected tokens.")
+    kl_clamp: float = Field(default=0.0, ge=0.0, le=1000.0, description="Clamp k3/k3+ KL values to [-kl_clamp, kl_clamp] (verl uses 10; 0 = no clamp).")
+    overlong_buffer: int = Field(
+        default=0, ge=0, le=8192,
+        description="DAPO overlong reward shaping: a response longer than max_new_tokens - overlong_buffer loses up to "
+        "overlong_penalty, linearly over the buffer (0 = off).",
+    )
+    overlong_penalty: float = Field(default=1.0, ge=0.0, le=100.0, description="DAPO overlong shaping: the penalty at max_new_tokens.")
+    dynamic_sampling: bool = Field(
+        default=False,
+        description="DAPO dynamic sampling: rollout workers drop groups whose rewards are all equal (counted on the run's "
+        "samples_dropped); the batch fills with the others.",
+    )
+    shuffle: bool = Field(default=True, description="Draw each epoch's mini-batches from a fresh seeded permutation of the batch's groups (kept whole).")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed of the mini-batch permutation (epoch e uses seed + e).")
 
     # --- the model -----------------------------------------------------------------------------
     lora_rank: int = Field(
@@ -184,6 +241,10 @@ class TrainConfig(BaseModel):
             raise ValueError(f"dual_clip must be > 1 (or 0 for none), got {self.dual_clip}")
         if self.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_target adapts kl_coef multiplicatively: give a starting kl_coef > 0")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(f"overlong_buffer {self.overlong_buffer} is longer than max_new_tokens {self.max_new_tokens}")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb {self.clip_cov_lb} must be below clip_cov_ub {self.clip_cov_ub}")
         if self.offload_optimizer and self.strategy == Strategy.FSDP2:
             raise ValueError("offload_optimizer is a ZeRO option: set strategy to zero1, zero2 or zero3")
         return self
@@ -194,6 +255,14 @@ class TrainConfig(BaseModel):
         if self.adv_estimator is not None:
             return self.adv_estimator
         return AdvantageEstimator.GAE if self.algorithm == Algorithm.PPO else AdvantageEstimator.GRPO
+
+    @property
+    def effective_loss_agg(self) -> LossAggMode:
+        """How token losses are aggregated: GSPO and GMPO fix their own (a mean over sequences of
+        each sequence's token mean, as verl does whatever `loss_agg` says), others `loss_agg`."""
+        if self.policy_loss in (PolicyLoss.GSPO, PolicyLoss.GEO_MEAN):
+            return LossAggMode.SEQ_MEAN_TOKEN_MEAN
+        return self.loss_agg
 
     @property
     def logit_temperature(self) -> float:

@@ -199,7 +199,7 @@ class RunSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _training_of_this_run(cls, data: Any) -> Any:
-        """The trainer's `algorithm` and `temperature` are the run's (one declaration each): they
+        """The trainer's `algorithm`, `temperature` and `max_new_tokens` are the run's (one declaration each): they
         are put into the training section before it is validated, so its checks see them."""
         if not isinstance(data, dict):
             return data
@@ -208,16 +208,15 @@ class RunSpec(BaseModel):
             training = training.model_dump()
         if not isinstance(training, dict):
             return data  # the section's own validation says what is wrong
-        for name, source in (("algorithm", "algorithm"), ("temperature", "sampling.temperature")):
+        sampled = ("temperature", "max_new_tokens")
+        for name, source in (("algorithm", "algorithm"), *((n, f"sampling.{n}") for n in sampled)):
             if name in training:
                 raise ValueError(f"training.{name} is set by the run's `{source}`: give it there")
         sampling = data.get("sampling", {})
-        default_temperature = Sampling.model_fields["temperature"].default
-        temperature = (
-            sampling.get("temperature", default_temperature) if isinstance(sampling, dict)
-            else getattr(sampling, "temperature", default_temperature)
-        )
-        run = {"algorithm": data.get("algorithm", cls.model_fields["algorithm"].default), "temperature": temperature}
+        run = {"algorithm": data.get("algorithm", cls.model_fields["algorithm"].default)}
+        for name in sampled:
+            default = Sampling.model_fields[name].default
+            run[name] = sampling.get(name, default) if isinstance(sampling, dict) else getattr(sampling, name, default)
         return {**data, "training": {**training, **run}}
 
     @field_validator("training")

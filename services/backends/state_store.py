@@ -225,6 +225,11 @@ class StateStore:
                         last_reward_error=_clipped("last_reward_error", reason))
             )
 
+    def count_dropped_samples(self, run_id: str, count: int) -> None:
+        """Add ``count`` samples a rollout worker dropped (dynamic sampling) to the run's ``samples_dropped``."""
+        with self._write() as s:
+            s.execute(update(RunRow).where(RunRow.id == run_id).values(samples_dropped=RunRow.samples_dropped + count))
+
     def runs_with_expired_queues(self, ended_before: float, limit: int) -> list[str]:
         """Ended runs (before ``ended_before``) whose queue topics are still there, oldest first."""
         terminal = [s.value for s in RunStatus if s.is_terminal()]

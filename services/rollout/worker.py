@@ -19,6 +19,7 @@ sample is still produced, its reward is not cached, and the failures are counted
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from contracts.messages import PromptMessage
 from contracts.samples import Sample, encode_group
+from contracts.training import AdvantageEstimator
 from services.backends.object_store import ObjectStore
 from services.backends.queue import CommitFailedError, Queue, Record, next_offsets
 from services.backends.reward_cache import RewardCache, reward_cache_key
@@ -36,6 +38,7 @@ from services.backends.state_store import StateStore
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.policy_store import load_version, policy_dir
 from services.reward.functions import RewardInput, score_batch, terms_fingerprint
+from services.rollout.dynamic_sampling import informative_groups
 from services.rollout.vllm_engine import build_vllm_engine
 from services.runspec import RewardTerm, RunSpec
 from trainer_core.engines import make_engine
@@ -173,11 +176,17 @@ class RolloutWorker:
                     break
                 # One record per group (contracts.samples): a kill mid-produce leaves no part of one.
                 groups = [list(g) for _, g in itertools.groupby(samples, key=lambda s: s.group_id)]
-                self.queue.produce(
-                    samples_topic(self.run_id),
-                    [encode_group(g) for g in groups],
-                    keys=[g[0].group_id.encode() for g in groups],
-                )
+                if self.spec.training.dynamic_sampling:
+                    groups, dropped = informative_groups(samples)
+                    samples = [s for g in groups for s in g]
+                    if dropped:
+                        self.state.count_dropped_samples(self.run_id, dropped)
+                if groups:
+                    self.queue.produce(
+                        samples_topic(self.run_id),
+                        [encode_group(g) for g in groups],
+                        keys=[g[0].group_id.encode() for g in groups],
+                    )
                 try:
                     consumer.commit(next_offsets(records))
                 except CommitFailedError:
@@ -237,7 +246,12 @@ class RolloutWorker:
         seconds = (time.monotonic() - started) / len(completions)
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         rewards = self._score(prompts, texts, [len(c.token_ids) for c in completions])
-        return build_samples(
+        baselines = None
+        if self.spec.training.advantage_estimator == AdvantageEstimator.REMAX:
+            baselines = self._greedy_rewards(prompts, prompt_ids)
+            if baselines is None:
+                return None
+        samples = build_samples(
             [(p.prompt_id, uuid.uuid4().hex, ids) for p, ids in zip(prompts, prompt_ids, strict=True)],
             completions,
             rewards,
@@ -247,11 +261,28 @@ class RolloutWorker:
             reward_source=reward_source(self.spec.reward),
             generation_seconds=seconds,
         )
+        if baselines is None:
+            return samples
+        return [dataclasses.replace(s, baseline_reward=baselines[i // n]) for i, s in enumerate(samples)]
 
-    def _score(self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int]) -> list[float]:
-        """Rewards through the shared cache: the same response to the same prompt is scored once.
-        A reward that failed is not cached (the failure may be transient) and is counted on the run."""
-        n = self.spec.samples_per_prompt
+    def _greedy_rewards(self, prompts: Sequence[PromptMessage], prompt_ids: Sequence[list[int]]) -> list[float] | None:
+        """ReMax's baselines (Li et al. 2023): the reward of one greedy response per prompt, in
+        order; None if the stop deadline passed meanwhile."""
+        assert self.engine is not None
+        greedy = dataclasses.replace(self.sampling, temperature=0.0)
+        completions = self.engine.generate(list(prompt_ids), greedy, should_stop=self.stop.deadline_passed)
+        if completions is None:
+            return None
+        texts = self.engine.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        return self._score(prompts, texts, [len(c.token_ids) for c in completions], per_prompt=1)
+
+    def _score(
+        self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int], per_prompt: int | None = None
+    ) -> list[float]:
+        """Rewards through the shared cache of `per_prompt` (default samples_per_prompt) texts per
+        prompt: the same response to the same prompt is scored once. A reward that failed is not
+        cached (the failure may be transient) and is counted on the run."""
+        n = per_prompt or self.spec.samples_per_prompt
         terms_key = self._terms_key
         keys = [
             reward_cache_key(terms_key, prompts[k // n].prompt, prompts[k // n].answer or "", texts[k])

@@ -83,3 +83,8 @@ def test_a_group_record_holds_one_group_of_one_run() -> None:
 def test_rejects_a_corrupt_group(mangle) -> None:
     with pytest.raises(ValueError):
         decode_group(mangle(encode_group([_sample(), _sample(sample_id="other")])))
+
+
+def test_round_trip_keeps_remaxs_baseline_reward_and_its_absence() -> None:
+    assert decode_sample(encode_sample(_sample(baseline_reward=0.25))).baseline_reward == 0.25
+    assert decode_sample(encode_sample(_sample())).baseline_reward is None

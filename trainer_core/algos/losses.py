@@ -1,6 +1,6 @@
-"""Losses of the update: the PPO clipped surrogate (with dual clip), decoupled PPO with
-truncated importance weights, the clipped value loss, the aggregators of a per-token loss
-(registered by name), and the entropy of a token distribution.
+"""Losses of the update beside the policy losses (`policy_losses`): the clipped value loss,
+the aggregators of a per-token loss (registered by name), truncated importance weights, and
+the entropy of a token distribution.
 
 Pure torch: `(batch, response_len)` tensors in, `(loss, metrics)` out; no I/O, no collectives.
 """
@@ -12,49 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from contracts.training import LossAggMode
+from contracts.training import ISLevel, LossAggMode
 from trainer_core.algos.stats import MAX_LOG_RATIO, masked_mean
-
-
-def _clipped_token_losses(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token clipped surrogate max(-A * ratio, -A * clip(ratio)) `(batch, response_len)`,
-    with its clip fraction and the approx KL from the old policy (both scalars)."""
-    negative_approx_kl = (logprob - old_logprob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = negative_approx_kl.exp()
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), mask)
-    return torch.maximum(pg_losses1, pg_losses2), pg_clipfrac, masked_mean(-negative_approx_kl, mask)
-
-
-def policy_loss(
-    logprob: Tensor,
-    old_logprob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float | None = None,
-    agg_mode: str | LossAggMode = "token-mean",
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017), aggregated over `mask` by `agg_mode`, with
-    the optional dual clip bounding the loss of negative-advantage tokens by clip_c * |A|
-    (Ye et al. 2020).
-
-    All inputs `(batch, response_len)`. Metrics: `pg_clipfrac` (tokens where the clip is
-    active), `ppo_kl` (approx KL of the current policy from the old one).
-    """
-    pg_losses, pg_clipfrac, ppo_kl = _clipped_token_losses(
-        logprob, old_logprob, advantages, mask, clip_low, clip_high
-    )
-    if clip_c is not None:
-        pg_losses3 = -advantages * clip_c
-        pg_losses = torch.where(advantages < 0, torch.minimum(pg_losses, pg_losses3), pg_losses)
-
-    loss = aggregate_loss(pg_losses, mask, agg_mode)
-    return loss, {"pg_clipfrac": pg_clipfrac.detach(), "ppo_kl": ppo_kl.detach()}
 
 
 def value_loss(
@@ -97,10 +56,21 @@ def _agg_seq_mean_token_mean(loss_mat: Tensor, mask: Tensor) -> Tensor:
     return masked_mean(seq_losses, (mask.sum(dim=-1) > 0).to(loss_mat.dtype))
 
 
+def _agg_token_sum(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    return (loss_mat * mask).sum()
+
+
+def _agg_seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    # verl's default loss_scale_factor: the padded response length (Dr. GRPO's constant).
+    return (loss_mat * mask).sum() / mask.shape[-1]
+
+
 LOSS_AGGREGATORS: dict[LossAggMode, Callable[[Tensor, Tensor], Tensor]] = {
     LossAggMode.TOKEN_MEAN: _agg_token_mean,
     LossAggMode.SEQ_MEAN_TOKEN_SUM: _agg_seq_mean_token_sum,
     LossAggMode.SEQ_MEAN_TOKEN_MEAN: _agg_seq_mean_token_mean,
+    LossAggMode.TOKEN_SUM: _agg_token_sum,
+    LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM: _agg_seq_mean_token_sum_norm,
 }
 
 
@@ -108,61 +78,59 @@ def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str | LossAggMode) -> T
     """Scalar loss from a per-token loss `loss_mat` `(batch, response_len)` over `mask`:
     token-mean (every real token weighs the same; DAPO), seq-mean-token-sum (sum over each
     sequence's tokens, mean over sequences), seq-mean-token-mean (mean over each sequence's
-    tokens, then over sequences; the original GRPO)."""
+    tokens, then over sequences; the original GRPO), token-sum (sum over every real token),
+    seq-mean-token-sum-norm (that sum over the padded response length, a constant; Dr. GRPO)."""
     return LOSS_AGGREGATORS[LossAggMode(mode)](loss_mat, mask)
+
+
+def aggregation_weight(mask: Tensor, mode: str | LossAggMode) -> Tensor:
+    """What a loss over `mask` `(batch, response_len)` averages over, so that micro-batch losses
+    weighted by weight / (the mini-batch's weight) add up to the mini-batch's loss: its real
+    tokens (token-mean), its non-empty sequences (sequence means), 1 (the sum modes: the
+    mini-batch's loss is the sum of its micro-batches')."""
+    mode = LossAggMode(mode)
+    if mode == LossAggMode.TOKEN_MEAN:
+        return mask.sum()
+    if mode in (LossAggMode.TOKEN_SUM, LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM):
+        return torch.ones((), dtype=mask.dtype, device=mask.device)
+    return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
 
 
 # --- off-policy correction -------------------------------------------------------------------
 
 
 def truncated_is_weights(
-    logprob_behaviour_old: Tensor, logprob_proximal: Tensor, cap: float
-) -> Tensor:
-    """Truncated importance weights min(pi_proximal / pi_behaviour, cap), detached, for tokens
-    sampled by a stale behaviour policy (truncated IS, Espeholt et al. 2018, IMPALA).
-
-    Both inputs `(batch, response_len)`; returns the same shape. No gradient flows through the
-    weights: they re-weight samples, they are not part of the objective being differentiated.
-    """
-    log_ratio = (logprob_proximal - logprob_behaviour_old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return log_ratio.exp().clamp(max=cap).detach()
-
-
-def decoupled_policy_loss(
-    logprob: Tensor,
-    proximal_logprob: Tensor,
     behaviour_logprob: Tensor,
-    advantages: Tensor,
+    proximal_logprob: Tensor,
     mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    is_cap: float | None = None,
-    agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    cap: float,
+    level: str | ISLevel = ISLevel.TOKEN,
+    batch_normalize: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"):
-    the clipped surrogate of pi against the proximal policy, each token weighted by the
-    (optionally capped) behaviour-to-proximal ratio pi_proximal / pi_behaviour.
+    """Truncated importance weights min(pi_proximal / pi_behaviour, cap) for tokens sampled by a
+    stale behaviour policy (truncated IS, Espeholt et al. 2018, IMPALA; verl
+    `compute_rollout_correction_weights`), detached, 0 on padding, `(batch, response_len)`.
 
-    All inputs `(batch, response_len)`. With proximal == behaviour this is `policy_loss`.
-    Metrics: `pg_clipfrac`, `ppo_kl` (approx KL of pi from the proximal policy),
-    `is_weight_mean` (mean behaviour weight), `is_capfrac` (tokens whose weight hit the cap).
+    `level` token: each token's own ratio; sequence: the product of its tokens' ratios on every
+    token of the sequence. `batch_normalize` divides by their mean over the batch's tokens
+    (token) or sequences (sequence), after truncation, so they average 1. No gradient flows
+    through the weights: they re-weight samples, not the objective. Metrics `is_weight_mean`
+    (before normalising) and `is_capfrac` (fraction of tokens whose weight hit the cap).
     """
-    pg_losses, pg_clipfrac, ppo_kl = _clipped_token_losses(
-        logprob, proximal_logprob, advantages, mask, clip_low, clip_high
-    )
-
-    cap = float("inf") if is_cap is None else is_cap
-    is_weights = truncated_is_weights(behaviour_logprob, proximal_logprob, cap)
-    raw_log_w = (proximal_logprob - behaviour_logprob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    is_capfrac = masked_mean((raw_log_w.exp() > cap).float(), mask)
-
-    loss = aggregate_loss(is_weights * pg_losses, mask, agg_mode)
-    return loss, {
-        "pg_clipfrac": pg_clipfrac.detach(),
-        "ppo_kl": ppo_kl.detach(),
-        "is_weight_mean": masked_mean(is_weights, mask),
-        "is_capfrac": is_capfrac.detach(),
-    }
+    log_ratio = proximal_logprob - behaviour_logprob
+    if ISLevel(level) == ISLevel.SEQUENCE:
+        log_ratio = (log_ratio * mask).sum(dim=-1, keepdim=True).expand_as(mask)  # (batch, 1) -> (batch, response_len)
+    raw = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp() * mask
+    weights = raw.clamp(max=cap).detach()
+    metrics = {"is_weight_mean": masked_mean(weights, mask), "is_capfrac": masked_mean((raw > cap).to(mask.dtype), mask)}
+    if batch_normalize:
+        if ISLevel(level) == ISLevel.SEQUENCE:
+            seq_real = (mask.sum(dim=-1) > 0).to(mask.dtype)
+            mean = masked_mean(masked_mean(weights, mask, dim=-1), seq_real)
+        else:
+            mean = masked_mean(weights, mask)
+        weights = torch.where(mean > 1e-8, weights / mean, weights)  # no .item(): no device sync
+    return weights, metrics
 
 
 # --- entropy ---------------------------------------------------------------------------------

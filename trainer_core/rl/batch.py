@@ -14,8 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from contracts.samples import Sample
-from contracts.training import KLMode, OffPolicy, TrainConfig
-from trainer_core.algos import compute_advantages, kl_penalty
+from contracts.training import AdvantageEstimator, KLMode, OffPolicy, TrainConfig
+from trainer_core.algos import compute_advantages, kl_penalty, truncated_is_weights
+from trainer_core.algos.reward_shaping import overlong_penalty
 from trainer_core.logprobs import response_scores
 from trainer_core.models.lora import reference_policy
 from trainer_core.rl.critic import ValueHead
@@ -36,6 +37,7 @@ class BatchTensors:
     returns: Tensor
     ref_logprob: Tensor | None  # with a KL loss term
     old_values: Tensor | None  # PPO: the critic's values before the update
+    is_weights: Tensor | None  # decoupled PPO: truncated importance weights, detached
 
     def rows(self, rows: Sequence[int]) -> BatchTensors:
         """The same tensors for some of the samples."""
@@ -49,6 +51,7 @@ class BatchTensors:
             returns=pick(self.returns),
             ref_logprob=pick(self.ref_logprob),
             old_values=pick(self.old_values),
+            is_weights=pick(self.is_weights),
         )
 
 
@@ -61,11 +64,18 @@ def prepare_batch(
     ref_model: nn.Module | None,
     critic: ValueHead | None,
     strategy: Strategy,
-) -> BatchTensors:
+) -> tuple[BatchTensors, dict[str, Tensor]]:
     """Score the batch before any step (reference log-probs when `kl_coef` > 0, proximal
-    log-probs and the `critic`'s old values when needed) and estimate advantages."""
+    log-probs and the `critic`'s old values when needed), shape rewards of overlong responses
+    (`overlong_buffer`), estimate advantages, and (decoupled
+    PPO) weigh the tokens by truncated IS, normalised over this rank's batch when asked.
+    Returns `(tensors, metrics)`: the IS weights' statistics."""
     device = next(model.parameters()).device
     mask, behaviour_logprob, token_rewards = _response_tensors(samples, response_len, device)
+    if cfg.overlong_buffer:
+        lengths = mask.sum(dim=-1)  # (batch,); the shaping lands with the reward, on the last token
+        shaping = overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        token_rewards = token_rewards.scatter_add(1, (lengths.long() - 1)[:, None], shaping[:, None])
     with torch.no_grad():
         ref_logprob = None
         if kl_coef > 0:
@@ -77,16 +87,23 @@ def prepare_batch(
                 model, samples, response_len, cfg, critic, with_values=True, strategy=strategy
             )
     if ref_logprob is not None and cfg.kl_mode == KLMode.REWARD:
-        token_rewards = token_rewards - kl_coef * kl_penalty(behaviour_logprob, ref_logprob, cfg.kl_estimator) * mask
+        kl = kl_penalty(behaviour_logprob, ref_logprob, cfg.kl_estimator, cfg.kl_clamp)
+        token_rewards = token_rewards - kl_coef * kl * mask
     advantages, returns = _batch_advantages(
         cfg.advantage_estimator,
         token_rewards,
         mask,
         [s.group_id for s in samples],
         old_values,
+        _reward_baselines(samples, cfg, device),
         cfg,
         strategy,
     )
+    is_weights, is_metrics = None, {}
+    if cfg.off_policy == OffPolicy.DECOUPLED:
+        is_weights, is_metrics = truncated_is_weights(
+            behaviour_logprob, proximal, mask, cfg.is_cap, cfg.is_level, cfg.is_batch_normalize
+        )
     return BatchTensors(
         mask=mask,
         old_logprob=proximal if cfg.off_policy == OffPolicy.DECOUPLED else behaviour_logprob,
@@ -95,7 +112,22 @@ def prepare_batch(
         returns=returns,
         ref_logprob=ref_logprob if cfg.kl_mode == KLMode.LOSS else None,
         old_values=old_values,
-    )
+        is_weights=is_weights,
+    ), is_metrics
+
+
+def _reward_baselines(samples: Sequence[Sample], cfg: TrainConfig, device: torch.device) -> Tensor | None:
+    """ReMax's baselines `(batch,)`: each sample's greedy-response reward; None for the others."""
+    if cfg.advantage_estimator != AdvantageEstimator.REMAX:
+        return None
+    missing = [s.sample_id for s in samples if s.baseline_reward is None]
+    if missing:
+        raise ValueError(
+            f"remax needs each sample's baseline_reward (its prompt's greedy response's reward); "
+            f"{len(missing)} samples have none, e.g. {missing[0]}. Rollout workers add it when the run's "
+            "adv_estimator is remax; colocated runs do not yet: use a disaggregated run or another estimator"
+        )
+    return torch.tensor([s.baseline_reward for s in samples], dtype=torch.float32, device=device)
 
 
 def _batch_advantages(
@@ -104,6 +136,7 @@ def _batch_advantages(
     mask: Tensor,
     group_ids: list[str],
     values: Tensor | None,
+    reward_baselines: Tensor | None,
     cfg: TrainConfig,
     strategy: Strategy,
 ) -> tuple[Tensor, Tensor]:
@@ -119,7 +152,8 @@ def _batch_advantages(
     kwargs = {"gamma": cfg.gamma, "lam": cfg.lam}
     if strategy.world_size == 1:
         return compute_advantages(
-            estimator, token_rewards=token_rewards, response_mask=mask, group_ids=group_ids, values=values, **kwargs
+            estimator, token_rewards=token_rewards, response_mask=mask, group_ids=group_ids, values=values,
+            reward_baselines=reward_baselines, **kwargs,
         )
     n, length = mask.shape
     # One all-reduce for the longest response and the smallest and largest share (max of -n).
@@ -130,7 +164,7 @@ def _batch_advantages(
         raise ValueError(f"every rank must hold as many samples; this one has {n}, another {int(most)}")
     rows = slice(strategy.rank * n, (strategy.rank + 1) * n)
 
-    def gather(x: Tensor) -> Tensor:  # (n, width <= longest) -> (world_size * n, longest)
+    def gather(x: Tensor) -> Tensor:  # (n, width <= longest) -> (world_size * n, longest), zero-padded
         full = x.new_zeros(strategy.world_size * n, int(longest))
         full[rows, : x.shape[1]] = x
         return strategy.all_reduce(full)
@@ -143,6 +177,7 @@ def _batch_advantages(
         response_mask=gather(mask),
         group_ids=[int(g) for g in gather(groups.to(mask.device))[:, 0].tolist()],
         values=gather(values) if values is not None else None,
+        reward_baselines=gather(reward_baselines[:, None])[:, 0] if reward_baselines is not None else None,
         **kwargs,
     )
     return advantages[rows, :length], returns[rows, :length]

@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def micro_batches(
-    samples: Sequence[Sample], rows: range, cfg: TrainConfig, strategy: Strategy | None
+    samples: Sequence[Sample], rows: Sequence[int], cfg: TrainConfig, strategy: Strategy | None
 ) -> list[list[int]]:
-    """Sample indices of each micro-batch of the mini-batch `rows`: fixed-size runs, or token-budget
-    batches of similar lengths; every rank makes as many as the rank that needs the most."""
+    """Sample indices of each micro-batch of the mini-batch `rows` (sample indices, in order):
+    fixed-size runs, or token-budget batches of similar lengths; every rank makes as many as the
+    rank that needs the most."""
     lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in rows]
     plan = lambda min_count: plan_micro_batches(  # noqa: E731
         lengths, max_samples=cfg.micro_batch, max_tokens=cfg.micro_batch_tokens, min_count=min_count
@@ -34,7 +35,7 @@ def micro_batches(
     if strategy is not None and strategy.world_size > 1:
         most = int(strategy.all_reduce(torch.tensor(float(len(batches))), op="max"))
         batches = plan(most)
-    return [[rows.start + i for i in batch] for batch in batches]
+    return [[rows[i] for i in batch] for batch in batches]
 
 
 def auto_micro_batch(
@@ -71,13 +72,13 @@ def with_auto_micro_batch(
 
 
 def _trial_pass(model: nn.Module, samples: Sequence[Sample], cfg: TrainConfig, value_head: ValueHead | None) -> None:
-    """A forward and backward pass over `samples` as an update makes them (the entropy bonus's
-    work included); the gradients are dropped and no weight changes."""
+    """A forward and backward pass over `samples` as an update makes them (the entropy's work
+    included); the gradients are dropped and no weight changes."""
     try:
         with training_mode(model, cfg.gradient_checkpointing):
             logprob, values, entropy = response_scores(
                 model, samples, max(len(s.response_ids) for s in samples), cfg, value_head,
-                with_entropy=cfg.entropy_coef > 0,
+                with_entropy=True,  # as every update takes it (`actor/entropy`)
             )
             loss = logprob.sum() + (values.sum() if values is not None else 0)
             (loss + (entropy.sum() if entropy is not None else 0)).backward()

@@ -1,7 +1,7 @@
 """One RL update (GRPO or PPO) of a policy on a batch of rollout samples.
 
 Composes the math in `algos`: score the batch and estimate advantages (`rl.batch`), then for
-each epoch and mini-batch accumulate micro-batch gradients of the clipped surrogate (- entropy
+each epoch and (shuffled) mini-batch accumulate micro-batch gradients of the policy loss (- entropy
 bonus, + KL-to-reference, + value loss) and take one optimizer step. How gradients become a step
 is a `Strategy` (`rl.strategy`): one process, or FSDP2 (`rl.fsdp2`) or DeepSpeed ZeRO
 (`rl.zero`) across data-parallel ranks.
@@ -18,16 +18,18 @@ import torch
 from torch import Tensor, nn
 
 from contracts.samples import Sample
-from contracts.training import Algorithm, LossAggMode, OffPolicy, TrainConfig
+from contracts.training import Algorithm, TrainConfig
 from trainer_core.algos import (
     AdaptiveKLController,
     FixedKLController,
+    PolicyLossParams,
     aggregate_loss,
-    decoupled_policy_loss,
+    aggregation_weight,
+    compute_policy_loss,
     kl_penalty,
-    policy_loss,
     value_loss,
 )
+from trainer_core.rl.batch_metrics import data_metrics
 from trainer_core.logprobs import response_scores
 from trainer_core.memory import release_freed_memory
 from trainer_core.models.training_mode import training_mode
@@ -68,30 +70,66 @@ def train_on_batch(
         raise ValueError(f"mini_batch {cfg.mini_batch} is smaller than the {strategy.world_size} ranks")
 
     model.eval()  # scored as generation sampled: no dropout
-    batch = prepare_batch(model, samples, response_len, cfg, kl_coef, ref_model, critic, strategy)
+    batch, is_metrics = prepare_batch(model, samples, response_len, cfg, kl_coef, ref_model, critic, strategy)
     loss_fn = partial(_micro_batch_loss, model, response_len=response_len, cfg=cfg, kl_coef=kl_coef,
                       critic=critic, strategy=strategy)  # fmt: skip
+    agg = cfg.effective_loss_agg
     with training_mode(model, cfg.gradient_checkpointing):
         totals: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         grad_norms = []
-        for _ in range(cfg.epochs):
+        for epoch in range(cfg.epochs):
+            order = _epoch_order(samples, mini_size, cfg, epoch)
             for mb_start in range(0, len(samples), mini_size):
-                mini = range(mb_start, min(mb_start + mini_size, len(samples)))
-                # What each micro-batch's loss is averaged over: tokens or sequences (loss_agg),
-                # summed over ranks, so that the accumulated gradient is that of the whole mini-batch.
-                mini_weight = strategy.all_reduce(_weight(batch.mask[mini.start : mini.stop], cfg.loss_agg))
+                mini = order[mb_start : mb_start + mini_size]
+                mini_mask = batch.mask[torch.tensor(mini, device=device)]
+                # What each micro-batch's loss is averaged over (loss_agg), and its real tokens
+                # (what the per-token statistics are averaged over), summed over ranks, so that
+                # the accumulated gradient is that of the whole mini-batch.
+                mini_weight, mini_tokens = strategy.all_reduce(
+                    torch.stack([aggregation_weight(mini_mask, agg), mini_mask.sum()])
+                )
                 for micro in micro_batches(samples, mini, cfg, strategy):
                     rows = batch.rows(micro)
                     loss, step_metrics = strategy.forward(partial(loss_fn, [samples[i] for i in micro], rows))
-                    share = _weight(rows.mask, cfg.loss_agg) / mini_weight
+                    share = aggregation_weight(rows.mask, agg) / mini_weight
+                    token_share = rows.mask.sum() / mini_tokens
                     release_freed_memory()
                     strategy.backward(loss * share * strategy.world_size)
                     for key, value in step_metrics.items():
-                        totals[key] += share * value
+                        totals[key] += (token_share if key in TOKEN_MEAN_METRICS else share) * value
                 grad_norms.append(strategy.step())
 
     release_freed_memory()  # the activations' holes, before the next generation phase
-    return _batch_metrics(totals, grad_norms, samples, strategy, kl_controller, start, device)
+    metrics = _batch_metrics(totals, grad_norms, samples, strategy, kl_controller, start, device)
+    tokens = batch.mask.sum()
+    all_tokens = strategy.all_reduce(tokens)
+    for key, value in is_metrics.items():  # token means of this rank's share -> of the whole batch
+        metrics[f"actor/{key}"] = (strategy.all_reduce(value * tokens) / all_tokens).item()
+    metrics.update(data_metrics(batch, samples, cfg, strategy))
+    return metrics
+
+
+# Per-token statistics (masked means inside a loss), averaged over micro-batches by their real
+# tokens; the loss terms (entropy too, as verl) are averaged by what `loss_agg` averages over, so they add up to the
+# mini-batch's loss.
+TOKEN_MEAN_METRICS = frozenset(
+    {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "critic/vf_clipfrac"}
+)
+
+
+def _epoch_order(samples: Sequence[Sample], mini_size: int, cfg: TrainConfig, epoch: int) -> list[int]:
+    """The order in which epoch `epoch` visits the samples: with `shuffle` and more than one
+    mini-batch, the groups in a permutation seeded by `cfg.seed + epoch` (verl shuffles its
+    mini-batches likewise), each group's samples kept together so that they share their prompt's
+    pass in a micro-batch; else 0..n-1 (one mini-batch's gradient does not depend on the order)."""
+    if not cfg.shuffle or mini_size >= len(samples):
+        return list(range(len(samples)))
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, sample in enumerate(samples):
+        groups[sample.group_id].append(i)
+    members = list(groups.values())
+    permutation = torch.randperm(len(members), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+    return [i for g in permutation.tolist() for i in members[g]]
 
 
 def _checked_strategy(
@@ -150,14 +188,6 @@ def _batch_metrics(
     return metrics
 
 
-def _weight(mask: Tensor, loss_agg: str) -> Tensor:
-    """What a loss over `mask` `(batch, response_len)` averages over: its real tokens for
-    token-mean, its sequences for the sequence-mean modes."""
-    if loss_agg == LossAggMode.TOKEN_MEAN:
-        return mask.sum()
-    return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
-
-
 def _micro_batch_loss(
     model: nn.Module,
     samples: Sequence[Sample],
@@ -169,38 +199,33 @@ def _micro_batch_loss(
     critic: ValueHead | None,
     strategy: Strategy | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss of one micro-batch, aggregated over its own tokens or sequences by `cfg.loss_agg`,
-    and its detached metrics: the clipped surrogate, minus `entropy_coef` x the policy's entropy
-    (verl's `entropy_coeff`), plus `kl_coef` x KL to the reference, plus `vf_coef` x the value
-    loss."""
-    scores = response_scores(model, samples, response_len, cfg, critic, strategy, with_entropy=cfg.entropy_coef > 0)
-    clip_high = cfg.clip_ratio_high or cfg.clip_ratio
-    if cfg.off_policy == OffPolicy.DECOUPLED:
-        pg_loss, pg_metrics = decoupled_policy_loss(
-            scores.logprob, mu.old_logprob, mu.behaviour_logprob, mu.advantages, mu.mask,
-            cfg.clip_ratio, clip_high, cfg.is_cap, cfg.loss_agg,
-        )
-    else:
-        pg_loss, pg_metrics = policy_loss(
-            scores.logprob, mu.old_logprob, mu.advantages, mu.mask,
-            cfg.clip_ratio, clip_high, cfg.dual_clip or None, cfg.loss_agg,
-        )
+    """Loss of one micro-batch, aggregated over its own tokens or sequences by
+    `cfg.effective_loss_agg`, and its detached metrics: the policy loss (`cfg.policy_loss`,
+    through the registry), minus `entropy_coef` x the policy's entropy (verl's
+    `entropy_coeff`), plus `kl_coef` x KL to the reference, plus `vf_coef` x the value loss."""
+    # The entropy is always taken: `actor/entropy` is reported every update (a chunk's extra
+    # (tokens x vocab) softmax, as the logits are already there).
+    scores = response_scores(model, samples, response_len, cfg, critic, strategy, with_entropy=True)
+    agg = cfg.effective_loss_agg
+    pg_loss, pg_metrics = compute_policy_loss(
+        cfg.policy_loss, scores.logprob, mu.old_logprob, mu.advantages, mu.mask,
+        PolicyLossParams.of(cfg), agg, mu.is_weights,
+    )
     metrics = {f"actor/{key}": value for key, value in pg_metrics.items()}
     metrics["actor/pg_loss"] = pg_loss.detach()
-    actor_loss = pg_loss
-    if scores.entropy is not None:  # entropy_coef > 0
-        entropy = aggregate_loss(scores.entropy, mu.mask, cfg.loss_agg)
-        actor_loss = actor_loss - cfg.entropy_coef * entropy
-        metrics["actor/entropy"] = entropy.detach()
+    entropy = aggregate_loss(scores.entropy, mu.mask, agg)
+    metrics["actor/entropy"] = entropy.detach()
+    actor_loss = pg_loss - cfg.entropy_coef * entropy if cfg.entropy_coef > 0 else pg_loss
     if mu.ref_logprob is not None:
-        kl_ref = aggregate_loss(kl_penalty(scores.logprob, mu.ref_logprob, cfg.kl_estimator), mu.mask, cfg.loss_agg)
+        kl = kl_penalty(scores.logprob, mu.ref_logprob, cfg.kl_estimator, cfg.kl_clamp)
+        kl_ref = aggregate_loss(kl, mu.mask, agg)
         actor_loss = actor_loss + kl_coef * kl_ref
         metrics["actor/kl_ref"] = kl_ref.detach()
     metrics["actor/loss"] = actor_loss.detach()
     if critic is None:
         return actor_loss, metrics
 
-    vf_loss, vf_metrics = value_loss(scores.values, mu.old_values, mu.returns, mu.mask, cfg.value_clip, cfg.loss_agg)
+    vf_loss, vf_metrics = value_loss(scores.values, mu.old_values, mu.returns, mu.mask, cfg.value_clip, agg)
     metrics["critic/vf_loss"] = vf_loss.detach()
     metrics["critic/vf_clipfrac"] = vf_metrics["vf_clipfrac"]
     return actor_loss + cfg.vf_coef * vf_loss, metrics

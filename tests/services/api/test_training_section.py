@@ -14,8 +14,8 @@ import httpx
 from contracts.training import TrainConfig
 from services.runspec import RunSpec
 
-# Set by the run, not in the section: `algorithm` and `sampling.temperature`.
-DERIVED = {"algorithm", "temperature"}
+# Set by the run, not in the section: `algorithm`, `sampling.temperature` and `sampling.max_new_tokens`.
+DERIVED = {"algorithm", "temperature", "max_new_tokens"}
 NON_DEFAULT = {
     "learning_rate": 3e-5,
     "epochs": 2,
@@ -40,6 +40,20 @@ NON_DEFAULT = {
     "kl_horizon": 500,
     "off_policy": "decoupled",
     "is_cap": 3.0,
+    "is_level": "sequence",
+    "is_batch_normalize": True,
+    "policy_loss": "gspo",
+    "clip_cov_ratio": 0.001,
+    "clip_cov_lb": 0.5,
+    "clip_cov_ub": 4.0,
+    "kl_cov_ratio": 0.001,
+    "ppo_kl_coef": 0.5,
+    "kl_clamp": 10.0,
+    "overlong_buffer": 16,
+    "overlong_penalty": 0.5,
+    "dynamic_sampling": True,
+    "shuffle": False,
+    "seed": 7,
     "lora_rank": 4,
     "lora_alpha": 16.0,
     "critic": "separate",
@@ -69,7 +83,7 @@ async def test_every_field_reaches_the_spec_a_pod_reads(api: httpx.AsyncClient) 
         "model": "tiny",
         "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}],
         "algorithm": "ppo",
-        "sampling": {"temperature": 0.7},
+        "sampling": {"temperature": 0.7, "max_new_tokens": 48},
         "samples_per_prompt": 4,
         "batch_samples": 8,
         "iterations": 1,
@@ -83,11 +97,12 @@ async def test_every_field_reaches_the_spec_a_pod_reads(api: httpx.AsyncClient) 
     stored = api.app.state.backends.state.get_run(r.json()["id"]).spec  # type: ignore[attr-defined]
     training = RunSpec.from_stored(stored).training
     assert training.model_dump(mode="json") == NON_DEFAULT
-    assert (training.algorithm, training.temperature) == ("ppo", 0.7), "the run's algorithm and temperature"
+    assert (training.algorithm, training.temperature, training.max_new_tokens) == ("ppo", 0.7, 48), "the run's"
 
 
 async def test_the_run_sets_algorithm_and_temperature_not_the_section(api: httpx.AsyncClient) -> None:
-    for name, source in (("algorithm", "algorithm"), ("temperature", "sampling.temperature")):
+    for name, source in (("algorithm", "algorithm"), ("temperature", "sampling.temperature"),
+                         ("max_new_tokens", "sampling.max_new_tokens")):  # fmt: skip
         r = await api.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "a"}], "batch_samples": 8,
                                              "iterations": 1, "training": {name: "ppo" if name == "algorithm" else 0.5}})
         assert r.status_code == 422
@@ -99,5 +114,8 @@ def test_the_openapi_section_has_enums_and_no_derived_fields(api: httpx.AsyncCli
     section = schema["TrainConfig"]["properties"]
     assert DERIVED.isdisjoint(section)
     assert set(section) == set(NON_DEFAULT)
-    assert schema["LossAggMode"]["enum"] == ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+    assert schema["LossAggMode"]["enum"] == [
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum-norm"
+    ]
+    assert "gspo" in schema["PolicyLoss"]["enum"] and section["policy_loss"]["$ref"].endswith("/PolicyLoss")
     assert section["loss_agg"]["$ref"].endswith("/LossAggMode")

@@ -223,3 +223,95 @@ def test_new_estimators_are_registered() -> None:
     assert {"dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(
         AdvantageEstimator
     )
+
+
+def test_reinforce_pp_returns_carry_across_mask_holes() -> None:
+    """A tool observation (mask 0) inside a response is not a step: the later turn's return
+    reaches the earlier turn undiscounted by it (verl PR #7300); trailing padding stays 0."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
+    rewards = torch.tensor([[0.0, 0.0, 7.0, 0.0, 0.0, 1.0, 3.0]])  # rewards off the mask are dropped
+    _, returns = compute_advantages("reinforce_pp", token_rewards=rewards, response_mask=mask, gamma=0.5)
+    torch.testing.assert_close(returns, torch.tensor([[0.125, 0.25, 0.0, 0.0, 0.5, 1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("name", [e for e in AdvantageEstimator if e != AdvantageEstimator.GAE])
+def test_estimators_keep_the_input_dtype(name: str) -> None:
+    token_rewards, mask, _ = _outcome_batch(7, ["a", "a", "b", "b"])
+    advantages, returns = compute_advantages(
+        name, token_rewards=token_rewards.double(), response_mask=mask.double(), group_ids=["a", "a", "b", "b"],
+        reward_baselines=torch.full((4,), 0.5, dtype=torch.float64),
+    )
+    assert advantages.dtype == returns.dtype == torch.float64
+
+
+def test_remax_subtracts_the_greedy_reward_from_the_return_known_values() -> None:
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.2, 0.0]])
+    mask = _right_padded_mask([3, 2], 3)
+    advantages, returns = compute_advantages(
+        "remax", token_rewards=rewards, response_mask=mask, reward_baselines=torch.tensor([0.4, 0.5])
+    )
+    torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0, 1.0], [0.2, 0.2, 0.0]]))
+    torch.testing.assert_close(advantages, torch.tensor([[0.6, 0.6, 0.6], [-0.3, -0.3, 0.0]]))
+
+
+def test_remax_matches_plain_loop() -> None:
+    gen = torch.Generator().manual_seed(8)
+    lengths = [4, 1, 3]
+    mask = _right_padded_mask(lengths, 4)
+    rewards = torch.randn(3, 4, generator=gen)
+    baselines = torch.randn(3, generator=gen)
+    advantages, returns = compute_advantages(
+        "remax", token_rewards=rewards, response_mask=mask, reward_baselines=baselines
+    )
+    for row, n in enumerate(lengths):
+        for t in range(4):
+            ret = sum(rewards[row, k].item() for k in range(t, n))
+            assert returns[row, t].item() == pytest.approx(ret, abs=1e-6)
+            assert advantages[row, t].item() == pytest.approx(ret - baselines[row].item() if t < n else 0.0, abs=1e-6)
+
+
+def test_opo_length_weighted_baseline_known_values() -> None:
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.7]])
+    mask = _right_padded_mask([1, 3, 3], 3)
+    advantages, _ = compute_advantages("opo", token_rewards=rewards, response_mask=mask, group_ids=["g", "g", "solo"])
+    # baseline (1 * 1 + 3 * 0) / (1 + 3) = 0.25; a group of one has baseline 0 (as verl)
+    torch.testing.assert_close(advantages, torch.tensor([[0.75, 0.0, 0.0], [-0.25] * 3, [0.7] * 3]))
+
+
+def test_opo_matches_plain_loop() -> None:
+    token_rewards, mask, scores = _outcome_batch(9, _GROUP_IDS)
+    advantages, _ = compute_advantages("opo", token_rewards=token_rewards, response_mask=mask, group_ids=_GROUP_IDS)
+    lengths = mask.sum(1).tolist()
+    for i, g in enumerate(_GROUP_IDS):
+        members = [j for j, h in enumerate(_GROUP_IDS) if h == g]
+        baseline = (
+            sum(lengths[j] * scores[j] for j in members) / sum(lengths[j] for j in members) if len(members) > 1 else 0.0
+        )
+        assert advantages[i, 0].item() == pytest.approx(scores[i] - baseline, abs=1e-6)
+
+
+def test_grpo_passk_rewards_only_the_best_known_values() -> None:
+    scores = torch.tensor([0.0, 2.0, 1.0, 1.0, 1.0])
+    advantages, _ = compute_advantages(
+        "grpo_passk", token_rewards=scores[:, None], response_mask=torch.ones(5, 1), group_ids=["a"] * 3 + ["b"] * 2
+    )
+    # a: (2 - 1) / (std [0, 2, 1] = 1, + 1e-6); b: a tie, the first best gets 1 - 1 = 0
+    torch.testing.assert_close(advantages[:, 0], torch.tensor([0.0, 1 / (1 + 1e-6), 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="at least 2"):
+        compute_advantages("grpo_passk", token_rewards=scores[:1, None], response_mask=torch.ones(1, 1), group_ids=["a"])
+
+
+def test_grpo_passk_matches_verls_loop() -> None:
+    group_ids = ["a"] * 4 + ["b"] * 3 + ["d"] * 4 + ["a"] * 2
+    token_rewards, mask, _ = _outcome_batch(10, group_ids)
+    token_rewards = token_rewards.round(decimals=1)  # ties
+    advantages, _ = compute_advantages("grpo_passk", token_rewards=token_rewards, response_mask=mask, group_ids=group_ids)
+    scores = token_rewards.sum(-1)
+    expected = torch.zeros(len(group_ids))
+    for g in dict.fromkeys(group_ids):  # verl: topk(2) per group, the first index of the best
+        members = [i for i, h in enumerate(group_ids) if h == g]
+        rewards = scores[members]
+        best = max(range(len(members)), key=lambda k: (rewards[k].item(), -k))
+        rest = [rewards[k].item() for k in range(len(members)) if k != best]
+        expected[members[best]] = (rewards[best] - max(rest)) / (torch.std(rewards) + 1e-6)
+    torch.testing.assert_close(advantages, expected[:, None] * mask)

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from trainer_core.algos.policy_losses import vanilla_policy_loss as policy_loss
 from trainer_core.algos import (
     LOSS_AGGREGATORS,
     LossAggMode,
     aggregate_loss,
-    decoupled_policy_loss,
     entropy_from_logits,
-    policy_loss,
+    PolicyLossParams,
     truncated_is_weights,
     value_loss,
 )
@@ -31,14 +31,15 @@ def test_policy_loss_with_dual_clip_known_values() -> None:
     advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0]])
     mask = torch.ones_like(ratio)
 
-    loss, metrics = policy_loss(logprob, old_logprob, advantages, mask, 0.2, 0.2, clip_c=3.0)
+    loss, metrics = policy_loss(logprob, old_logprob, advantages, mask, PolicyLossParams(0.2, 0.2, clip_c=3.0))
     # per token: -1.2 (clipped at 1.2), 0.8 (clipped at 0.8), 3.0 (dual clip), -1.1 (inside)
     assert loss.item() == pytest.approx((-1.2 + 0.8 + 3.0 - 1.1) / 4, abs=1e-6)
     assert loss.item() == pytest.approx(0.375, abs=1e-6)
     assert metrics["pg_clipfrac"].item() == pytest.approx(0.5)  # the first two tokens
     assert metrics["ppo_kl"].item() == pytest.approx(-ratio.log().mean().item(), abs=1e-6)
+    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(0.25)  # the dual-clipped third token
 
-    loss_no_dual, _ = policy_loss(logprob, old_logprob, advantages, mask, 0.2, 0.2)
+    loss_no_dual, _ = policy_loss(logprob, old_logprob, advantages, mask)
     assert loss_no_dual.item() == pytest.approx((-1.2 + 0.8 + 5.0 - 1.1) / 4, abs=1e-6)
 
 
@@ -78,6 +79,8 @@ _LOSS_MASK = _right_padded_mask([3, 1, 0], 3)  # the last row has no real token
         ("token-mean", (1 + 2 + 3 + 4) / 4),  # 2.5
         ("seq-mean-token-sum", (6 + 4) / 2),  # 5.0
         ("seq-mean-token-mean", (2 + 4) / 2),  # 3.0
+        ("token-sum", 1 + 2 + 3 + 4),  # 10
+        ("seq-mean-token-sum-norm", (1 + 2 + 3 + 4) / 3),  # over the padded length 3
     ],
 )
 def test_aggregate_loss_known_values(mode: str, expected: float) -> None:
@@ -102,11 +105,28 @@ def test_aggregate_loss_gradient_respects_mode() -> None:
 def test_truncated_is_weights_known_values_and_detached() -> None:
     behaviour = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
     proximal = torch.tensor([[-1.0, -0.5, 0.0, -3.0]], requires_grad=True)
-    weights = truncated_is_weights(behaviour, proximal, cap=2.0)
-    torch.testing.assert_close(
-        weights, torch.tensor([[1.0, math.exp(0.5), 2.0, math.exp(-2.0)]])
-    )
+    weights, metrics = truncated_is_weights(behaviour, proximal, torch.ones(1, 4), cap=2.0)
+    expected = torch.tensor([[1.0, math.exp(0.5), 2.0, math.exp(-2.0)]])
+    torch.testing.assert_close(weights, expected)
     assert not weights.requires_grad
+    assert metrics["is_capfrac"].item() == pytest.approx(0.25)
+    assert metrics["is_weight_mean"].item() == pytest.approx(expected.mean().item())
+
+
+def test_sequence_level_and_batch_normalised_is_weights_known_values() -> None:
+    behaviour = torch.zeros(2, 3)
+    # sequence 0: log ratios 0.1 + 0.2 (+ 5 on padding, ignored) -> exp(0.3); sequence 1: 1 + 1 + 1 -> e^3, capped
+    proximal = torch.tensor([[0.1, 0.2, 5.0], [1.0, 1.0, 1.0]])
+    mask = _right_padded_mask([2, 3], 3)
+    weights, metrics = truncated_is_weights(behaviour, proximal, mask, cap=4.0, level="sequence")
+    torch.testing.assert_close(weights, torch.tensor([[math.exp(0.3)] * 2 + [0.0], [4.0] * 3]))
+    assert metrics["is_capfrac"].item() == pytest.approx(3 / 5)
+    normalised, _ = truncated_is_weights(behaviour, proximal, mask, cap=4.0, level="sequence", batch_normalize=True)
+    seq_mean = (math.exp(0.3) + 4.0) / 2  # one weight per sequence, then their mean
+    torch.testing.assert_close(normalised, weights / seq_mean)
+    token_normalised, _ = truncated_is_weights(behaviour, proximal, mask, cap=4.0, batch_normalize=True)
+    token_weights = torch.tensor([[math.exp(0.1), math.exp(0.2), 0.0], [math.e] * 3])
+    torch.testing.assert_close(token_normalised, token_weights / (token_weights.sum() / 5))
 
 
 def test_decoupled_loss_equals_ppo_when_proximal_is_behaviour() -> None:
@@ -115,12 +135,14 @@ def test_decoupled_loss_equals_ppo_when_proximal_is_behaviour() -> None:
     logprob = old + torch.randn(3, 4, generator=gen) * 0.3
     advantages = torch.randn(3, 4, generator=gen)
     mask = _right_padded_mask([4, 2, 3], 4)
-    loss, metrics = decoupled_policy_loss(logprob, old, old, advantages, mask, 0.2, 0.28)
-    ppo, ppo_metrics = policy_loss(logprob, old, advantages, mask, 0.2, 0.28)
+    weights, is_metrics = truncated_is_weights(old, old, mask, cap=2.0)
+    params = PolicyLossParams(0.2, 0.28)
+    loss, metrics = policy_loss(logprob, old, advantages, mask, params, is_weights=weights)
+    ppo, ppo_metrics = policy_loss(logprob, old, advantages, mask, params)
     torch.testing.assert_close(loss, ppo)
     torch.testing.assert_close(metrics["pg_clipfrac"], ppo_metrics["pg_clipfrac"])
     torch.testing.assert_close(metrics["ppo_kl"], ppo_metrics["ppo_kl"])
-    assert metrics["is_weight_mean"].item() == pytest.approx(1.0)
+    assert is_metrics["is_weight_mean"].item() == pytest.approx(1.0)
 
 
 def test_decoupled_loss_known_values_and_gradient() -> None:
@@ -131,14 +153,13 @@ def test_decoupled_loss_known_values_and_gradient() -> None:
     advantages = torch.tensor([[1.0, -1.0, 2.0]])
     mask = torch.ones_like(ratio)
 
-    loss, metrics = decoupled_policy_loss(
-        logprob, proximal, behaviour, advantages, mask, is_cap=3.0
-    )
+    weights, is_metrics = truncated_is_weights(behaviour, proximal, mask, cap=3.0)
+    loss, metrics = policy_loss(logprob, proximal, advantages, mask, is_weights=weights)
     # weights 1, 2, min(4, 3) = 3; per token: -1.2 (clipped), 2 * 1.0, 3 * -2.0
     assert loss.item() == pytest.approx((-1.2 + 2.0 - 6.0) / 3, abs=1e-6)
     assert metrics["pg_clipfrac"].item() == pytest.approx(1 / 3)
-    assert metrics["is_capfrac"].item() == pytest.approx(1 / 3)
-    assert metrics["is_weight_mean"].item() == pytest.approx(2.0)
+    assert is_metrics["is_capfrac"].item() == pytest.approx(1 / 3)
+    assert is_metrics["is_weight_mean"].item() == pytest.approx(2.0)
     loss.backward()
     # clipped token has no gradient; at ratio 1: -w * A / n_tokens
     torch.testing.assert_close(logprob.grad, torch.tensor([[0.0, 2 / 3, -2.0]]))

@@ -95,6 +95,8 @@ def train_config(scenario: str) -> TrainConfig:
         logprob_chunk_tokens=4,
         kl_coef=0.1,
         max_grad_norm=0.5,
+        # Each rank shuffles its own share; `single_process_order` lays out the unshuffled ones.
+        shuffle=False,
     )
 
 

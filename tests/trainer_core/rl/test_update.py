@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +19,9 @@ from trainer_core.rl.update import train_on_batch
 GRPO_KEYS = {
     "actor/pg_loss",
     "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
     "actor/ppo_kl",
+    "actor/entropy",
     "actor/kl_ref",
     "actor/grad_norm",
     "actor/loss",
@@ -26,8 +29,12 @@ GRPO_KEYS = {
     "perf/tokens",
     "perf/seconds",
     "perf/tokens_per_s",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/min",
+    "response_length/clip_ratio",
 }
-PPO_KEYS = GRPO_KEYS | {"critic/vf_loss", "critic/vf_clipfrac"}
+PPO_KEYS = GRPO_KEYS | {"critic/vf_loss", "critic/vf_clipfrac", "critic/explained_variance"}
 
 
 def _random_samples(
@@ -342,10 +349,118 @@ def test_an_entropy_bonus_changes_the_gradient_by_exactly_its_term(
         cfg = TrainConfig(entropy_coef=entropy_coef, max_grad_norm=1e9)
         metrics.append(train_on_batch(model, samples, cfg, torch.optim.SGD(model.parameters(), lr=1.0)))
         stepped.append([p.detach() for p in model.parameters()])
-    assert "actor/entropy" not in metrics[0], "no entropy work without the bonus"
-    assert metrics[1]["actor/entropy"] == pytest.approx(mean_entropy.item(), rel=1e-5)
+    for m in metrics:  # reported every update (verl's actor/entropy), bonus or not
+        assert m["actor/entropy"] == pytest.approx(mean_entropy.item(), rel=1e-5)
+    assert metrics[0]["actor/loss"] == pytest.approx(metrics[0]["actor/pg_loss"], rel=1e-6)
     assert metrics[1]["actor/loss"] == pytest.approx(metrics[1]["actor/pg_loss"] - coef * mean_entropy.item(), rel=1e-5)
     for without, with_bonus, grad in zip(*stepped, d_entropy, strict=True):
         expected = coef * grad if grad is not None else torch.zeros_like(without)
         torch.testing.assert_close(with_bonus - without, expected, atol=1e-6, rtol=1e-4)
     assert any(grad is not None and grad.abs().max() > 1e-4 for grad in d_entropy), "the term is not trivial"
+
+
+@pytest.mark.parametrize(
+    ("training", "baseline"),
+    [
+        ({"policy_loss": "gspo"}, False),
+        ({"policy_loss": "cispo", "loss_agg": "token-sum"}, False),
+        ({"policy_loss": "clip_cov"}, False),
+        ({"policy_loss": "kl_cov"}, False),
+        ({"policy_loss": "gpg"}, False),
+        ({"policy_loss": "geo_mean"}, False),
+        ({"policy_loss": "reinforce", "loss_agg": "seq-mean-token-sum-norm"}, False),
+        ({"adv_estimator": "opo"}, False),
+        ({"adv_estimator": "grpo_passk"}, False),
+        ({"adv_estimator": "remax", "learning_rate": 2e-2}, True),
+    ],
+    ids=lambda v: "-".join(map(str, v.values())) if isinstance(v, dict) else None,
+)
+def test_each_new_loss_and_estimator_raises_the_reward_on_the_toy_task(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], training: dict, baseline: bool
+) -> None:
+    """The toy task of `test_updates_raise_the_reward_on_a_toy_task` (reward: the fraction of
+    "a" tokens), shorter: 12 iterations of 16 samples (ReMax 16). ReMax's baseline is the reward of one
+    greedy response per prompt, generated as a rollout worker does."""
+    torch.manual_seed(0)
+    cfg = TrainConfig(**{"learning_rate": 1e-2, "micro_batch": 16, **training})
+    optimizer = build_optimizer(tiny_policy.model, cfg)
+    reward = _fraction_of_a(tiny_policy)
+    engine = HFEngine(tiny_policy.model, tiny_policy.tokenizer)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    rewards = []
+    for iteration in range(16 if baseline else 12):  # ReMax's unnormalised advantages learn slower
+        samples = _generated_samples(tiny_policy, make_sample, SamplingParams(max_new_tokens=8), iteration, reward)
+        if baseline:
+            prompts = {s.group_id: s.prompt_ids for s in samples}
+            completions = engine.generate(list(prompts.values()), greedy)
+            greedy_reward = {g: reward(c.token_ids) for g, c in zip(prompts, completions, strict=True)}
+            samples = [dataclasses.replace(s, baseline_reward=greedy_reward[s.group_id]) for s in samples]
+        rewards.append(train_on_batch(tiny_policy.model, samples, cfg, optimizer)["reward/mean"])
+    assert max(rewards[:3]) < 0.1
+    assert sum(rewards[-3:]) / 3 > 0.5, rewards
+
+
+@pytest.mark.parametrize(
+    "training",
+    [{"loss_agg": "token-sum"}, {"loss_agg": "seq-mean-token-sum-norm"}, {"policy_loss": "gspo"}, {"policy_loss": "geo_mean"}],
+    ids=lambda t: next(iter(t.values())),
+)
+def test_micro_batching_does_not_change_the_update_of_the_sum_and_sequence_losses(
+    tiny_policy: Policy, make_sample: Callable[..., Sample], training: dict
+) -> None:
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    results = []
+    for micro in (2, 8):
+        model = copy.deepcopy(tiny_policy.model)
+        cfg = TrainConfig(micro_batch=micro, max_grad_norm=1e9, **training)
+        metrics = train_on_batch(model, samples, cfg, torch.optim.SGD(model.parameters(), lr=0.1))
+        results.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    (m2, p2), (m8, p8) = results
+    for key in m8:
+        if not key.startswith("perf/"):
+            assert m2[key] == pytest.approx(m8[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(p2, p8, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_mini_batches_are_a_seeded_permutation_of_the_groups(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
+    """shuffle: epoch 0 visits the groups (kept whole) in the order randperm(seed) draws; seed 1
+    pairs the 4 groups into mini-batches other than in order ([1, 3] then [2, 0])."""
+    samples = [dataclasses.replace(s, group_id=f"g{i // 2}") for i, s in enumerate(_random_samples(make_sample, len(tiny_policy.tokenizer)))]
+    order = torch.randperm(4, generator=torch.Generator().manual_seed(1)).tolist()
+    assert {frozenset(order[:2]), frozenset(order[2:])} != {frozenset({0, 1}), frozenset({2, 3})}
+    updated = []
+    reordered = [samples[2 * g + k] for g in order for k in range(2)]
+    for shuffle, batch in ((True, samples), (False, reordered), (False, samples)):
+        model = copy.deepcopy(tiny_policy.model)
+        cfg = TrainConfig(mini_batch=4, micro_batch=4, shuffle=shuffle, seed=1, max_grad_norm=1e9)
+        train_on_batch(model, batch, cfg, torch.optim.SGD(model.parameters(), lr=0.5))
+        updated.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(updated[0], updated[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(updated[0], updated[2], strict=True))
+
+
+def test_remax_without_greedy_baselines_says_where_they_come_from(tiny_policy, make_sample) -> None:
+    samples = [make_sample([5, 6], [7, 8], [-1.0, -1.0], 1.0)]
+    cfg = TrainConfig(adv_estimator="remax")
+    with pytest.raises(ValueError, match="baseline_reward.*Rollout workers add it"):
+        train_on_batch(tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg))
+
+
+def test_decoupled_is_metrics_and_overlong_shaping_reach_the_update(tiny_policy, make_sample) -> None:
+    """Sequence-level IS weights are reported; an overlong response's reward drops linearly in
+    the buffer before max_new_tokens (DAPO), which moves the loss of a lr-0 update."""
+    samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
+    base = {"learning_rate": 0.0, "off_policy": "decoupled", "is_level": "sequence", "max_new_tokens": 11}
+    plain = train_on_batch(tiny_policy.model, samples, TrainConfig(**base), build_optimizer(tiny_policy.model, TrainConfig()))
+    assert 0 < plain["actor/is_weight_mean"] <= 2.0 and 0 <= plain["actor/is_capfrac"] <= 1
+    assert plain["response_length/clip_ratio"] == pytest.approx(
+        sum(len(s.response_ids) >= 11 for s in samples) / len(samples)
+    )
+    shaped = train_on_batch(
+        tiny_policy.model, samples, TrainConfig(**base, overlong_buffer=6), build_optimizer(tiny_policy.model, TrainConfig())
+    )
+    assert shaped["actor/pg_loss"] != pytest.approx(plain["actor/pg_loss"], abs=1e-6)
