@@ -33,6 +33,7 @@ READ_ELSEWHERE = {
     "max_retries": "the scheduler, when a training job fails",
     "strategy": "a job of more than one process",
     "offload_optimizer": "a ZeRO job of more than one process",
+    "dynamic_sampling": "the rollout worker, which drops the groups whose rewards are all equal",
 }
 
 
@@ -52,20 +53,22 @@ def _recording(config: TrainConfig, read: set[str]) -> TrainConfig:
 
 @pytest.mark.parametrize("off_policy", ["behaviour", "decoupled"])
 def test_the_job_reads_every_field_but_the_pods_shape(tmp_path: Path, off_policy: str) -> None:
-    """One PPO job per off-policy mode (each reads the clip of its own loss: dual_clip or is_cap),
-    with the optional parts on: LoRA, KL to the reference with an adaptive coefficient, entropy."""
+    """One PPO job per off-policy mode (only the decoupled one weights stale tokens: is_cap and the IS
+    weights' options), with the optional parts on: LoRA, KL to the reference with an adaptive
+    coefficient, entropy, overlong shaping, and two shuffled mini-batches (of a group each)."""
     queue = SqliteQueue(tmp_path / "queue.db")
     queue.create_topic(samples_topic(RUN), 2)
     produce_groups(queue, 2, version=0)
-    section = {"kl_coef": 0.05, "kl_target": 0.1, "entropy_coef": 0.01, "lora_rank": 4, "off_policy": off_policy}
+    section = {"kl_coef": 0.05, "kl_target": 0.1, "entropy_coef": 0.01, "lora_rank": 4, "off_policy": off_policy,
+               "overlong_buffer": 2, "mini_batch": 4}  # fmt: skip
     run_spec = spec(algorithm="ppo", training=section)
     read: set[str] = set()
     run_spec = run_spec.model_copy(update={"training": _recording(run_spec.training, read)})
     run_training_job(run_id=RUN, iteration=1, spec=run_spec, queue=queue, objects=LocalObjectStore(tmp_path / "objects"),
                      model_cache=tmp_path / "models")
     queue.close()
-    other_loss_clip = {"behaviour": "is_cap", "decoupled": "dual_clip"}[off_policy]
-    assert set(TrainConfig.model_fields) - read == set(READ_ELSEWHERE) | {other_loss_clip}
+    unweighted = {"is_cap", "is_level", "is_batch_normalize"} if off_policy == "behaviour" else set()
+    assert set(TrainConfig.model_fields) - read == set(READ_ELSEWHERE) | unweighted
 
 
 def _sample(i: int, gen: torch.Generator, vocab: int) -> Sample:
