@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -35,6 +36,7 @@ from services.names import (
     result_key,
     rollout_pod_name,
     samples_topic,
+    standby_pod_name,
     training_pod_name,
 )
 from contracts.job_result import JobResult
@@ -43,6 +45,7 @@ from services.policy_rotation import rotate
 from services.runspec import RunSpec
 from services.scheduler import plan as p
 from services.scheduler.lease import Leadership
+from services.scheduler.policies import measured
 from services.training.backlog import trainer_consumer
 from services.wiring import Backends
 from contracts.samples import decode_group
@@ -203,6 +206,7 @@ class Scheduler:
             worker_slots_used=row.worker_slots_used,
             samples_produced=row.samples_produced,
             train_launch_committed=row.train_launch_committed,
+            started_at=row.started_at,
         )
         observed = self.observe(row, pods, spec.samples_per_prompt)
         actions = p.plan(state, observed)
@@ -229,6 +233,8 @@ class Scheduler:
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},
             now=now,
             published=frozenset(i for i in ended_jobs if self.b.objects.exists(result_key(row.id, i))),
+            estimates=measured([(w.samples_produced, w.generation_seconds) for w in self.b.state.worker_stats(row.id)],
+                               [it.seconds for it in self.b.state.iterations(row.id)]),
         )
 
     # --- applying actions ---------------------------------------------------------------
@@ -242,19 +248,23 @@ class Scheduler:
                 self.b.state.set_status(run_id, RunStatus.RUNNING)
             case p.PublishPrompts(run_id, start, count):
                 self._publish_prompts(run_id, start, count)
-            case p.LaunchWorker(run_id, slot):
+            case p.LaunchWorker(run_id, slot, on_demand):
                 self.b.state.update_run(run_id, worker_slots_used=slot + 1)
                 name = rollout_pod_name(run_id, slot)
-                command = ["worker", run_id, "--worker-id", name]
+                command = cli_command(["worker", run_id, "--worker-id", name])
                 self._launch(run_id, name, "rollout", command, spec.rollout.instance_type,
-                             "spot" if spec.rollout.spot else "on-demand", {"slot": str(slot)})
+                             "spot" if spec.rollout.spot and not on_demand else "on-demand", {"slot": str(slot)})
             case p.LaunchTraining(run_id, iteration):
                 committed = sum(self.b.queue.committed(samples_topic(run_id), TRAINER_GROUP).values())
                 self.b.state.update_run(run_id, train_launch_committed=committed)
                 name = training_pod_name(run_id, iteration)
-                self._launch(run_id, name, "training", ["train-job", run_id, str(iteration)],
-                             spec.training.instance_type, "on-demand", {"iteration": str(iteration)},
-                             processes=spec.training.processes)
+                self._launch(run_id, name, "training",
+                             cli_command(["train-job", run_id, str(iteration)], processes=spec.training.processes),
+                             spec.training.instance_type, "on-demand", {"iteration": str(iteration)})
+            case p.LaunchStandby(run_id, after):
+                self._launch(run_id, standby_pod_name(run_id, after), p.ROLE_STANDBY,
+                             [sys.executable, "-m", "services.scheduler.standby"],
+                             spec.training.instance_type, "on-demand", {"after_iteration": str(after)})
             case p.StopPod(name):
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.BillPod(pod):
@@ -283,8 +293,8 @@ class Scheduler:
             case p.FinishRun(run_id, status, reason):
                 self._finish(run_id, status, reason)
 
-    def _launch(self, run_id: str, name: str, role: str, args: list[str], instance_type: str,
-                capacity_type: str, labels: dict[str, str], processes: int = 1) -> None:
+    def _launch(self, run_id: str, name: str, role: str, command: list[str], instance_type: str,
+                capacity_type: str, labels: dict[str, str]) -> None:
         """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled.
 
         A launch that raises closes the entry at once, with nothing billed (should the pod have
@@ -300,7 +310,7 @@ class Scheduler:
                     name=name,
                     run_id=run_id,
                     role=role,
-                    command=cli_command(args, processes=processes),
+                    command=command,
                     env=self.settings.pod_env(),
                     instance_type=instance_type,
                     capacity_type=capacity_type,
