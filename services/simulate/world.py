@@ -8,7 +8,8 @@ The world: spot rollout workers that start ``startup_seconds`` after launch, the
 into groups of samples at ``worker_samples_per_hour``; a spot launch is refused while the trace
 has no capacity left, and when the trace's capacity drops below the workers held, the newest
 are preempted after the provider's notice (their group in progress is lost). Training jobs start
-after the start-up (at once on a warm standby node), run ``training_minutes`` and train one batch,
+after the start-up (at once on a warm node: a standby's, or the one a training or standby pod
+left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down yet), run ``training_minutes`` and train one batch,
 dropping the samples older than the staleness bound. Each pod is billed from launch to its end,
 at the catalog's price of its capacity; the bill is ``services.cost.report``'s.
 """
@@ -30,6 +31,9 @@ from services.scheduler.policies import measured
 from services.simulate.traces import SpotTrace
 
 RUN_ID = "sim"
+# A training node whose pod ended this long ago is still up (Kubernetes' cluster autoscaler waits
+# 10 minutes by default before removing an empty node; this is far less, and unbilled).
+HANDOVER_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ class _World:
     trained: int = 0
     stale: int = 0
     preemptions: int = 0
+    node_released_at: float = -math.inf  # when the last training or standby pod ended
     _all_workers: list[_Pod] = field(default_factory=list)  # every worker ever started, for the estimates
 
     # --- the world moving on ----------------------------------------------------------
@@ -169,6 +174,8 @@ class _World:
         return sum(1 for w in self.pods.values() if w.holding is not None)
 
     def _end(self, pod: _Pod, at: float, phase: PodPhase, exit_code: int, preempted: bool = False) -> None:
+        if pod.status.role != p.ROLE_ROLLOUT:
+            self.node_released_at = max(self.node_released_at, at)
         pod.status = replace(pod.status, phase=phase, exit_code=exit_code, ended_at=at, preempted=preempted)
         pod.holding, pod.progress = None, 0.0  # a prompt in hand goes back to the queue
 
@@ -208,16 +215,16 @@ class _World:
                                    "spot" if spot else "on-demand", {"slot": str(slot)})
                 self._all_workers.append(pod)
             case p.LaunchStandby(_, after):
-                self._launch(f"{RUN_ID}-warm-{after}", p.ROLE_STANDBY, self.spec.training.instance_type,
-                             "on-demand", {"after_iteration": str(after)})
+                ready = self._node_ready_at()
+                pod = self._launch(f"{RUN_ID}-warm-{after}", p.ROLE_STANDBY, self.spec.training.instance_type,
+                                   "on-demand", {"after_iteration": str(after)})
+                pod.ready_at = ready
             case p.LaunchTraining(_, iteration):
                 self.run = replace(run, train_launch_committed=self.trainer_committed)
-                standby = [s for s in self.pods.values() if s.status.role == p.ROLE_STANDBY
-                           and s.status.phase == PodPhase.RUNNING]
-                ready = min([s.ready_at for s in standby], default=self.now + self.workload.startup_seconds)
+                ready = self._node_ready_at()
                 pod = self._launch(f"{RUN_ID}-train-{iteration}", p.ROLE_TRAINING, self.spec.training.instance_type,
                                    "on-demand", {"iteration": str(iteration)})
-                pod.ready_at = max(self.now, ready)
+                pod.ready_at = ready
                 pod.done_at = pod.ready_at + self.workload.training_minutes * 60.0
             case p.StopPod(name):
                 pod = self.pods[name]
@@ -243,6 +250,14 @@ class _World:
                 self.run = replace(run, status=status, ending_reason=reason)
             case _:  # BillPod, CloseEntry, RecordTrainingFailure: the simulated world never needs them
                 raise AssertionError(f"the simulated world does not expect {action}")
+
+    def _node_ready_at(self) -> float:
+        """When a training or standby pod launched now can start work: at once on a warm node."""
+        standby = [s.ready_at for s in self.pods.values() if s.status.role == p.ROLE_STANDBY
+                   and s.status.phase == PodPhase.RUNNING]
+        if self.now - self.node_released_at <= HANDOVER_SECONDS:
+            standby.append(self.now)
+        return max(self.now, min(standby, default=self.now + self.workload.startup_seconds))
 
     def _launch(self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str]) -> _Pod:
         status = PodStatus(name=name, run_id=RUN_ID, role=role, instance_type=instance_type, capacity_type=capacity,
