@@ -369,7 +369,7 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
 
     decision = POLICIES[spec.cost_policy](
         PolicyInput(
-            spec=spec, now=observed.now, started_at=run.started_at, training_running=bool(training),
+            spec=spec, now=observed.now, started_at=run.started_at, training_running=bool(training), standby=bool(standby),
             workers=len(workers), prompt_backlog=observed.prompt_backlog, to_publish=to_publish,
             queued_for_next=queued_for_next, still_needed=still_needed,
             samples_produced=observed.samples_produced, estimates=observed.estimates,

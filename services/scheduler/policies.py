@@ -38,6 +38,7 @@ class PolicyInput:
     now: float
     started_at: float | None  # when the run started (for its deadline)
     training_running: bool
+    standby: bool  # a standby pod holds the training node
     workers: int  # rollout workers alive
     prompt_backlog: int  # prompts published and not yet turned into samples
     to_publish: int  # prompts plan would publish now to keep one batch ahead
@@ -95,8 +96,8 @@ def cost_aware(x: PolicyInput) -> Decision:
     - staleness: with a bound of 0, samples generated while a job runs would be dropped (they
       come from a policy one version old), so nothing is generated then;
     - warm node (ski rental): hold the training node while the expected wait for the next batch
-      is at most a restart's start-up (holding costs the wait, a restart costs the start-up), so
-      it is also launched that long before the batch is ready, and the job starts at once;
+      is at most a restart's start-up (holding costs the wait, a restart costs the start-up); a
+      new one is launched shortly before the batch is ready, so the job starts (almost) at once;
     - deadline: new workers go on-demand only when, at the run's pace so far, the samples still
       to make would miss ``deadline_seconds``.
     """
@@ -114,8 +115,14 @@ def _keep_warm(x: PolicyInput) -> bool:
     r, workers = x.estimates.rollout_samples_per_s, x.workers
     if x.training_running or x.still_needed == 0 or not r or workers == 0:
         return False
-    wait = max(0, x.spec.batch_samples - x.queued_for_next) / (r * workers)
-    return wait <= x.estimates.startup_seconds
+    # Workers without a prompt make nothing: the batch's tail goes at the pace of the prompts left.
+    busy = min(workers, max(1, x.prompt_backlog))
+    wait = max(0, x.spec.batch_samples - x.queued_for_next) / (r * busy)
+    # A node held stays while the wait costs less than a restart. A new one is launched to be up
+    # as the batch comes, erring late: a node up early bills its idle seconds, one up late only
+    # delays the job (its start-up is billed either way).
+    startup = x.estimates.startup_seconds
+    return wait <= (startup if x.standby else startup / 2)
 
 
 def _deadline_at_risk(x: PolicyInput) -> bool:
