@@ -92,7 +92,8 @@ def cost_aware(x: PolicyInput) -> Decision:
     """Spend only on work that gets trained, as soon as it can be:
 
     - pool: sized so the next batch is ready as the running job ends (batch / (rate x training
-      seconds) workers), once both are measured; the design card's pool before;
+      seconds) workers), once both are measured and if ``max_workers`` allows it; the design
+      card's pool otherwise;
     - staleness: with a bound of 0, samples generated while a job runs would be dropped (they
       come from a policy one version old), so nothing is generated then;
     - warm node (ski rental): hold the training node while the expected wait for the next batch
@@ -107,6 +108,8 @@ def cost_aware(x: PolicyInput) -> Decision:
     sized = 0
     if e.rollout_samples_per_s and e.training_seconds:
         sized = math.ceil(spec.batch_samples / (e.rollout_samples_per_s * e.training_seconds))
+        if sized > spec.rollout.max_workers:
+            sized = 0  # no pool allowed keeps up with the trainer: more workers would only add start-ups
     workers = 0 if backlog == 0 and not publish else _demand_pool(x, backlog, floor=sized if backlog else 0)
     return Decision(workers=workers, publish=publish, on_demand=_deadline_at_risk(x), standby=_keep_warm(x))
 
