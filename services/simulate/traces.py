@@ -37,7 +37,11 @@ def parse_trace(name: str, data: dict) -> SpotTrace:
 
 
 def load_trace(path: Path) -> SpotTrace:
-    return parse_trace(path.stem, json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"trace {path} is not JSON ({e}); give a SkyPilot spot-traces JSON file") from None
+    return parse_trace(path.stem, data)
 
 
 def traces_in(directory: Path) -> list[Path]:
