@@ -73,7 +73,7 @@ TEMPORARY_RETRY_CAP_S = 120.0
 def _log_decisions(run_id: str, actions: list[p.Action], observed: p.Observed) -> None:
     """Each pod started or stopped, at INFO, with the figures it was decided on: what an operator
     paying for the pods asks first."""
-    decided = [a for a in actions if isinstance(a, p.LaunchWorker | p.LaunchTraining | p.StopPod)]
+    decided = [a for a in actions if isinstance(a, p.LaunchWorker | p.LaunchTraining | p.LaunchStandby | p.StopPod)]
     if decided:
         log.info("run %s: %s (prompt backlog %d, sample backlog %d, trainer committed %d, pods %s)", run_id,
                  ", ".join(map(_describe, decided)), observed.prompt_backlog, observed.sample_backlog,
@@ -82,8 +82,10 @@ def _log_decisions(run_id: str, actions: list[p.Action], observed: p.Observed) -
 
 def _describe(action: p.Action) -> str:
     match action:
-        case p.LaunchWorker(_, slot):
-            return f"launch rollout slot {slot}"
+        case p.LaunchWorker(_, slot, on_demand):
+            return f"launch rollout slot {slot}" + (" on-demand" if on_demand else "")
+        case p.LaunchStandby(_, after):
+            return f"hold the training node warm after iteration {after}"
         case p.LaunchTraining(_, iteration):
             return f"launch training job {iteration}"
         case p.StopPod(name):
