@@ -42,10 +42,10 @@ from services.names import (
 from contracts.job_result import JobResult
 from contracts.messages import PromptMessage
 from services.policy_rotation import rotate
-from services.runspec import RunSpec
+from services.runspec import CostPolicy, RunSpec
 from services.scheduler import plan as p
 from services.scheduler.lease import Leadership
-from services.scheduler.policies import measured
+from services.scheduler.policies import Estimates, measured
 from services.training.backlog import trainer_consumer
 from services.wiring import Backends
 from contracts.samples import decode_group
@@ -210,15 +210,17 @@ class Scheduler:
             train_launch_committed=row.train_launch_committed,
             started_at=row.started_at,
         )
-        observed = self.observe(row, pods, spec.samples_per_prompt)
+        observed = self.observe(row, pods, spec.samples_per_prompt, measure=spec.cost_policy == CostPolicy.COST_AWARE)
         actions = p.plan(state, observed)
         _log_decisions(row.id, actions, observed)
         for action in actions:
             self.apply(action, spec)
         return actions
 
-    def observe(self, row: RunRow, pods: list, group_size: int) -> p.Observed:
-        """The run's world now; the sample topic's records are groups of ``group_size`` samples."""
+    def observe(self, row: RunRow, pods: list, group_size: int, measure: bool = True) -> p.Observed:
+        """The run's world now; the sample topic's records are groups of ``group_size`` samples.
+        ``measure``: with the estimates of its rollout rate and job time (two more queries a tick),
+        which only the cost-aware policy reads."""
         now = time.time()
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
         samples = samples_topic(row.id)
@@ -236,7 +238,7 @@ class Scheduler:
             now=now,
             published=frozenset(i for i in ended_jobs if self.b.objects.exists(result_key(row.id, i))),
             estimates=measured([(w.samples_produced, w.generation_seconds) for w in self.b.state.worker_stats(row.id)],
-                               [it.seconds for it in self.b.state.iterations(row.id)]),
+                               [it.seconds for it in self.b.state.iterations(row.id)]) if measure else Estimates(None, None),
         )
 
     # --- applying actions ---------------------------------------------------------------
