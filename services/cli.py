@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from services.client.commands import Output, OutputOption, config_app, login, runs_app
+from services.simulate.command import simulate_command
 
 if TYPE_CHECKING:
     from services.config import Settings
@@ -28,6 +29,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="spotrl: RL p
 app.add_typer(runs_app, name="runs")
 app.add_typer(config_app, name="config")
 app.command("login")(login)
+app.command("simulate")(simulate_command)
 
 HomeOption = Annotated[
     Path | None, typer.Option("--home", help="State directory of the embedded backends [env SPOTRL_HOME].")

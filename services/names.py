@@ -24,6 +24,11 @@ def rollout_pod_name(run_id: str, slot: int) -> str:
     return f"{run_id}-rollout-{slot}"
 
 
+def standby_pod_name(run_id: str, after_iteration: int) -> str:
+    """The warm training node kept between iterations (``services.scheduler.plan``'s docstring)."""
+    return f"{run_id}-warm-{after_iteration}"
+
+
 def prompts_key(run_id: str) -> str:
     return f"runs/{run_id}/prompts.jsonl"
 
@@ -62,12 +67,14 @@ def pod_log_key(run_id: str, pod: str) -> str:
 
 def run_id_of_pod(pod: str) -> str:
     """Inverse of the pod names above: ``run-ab12-train-3`` -> ``run-ab12``."""
-    for marker in ("-train-", "-rollout-"):
+    for marker in ("-train-", "-rollout-", "-warm-"):
         if marker in pod:
             return pod.rsplit(marker, 1)[0]
-    raise ValueError(f"{pod!r} is not a spotrl pod name (<run>-train-<N> or <run>-rollout-<slot>)")
+    raise ValueError(f"{pod!r} is not a spotrl pod name (<run>-train-<N>, <run>-rollout-<slot> or <run>-warm-<N>)")
 
 
 def role_of_pod(pod: str) -> str:
-    """``run-ab12-train-3`` -> ``training``, ``run-ab12-rollout-0`` -> ``rollout``."""
+    """``run-ab12-train-3`` -> ``training``, ``run-ab12-rollout-0`` -> ``rollout``, ``run-ab12-warm-2`` -> ``standby``."""
+    if "-warm-" in pod:
+        return "standby"
     return "training" if "-train-" in pod else "rollout"

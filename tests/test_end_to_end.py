@@ -142,7 +142,8 @@ def test_run_end_to_end_over_http(served: Served) -> None:
     assert run["policy_version"] == 2
     assert_guarantees_held(served.home, run)
     cost = served.client.get(f"/v1/runs/{run['id']}/cost").json()
-    assert set(cost["by_role"]) == {"rollout", "training"}
+    # standby: the warm training node the default cost-aware policy may hold between the two jobs
+    assert {"rollout", "training"} <= set(cost["by_role"]) <= {"rollout", "training", "standby"}
     assert cost["by_capacity_type"]["spot"] > 0 and cost["by_capacity_type"]["on-demand"] > 0
     assert all(e["ended_at"] is not None for e in cost["entries"])
     # Every entry billed by its provider's rule, the total their sum; no saving is asserted (the

@@ -67,7 +67,9 @@ from tests.test_chaos import SPEC as CHAOS_SPEC
 
 pytestmark = pytest.mark.slow
 
-SPEC = {**CHAOS_SPEC, "iterations": 3}  # the embedded chaos run's, one iteration shorter
+# The embedded chaos run's, one iteration shorter; threshold, as the tests count its pods
+# (cost-aware may add a standby between jobs).
+SPEC = {**CHAOS_SPEC, "iterations": 3, "cost_policy": "threshold"}
 NO_CHAOS = ChaosPlan(worker_kills=0, training_kills=0, scheduler_restarts=0)
 OUTAGE_S = 10.0
 RUN_TIMEOUT_S = 240.0

@@ -120,6 +120,8 @@ def job_manifest(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str,
 
 def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, str]) -> dict[str, Any]:
     training = spec.role == "training"
+    # A standby (the scheduler's warm training node) holds a training node: the training pool's everything.
+    pool_role = "training" if spec.role == "standby" else spec.role
     described = {"run_id": spec.run_id, "role": spec.role, "instance_type": spec.instance_type,
                  "capacity_type": spec.capacity_type, "labels": spec.labels}  # fmt: skip
     labels = {**cfg.pod_labels, **MANAGED_BY, POD_LABEL: spec.name, "spotrl.dev/run": spec.run_id,
@@ -130,11 +132,11 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, st
     # The capacity type is each pod's own (the affinity below): a pool's capacity label, such as a
     # rollout pool's karpenter.sh/capacity-type=spot, would leave an on-demand rollout pod no node.
     # The instance type is the spec's: the one the scheduler bills.
-    pool = {k: v for k, v in cfg.node_selectors.get(spec.role, {}).items() if k not in cfg.spot_labels}
+    pool = {k: v for k, v in cfg.node_selectors.get(pool_role, {}).items() if k not in cfg.spot_labels}
     gpu = {"nvidia.com/gpu": str(gpus)}
     container: dict[str, Any] = {
         "name": CONTAINER,
-        "image": cfg.images.get(spec.role, cfg.image),
+        "image": cfg.images.get(pool_role, cfg.image),
         "command": command,
         "env": [{"name": k, "value": v} for k, v in sorted(env.items()) if not (cfg.env_secrets and _secret(k))],
         "resources": {"requests": gpu, "limits": gpu},
@@ -149,7 +151,7 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, st
         "nodeSelector": {**pool, INSTANCE_TYPE_LABEL: spec.instance_type},
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": _capacity_terms(spec.capacity_type == "spot", cfg.spot_labels)}}},
-        "tolerations": cfg.tolerations.get(spec.role, []),
+        "tolerations": cfg.tolerations.get(pool_role, []),
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "containers": [container],

@@ -67,7 +67,7 @@ def cost_report(
         price = catalog.get(e.instance_type)
         seconds = e.seconds(now)
         lower_bound += seconds * price.cheapest() / 3600.0
-        if e.role != "training":
+        if e.role == "rollout":  # training and its standby (warm node) are the training instance's, counted below
             rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * price.on_demand / 3600.0
     wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
     training = catalog.get(training_instance_type)

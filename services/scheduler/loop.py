@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -37,14 +38,16 @@ from services.names import (
     result_key,
     rollout_pod_name,
     samples_topic,
+    standby_pod_name,
     training_pod_name,
 )
 from contracts.job_result import JobResult
 from contracts.messages import PromptMessage
 from services.policy_rotation import rotate
-from services.runspec import RunSpec
+from services.runspec import CostPolicy, RunSpec
 from services.scheduler import plan as p
 from services.scheduler.lease import Leadership
+from services.scheduler.policies import Estimates, measured
 from services.training.backlog import trainer_consumer
 from services.wiring import Backends
 from contracts.samples import decode_group
@@ -72,7 +75,7 @@ TEMPORARY_RETRY_CAP_S = 120.0
 def _log_decisions(run_id: str, actions: list[p.Action], observed: p.Observed) -> None:
     """Each pod started or stopped, at INFO, with the figures it was decided on: what an operator
     paying for the pods asks first."""
-    decided = [a for a in actions if isinstance(a, p.LaunchWorker | p.LaunchTraining | p.StopPod)]
+    decided = [a for a in actions if isinstance(a, p.LaunchWorker | p.LaunchTraining | p.LaunchStandby | p.StopPod)]
     if decided:
         log.info("run %s: %s (prompt backlog %d, sample backlog %d, trainer committed %d, pods %s)", run_id,
                  ", ".join(map(_describe, decided)), observed.prompt_backlog, observed.sample_backlog,
@@ -81,8 +84,10 @@ def _log_decisions(run_id: str, actions: list[p.Action], observed: p.Observed) -
 
 def _describe(action: p.Action) -> str:
     match action:
-        case p.LaunchWorker(_, slot):
-            return f"launch rollout slot {slot}"
+        case p.LaunchWorker(_, slot, on_demand):
+            return f"launch rollout slot {slot}" + (" on-demand" if on_demand else "")
+        case p.LaunchStandby(_, after):
+            return f"hold the training node warm after iteration {after}"
         case p.LaunchTraining(_, iteration):
             return f"launch training job {iteration}"
         case p.StopPod(name):
@@ -205,16 +210,19 @@ class Scheduler:
             worker_slots_used=row.worker_slots_used,
             samples_produced=row.samples_produced,
             train_launch_committed=row.train_launch_committed,
+            started_at=row.started_at,
         )
-        observed = self.observe(row, pods, spec.samples_per_prompt)
+        observed = self.observe(row, pods, spec.samples_per_prompt, measure=spec.cost_policy == CostPolicy.COST_AWARE)
         actions = p.plan(state, observed)
         _log_decisions(row.id, actions, observed)
         for action in actions:
             self.apply(action, spec)
         return actions
 
-    def observe(self, row: RunRow, pods: list, group_size: int) -> p.Observed:
-        """The run's world now; the sample topic's records are groups of ``group_size`` samples."""
+    def observe(self, row: RunRow, pods: list, group_size: int, measure: bool = True) -> p.Observed:
+        """The run's world now; the sample topic's records are groups of ``group_size`` samples.
+        ``measure``: with the estimates of its rollout rate and job time (two more queries a tick),
+        which only the cost-aware policy reads."""
         now = time.time()
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
         samples = samples_topic(row.id)
@@ -231,6 +239,8 @@ class Scheduler:
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},
             now=now,
             published=frozenset(i for i in ended_jobs if self.b.objects.exists(result_key(row.id, i))),
+            estimates=measured([(w.samples_produced, w.generation_seconds) for w in self.b.state.worker_stats(row.id)],
+                               [it.seconds for it in self.b.state.iterations(row.id)]) if measure else Estimates(None, None),
         )
 
     # --- applying actions ---------------------------------------------------------------
@@ -244,19 +254,23 @@ class Scheduler:
                 self.b.state.set_status(run_id, RunStatus.RUNNING)
             case p.PublishPrompts(run_id, start, count):
                 self._publish_prompts(run_id, start, count)
-            case p.LaunchWorker(run_id, slot):
+            case p.LaunchWorker(run_id, slot, on_demand):
                 self.b.state.update_run(run_id, worker_slots_used=slot + 1)
                 name = rollout_pod_name(run_id, slot)
-                command = ["worker", run_id, "--worker-id", name]
+                command = cli_command(["worker", run_id, "--worker-id", name])
                 self._launch(run_id, name, "rollout", command, spec.rollout.instance_type,
-                             "spot" if spec.rollout.spot else "on-demand", {"slot": str(slot)})
+                             "spot" if spec.rollout.spot and not on_demand else "on-demand", {"slot": str(slot)})
             case p.LaunchTraining(run_id, iteration):
                 committed = sum(self.b.queue.committed(samples_topic(run_id), TRAINER_GROUP).values())
                 self.b.state.update_run(run_id, train_launch_committed=committed)
                 name = training_pod_name(run_id, iteration)
-                self._launch(run_id, name, "training", ["train-job", run_id, str(iteration)],
-                             spec.training.instance_type, "on-demand", {"iteration": str(iteration)},
-                             processes=spec.training.processes)
+                self._launch(run_id, name, "training",
+                             cli_command(["train-job", run_id, str(iteration)], processes=spec.training.processes),
+                             spec.training.instance_type, "on-demand", {"iteration": str(iteration)})
+            case p.LaunchStandby(run_id, after):
+                self._launch(run_id, standby_pod_name(run_id, after), p.ROLE_STANDBY,
+                             [sys.executable, "-m", "services.scheduler.standby"],
+                             spec.training.instance_type, "on-demand", {"after_iteration": str(after)})
             case p.StopPod(name):
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.BillPod(pod):
@@ -287,8 +301,8 @@ class Scheduler:
             case p.FinishRun(run_id, status, reason):
                 self._finish(run_id, status, reason)
 
-    def _launch(self, run_id: str, name: str, role: str, args: list[str], instance_type: str,
-                capacity_type: str, labels: dict[str, str], processes: int = 1) -> None:
+    def _launch(self, run_id: str, name: str, role: str, command: list[str], instance_type: str,
+                capacity_type: str, labels: dict[str, str]) -> None:
         """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled.
 
         A launch that raises closes the entry at once, with nothing billed (should the pod have
@@ -304,7 +318,7 @@ class Scheduler:
                     name=name,
                     run_id=run_id,
                     role=role,
-                    command=cli_command(args, processes=processes),
+                    command=command,
                     env=self.settings.pod_env(),
                     instance_type=instance_type,
                     capacity_type=capacity_type,

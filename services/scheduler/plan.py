@@ -34,6 +34,17 @@ Work per tick is bounded: at most ``MAX_PROMPTS_PER_TICK`` prompts published and
 (level-triggered, the next tick sees what is still missing), so one run with a huge batch does
 not hold the other runs up.
 
+What to spend on is the run's cost policy's (``services.scheduler.policies``, the spec's
+``cost_policy``): how many rollout workers, on which capacity, whether to publish ahead, and
+whether to hold a warm training node. A warm node is a standby pod (``<run>-warm-<N>``, role
+``standby``) on the training instance type, on-demand, billed in the ledger like any pod, that
+runs nothing but holds the machine (``python -m services.scheduler.standby``); when the next
+batch is ready, ``LaunchTraining`` and ``StopPod(standby)`` come in the same tick, and the job
+lands on the node the standby held (on Kubernetes: the same node pool, the node still up; the
+embedded launcher pays no start-up in any case). So keeping a node warm costs its idle seconds,
+and a cold start its start-up: the policy weighs the two (ski rental). ``spotrl simulate``
+(``services.simulate``) calls this same ``plan`` against a simulated world.
+
 The ledger is matched to the pods first, every tick: a pod without an entry (or a running one
 whose entry is closed) is billed from its start (``BillPod``); an ended pod whose entry is still
 open is closed at the pod's observed end (``CloseEntry`` with its outcome: a scheduler died, or a
@@ -51,9 +62,11 @@ from dataclasses import dataclass
 from contracts.status import RunStatus
 from services.backends.launcher import PodOutcome, PodPhase, PodStatus, pod_outcome
 from services.runspec import RunSpec
+from services.scheduler.policies import POLICIES, Estimates, PolicyInput
 
 ROLE_ROLLOUT = "rollout"
 ROLE_TRAINING = "training"
+ROLE_STANDBY = "standby"  # the warm training node between jobs (module docstring)
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
 # Prompts one tick publishes per run (~20 ms of embedded-queue writes on 2 CPU cores, measured);
@@ -86,6 +99,7 @@ class RunState:
     worker_slots_used: int
     samples_produced: int
     train_launch_committed: int = 0  # trainer offsets (summed) when the running job started
+    started_at: float | None = None  # when the run started (its deadline counts from there)
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ class Observed:
     now: float
     trainer_committed: int = 0  # trainer-group committed offsets, summed over partitions
     published: frozenset[int] = frozenset()  # iterations of ended training pods whose result.json exists
+    estimates: Estimates = Estimates(None, None)  # rollout rate and training time measured so far, for the policy
 
 
 # --- actions --------------------------------------------------------------------------
@@ -121,12 +136,21 @@ class PublishPrompts:
 class LaunchWorker:
     run_id: str
     slot: int
+    on_demand: bool = False  # on on-demand capacity whatever the pool's ``spot`` (the policy's deadline fallback)
 
 
 @dataclass(frozen=True)
 class LaunchTraining:
     run_id: str
     iteration: int
+
+
+@dataclass(frozen=True)
+class LaunchStandby:
+    """Hold a warm training node (a standby pod) after ``after_iteration``; the next job replaces it."""
+
+    run_id: str
+    after_iteration: int
 
 
 @dataclass(frozen=True)
@@ -210,6 +234,7 @@ Action = (
     | PublishPrompts
     | LaunchWorker
     | LaunchTraining
+    | LaunchStandby
     | StopPod
     | BillPod
     | CloseEntry
@@ -337,6 +362,7 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     batch = spec.batch_samples
     actions: list[Action] = []
     training = [p for p in alive if p.role == ROLE_TRAINING]
+    standby = [p for p in alive if p.role == ROLE_STANDBY]
     workers = sorted((p for p in alive if p.role == ROLE_ROLLOUT), key=lambda p: int(p.labels["slot"]))
 
     # Samples on their way into the next batch. A running job takes exactly one batch (in
@@ -350,28 +376,28 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     if spec.iterations is not None:
         still_needed = max(0, spec.iterations - run.iterations_done - len(training)) * batch
         want = min(want, still_needed)
-    if want > coming:
-        count = min(MAX_PROMPTS_PER_TICK, math.ceil((want - coming) / n))  # the rest on later ticks
-        actions.append(PublishPrompts(run.run_id, run.prompts_published, count))
-        coming += count * n
+    to_publish = min(MAX_PROMPTS_PER_TICK, math.ceil((want - coming) / n)) if want > coming else 0  # the rest on later ticks
 
-    # Pool size follows the prompt backlog in worker batches; below min only when no more
-    # samples are needed (all that the remaining iterations need is already queued); down only
-    # when idle.
-    backlog_after = observed.prompt_backlog + (actions[-1].count if actions else 0)
-    desired = math.ceil(backlog_after / spec.rollout.prompts_per_batch)
-    desired = max(spec.rollout.min_workers, min(spec.rollout.max_workers, desired))
-    if still_needed is not None and backlog_after == 0 and queued_for_next >= still_needed:
-        desired = 0
-    if backlog_after > 0:
-        # Prompts in the backlog may be in a worker's hands (uncommitted until its samples are
-        # queued): scale down only when the pool is idle, so no batch in progress is thrown away.
-        desired = max(desired, len(workers))
-    for i in range(desired - len(workers)):
-        actions.append(LaunchWorker(run.run_id, run.worker_slots_used + i))
-    for pod in workers[desired:]:
+    decision = POLICIES[spec.cost_policy](
+        PolicyInput(
+            spec=spec, now=observed.now, started_at=run.started_at, training_running=bool(training), standby=bool(standby),
+            workers=len(workers), prompt_backlog=observed.prompt_backlog, to_publish=to_publish,
+            queued_for_next=queued_for_next, still_needed=still_needed,
+            samples_produced=observed.samples_produced, estimates=observed.estimates,
+        )
+    )
+    if to_publish and decision.publish:
+        actions.append(PublishPrompts(run.run_id, run.prompts_published, to_publish))
+    for i in range(decision.workers - len(workers)):
+        actions.append(LaunchWorker(run.run_id, run.worker_slots_used + i, on_demand=decision.on_demand))
+    for pod in workers[decision.workers:]:
         actions.append(StopPod(pod.name))
 
     if not training and observed.sample_backlog >= batch and observed.now >= run.next_train_at:
-        actions.append(LaunchTraining(run.run_id, run.iterations_done + 1))
+        # The job takes the warm node's place (the standby pod goes as the job starts).
+        return actions + [LaunchTraining(run.run_id, run.iterations_done + 1)] + [StopPod(p.name) for p in standby]
+    if decision.standby and not standby:
+        actions.append(LaunchStandby(run.run_id, run.iterations_done))
+    elif not decision.standby:
+        actions += [StopPod(p.name) for p in standby]
     return actions

@@ -131,6 +131,17 @@ def test_each_role_has_its_image_and_pool_and_the_pod_its_own_capacity_type() ->
     assert container["env"] == [{"name": "SPOTRL_QUEUE_URL", "value": "kafka://k:9092"}] and "envFrom" not in container
 
 
+def test_a_standby_holds_a_node_of_the_training_pool() -> None:
+    cfg = KubernetesConfig(images={"training": "r.example/spotrl-training:2"},
+                           node_selectors={"training": {"spotrl.dev/pool": "training"}})  # fmt: skip
+    standby = PodSpec(name="run-1-warm-2", run_id="run-1", role="standby", command=["python", "-m", "services.scheduler.standby"],
+                      env={}, instance_type="p4d.24xlarge", capacity_type="on-demand", labels={"after_iteration": "2"})
+    pod = pod_manifest(standby, cfg, 8, {})
+    assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "training", "node.kubernetes.io/instance-type": "p4d.24xlarge"}
+    assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-training:2"
+    assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8"}  # the node's GPUs, held
+
+
 def node_status(node_labels: dict[str, str], pod_status: dict[str, Any], cfg: KubernetesConfig = CFG) -> Any:
     pod = pod_manifest(rollout_spec(), cfg, 1, {})
     pod["metadata"] |= {"creationTimestamp": "2026-12-01T10:00:00Z", "uid": "u"}

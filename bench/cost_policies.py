@@ -1,0 +1,120 @@
+"""Every cost policy over every spot trace: the simulator (``spotrl simulate``) driving the real
+scheduler's plan() (a benchmark, not a test).
+
+    .venv/bin/python bench/cost_policies.py [--traces DIR] [workload flags of `spotrl simulate`]
+
+Default traces: ``../shared/traces`` beside the repository (SpotHedge's GCP A100 zones and
+SpotServe's AWS g4dn, with their sources in its README). Default workload, the seed's: batches
+of 5000 samples, 4 spot rollout workers at 3,000 samples/h each, 18 minutes of training per
+batch, 90 s of node start plus model load per launch, staleness bound 1; 12 iterations.
+
+Prints one row per (trace, policy), then checks issue 13's targets for cost-aware on every
+trace where the threshold run ends (<= 1.15x the lower bound; never dearer than threshold or
+always-on; wall time within 5% of threshold's or better) and on the mean (closes at least half
+of the gap threshold leaves to the bound), the saving against always-on, and a sweep over the
+training minutes per batch on the sweep trace.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from services.runspec import CostPolicy
+from services.simulate.command import (
+    BatchSamples, DeadlineHours, Iterations, MaxWorkers, Notice, RolloutType, Staleness, Startup, TrainingMinutes,
+    TrainingType, WorkerRate, Workers, workload,
+)
+from services.simulate.traces import load_trace, traces_in
+from services.simulate.world import SimResult, simulate
+
+SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+SWEEP_MINUTES = (2, 5, 10, 18, 30, 40)
+
+
+def _row(trace: str, r: SimResult) -> str:
+    ratio = r.dollars / r.lower_bound_dollars if r.lower_bound_dollars else float("nan")
+    end = "" if r.finished else "  (not ended)"
+    return (f"| {trace:<34} | {r.policy:<10} | {r.dollars:>8.2f} | {ratio:>5.3f} | {r.lower_bound_dollars:>7.2f} | "
+            f"{r.always_on_dollars:>8.2f} | {r.wall_seconds / 3600:>6.2f} | {r.samples_trained:>6} | {r.samples_dropped_stale:>5} | "
+            f"{r.preemptions:>4} | {r.training_busy_fraction:>5.3f} |{end}")
+
+
+HEADER = ("| trace                              | policy     |        $ | x bnd |   bound | always-on |  wall h | trained | stale | "
+          "pre. | busy  |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def main(
+    traces: Annotated[Path, typer.Option(help="Directory of SkyPilot spot-traces JSON files (searched recursively).")] = SHARED_TRACES,
+    sweep_trace: Annotated[str, typer.Option(help="Trace (file stem) of the training-minutes sweep.")] = "g4dn_nodes_60s",
+    batch_samples: BatchSamples = 5000,
+    iterations: Iterations = 12,
+    workers: Workers = 4,
+    max_workers: MaxWorkers = 16,
+    worker_samples_per_hour: WorkerRate = 3000.0,
+    training_minutes: TrainingMinutes = 18.0,
+    startup_seconds: Startup = 90.0,
+    spot_notice_seconds: Notice = 120.0,
+    staleness_bound: Staleness = 1,
+    deadline_hours: DeadlineHours = None,
+    rollout_instance_type: RolloutType = "g6.xlarge",
+    training_instance_type: TrainingType = "p4d.24xlarge",
+) -> None:
+    def work(minutes: float):
+        return workload(batch_samples, iterations, workers, max_workers, worker_samples_per_hour, minutes,
+                        startup_seconds, spot_notice_seconds, staleness_bound, deadline_hours,
+                        rollout_instance_type, training_instance_type)
+
+    loaded = [load_trace(path) for path in traces_in(traces)]
+    results = {t.name: {pol: simulate(t, pol, work(training_minutes)) for pol in CostPolicy} for t in loaded}
+    typer.echo(HEADER)
+    for name, by_policy in results.items():
+        for r in by_policy.values():
+            typer.echo(_row(name, r))
+
+    failures: list[str] = []
+    closed: list[float] = []
+    typer.echo("\ncost-aware against the others (runs that ended under threshold):")
+    for name, by in results.items():
+        ca, th, ao = by[CostPolicy.COST_AWARE], by[CostPolicy.THRESHOLD], by[CostPolicy.ALWAYS_ON]
+        if not th.finished:
+            typer.echo(f"  {name}: threshold never ends (no spot capacity to make samples); skipped")
+            continue
+        bound = ca.lower_bound_dollars
+        gap = th.dollars - bound
+        closed.append((th.dollars - ca.dollars) / gap if gap > 0 else 1.0)
+        checks = {
+            "<= 1.15x bound": ca.dollars <= 1.15 * bound,
+            "<= threshold": ca.dollars <= th.dollars + 1e-9,
+            "<= always-on": ca.dollars <= ao.dollars + 1e-9,
+            "wall <= 1.05x threshold": ca.wall_seconds <= 1.05 * th.wall_seconds,
+        }
+        failures += [f"{name}: {k}" for k, ok in checks.items() if not ok]
+        typer.echo(f"  {name}: {ca.dollars / bound:.3f}x bound (threshold {th.dollars / bound:.3f}x), "
+                   f"wall {ca.wall_seconds / th.wall_seconds:.3f}x threshold's, gap closed {closed[-1]:+.0%}, "
+                   f"saves {1 - ca.dollars / ao.dollars:.0%} against the always-on policy and "
+                   f"{1 - ca.dollars / ca.always_on_dollars:.0%} against its always-on cluster; "
+                   + ", ".join(f"{k} {'ok' if ok else 'MISSED'}" for k, ok in checks.items()))
+    mean_closed = statistics.mean(closed) if closed else 0.0
+    if mean_closed < 0.5:
+        failures.append(f"mean gap closed {mean_closed:.0%} < 50%")
+    typer.echo(f"  mean gap closed: {mean_closed:.0%} (target >= 50%)")
+
+    sweep = next((t for t in loaded if t.name == sweep_trace), loaded[0])
+    typer.echo(f"\nsweep over training minutes per batch, trace {sweep.name} ($, x bound, wall h):")
+    typer.echo("| min/batch | " + " | ".join(p.value for p in CostPolicy) + " |\n|---:|" + "---|" * len(CostPolicy))
+    for minutes in SWEEP_MINUTES:
+        cells = []
+        for pol in CostPolicy:
+            r = simulate(sweep, pol, work(minutes))
+            cells.append(f"{r.dollars:.2f} ({r.dollars / r.lower_bound_dollars:.3f}x, {r.wall_seconds / 3600:.1f} h)")
+        typer.echo(f"| {minutes} | " + " | ".join(cells) + " |")
+
+    typer.echo("\ntargets: " + ("all met" if not failures else "MISSED: " + "; ".join(failures)))
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,327 @@
+"""A discrete-event simulation of one run that drives the real scheduler's ``plan``.
+
+Every tick the simulated world (clock, launcher, queue, ledger) is shown to
+``services.scheduler.plan.plan`` as the real loop shows the real one, and its actions are
+applied here: a policy decision is therefore tested once and used in both.
+
+The world: spot rollout workers that start ``startup_seconds`` after launch, then turn prompts
+into groups of samples at ``worker_samples_per_hour``; a spot launch is refused while the trace
+has no capacity left, and when the trace's capacity drops below the workers held, the newest
+are preempted after the provider's notice (their group in progress is lost). Training jobs start
+after the start-up (at once on a warm node: a standby's, or the one a training or standby pod
+left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down yet), run ``training_minutes`` and train one batch,
+dropping the samples older than the staleness bound. Each pod is billed from launch to its end,
+at the catalog's price of its capacity; the bill is ``services.cost.report``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from contracts.status import RunStatus
+from services.backends.launcher import PodPhase, PodStatus, pod_outcome
+from services.backends.state_store import LedgerEntry
+from services.cost.catalog import PriceCatalog, load_catalog
+from services.cost.report import cost_report
+from services.runspec import CostPolicy, RunSpec
+from services.scheduler import plan as p
+from services.scheduler.policies import measured
+from services.simulate.traces import SpotTrace
+
+RUN_ID = "sim"
+# A training node whose pod ended this long ago is still up (Kubernetes' cluster autoscaler waits
+# 10 minutes by default before removing an empty node; this is far less, and unbilled).
+HANDOVER_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The seed's workload by default (issue 13's benchmark)."""
+
+    batch_samples: int = 5000
+    samples_per_prompt: int = 4
+    iterations: int = 12
+    workers: int = 4  # the pool the design card's rule holds for one batch of prompts
+    max_workers: int = 16  # the most a policy may hold
+    worker_samples_per_hour: float = 3000.0
+    training_minutes: float = 18.0
+    startup_seconds: float = 90.0  # node start plus model load, per launch
+    spot_notice_seconds: float = 120.0  # AWS's; GCP gives 30
+    staleness_bound: int = 1
+    deadline_seconds: float | None = None
+    rollout_instance_type: str = "g6.xlarge"
+    training_instance_type: str = "p4d.24xlarge"
+    tick_seconds: float = 10.0
+    horizon_days: float = 7.0  # a run still going then stops there, unfinished (a trace without spot capacity)
+
+    def spec(self, policy: CostPolicy) -> RunSpec:
+        prompts_per_batch = math.ceil(self.batch_samples / self.samples_per_prompt / self.workers)
+        return RunSpec.model_validate({
+            "model": "tiny",
+            "prompts": [{"prompt": "simulated"}],
+            "samples_per_prompt": self.samples_per_prompt,
+            "batch_samples": self.batch_samples,
+            "iterations": self.iterations,
+            "staleness_bound": self.staleness_bound,
+            "cost_policy": policy,
+            "deadline_seconds": self.deadline_seconds,
+            "rollout": {"instance_type": self.rollout_instance_type, "min_workers": 0,
+                        "max_workers": max(self.max_workers, self.workers), "prompts_per_batch": prompts_per_batch},
+            "training": {"instance_type": self.training_instance_type},
+        })
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    dollars: float
+    wall_seconds: float
+    lower_bound_dollars: float
+    always_on_dollars: float
+    samples_trained: int
+    samples_dropped_stale: int
+    preemptions: int
+    training_busy_fraction: float
+    deadline_met: bool | None
+    finished: bool = True  # False: still running at the horizon (not in the JSON)
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "finished"}
+
+
+@dataclass
+class _Pod:
+    status: PodStatus
+    ready_at: float  # start-up done
+    done_at: float | None = None  # a training job's end
+    preempt_at: float | None = None
+    holding: int | None = None  # a worker's prompt in hand: the policy version it started with
+    progress: float = 0.0  # samples of its group done
+    generated: int = 0
+    generation_seconds: float = 0.0
+
+
+@dataclass
+class _World:
+    spec: RunSpec
+    workload: Workload
+    trace: SpotTrace
+    catalog: PriceCatalog
+    now: float = 0.0
+    run: p.RunState | None = None
+    pods: dict[str, _Pod] = field(default_factory=dict)
+    prompts_pending: int = 0  # published, not yet turned into samples
+    groups: deque = field(default_factory=deque)  # (policy version, samples) queued for the trainer
+    produced: int = 0
+    trainer_committed: int = 0
+    ledger: dict[str, LedgerEntry] = field(default_factory=dict)
+    job_seconds: list[float] = field(default_factory=list)
+    trained: int = 0
+    stale: int = 0
+    preemptions: int = 0
+    node_released_at: float = -math.inf  # when the last training or standby pod ended
+    _all_workers: list[_Pod] = field(default_factory=list)  # every worker ever started, for the estimates
+
+    # --- the world moving on ----------------------------------------------------------
+    def advance(self, dt: float) -> None:
+        end = self.now + dt
+        self._preempt_beyond_capacity()
+        for pod in list(self.pods.values()):
+            if pod.status.phase != PodPhase.RUNNING:
+                continue
+            if pod.status.role == p.ROLE_ROLLOUT:
+                stop = min(end, pod.preempt_at if pod.preempt_at is not None else end)
+                self._generate(pod, max(self.now, pod.ready_at), stop)
+                if pod.preempt_at is not None and pod.preempt_at <= end:
+                    self.preemptions += 1
+                    self._end(pod, pod.preempt_at, PodPhase.FAILED, -15, preempted=True)
+            elif pod.status.role == p.ROLE_TRAINING and pod.done_at is not None and pod.done_at <= end:
+                self._end(pod, pod.done_at, PodPhase.SUCCEEDED, 0)
+        self.now = end
+
+    def _preempt_beyond_capacity(self) -> None:
+        held = [w for w in self._spot_workers() if w.preempt_at is None]
+        excess = len(held) - self.trace.at(self.now)
+        for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[:max(0, excess)]:
+            pod.preempt_at = self.now + self.workload.spot_notice_seconds
+
+    def _spot_workers(self) -> list[_Pod]:
+        return [w for w in self.pods.values() if w.status.role == p.ROLE_ROLLOUT
+                and w.status.capacity_type == "spot" and w.status.phase == PodPhase.RUNNING]
+
+    def _generate(self, pod: _Pod, t: float, end: float) -> None:
+        n = self.spec.samples_per_prompt
+        rate = self.workload.worker_samples_per_hour / 3600.0
+        while t < end:
+            if pod.holding is None:
+                if self.prompts_pending - self._held() <= 0:
+                    return
+                pod.holding = self.run.iterations_done
+            step = min((n - pod.progress) / rate, end - t)
+            pod.progress += step * rate
+            pod.generation_seconds += step
+            t += step
+            if pod.progress >= n - 1e-9:
+                self.groups.append((pod.holding, n))
+                self.produced += n
+                pod.generated += n
+                self.prompts_pending -= 1
+                pod.holding, pod.progress = None, 0.0
+
+    def _held(self) -> int:
+        return sum(1 for w in self.pods.values() if w.holding is not None)
+
+    def _end(self, pod: _Pod, at: float, phase: PodPhase, exit_code: int, preempted: bool = False) -> None:
+        if pod.status.role != p.ROLE_ROLLOUT:
+            self.node_released_at = max(self.node_released_at, at)
+        pod.status = replace(pod.status, phase=phase, exit_code=exit_code, ended_at=at, preempted=preempted)
+        pod.holding, pod.progress = None, 0.0  # a prompt in hand goes back to the queue
+
+    # --- what plan sees -------------------------------------------------------------------
+    def observed(self) -> p.Observed:
+        return p.Observed(
+            pods=[pod.status for pod in self.pods.values()],
+            prompt_backlog=self.prompts_pending,
+            sample_backlog=sum(s for _, s in self.groups),
+            samples_produced=self.produced,
+            spent_dollars=sum(e.dollars(self.now) for e in self.ledger.values()),
+            billed=frozenset(self.ledger),
+            open_entries={e.pod: e.started_at for e in self.ledger.values() if e.ended_at is None},
+            now=self.now,
+            trainer_committed=self.trainer_committed,
+            published=frozenset(int(pod.status.labels["iteration"]) for pod in self.pods.values()
+                                if pod.status.role == p.ROLE_TRAINING and pod.status.phase == PodPhase.SUCCEEDED),
+            estimates=measured([(w.generated, w.generation_seconds) for w in self._all_workers],
+                               self.job_seconds, self.workload.startup_seconds),
+        )
+
+    # --- applying plan's actions -------------------------------------------------------------
+    def apply(self, action: p.Action) -> None:
+        run = self.run
+        match action:
+            case p.StartRun():
+                self.run = replace(run, status=RunStatus.RUNNING, started_at=self.now)
+            case p.PublishPrompts(_, start, count):
+                self.prompts_pending += count
+                self.run = replace(run, prompts_published=start + count)
+            case p.LaunchWorker(_, slot, on_demand):
+                self.run = replace(run, worker_slots_used=slot + 1)
+                spot = self.spec.rollout.spot and not on_demand
+                if spot and len(self._spot_workers()) >= self.trace.at(self.now):
+                    return  # no spot capacity: the request is refused; plan asks again next tick
+                pod = self._launch(f"{RUN_ID}-rollout-{slot}", p.ROLE_ROLLOUT, self.spec.rollout.instance_type,
+                                   "spot" if spot else "on-demand", {"slot": str(slot)})
+                self._all_workers.append(pod)
+            case p.LaunchStandby(_, after):
+                ready = self._node_ready_at()
+                pod = self._launch(f"{RUN_ID}-warm-{after}", p.ROLE_STANDBY, self.spec.training.instance_type,
+                                   "on-demand", {"after_iteration": str(after)})
+                pod.ready_at = ready
+            case p.LaunchTraining(_, iteration):
+                self.run = replace(run, train_launch_committed=self.trainer_committed)
+                ready = self._node_ready_at()
+                pod = self._launch(f"{RUN_ID}-train-{iteration}", p.ROLE_TRAINING, self.spec.training.instance_type,
+                                   "on-demand", {"iteration": str(iteration)})
+                pod.ready_at = ready
+                pod.done_at = pod.ready_at + self.workload.training_minutes * 60.0
+            case p.StopPod(name):
+                pod = self.pods[name]
+                if pod.status.phase == PodPhase.RUNNING:
+                    self._end(pod, self.now, PodPhase.SUCCEEDED if pod.status.role != p.ROLE_TRAINING else PodPhase.FAILED,
+                              0 if pod.status.role != p.ROLE_TRAINING else -15)
+            case p.ReapPod(status):
+                entry = self.ledger[status.name]
+                self.ledger[status.name] = replace(entry, ended_at=status.ended_at, outcome=pod_outcome(status).value)
+                del self.pods[status.name]
+            case p.RecordIteration(_, iteration):
+                self._train_batch()
+                self.job_seconds.append(self.workload.training_minutes * 60.0)
+                self.run = replace(run, iterations_done=iteration)
+            case p.RecordProgress(_, produced):
+                self.run = replace(run, samples_produced=produced)
+            case p.BeginEnding(_, status, reason):
+                self.run = replace(run, status=RunStatus.ENDING, ending_status=status, ending_reason=reason)
+            case p.DropLeftovers(_, limit):
+                for _ in range(min(limit, len(self.groups))):
+                    self.trainer_committed += self.groups.popleft()[1]
+            case p.FinishRun(_, status, reason):
+                self.run = replace(run, status=status, ending_reason=reason)
+            case _:  # BillPod, CloseEntry, RecordTrainingFailure: the simulated world never needs them
+                raise AssertionError(f"the simulated world does not expect {action}")
+
+    def _node_ready_at(self) -> float:
+        """When a training or standby pod launched now can start work: at once on a warm node."""
+        standby = [s.ready_at for s in self.pods.values() if s.status.role == p.ROLE_STANDBY
+                   and s.status.phase == PodPhase.RUNNING]
+        if self.now - self.node_released_at <= HANDOVER_SECONDS:
+            standby.append(self.now)
+        return max(self.now, min(standby, default=self.now + self.workload.startup_seconds))
+
+    def _launch(self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str]) -> _Pod:
+        status = PodStatus(name=name, run_id=RUN_ID, role=role, instance_type=instance_type, capacity_type=capacity,
+                           labels=labels, phase=PodPhase.RUNNING, exit_code=None, started_at=self.now, ended_at=None, pid=None)
+        price = self.catalog.get(instance_type)
+        self.ledger[name] = LedgerEntry(id=len(self.ledger), run_id=RUN_ID, role=role, pod=name, instance_type=instance_type,
+                                        capacity_type=capacity, price_per_hour=price.price(capacity),
+                                        price_source=price.source, started_at=self.now, ended_at=None)
+        pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds)
+        self.pods[name] = pod
+        return pod
+
+    def _train_batch(self) -> None:
+        """The job's batch: the first ``batch_samples`` queued, less those beyond the staleness bound."""
+        version, taken = self.run.iterations_done, 0
+        while self.groups and taken < self.spec.batch_samples:
+            made_by, samples = self.groups.popleft()
+            taken += samples
+            if version - made_by > self.spec.staleness_bound:
+                self.stale += samples
+            else:
+                self.trained += samples
+        self.trainer_committed += taken
+
+
+def simulate(trace: SpotTrace, policy: CostPolicy, workload: Workload = Workload(),
+             catalog: PriceCatalog | None = None) -> SimResult:
+    """Run ``workload`` under ``policy`` on ``trace`` until the run ends; its bill and figures."""
+    catalog = catalog or load_catalog()
+    spec = workload.spec(policy)
+    world = _World(spec=spec, workload=workload, trace=trace, catalog=catalog)
+    world.run = p.RunState(run_id=RUN_ID, status=RunStatus.PENDING, spec=spec, iterations_done=0, last_mean_reward=None,
+                           prompts_published=0, ending_status=None, ending_reason=None, train_failures=0,
+                           next_train_at=0.0, worker_slots_used=0, samples_produced=0)
+    while not world.run.status.is_terminal() and world.now < workload.horizon_days * 86400.0:
+        for action in p.plan(world.run, world.observed()):
+            world.apply(action)
+        world.advance(workload.tick_seconds)
+    return _result(world, policy)
+
+
+def _result(world: _World, policy: CostPolicy) -> SimResult:
+    w, spec, catalog = world.workload, world.spec, world.catalog
+    started, ended = world.run.started_at or 0.0, world.now
+    entries = list(world.ledger.values())
+    report = cost_report(entries, catalog=catalog, training_instance_type=spec.training.instance_type,
+                         run_started_at=started, run_ended_at=ended, now=ended)
+    trained_batches = world.run.iterations_done
+    rollout_busy = trained_batches * spec.batch_samples / (w.worker_samples_per_hour / 3600.0)
+    training_busy = trained_batches * w.training_minutes * 60.0
+    lower_bound = (rollout_busy * catalog.get(spec.rollout.instance_type).spot
+                   + training_busy * catalog.get(spec.training.instance_type).on_demand) / 3600.0
+    node_seconds = sum(e.seconds(ended) for e in entries if e.role != p.ROLE_ROLLOUT)
+    wall = ended - started
+    return SimResult(
+        policy=policy.value,
+        dollars=round(report.total_dollars, 4),
+        wall_seconds=round(wall, 1),
+        lower_bound_dollars=round(lower_bound, 4),
+        always_on_dollars=round(report.always_on_dollars, 4),
+        samples_trained=world.trained,
+        samples_dropped_stale=world.stale,
+        preemptions=world.preemptions,
+        training_busy_fraction=round(training_busy / node_seconds, 4) if node_seconds else 0.0,
+        deadline_met=None if w.deadline_seconds is None else world.run.status.is_terminal() and wall <= w.deadline_seconds,
+        finished=world.run.status.is_terminal(),
+    )

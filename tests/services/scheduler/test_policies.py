@@ -1,0 +1,113 @@
+"""The cost policies' decisions, as the pure ``plan`` gives them (``services.scheduler.policies``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from contracts.status import RunStatus
+from services.backends.launcher import PodPhase, PodStatus
+from services.runspec import RunSpec
+from services.scheduler.plan import LaunchStandby, LaunchTraining, LaunchWorker, Observed, PublishPrompts, RunState, StopPod, plan
+from services.scheduler.policies import Estimates, measured
+
+NOW = 10_000.0
+# One worker makes 1 sample/s, a job takes 50 s: two workers make a batch of 100 as a job trains it.
+MEASURED = Estimates(rollout_samples_per_s=1.0, training_seconds=50.0, startup_seconds=90.0)
+
+
+def spec(policy: str, **changes) -> RunSpec:
+    return RunSpec.model_validate({
+        "model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "samples_per_prompt": 4,
+        "batch_samples": 100, "iterations": 5, "cost_policy": policy,
+        "rollout": {"min_workers": 0, "max_workers": 8, "prompts_per_batch": 25}, **changes,
+    })
+
+
+def state(policy: str, worker_slots_used: int = 2, **changes) -> RunState:
+    return RunState(
+        run_id="r", status=RunStatus.RUNNING, spec=spec(policy, **changes), iterations_done=1,
+        last_mean_reward=None, prompts_published=50, ending_status=None, ending_reason=None, train_failures=0,
+        next_train_at=0.0, worker_slots_used=worker_slots_used, samples_produced=200, started_at=NOW - 1000,
+    )
+
+
+def pod(name: str, role: str, capacity: str = "spot", **labels: str) -> PodStatus:
+    return PodStatus(name=name, run_id="r", role=role, instance_type="g6.xlarge", capacity_type=capacity, labels=labels,
+                     phase=PodPhase.RUNNING, exit_code=None, started_at=NOW - 100, ended_at=None, pid=None)
+
+
+WORKERS = [pod("r-rollout-0", "rollout", slot="0"), pod("r-rollout-1", "rollout", slot="1")]
+JOB = pod("r-train-2", "training", "on-demand", iteration="2")
+STANDBY = pod("r-warm-1", "standby", "on-demand", after_iteration="1")
+
+
+def world(pods, prompts: int, samples: int, estimates: Estimates = MEASURED, produced: int = 200) -> Observed:
+    return Observed(pods=pods, prompt_backlog=prompts, sample_backlog=samples, samples_produced=produced,
+                    spent_dollars=0.0, billed=frozenset(p.name for p in pods),
+                    open_entries={p.name: p.started_at for p in pods}, now=NOW, estimates=estimates)
+
+
+def launched(actions) -> list:
+    return [a for a in actions if isinstance(a, LaunchWorker | LaunchStandby | LaunchTraining | StopPod | PublishPrompts)]
+
+
+@pytest.mark.parametrize(("policy", "expected"), [
+    ("cost-aware", [LaunchStandby("r", 1)]),  # 40 samples to go at 2/s: 20 s, less than a 90 s restart
+    ("threshold", []),  # the node goes once the job ends
+    ("always-on", [LaunchStandby("r", 1)]),
+])
+def test_a_batch_due_within_a_restart_keeps_the_training_node_warm(policy: str, expected: list) -> None:
+    assert launched(plan(state(policy), world(WORKERS, prompts=10, samples=60))) == expected
+
+
+def test_cost_aware_lets_the_node_go_when_the_wait_costs_more_than_a_restart() -> None:
+    # 100 samples to go at 2/s: 50 s; with a 30 s start-up the restart is cheaper.
+    short_start = Estimates(1.0, 50.0, startup_seconds=30.0)
+    assert launched(plan(state("cost-aware"), world(WORKERS + [STANDBY], prompts=25, samples=0, estimates=short_start))) == [
+        StopPod("r-warm-1")]
+
+
+def test_the_job_takes_the_warm_nodes_place() -> None:
+    actions = launched(plan(state("cost-aware"), world(WORKERS + [STANDBY], prompts=0, samples=100)))
+    assert LaunchTraining("r", 2) in actions and StopPod("r-warm-1") in actions
+    assert not any(isinstance(a, LaunchStandby) for a in actions)
+
+
+def test_cost_aware_sizes_the_pool_so_the_next_batch_is_ready_as_the_job_ends() -> None:
+    # A job runs and holds its batch; 25 prompts queued, of which 100 / (1/s * 50 s) = 2 workers keep up.
+    one = WORKERS[:1]
+    actions = launched(plan(state("cost-aware", worker_slots_used=1), world(one + [JOB], prompts=25, samples=100)))
+    assert actions == [LaunchWorker("r", 1)]
+    slow_trainer = Estimates(1.0, 12.5, 90.0)  # 8 workers to keep up with it: the pool's maximum
+    actions = launched(plan(state("cost-aware", worker_slots_used=1), world(one + [JOB], prompts=25, samples=100, estimates=slow_trainer)))
+    assert [a.slot for a in actions if isinstance(a, LaunchWorker)] == [1, 2, 3, 4, 5, 6, 7]
+    # threshold: one worker batch of prompts, one worker
+    assert launched(plan(state("threshold", worker_slots_used=1), world(one + [JOB], prompts=25, samples=100))) == []
+
+
+def test_with_staleness_bound_zero_cost_aware_makes_nothing_while_a_job_runs() -> None:
+    # Samples made now come from a policy the running job makes stale: none published, idle workers go.
+    actions = launched(plan(state("cost-aware", staleness_bound=0), world(WORKERS + [JOB], prompts=0, samples=100)))
+    assert actions == [StopPod("r-rollout-0"), StopPod("r-rollout-1")]
+    published = launched(plan(state("threshold", staleness_bound=0), world(WORKERS + [JOB], prompts=0, samples=100)))
+    assert published[0] == PublishPrompts("r", 50, 25)
+
+
+@pytest.mark.parametrize(("deadline", "on_demand"), [(1_000_000.0, False), (1500.0, True)])
+def test_cost_aware_turns_to_on_demand_rollout_only_to_meet_the_deadline(deadline: float, on_demand: bool) -> None:
+    # 1000 s in, 200 samples made (0.2/s); 300 more to make for the remaining iterations: 1500 s more.
+    run = state("cost-aware", worker_slots_used=0, deadline_seconds=deadline)
+    actions = [a for a in plan(run, world([JOB], prompts=25, samples=100)) if isinstance(a, LaunchWorker)]
+    assert actions and all(a.on_demand is on_demand for a in actions)
+
+
+def test_always_on_rollout_is_on_demand() -> None:
+    actions = [a for a in plan(state("always-on", worker_slots_used=0), world([JOB], prompts=25, samples=100))
+               if isinstance(a, LaunchWorker)]
+    assert actions and all(a.on_demand for a in actions)
+
+
+def test_estimates_come_from_what_the_workers_and_jobs_measured() -> None:
+    assert measured([], []) == Estimates(None, None)
+    e = measured([(300, 100.0), (100, 100.0)], [10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
+    assert e.rollout_samples_per_s == 2.0 and e.training_seconds == 40.0  # the last five jobs
