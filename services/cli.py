@@ -125,8 +125,6 @@ def plan(
 ) -> None:
     """Plan a run's bill before starting it: the rollout pool and training shape, the cost per update
     and per day against always-on, each term's arithmetic (prices: SPOTRL_PRICE_CATALOG or given)."""
-    import json
-
     import yaml
     from pydantic import ValidationError
 

@@ -6,7 +6,6 @@ field, never the content: a file on the server may hold what its reader must not
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from pydantic import ValidationError
 from services.backends.object_store import ObjectNotFoundError, ObjectStore
 from services.backends.state_schema import DEFAULT_TENANT
 from services.names import tenant_object_key
-from services.runspec import MAX_INLINE_PROMPTS, PromptItem
+from services.runspec import PromptItem
 from services.server_paths import ServerPathError, check_object_key, check_server_path
 
 STORE_SCHEME = "store://"

@@ -33,7 +33,7 @@ from contracts.samples import decode_group
 from contracts.training import Algorithm, Critic, TrainConfig
 from services.backends.object_store import ObjectStore
 from services.backends.queue import Consumer, Queue
-from services.names import policy_prefix, result_key, trainer_prefix
+from services.names import result_key, trainer_prefix
 from services.policy_rotation import MIN_KEEP
 from services.policy_store import fetch_policy, publish_policy
 from services.runspec import RunSpec

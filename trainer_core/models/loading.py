@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders
 from tokenizers import models as tok_models
-from contracts.model_sources import BUILTIN_MODELS, check_model_source
+from contracts.model_sources import check_model_source
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
 import os
 import subprocess
 import sys

@@ -11,7 +11,6 @@ import sys
 import types
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch

@@ -143,7 +143,6 @@ def main() -> None:
     from trainer_core.rl.distributed import exit_rank, init_distributed, shard_samples
     from trainer_core.rl.fsdp2 import FSDP2Strategy
     from trainer_core.rl.zero import DeepSpeedStrategy
-    from contracts.training import TrainConfig
     from trainer_core.rl.update import train_on_batch
 
     parser = argparse.ArgumentParser()
