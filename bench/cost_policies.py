@@ -28,6 +28,7 @@ from services.simulate.command import (
     BatchSamples, DeadlineHours, Iterations, MaxWorkers, Notice, RolloutType, Staleness, Startup, TrainingMinutes,
     TrainingType, WorkerRate, Workers, workload,
 )
+from services.simulate.gap import PARTS
 from services.simulate.traces import load_trace, traces_in
 from services.simulate.world import SimResult, simulate
 
@@ -41,6 +42,17 @@ def _row(trace: str, r: SimResult) -> str:
     return (f"| {trace:<34} | {r.policy:<10} | {r.dollars:>8.2f} | {ratio:>5.3f} | {r.lower_bound_dollars:>7.2f} | "
             f"{r.always_on_dollars:>8.2f} | {r.wall_seconds / 3600:>6.2f} | {r.samples_trained:>6} | {r.samples_dropped_stale:>5} | "
             f"{r.preemptions:>4} | {r.training_busy_fraction:>5.3f} |{end}")
+
+
+def _explain(results: dict[str, dict[CostPolicy, SimResult]]) -> None:
+    """One line per (trace, policy): its dollars above the bound, by part (services.simulate.gap)."""
+    typer.echo("\ndollars above the bound, by part (services.simulate.gap):")
+    typer.echo("| trace | policy | gap | " + " | ".join(PARTS) + " |\n|---|---|" + "---:|" * (len(PARTS) + 1))
+    for name, by_policy in results.items():
+        for r in by_policy.values():
+            if r.finished:
+                typer.echo(f"| {name} | {r.policy} | {r.dollars - r.lower_bound_dollars:.2f} | "
+                           + " | ".join(f"{r.gap[k]:.2f}" for k in PARTS) + " |")
 
 
 HEADER = ("| trace                              | policy     |        $ | x bnd |   bound | always-on |  wall h | trained | stale | "
@@ -62,6 +74,7 @@ def main(
     deadline_hours: DeadlineHours = None,
     rollout_instance_type: RolloutType = "g6.xlarge",
     training_instance_type: TrainingType = "p4d.24xlarge",
+    explain: Annotated[bool, typer.Option(help="Also print where each run's dollars above the bound go.")] = False,
 ) -> None:
     def work(minutes: float):
         return workload(batch_samples, iterations, workers, max_workers, worker_samples_per_hour, minutes,
@@ -74,6 +87,9 @@ def main(
     for name, by_policy in results.items():
         for r in by_policy.values():
             typer.echo(_row(name, r))
+
+    if explain:
+        _explain(results)
 
     failures: list[str] = []
     closed: list[float] = []

@@ -21,6 +21,8 @@ from services.runspec import CostPolicy, RunSpec
 
 # Node start plus model load of a pod, when the run has no better figure (the 60-90 s).
 DEFAULT_STARTUP_SECONDS = 90.0
+# The least a provider bills a launch (AWS's, GCP's and Alibaba's 60 s: services.cost.billing).
+MIN_BILLED_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,13 @@ def _keep_warm(x: PolicyInput) -> bool:
     busy = min(workers, max(1, x.prompt_backlog))
     wait = max(0, x.spec.batch_samples - x.queued_for_next) / (r * busy)
     # A node held stays while the wait costs less than a restart. A new one is launched to be up
-    # as the batch comes, erring late: a node up early bills its idle seconds, one up late only
-    # delays the job (its start-up is billed either way).
+    # as the batch comes (its start-up is billed either way), erring late: a node up early bills
+    # its idle seconds, one up late only delays the job; but never for less than the provider's
+    # minimum, which a cold start at the batch would not pay twice.
     startup = x.estimates.startup_seconds
-    return wait <= (startup if x.standby else startup / 2)
+    if x.standby:
+        return wait <= startup
+    return MIN_BILLED_SECONDS <= wait <= max(MIN_BILLED_SECONDS, (MIN_BILLED_SECONDS + startup) / 2)
 
 
 def _deadline_at_risk(x: PolicyInput) -> bool:

@@ -28,6 +28,7 @@ from services.cost.report import cost_report
 from services.runspec import CostPolicy, RunSpec
 from services.scheduler import plan as p
 from services.scheduler.policies import measured
+from services.simulate.gap import PodSpan, gap
 from services.simulate.traces import SpotTrace
 
 RUN_ID = "sim"
@@ -86,9 +87,10 @@ class SimResult:
     training_busy_fraction: float
     deadline_met: bool | None
     finished: bool = True  # False: still running at the horizon (not in the JSON)
+    gap: dict[str, float] = field(default_factory=dict)  # dollars above the bound, by part (services.simulate.gap)
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "finished"}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("finished", "gap")}
 
 
 @dataclass
@@ -122,7 +124,10 @@ class _World:
     stale: int = 0
     preemptions: int = 0
     node_released_at: float = -math.inf  # when the last training or standby pod ended
-    _all_workers: list[_Pod] = field(default_factory=list)  # every worker ever started, for the estimates
+    _all_pods: list[_Pod] = field(default_factory=list)  # every pod ever started: the estimates, the gap
+
+    def _all_workers(self) -> list[_Pod]:
+        return [pod for pod in self._all_pods if pod.status.role == p.ROLE_ROLLOUT]
 
     # --- the world moving on ----------------------------------------------------------
     def advance(self, dt: float) -> None:
@@ -193,7 +198,7 @@ class _World:
             trainer_committed=self.trainer_committed,
             published=frozenset(int(pod.status.labels["iteration"]) for pod in self.pods.values()
                                 if pod.status.role == p.ROLE_TRAINING and pod.status.phase == PodPhase.SUCCEEDED),
-            estimates=measured([(w.generated, w.generation_seconds) for w in self._all_workers],
+            estimates=measured([(w.generated, w.generation_seconds) for w in self._all_workers()],
                                self.job_seconds, self.workload.startup_seconds),
         )
 
@@ -211,9 +216,8 @@ class _World:
                 spot = self.spec.rollout.spot and not on_demand
                 if spot and len(self._spot_workers()) >= self.trace.at(self.now):
                     return  # no spot capacity: the request is refused; plan asks again next tick
-                pod = self._launch(f"{RUN_ID}-rollout-{slot}", p.ROLE_ROLLOUT, self.spec.rollout.instance_type,
-                                   "spot" if spot else "on-demand", {"slot": str(slot)})
-                self._all_workers.append(pod)
+                self._launch(f"{RUN_ID}-rollout-{slot}", p.ROLE_ROLLOUT, self.spec.rollout.instance_type,
+                             "spot" if spot else "on-demand", {"slot": str(slot)})
             case p.LaunchStandby(_, after):
                 ready = self._node_ready_at()
                 pod = self._launch(f"{RUN_ID}-warm-{after}", p.ROLE_STANDBY, self.spec.training.instance_type,
@@ -231,6 +235,8 @@ class _World:
                 if pod.status.phase == PodPhase.RUNNING:
                     self._end(pod, self.now, PodPhase.SUCCEEDED if pod.status.role != p.ROLE_TRAINING else PodPhase.FAILED,
                               0 if pod.status.role != p.ROLE_TRAINING else -15)
+            case p.CloseEntry(name, ended_at, outcome) if outcome is not None:  # an ended pod, reaped this same tick
+                self.ledger[name] = replace(self.ledger[name], ended_at=ended_at, outcome=outcome.value)
             case p.ReapPod(status):
                 entry = self.ledger[status.name]
                 self.ledger[status.name] = replace(entry, ended_at=status.ended_at, outcome=pod_outcome(status).value)
@@ -248,7 +254,7 @@ class _World:
                     self.trainer_committed += self.groups.popleft()[1]
             case p.FinishRun(_, status, reason):
                 self.run = replace(run, status=status, ending_reason=reason)
-            case _:  # BillPod, CloseEntry, RecordTrainingFailure: the simulated world never needs them
+            case _:  # BillPod, CloseEntry of a pod never launched, RecordTrainingFailure: the simulated world never needs them
                 raise AssertionError(f"the simulated world does not expect {action}")
 
     def _node_ready_at(self) -> float:
@@ -268,6 +274,7 @@ class _World:
                                         price_source=price.source, started_at=self.now, ended_at=None)
         pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds)
         self.pods[name] = pod
+        self._all_pods.append(pod)
         return pod
 
     def _train_batch(self) -> None:
@@ -308,8 +315,9 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     trained_batches = world.run.iterations_done
     rollout_busy = trained_batches * spec.batch_samples / (w.worker_samples_per_hour / 3600.0)
     training_busy = trained_batches * w.training_minutes * 60.0
-    lower_bound = (rollout_busy * catalog.get(spec.rollout.instance_type).spot
-                   + training_busy * catalog.get(spec.training.instance_type).on_demand) / 3600.0
+    rollout_bound = rollout_busy * catalog.get(spec.rollout.instance_type).spot / 3600.0
+    training_bound = training_busy * catalog.get(spec.training.instance_type).on_demand / 3600.0
+    lower_bound = rollout_bound + training_bound
     node_seconds = sum(e.seconds(ended) for e in entries if e.role != p.ROLE_ROLLOUT)
     wall = ended - started
     return SimResult(
@@ -324,4 +332,18 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
         training_busy_fraction=round(training_busy / node_seconds, 4) if node_seconds else 0.0,
         deadline_met=None if w.deadline_seconds is None else world.run.status.is_terminal() and wall <= w.deadline_seconds,
         finished=world.run.status.is_terminal(),
+        gap=gap([_span(pod, world.ledger[pod.status.name], ended) for pod in world._all_pods],
+                report.total_dollars, rollout_bound, training_bound),
     )
+
+
+def _span(pod: _Pod, entry: LedgerEntry, now: float) -> PodSpan:
+    end = entry.ended_at if entry.ended_at is not None else now
+    if pod.status.role == p.ROLE_ROLLOUT:
+        busy = pod.generation_seconds
+    elif pod.status.role == p.ROLE_TRAINING and pod.done_at is not None:
+        busy = max(0.0, min(pod.done_at, end) - pod.ready_at)
+    else:  # a standby holds the node and runs nothing
+        busy = 0.0
+    return PodSpan(rollout=pod.status.role == p.ROLE_ROLLOUT, started_at=entry.started_at, ready_at=pod.ready_at,
+                   ended_at=end, busy_seconds=busy, price_per_hour=entry.price_per_hour)

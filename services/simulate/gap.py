@@ -1,0 +1,53 @@
+"""Where a simulated run's dollars above the lower bound go (``bench/cost_policies.py --explain``).
+
+The lower bound pays each role's busy seconds for the work trained, and nothing else; every pod
+the run paid for is split into what the bound leaves out:
+
+- ``train_startup``: training and standby pods' start-ups (node start plus model load);
+- ``train_idle``: a training node up and not training (a standby held while the batch fills);
+- ``roll_startup``: rollout workers' start-ups;
+- ``roll_idle``: rollout workers up without a prompt to work on;
+- ``roll_waste``: generation never trained (groups lost to a preemption, stale, or left over at
+  the end) and the on-demand premium of rollout generation;
+- ``billing``: the provider's minimum and rounding (``services.cost.billing``), and training work
+  that was not a trained batch.
+
+The parts sum to the run's dollars less its lower bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PARTS = ("train_startup", "train_idle", "roll_startup", "roll_idle", "roll_waste", "billing")
+
+
+@dataclass(frozen=True)
+class PodSpan:
+    """One pod's billed life, as the simulator saw it."""
+
+    rollout: bool
+    started_at: float
+    ready_at: float  # start-up done (at once on a warm node)
+    ended_at: float
+    busy_seconds: float  # generating (a worker) or training (a job)
+    price_per_hour: float
+
+
+def gap(pods: Sequence[PodSpan], dollars: float, rollout_bound: float, training_bound: float) -> dict[str, float]:
+    """The run's ``dollars`` above the bound (``rollout_bound + training_bound``), split by ``PARTS``."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    busy = {True: 0.0, False: 0.0}
+    for pod in pods:
+        per_s = pod.price_per_hour / 3600.0
+        startup = max(0.0, min(pod.ready_at, pod.ended_at) - pod.started_at)
+        idle = max(0.0, pod.ended_at - pod.started_at - startup - pod.busy_seconds)
+        role = "roll" if pod.rollout else "train"
+        parts[f"{role}_startup"] += startup * per_s
+        parts[f"{role}_idle"] += idle * per_s
+        busy[pod.rollout] += pod.busy_seconds * per_s
+    parts["roll_waste"] = busy[True] - rollout_bound
+    # What the seconds above leave out: minimums, rounding, and training busy beyond the trained batches.
+    parts["billing"] = dollars - rollout_bound - training_bound - sum(parts.values())
+    return parts
