@@ -51,13 +51,27 @@ def launched(actions) -> list:
     return [a for a in actions if isinstance(a, LaunchWorker | LaunchStandby | LaunchTraining | StopPod | PublishPrompts)]
 
 
+# Workers at half MEASURED's pace: 64 samples to go at 1/s is a 64 s wait.
+SLOW = Estimates(rollout_samples_per_s=0.5, training_seconds=50.0, startup_seconds=90.0)
+
+
 @pytest.mark.parametrize(("policy", "expected"), [
-    ("cost-aware", [LaunchStandby("r", 1)]),  # 40 samples to go at 2/s: 20 s, less than a 90 s restart
+    ("cost-aware", [LaunchStandby("r", 1)]),  # a 64 s wait: the node, up in 90 s, is ready as the batch comes
     ("threshold", []),  # the node goes once the job ends
     ("always-on", [LaunchStandby("r", 1)]),
 ])
 def test_a_batch_due_within_a_restart_keeps_the_training_node_warm(policy: str, expected: list) -> None:
-    assert launched(plan(state(policy), world(WORKERS, prompts=10, samples=60))) == expected
+    actions = plan(state(policy), world(WORKERS, prompts=16, samples=36, estimates=SLOW))
+    assert [a for a in actions if isinstance(a, LaunchStandby)] == expected
+
+
+@pytest.mark.parametrize("samples", [60, 0])  # a 20 s wait (below the 60 s billed minimum); a 100 s one (idle)
+def test_cost_aware_launches_no_standby_billed_beyond_its_use(samples: int) -> None:
+    # A standby for 20 s is billed a minute, and a cold start at the batch pays its start-up once
+    # anyway; one up 10 s before the batch bills those seconds idle.
+    estimates = MEASURED if samples else SLOW
+    actions = plan(state("cost-aware"), world(WORKERS, prompts=25, samples=samples, estimates=estimates))
+    assert not any(isinstance(a, LaunchStandby) for a in actions)
 
 
 def test_cost_aware_lets_the_node_go_when_the_wait_costs_more_than_a_restart() -> None:
