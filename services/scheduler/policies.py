@@ -113,7 +113,17 @@ def cost_aware(x: PolicyInput) -> Decision:
         if sized > spec.rollout.max_workers:
             sized = 0  # no pool allowed keeps up with the trainer: more workers would only add start-ups
     workers = 0 if backlog == 0 and not publish else _demand_pool(x, backlog, floor=sized if backlog else 0)
+    if _batch_handed_over(x):
+        workers = max(workers, x.workers)
     return Decision(workers=workers, publish=publish, on_demand=_deadline_at_risk(x), standby=_keep_warm(x))
+
+
+def _batch_handed_over(x: PolicyInput) -> bool:
+    """The batch is complete and its job starts this tick, and more batches follow: the next one's
+    prompts are published next tick, so the pool stays up (idle for a tick, where stopping it would
+    cost each worker a start-up)."""
+    queued = x.queued_for_next
+    return not x.training_running and queued >= x.spec.batch_samples and (x.still_needed is None or x.still_needed > queued)
 
 
 def _keep_warm(x: PolicyInput) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from contracts.status import RunStatus
@@ -125,3 +127,15 @@ def test_estimates_come_from_what_the_workers_and_jobs_measured() -> None:
     assert measured([], []) == Estimates(None, None)
     e = measured([(300, 100.0), (100, 100.0)], [10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
     assert e.rollout_samples_per_s == 2.0 and e.training_seconds == 40.0  # the last five jobs
+
+
+@pytest.mark.parametrize(("policy", "iterations_done", "kept"), [
+    ("cost-aware", 1, True),  # the next batch's prompts come next tick: a tick idle, not a restart each
+    ("cost-aware", 4, False),  # the last batch: nothing more to make
+    ("threshold", 1, False),  # the design card's pool follows the backlog, empty for that tick
+])
+def test_cost_aware_keeps_the_pool_up_as_the_batch_goes_to_its_job(policy: str, iterations_done: int, kept: bool) -> None:
+    run = replace(state(policy), iterations_done=iterations_done)
+    actions = plan(run, world(WORKERS, prompts=0, samples=100))
+    assert LaunchTraining("r", iterations_done + 1) in actions
+    assert any(isinstance(a, StopPod) and "rollout" in a.name for a in actions) is not kept
