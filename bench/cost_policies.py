@@ -28,9 +28,10 @@ from services.simulate.command import (
     BatchSamples, DeadlineHours, Iterations, MaxWorkers, Notice, RolloutType, Staleness, Startup, TrainingMinutes,
     TrainingType, WorkerRate, Workers, workload,
 )
-from services.simulate.gap import PARTS
-from services.simulate.traces import load_trace, traces_in
-from services.simulate.world import SimResult, simulate
+from services.cost.catalog import load_catalog
+from services.simulate.gap import PARTS, forced_training_startups
+from services.simulate.traces import SpotTrace, load_trace, traces_in
+from services.simulate.world import SimResult, Workload, simulate
 
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SWEEP_MINUTES = (2, 5, 10, 18, 30, 40)
@@ -44,8 +45,10 @@ def _row(trace: str, r: SimResult) -> str:
             f"{r.preemptions:>4} | {r.training_busy_fraction:>5.3f} |{end}")
 
 
-def _explain(results: dict[str, dict[CostPolicy, SimResult]]) -> None:
-    """One line per (trace, policy): its dollars above the bound, by part (services.simulate.gap)."""
+def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotTrace], w: Workload) -> None:
+    """One line per (trace, policy): its dollars above the bound, by part (services.simulate.gap);
+    then, per trace, the most of threshold's gap a policy can close, the training start-ups it
+    cannot avoid (``forced_training_startups``) left."""
     typer.echo("\ndollars above the bound, by part (services.simulate.gap):")
     typer.echo("| trace | policy | gap | " + " | ".join(PARTS) + " |\n|---|---|" + "---:|" * (len(PARTS) + 1))
     for name, by_policy in results.items():
@@ -53,6 +56,21 @@ def _explain(results: dict[str, dict[CostPolicy, SimResult]]) -> None:
             if r.finished:
                 typer.echo(f"| {name} | {r.policy} | {r.dollars - r.lower_bound_dollars:.2f} | "
                            + " | ".join(f"{r.gap[k]:.2f}" for k in PARTS) + " |")
+    startup_dollars = w.startup_seconds * load_catalog().get(w.training_instance_type).on_demand / 3600.0
+    typer.echo("\nthe most of threshold's gap a policy closes, the training start-ups it must pay left:")
+    most: list[float] = []
+    for trace in traces:
+        th = results[trace.name][CostPolicy.THRESHOLD]
+        if not th.finished:
+            continue
+        spot = min(max(trace.available), w.max_workers)
+        forced = forced_training_startups(th.samples_trained // w.batch_samples, w.batch_samples, spot,
+                                          w.worker_samples_per_hour / 3600.0, w.training_minutes * 60.0, w.startup_seconds)
+        gap = th.dollars - th.lower_bound_dollars
+        most.append(1 - forced * startup_dollars / gap)
+        typer.echo(f"  {trace.name}: at most {spot} spot workers, {forced} forced start-ups (${forced * startup_dollars:.2f} "
+                   f"of ${gap:.2f}): at most {most[-1]:.0%} closable")
+    typer.echo(f"  mean: at most {statistics.mean(most):.0%} closable" if most else "  no run ended")
 
 
 HEADER = ("| trace                              | policy     |        $ | x bnd |   bound | always-on |  wall h | trained | stale | "
@@ -89,7 +107,7 @@ def main(
             typer.echo(_row(name, r))
 
     if explain:
-        _explain(results)
+        _explain(results, loaded, work(training_minutes))
 
     failures: list[str] = []
     closed: list[float] = []

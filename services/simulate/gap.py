@@ -51,3 +51,17 @@ def gap(pods: Sequence[PodSpan], dollars: float, rollout_bound: float, training_
     # What the seconds above leave out: minimums, rounding, and training busy beyond the trained batches.
     parts["billing"] = dollars - rollout_bound - training_bound - sum(parts.values())
     return parts
+
+
+def forced_training_startups(iterations: int, batch_samples: int, spot_workers: int, worker_samples_per_s: float,
+                             training_seconds: float, startup_seconds: float) -> int:
+    """The training start-ups a policy pays whatever it does, with at most ``spot_workers`` making
+    samples (rollout on spot only) and its wall time kept near threshold's: the first job's, and
+    every later one's when the next batch takes longer to make than a job trains by more than a
+    start-up; holding the node for that wait costs more than a restart. (Two jobs back to back
+    would share a start-up, but the staleness bound of 1 drops what is made during the first, so
+    production pauses for a job's length per pair: some 20% more wall time on the bench's traces.)"""
+    if spot_workers <= 0:
+        return iterations
+    wait = batch_samples / (spot_workers * worker_samples_per_s) - training_seconds
+    return iterations if wait > startup_seconds else min(1, iterations)

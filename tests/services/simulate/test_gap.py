@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.runspec import CostPolicy
-from services.simulate.gap import PARTS, PodSpan, gap
+from services.simulate.gap import PARTS, PodSpan, forced_training_startups, gap
 from services.simulate.traces import parse_trace
 from services.simulate.world import Workload, simulate
 
@@ -35,3 +35,13 @@ def test_the_parts_add_up_to_the_runs_dollars_above_the_bound(policy: CostPolicy
     assert sum(r.gap.values()) == pytest.approx(r.dollars - r.lower_bound_dollars, abs=1e-3)
     assert r.gap["train_startup"] > 0 and r.gap["roll_startup"] > 0
     assert abs(r.gap["billing"]) < 0.01 * (r.dollars - r.lower_bound_dollars)
+
+
+@pytest.mark.parametrize(("spot_workers", "forced"), [
+    (4, 12),  # the bench's GCP zones: a batch in 1500 s against 1080 s of training, 420 s of wait > 90 s
+    (6, 1),  # 1000 s per batch: the next one is ready as the job ends, the node stays warm
+    (0, 12),
+])
+def test_training_start_ups_are_forced_when_the_batch_is_slower_than_the_job_by_more_than_a_start_up(
+        spot_workers: int, forced: int) -> None:
+    assert forced_training_startups(12, 5000, spot_workers, 3000 / 3600, 18 * 60, 90) == forced
