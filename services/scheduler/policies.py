@@ -95,12 +95,14 @@ def cost_aware(x: PolicyInput) -> Decision:
 
     - pool: sized so the next batch is ready as the running job ends (batch / (rate x training
       seconds) workers), once both are measured and if ``max_workers`` allows it; the design
-      card's pool otherwise;
+      card's pool otherwise; kept up for the tick the batch goes to its job (the next batch's
+      prompts come the tick after: stopping would cost every worker a start-up);
     - staleness: with a bound of 0, samples generated while a job runs would be dropped (they
       come from a policy one version old), so nothing is generated then;
     - warm node (ski rental): hold the training node while the expected wait for the next batch
       is at most a restart's start-up (holding costs the wait, a restart costs the start-up); a
-      new one is launched shortly before the batch is ready, so the job starts (almost) at once;
+      new one is launched shortly before the batch is ready (never for less than the provider's
+      billed minimum), so the job starts (almost) at once;
     - deadline: new workers go on-demand only when, at the run's pace so far, the samples still
       to make would miss ``deadline_seconds``.
     """
