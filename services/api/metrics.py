@@ -124,9 +124,9 @@ class RunCollector(Collector):
         per_hour: dict[tuple[str, ...], float] = defaultdict(float)
         ended: dict[tuple[str, ...], int] = defaultdict(int)
         preempted: dict[tuple[str, ...], int] = {}
-        for e in entries:
+        for e, billed in zip(entries, billed_dollars(entries, self.catalog, now), strict=True):
             key = (r.id, e.role, e.capacity_type, e.instance_type)
-            dollars[key] += billed_dollars(e, self.catalog, now)  # the cost report's figure
+            dollars[key] += billed  # the cost report's figure
             seconds[key] += e.seconds(now)
             per_hour[key] += e.price_per_hour if e.ended_at is None else 0.0  # 0 once all ended: "now" stays a series
             if e.ended_at is not None:

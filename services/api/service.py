@@ -225,10 +225,8 @@ def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal,
         savings_ratio=report.savings_ratio,
         efficiency=report.efficiency,
         entries=[
-            LedgerEntryPublic.model_validate(
-                {**asdict(e), "seconds": e.seconds(now), "dollars": billed_dollars(e, catalog, now)}
-            )
-            for e in entries
+            LedgerEntryPublic.model_validate({**asdict(e), "seconds": e.seconds(now), "dollars": dollars})
+            for e, dollars in zip(entries, billed_dollars(entries, catalog, now), strict=True)
         ],
     )
 

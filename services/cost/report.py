@@ -60,8 +60,7 @@ def cost_report(
     by_capacity: dict[str, float] = defaultdict(float)
     rollout_on_demand = 0.0
     lower_bound = 0.0
-    for e in entries:
-        dollars = billed_dollars(e, catalog, now)
+    for e, dollars in zip(entries, billed_dollars(entries, catalog, now), strict=True):
         by_role[e.role] += dollars
         by_capacity[e.capacity_type] += dollars
         price = catalog.get(e.instance_type)

@@ -234,7 +234,7 @@ class Scheduler:
             sample_backlog=group_size * self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
             samples_produced=group_size * sum(self.b.queue.end_offsets(samples).values()) if started else 0,
             trainer_committed=sum(self.b.queue.committed(samples, TRAINER_GROUP).values()) if started else 0,
-            spent_dollars=sum(billed_dollars(e, self.catalog, now) for e in ledger),  # the cost report's figure
+            spent_dollars=sum(billed_dollars(ledger, self.catalog, now)),  # the cost report's figure
             billed=frozenset(e.pod for e in ledger),
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},
             now=now,

@@ -4,7 +4,8 @@ The lower bound pays each role's busy seconds for the work trained, and nothing 
 the run paid for is split into what the bound leaves out:
 
 - ``train_startup``: training and standby pods' start-ups (node start plus model load);
-- ``train_idle``: a training node up and not training (a standby held while the batch fills);
+- ``train_idle``: a training node up and not training (a standby held while the batch fills, or
+  the node between two pods that hand it over, which ``services.cost.billing`` bills);
 - ``roll_startup``: rollout workers' start-ups;
 - ``roll_idle``: rollout workers up without a prompt to work on;
 - ``roll_waste``: generation never trained (groups lost to a preemption, stale, or left over at
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from services.cost.billing import HANDOVER_SECONDS
 
 PARTS = ("train_startup", "train_idle", "roll_startup", "roll_idle", "roll_waste", "billing")
 
@@ -47,6 +50,10 @@ def gap(pods: Sequence[PodSpan], dollars: float, rollout_bound: float, training_
         parts[f"{role}_startup"] += startup * per_s
         parts[f"{role}_idle"] += idle * per_s
         busy[pod.rollout] += pod.busy_seconds * per_s
+    nodes = sorted((pod for pod in pods if not pod.rollout), key=lambda pod: pod.started_at)
+    for before, after in zip(nodes, nodes[1:]):
+        if 0.0 <= after.started_at - before.ended_at <= HANDOVER_SECONDS:  # one machine, billed between its pods
+            parts["train_idle"] += (after.started_at - before.ended_at) * after.price_per_hour / 3600.0
     parts["roll_waste"] = busy[True] - rollout_bound
     # What the seconds above leave out: minimums, rounding, and training busy beyond the trained batches.
     parts["billing"] = dollars - rollout_bound - training_bound - sum(parts.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.backends.state_store import LedgerEntry
-from services.cost.billing import PER_MINUTE, billed_seconds, rule_for
+from services.cost.billing import HANDOVER_SECONDS, PER_MINUTE, billed_dollars, billed_seconds, rule_for
 from services.cost.catalog import load_catalog
 from services.cost.report import cost_report
 
@@ -55,3 +55,22 @@ def test_an_alibaba_run_reports_in_cny() -> None:
                     run_started_at=0, run_ended_at=3600, now=3600)
     assert r.currency == "CNY"
     assert r.total_dollars == pytest.approx(25 + 110)  # 1 h at the CNY 25/h point, 30 min at CNY 220/h
+
+
+def test_pods_that_hand_a_training_node_over_share_its_minimum_and_pay_its_idle_seconds() -> None:
+    # A standby holds a p4d node for 20 s, hands it to a job 10 s later (same machine: one 60 s
+    # minimum, the 10 s between them the job's); the next job starts after the node was taken back.
+    per_s = load_catalog().get("p4d.24xlarge").on_demand / 3600.0
+    late = 45 + HANDOVER_SECONDS + 1
+    entries = [
+        entry("p4d.24xlarge", "on-demand", 0, 20, role="standby"),
+        entry("p4d.24xlarge", "on-demand", 30, 45, role="training"),
+        entry("p4d.24xlarge", "on-demand", late, late + 30, role="training"),
+        entry("g5.xlarge", "on-demand", 20, 30),  # another machine, whatever its times
+    ]
+    standby, job, later_job, worker = billed_dollars(entries, load_catalog(), now=1000)
+    assert standby == pytest.approx((20 + 15) * per_s)  # its seconds, and the machine's minimum (60) topped up
+    assert job == pytest.approx(25 * per_s)  # from the standby's end: the idle 10 s and its own 15 s
+    assert standby + job == pytest.approx(60 * per_s)  # one machine, 45 s: its minimum
+    assert later_job == pytest.approx(60 * per_s)  # a new machine, a new minimum
+    assert worker == pytest.approx(60 * load_catalog().get("g5.xlarge").on_demand / 3600.0)
