@@ -17,8 +17,9 @@ call time would return None or an empty object and the comparison with our numbe
 not pass silently.
 
 Nothing leaks: the folder and the finder leave `sys.path` and `sys.meta_path` after the import,
-and the stub modules and verl's own modules are dropped from `sys.modules`, so `import ray` or `import verl` anywhere else in the
-test process fails as it does without this module (the returned module keeps its references).
+and the stub modules and verl's own modules are dropped from `sys.modules`, so `import ray` or
+`import verl` anywhere else in the test process fails as it does without this module (the
+returned module keeps its references).
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ spotrl's documented behaviour next to verl's:
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -53,6 +55,13 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def verl():
     return core_algos()
+
+
+def test_importing_verl_leaves_neither_verl_nor_its_stubs_importable(verl) -> None:
+    assert verl.__name__ == "verl.trainer.ppo.core_algos"
+    for name in ("verl", "ray", "omegaconf", "tensordict"):
+        assert name not in sys.modules
+        assert importlib.util.find_spec(name) is None, name
 
 
 def _mask(gen: torch.Generator, shape: tuple[int, int], dtype: torch.dtype, empty_row: bool = True) -> torch.Tensor:
@@ -179,7 +188,8 @@ def test_aggregate_loss_matches_verl_agg_loss(verl, mode: LossAggMode) -> None:
         gen = torch.Generator().manual_seed(seed)
         loss_mat = torch.randn(shape, generator=gen, dtype=dtype)
         mask = _mask(gen, shape, dtype)
-        torch.testing.assert_close(aggregate_loss(loss_mat, mask, mode), verl.agg_loss(loss_mat, mask, mode), **_tol(dtype))
+        ours, theirs = aggregate_loss(loss_mat, mask, mode), verl.agg_loss(loss_mat, mask, mode)
+        torch.testing.assert_close(ours, theirs, **_tol(dtype))
 
 
 @pytest.mark.parametrize("mode", list(LossAggMode))
@@ -274,7 +284,9 @@ def test_group_advantages_match_verl(verl, name: str) -> None:
     for seed, (sizes, length, dtype) in enumerate(OUTCOME_CASES):
         token_rewards, mask, labels = _outcome_inputs(seed, length, dtype, sizes)
         adv, ret = compute_advantages(name, token_rewards=token_rewards, response_mask=mask, group_ids=list(labels))
-        v_adv, v_ret = getattr(verl, fn)(token_level_rewards=token_rewards.clone(), response_mask=mask, index=labels, **kwargs)
+        v_adv, v_ret = getattr(verl, fn)(
+            token_level_rewards=token_rewards.clone(), response_mask=mask, index=labels, **kwargs
+        )
         torch.testing.assert_close(adv, v_adv, **_tol(dtype))
         torch.testing.assert_close(ret, v_ret, **_tol(dtype))
         assert adv.abs().sum() > 0
@@ -287,7 +299,9 @@ def test_a_group_of_one_is_its_own_baseline_in_spotrl_its_raw_reward_in_verl(ver
     for name in ("grpo", "rloo", "opo"):
         fn, kwargs = GROUP_ESTIMATORS[name]
         adv, _ = compute_advantages(name, token_rewards=token_rewards, response_mask=mask, group_ids=list(labels))
-        v_adv, _ = getattr(verl, fn)(token_level_rewards=token_rewards.clone(), response_mask=mask, index=labels, **kwargs)
+        v_adv, _ = getattr(verl, fn)(
+            token_level_rewards=token_rewards.clone(), response_mask=mask, index=labels, **kwargs
+        )
         torch.testing.assert_close(adv[~single], v_adv[~single])
         eps = 1e-6 if name == "grpo" else 0.0  # verl's singleton std is 1, plus its epsilon
         torch.testing.assert_close(v_adv[single], (scores[single] / (1 + eps))[:, None] * mask[single])
