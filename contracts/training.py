@@ -66,7 +66,7 @@ class LossAggMode(StrEnum):
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # sum over a sequence's tokens, mean over sequences
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # mean over a sequence's tokens, then over sequences (GRPO)
     TOKEN_SUM = "token-sum"  # sum over every real token of the mini-batch
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # token sum over response_len (Dr. GRPO)
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # seq-mean-token-sum over response_len (Dr. GRPO)
 
 
 class KLMode(StrEnum):

@@ -61,8 +61,9 @@ def _agg_token_sum(loss_mat: Tensor, mask: Tensor) -> Tensor:
 
 
 def _agg_seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor) -> Tensor:
-    # verl's default loss_scale_factor: the padded response length (Dr. GRPO's constant).
-    return (loss_mat * mask).sum() / mask.shape[-1]
+    # Dr. GRPO's 1/G sum_i sum_t with a constant in place of 1/|o_i|: verl's default
+    # loss_scale_factor, the padded response length.
+    return _agg_seq_mean_token_sum(loss_mat, mask) / mask.shape[-1]
 
 
 LOSS_AGGREGATORS: dict[LossAggMode, Callable[[Tensor, Tensor], Tensor]] = {
@@ -79,19 +80,20 @@ def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str | LossAggMode) -> T
     token-mean (every real token weighs the same; DAPO), seq-mean-token-sum (sum over each
     sequence's tokens, mean over sequences), seq-mean-token-mean (mean over each sequence's
     tokens, then over sequences; the original GRPO), token-sum (sum over every real token),
-    seq-mean-token-sum-norm (that sum over the padded response length, a constant; Dr. GRPO)."""
+    seq-mean-token-sum-norm (seq-mean-token-sum over the padded response length, a constant;
+    Dr. GRPO, verl 0.9.1)."""
     return LOSS_AGGREGATORS[LossAggMode(mode)](loss_mat, mask)
 
 
 def aggregation_weight(mask: Tensor, mode: str | LossAggMode) -> Tensor:
     """What a loss over `mask` `(batch, response_len)` averages over, so that micro-batch losses
     weighted by weight / (the mini-batch's weight) add up to the mini-batch's loss: its real
-    tokens (token-mean), its non-empty sequences (sequence means), 1 (the sum modes: the
+    tokens (token-mean), its non-empty sequences (sequence means), 1 (token-sum: the
     mini-batch's loss is the sum of its micro-batches')."""
     mode = LossAggMode(mode)
     if mode == LossAggMode.TOKEN_MEAN:
         return mask.sum()
-    if mode in (LossAggMode.TOKEN_SUM, LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM):
+    if mode == LossAggMode.TOKEN_SUM:
         return torch.ones((), dtype=mask.dtype, device=mask.device)
     return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
 

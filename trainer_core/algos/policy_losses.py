@@ -97,7 +97,8 @@ def gspo_policy_loss(
     """GSPO (Zheng et al. 2025, arXiv 2507.18071), verl `compute_policy_loss_gspo`: the
     sequence ratio s_i = exp(mean_t log(pi / pi_old)), clipped PPO-style, each token's ratio
     s_i,t = sg[s_i] pi_t / sg[pi_t] (same value, token gradient), log clamped at 10.
-    Aggregated seq-mean-token-mean whatever `agg_mode` says (as verl)."""
+    Aggregated seq-mean-token-mean whatever `agg_mode` says: the paper's sequence-level
+    objective (verl 0.9.1 follows `loss_agg_mode` instead)."""
     negative_approx_kl = logprob - old_logprob
     seq_lengths = mask.sum(dim=-1).clamp(min=1)
     negative_approx_kl_seq = (negative_approx_kl * mask).sum(dim=-1) / seq_lengths  # (batch,)
@@ -217,7 +218,8 @@ def geo_mean_policy_loss(
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673), verl
     `compute_policy_loss_geo_mean`: each token's log ratio clipped to [-eps_low, eps_high] on the
     pessimistic side (sign of A), the sequence ratio their mean's exp, L_i = -mean_t(A) r_i,
-    the mean over sequences (whatever `agg_mode` says, as verl). IS weights enter as their
+    the mean over the sequences with a real token (whatever `agg_mode` says, as verl, whose
+    mean also counts empty sequences as 0). IS weights enter as their
     per-sequence geometric mean. `pg_clipfrac`/`_lower`: clipped tokens with A > 0 / A < 0."""
     negative_approx_kl = logprob - old_logprob
     sgn_advantage = torch.sign(advantages)

@@ -80,7 +80,7 @@ _LOSS_MASK = _right_padded_mask([3, 1, 0], 3)  # the last row has no real token
         ("seq-mean-token-sum", (6 + 4) / 2),  # 5.0
         ("seq-mean-token-mean", (2 + 4) / 2),  # 3.0
         ("token-sum", 1 + 2 + 3 + 4),  # 10
-        ("seq-mean-token-sum-norm", (1 + 2 + 3 + 4) / 3),  # over the padded length 3
+        ("seq-mean-token-sum-norm", (6 + 4) / 2 / 3),  # seq-mean-token-sum over the padded length 3
     ],
 )
 def test_aggregate_loss_known_values(mode: str, expected: float) -> None:

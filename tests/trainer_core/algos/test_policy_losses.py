@@ -107,7 +107,7 @@ def _loop_aggregate(losses: list[list[float]], mask: list[list[float]], mode: st
     if mode == "token-sum":
         return sum(map(sum, rows))
     if mode == "seq-mean-token-sum-norm":
-        return sum(map(sum, rows)) / width
+        return sum(map(sum, rows)) / sum(1 for r in rows if r) / width
     seq = [sum(r) if mode == "seq-mean-token-sum" else sum(r) / len(r) for r in rows if r]
     return sum(seq) / len(seq)
 
