@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from services.backends.state_store import LedgerEntry
+from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog
 from services.cost.report import CostReport, cost_report
 
@@ -70,8 +71,8 @@ def cost_over_time(
     for at in instants(entries, run_started_at=run_started_at, end=end):
         ledger = ledger_at(entries, at, now)
         by_key: dict[tuple[str, str], float] = defaultdict(float)
-        for e in ledger:
-            by_key[(e.role, e.capacity_type)] += e.dollars(at)
+        for e, dollars in zip(ledger, billed_dollars(ledger, catalog, at), strict=True):
+            by_key[(e.role, e.capacity_type)] += dollars  # billed as the report bills it
         report = cost_report(ledger, catalog=catalog, training_instance_type=training_instance_type,
                              run_started_at=run_started_at, run_ended_at=at, now=at)  # fmt: skip
         curve.append(CostAt(at=at, report=report, by_role_and_capacity=dict(by_key)))

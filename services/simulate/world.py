@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from contracts.status import RunStatus
 from services.backends.launcher import PodPhase, PodStatus, pod_outcome
 from services.backends.state_store import LedgerEntry
+from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog, load_catalog
 from services.cost.report import cost_report
 from services.runspec import CostPolicy, RunSpec
@@ -191,7 +192,7 @@ class _World:
             prompt_backlog=self.prompts_pending,
             sample_backlog=sum(s for _, s in self.groups),
             samples_produced=self.produced,
-            spent_dollars=sum(e.dollars(self.now) for e in self.ledger.values()),
+            spent_dollars=sum(billed_dollars(list(self.ledger.values()), self.catalog, self.now)),  # as the real loop counts it
             billed=frozenset(self.ledger),
             open_entries={e.pod: e.started_at for e in self.ledger.values() if e.ended_at is None},
             now=self.now,
