@@ -25,7 +25,7 @@ import typer
 
 from services.runspec import CostPolicy
 from services.simulate.command import (
-    SEED, BatchSamples, DeadlineHours, Iterations, MaxWorkers, Notice, RolloutType, Staleness, Startup, TrainingMinutes,
+    BatchSamples, DeadlineHours, Iterations, MaxWorkers, Notice, RolloutType, Staleness, Startup, TrainingMinutes,
     TrainingType, WorkerRate, Workers, workload,
 )
 from services.cost.catalog import load_catalog
@@ -80,18 +80,18 @@ HEADER = ("| trace                              | policy     |        $ | x bnd 
 def main(
     traces: Annotated[Path, typer.Option(help="Directory of SkyPilot spot-traces JSON files (searched recursively).")] = SHARED_TRACES,
     sweep_trace: Annotated[str, typer.Option(help="Trace (file stem) of the training-minutes sweep.")] = "g4dn_nodes_60s",
-    batch_samples: BatchSamples = SEED.batch_samples,
-    iterations: Iterations = SEED.iterations,
-    workers: Workers = SEED.workers,
-    max_workers: MaxWorkers = SEED.max_workers,
-    worker_samples_per_hour: WorkerRate = SEED.worker_samples_per_hour,
-    training_minutes: TrainingMinutes = SEED.training_minutes,
-    startup_seconds: Startup = SEED.startup_seconds,
-    spot_notice_seconds: Notice = SEED.spot_notice_seconds,
-    staleness_bound: Staleness = SEED.staleness_bound,
+    batch_samples: BatchSamples = 5000,
+    iterations: Iterations = 12,
+    workers: Workers = 4,
+    max_workers: MaxWorkers = 16,
+    worker_samples_per_hour: WorkerRate = 3000.0,
+    training_minutes: TrainingMinutes = 18.0,
+    startup_seconds: Startup = 90.0,
+    spot_notice_seconds: Notice = 120.0,
+    staleness_bound: Staleness = 1,
     deadline_hours: DeadlineHours = None,
-    rollout_instance_type: RolloutType = SEED.rollout_instance_type,
-    training_instance_type: TrainingType = SEED.training_instance_type,
+    rollout_instance_type: RolloutType = "g6.xlarge",
+    training_instance_type: TrainingType = "p4d.24xlarge",
     explain: Annotated[bool, typer.Option(help="Also print where each run's dollars above the bound go.")] = False,
 ) -> None:
     def work(minutes: float):

@@ -12,9 +12,6 @@ from typing import Annotated
 import typer
 
 from services.runspec import CostPolicy
-from services.simulate.world import Workload
-
-SEED = Workload()  # the seed's workload: every option's default
 
 BatchSamples = Annotated[int, typer.Option(help="Samples per training batch.")]
 Iterations = Annotated[int, typer.Option(help="Training iterations of the run.")]
@@ -33,6 +30,8 @@ TrainingType = Annotated[str, typer.Option(help="Catalog instance type of the tr
 def workload(batch_samples: int, iterations: int, workers: int, max_workers: int, worker_samples_per_hour: float,
              training_minutes: float, startup_seconds: float, spot_notice_seconds: float, staleness_bound: int,
              deadline_hours: float | None, rollout_instance_type: str, training_instance_type: str):
+    from services.simulate.world import Workload
+
     return Workload(
         batch_samples=batch_samples, iterations=iterations, workers=workers, max_workers=max_workers,
         worker_samples_per_hour=worker_samples_per_hour, training_minutes=training_minutes,
@@ -46,18 +45,18 @@ def simulate_command(
     trace: Annotated[Path, typer.Option(help="SkyPilot spot-traces JSON: spot instances available per tick.", exists=True, dir_okay=False)],
     policy: Annotated[CostPolicy, typer.Option(help="Cost policy to run.")] = CostPolicy.COST_AWARE,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures to this JSON file.")] = None,
-    batch_samples: BatchSamples = SEED.batch_samples,
-    iterations: Iterations = SEED.iterations,
-    workers: Workers = SEED.workers,
-    max_workers: MaxWorkers = SEED.max_workers,
-    worker_samples_per_hour: WorkerRate = SEED.worker_samples_per_hour,
-    training_minutes: TrainingMinutes = SEED.training_minutes,
-    startup_seconds: Startup = SEED.startup_seconds,
-    spot_notice_seconds: Notice = SEED.spot_notice_seconds,
-    staleness_bound: Staleness = SEED.staleness_bound,
+    batch_samples: BatchSamples = 5000,
+    iterations: Iterations = 12,
+    workers: Workers = 4,
+    max_workers: MaxWorkers = 16,
+    worker_samples_per_hour: WorkerRate = 3000.0,
+    training_minutes: TrainingMinutes = 18.0,
+    startup_seconds: Startup = 90.0,
+    spot_notice_seconds: Notice = 120.0,
+    staleness_bound: Staleness = 1,
     deadline_hours: DeadlineHours = None,
-    rollout_instance_type: RolloutType = SEED.rollout_instance_type,
-    training_instance_type: TrainingType = SEED.training_instance_type,
+    rollout_instance_type: RolloutType = "g6.xlarge",
+    training_instance_type: TrainingType = "p4d.24xlarge",
 ) -> None:
     """Simulate a run on a spot trace: the real scheduler's plan() every tick, with a simulated
     launcher, queue, clock and ledger; print (and with --json write) its bill and figures."""
