@@ -1,8 +1,9 @@
-"""The Kafka adapter's consumer: one port group member, its background thread and the group's assignor.
+"""The Kafka adapter's consumer: one port group member, driven by a background thread.
 
 ``services.backends.kafka_queue`` says how the port's groups, membership, fencing and commit
 safety map onto Kafka consumer groups; this module is that part of the adapter: ``KafkaQueue``
-creates a ``KafkaGroupConsumer`` per ``consumer`` call.
+creates a ``KafkaGroupConsumer`` per ``consumer`` call. Its background thread is in
+``kafka_consumer_thread``; the group's assignor and rebalance listener in ``kafka_rebalance``.
 """
 
 from __future__ import annotations
@@ -12,17 +13,16 @@ import json
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import kafka.errors as kafka_errors
 from kafka import KafkaConsumer, TopicPartition
-from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.coordinator.assignors.abstract import AbstractPartitionAssignor
-from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment, ConsumerProtocolSubscription
+from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment
 from kafka.structs import OffsetAndMetadata
 
+from services.backends.kafka_consumer_thread import ConsumerThread
+from services.backends.kafka_rebalance import RebalanceListener, SpotrlAssignor
 from services.backends.queue import CommitFailedError, MemberFencedError, Record
 
 if TYPE_CHECKING:
@@ -30,14 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long the background thread's Kafka poll blocks: a caller's commit waits at most this long for it.
-_BACKGROUND_POLL_MS = 50
 # A commit refused by a rebalance that the background thread has yet to take on is retried this often.
 _COMMIT_RETRY_S = 0.05
-# Records fetched ahead of the caller's polls, per consumer; fetching pauses beyond this.
-_BUFFER_RECORDS = 2000
-# The assignor's name: every member of a group must offer it (they all run this adapter).
-_ASSIGNOR = "spotrl-v1"
 
 
 def kafka_group_id(topic: str, group: str) -> str:
@@ -45,92 +39,7 @@ def kafka_group_id(topic: str, group: str) -> str:
     return f"{topic}:{group}"
 
 
-class _SpotrlAssignor(AbstractPartitionAssignor):
-    """The group leader's assignment: fencing by port member id, and partitions dealt round-robin.
-
-    Each member's subscription user data is ``{"member", "created", "live"}``: its port member id,
-    when its consumer was created (ns since the epoch) and whether its caller polled within the
-    port's session timeout. It changes only when ``live`` does, so rejoining members present the
-    same subscription and a rebalance takes one round. For example, after a rollout worker
-    restarts as the same ``worker-0`` while the old process still heartbeats:
-
-    1. members ``A`` (``worker-0``, created t1, owns p0..p3) and ``B`` (``worker-0``, created t2 > t1);
-    2. ``B`` is the newest of ``worker-0``: it gets p0..p3, and ``A``'s assignment says ``fenced``;
-       ``A`` raises MemberFencedError from then on and leaves the group;
-    3. the rebalance after ``A`` left gives ``B`` p0..p3 again.
-
-    Partitions are dealt over the live members sorted by port member id (over all of them when none
-    is live), as the embedded adapter deals them. Each member's assignment also carries its Kafka
-    member id (``you``) and the port ids of the group (``roster``).
-    """
-
-    name = _ASSIGNOR
-    version = 0
-
-    def __init__(self, consumer: KafkaGroupConsumer) -> None:
-        self._consumer = consumer
-
-    def metadata(self, topics):  # noqa: ANN001, ANN201 - kafka-python's signature
-        return ConsumerProtocolSubscription(self.version, sorted(topics), self._consumer.subscription_data())
-
-    def on_assignment(self, assignment, generation):  # noqa: ANN001, ANN201
-        self._consumer.on_assignment(assignment, generation)
-
-    def assign(self, cluster, members):  # noqa: ANN001, ANN201
-        parsed: dict[str, tuple[str, int, bool, set[str]]] = {}
-        for member in members:
-            try:
-                data = json.loads(bytes(member.metadata.user_data or b"{}"))
-            except ValueError:
-                data = {}
-            parsed[member.member_id] = (
-                str(data.get("member", member.member_id)),
-                int(data.get("created", 0)),
-                bool(data.get("live", True)),
-                set(member.metadata.topics),
-            )
-        newest: dict[str, str] = {}  # port member id -> Kafka member id of its newest consumer
-        for kafka_id, (port_id, created, _live, _topics) in parsed.items():
-            best = newest.get(port_id)
-            if best is None or (created, kafka_id) > (parsed[best][1], best):
-                newest[port_id] = kafka_id
-        winners = set(newest.values())
-        live = sorted((parsed[k][0], k) for k in winners if parsed[k][2])
-        eligible = live or sorted((parsed[k][0], k) for k in winners)
-        assigned: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-        for topic in sorted({t for *_head, topics in parsed.values() for t in topics}):
-            subscribers = [k for _, k in eligible if topic in parsed[k][3]]
-            for i, partition in enumerate(sorted(cluster.partitions_for_topic(topic) or ())):
-                if subscribers:
-                    assigned[subscribers[i % len(subscribers)]][topic].append(partition)
-        roster = sorted(parsed[k][0] for k in winners)
-        return {
-            kafka_id: ConsumerProtocolAssignment(
-                self.version,
-                sorted(assigned[kafka_id].items()),
-                json.dumps({"you": kafka_id, "fenced": kafka_id not in winners, "roster": roster}).encode(),
-            )
-            for kafka_id in parsed
-        }
-
-
-class _Listener(ConsumerRebalanceListener):
-    """Forwards kafka-python's rebalance callbacks (run on its IO thread) to the consumer."""
-
-    def __init__(self, consumer: KafkaGroupConsumer) -> None:
-        self._consumer = consumer
-
-    def on_partitions_revoked(self, revoked):  # noqa: ANN001, ANN201
-        self._consumer.on_revoked(lost=False)
-
-    def on_partitions_lost(self, lost):  # noqa: ANN001, ANN201
-        self._consumer.on_revoked(lost=True)
-
-    def on_partitions_assigned(self, assigned):  # noqa: ANN001, ANN201
-        self._consumer.on_assigned()
-
-
-class KafkaGroupConsumer:
+class KafkaGroupConsumer(ConsumerThread):
     """A port consumer: a kafka-python group member driven by a background thread.
 
     The background thread owns the kafka-python consumer (which is not thread-safe; the caller's
@@ -208,9 +117,9 @@ class KafkaGroupConsumer:
             heartbeat_interval_ms=max(100, min(3000, kafka_session_ms // 4)),
             # Our thread polls every _BACKGROUND_POLL_MS, so this only trips if the process stalls.
             max_poll_interval_ms=kafka_session_ms,
-            partition_assignment_strategy=[_SpotrlAssignor(self)],
+            partition_assignment_strategy=[SpotrlAssignor(self)],
         ))
-        self._kafka.subscribe([topic], listener=_Listener(self))
+        self._kafka.subscribe([topic], listener=RebalanceListener(self))
         self._thread = threading.Thread(target=self._run, name=f"kafka-consumer-{member_id}", daemon=True)
         try:
             with self._calling():
@@ -236,7 +145,7 @@ class KafkaGroupConsumer:
             rejoin = self._left
         if rejoin:  # polls rejoin a group that this member left when its session lapsed
             with self._kafka_lock:
-                self._kafka.subscribe([self._topic], listener=_Listener(self))
+                self._kafka.subscribe([self._topic], listener=RebalanceListener(self))
                 with self._cond:
                     start, self._rebalancing, self._left = self._assignments, True, False
                     self._cond.notify_all()
@@ -397,116 +306,6 @@ class KafkaGroupConsumer:
             self._cond.notify_all()
 
     # -- the background thread ----------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while self._step():
-                pass
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's next call
-            with self._cond:
-                self._failure = e
-                self._cond.notify_all()
-            if not isinstance(e, Exception):
-                raise
-
-    def _step(self) -> bool:
-        """One round of the background thread; False once the consumer is closed."""
-        with self._cond:
-            if self._closed:
-                return False
-            if self._left:  # out of the group until the caller polls again
-                self._cond.wait(0.5)
-                return True
-            leave = self._fenced or self._session_lapsed()
-            room = _BUFFER_RECORDS - len(self._buffer)
-        if leave:
-            with self._kafka_lock:
-                self._kafka.unsubscribe()  # LeaveGroup: the other members take the partitions now
-            with self._cond:
-                self._current, self._buffer, self._rebalancing, self._left = {}, [], False, True
-                self._generation = -1
-                self._cond.notify_all()
-            return True
-        with self._cond:
-            rewind = set(self._rewind) if not self._rebalancing else set()
-        if rewind:
-            self._rewind_to_committed(rewind)
-        with self._kafka_lock:
-            assigned = self._kafka.assignment()
-            paused = self._kafka.paused()
-            if room <= 0 and assigned - paused:
-                self._kafka.pause(*(assigned - paused))  # the caller is behind: stop fetching, keep heartbeating
-            elif room > 0 and paused:
-                self._kafka.resume(*paused)
-            try:
-                batches = self._kafka.poll(timeout_ms=_BACKGROUND_POLL_MS, max_records=max(1, room))
-            except kafka_errors.KafkaError as e:
-                error: kafka_errors.KafkaError | None = e
-                batches = {}
-            else:
-                error = None
-        if error is not None:
-            # Brokers down or metadata in flux: kafka-python recovers by itself; log each kind once.
-            if type(error).__name__ not in self._errors_logged:
-                self._errors_logged.add(type(error).__name__)
-                log.warning("consumer %r of %r: %s (retrying)", self._member_id, self._topic, error)
-            time.sleep(0.5)
-        if batches:
-            self._deliver(batches)
-        return True
-
-    def _live(self) -> bool:
-        """Whether the caller is polling: inside a call, or out of one for less than the session timeout."""
-        return self._callers > 0 or time.monotonic() - self._last_poll <= self._session_timeout_s
-
-    def _session_lapsed(self) -> bool:
-        """Whether the caller's port session just lapsed with other members in the group, which
-        then take its partitions; alone, the member keeps them (called under ``_cond``)."""
-        if self._live() or self._rebalancing:
-            return False
-        others = [m for m in self._roster if m != self._member_id]
-        if others:
-            log.info("member %r of group %r on %r did not poll for %.1f s: leaving the group to %s",
-                     self._member_id, self._group, self._topic, self._session_timeout_s, others)
-        return bool(others)
-
-    def _rewind_to_committed(self, partitions: set[int]) -> None:
-        """Seek ``partitions`` back to the group's committed offsets (the start where none is),
-        and forget what was fetched of them before (background thread)."""
-        done: set[int] = set()
-        try:
-            with self._kafka_lock:
-                assigned = {tp.partition for tp in self._kafka.assignment()}
-                for partition in sorted(partitions & assigned):
-                    tp = TopicPartition(self._topic, partition)
-                    committed = self._kafka.committed(tp, timeout_ms=int(self._rebalance_wait_s * 1000))
-                    if committed is None or committed < 0:
-                        self._kafka.seek_to_beginning(tp)  # auto_offset_reset="earliest", as for a first read
-                    else:
-                        self._kafka.seek(tp, committed)
-                    done.add(partition)
-        except kafka_errors.KafkaError as e:  # brokers unreachable: the next round tries again
-            if type(e).__name__ not in self._errors_logged:
-                self._errors_logged.add(type(e).__name__)
-                log.warning("consumer %r of %r: %s (retrying)", self._member_id, self._topic, e)
-            time.sleep(0.5)
-        with self._cond:
-            self._rewind -= done
-            self._buffer = [r for r in self._buffer if r.partition not in done]
-            for partition in done:
-                self._positions.pop(partition, None)
-
-    def _deliver(self, batches: Mapping[TopicPartition, list[Any]]) -> None:
-        with self._cond:
-            if self._rebalancing:
-                return
-            for tp, messages in batches.items():
-                if tp.partition not in self._current or tp.partition in self._rewind:
-                    continue  # not ours, or fetched from before the seek to the commit
-                self._buffer.extend(
-                    Record(tp.topic, tp.partition, m.offset, m.key, m.value, m.timestamp / 1000.0) for m in messages
-                )
-            self._cond.notify_all()
 
     # -- helpers (under _cond unless said) -------------------------------------------------------
 
