@@ -44,7 +44,8 @@ from services.names import (
 from contracts.job_result import JobResult
 from contracts.messages import PromptMessage
 from services.policy_rotation import rotate
-from services.runspec import CostPolicy, RunSpec
+from services.prompts import InvalidPromptsError, parse_jsonl
+from services.runspec import CostPolicy, PromptItem, RunSpec
 from services.scheduler import plan as p
 from services.scheduler.lease import Leadership
 from services.scheduler.policies import Estimates, measured
@@ -111,7 +112,7 @@ class Scheduler:
         self.settings = settings
         self.catalog = catalog or load_prices(settings)
         self.leadership = Leadership(backends.state, settings.lease_seconds)
-        self._prompt_sets: dict[str, list[dict]] = {}
+        self._prompt_sets: dict[str, list[PromptItem]] = {}
         self._trouble: dict[str, _Trouble] = {}
 
     # --- the loop ---------------------------------------------------------------------
@@ -344,15 +345,23 @@ class Scheduler:
 
     def _publish_prompts(self, run_id: str, start: int, count: int) -> None:
         if run_id not in self._prompt_sets:
-            lines = self.b.objects.get_bytes(prompts_key(run_id)).decode().splitlines()
-            self._prompt_sets[run_id] = [json.loads(line) for line in lines if line.strip()]
+            self._prompt_sets[run_id] = self._stored_prompts(run_id)
         items = self._prompt_sets[run_id]
         messages = []
         for i in range(start, start + count):
             item = items[i % len(items)]  # epochs cycle over the prompt set
-            messages.append(PromptMessage(prompt_id=str(i % len(items)), prompt=item["prompt"], answer=item.get("answer")))
+            messages.append(PromptMessage(prompt_id=str(i % len(items)), prompt=item.prompt, answer=item.answer))
         self.b.queue.produce(prompts_topic(run_id), [m.encode() for m in messages])
         self.b.state.update_run(run_id, prompts_published=start + count)
+
+    def _stored_prompts(self, run_id: str) -> list[PromptItem]:
+        """The run's prompt set as the API stored it (``prompts.to_jsonl``), read by the API's own
+        parser: lines end at "\n" only, so a prompt holding U+2028 or U+0085 stays whole. A set
+        that does not parse never will: the run fails rather than being retried every tick."""
+        try:
+            return parse_jsonl(self.b.objects.get_bytes(prompts_key(run_id)), "the run's stored prompt set")
+        except InvalidPromptsError as e:
+            raise PermanentError(str(e)) from None
 
     def _record_iteration(self, run_id: str, iteration: int) -> None:
         key = result_key(run_id, iteration)

@@ -4,7 +4,6 @@ the kubelet for (pods it starts run nothing; the test ends them and does their w
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,6 +13,7 @@ import pytest
 from services.backends.launcher import PodPhase, PodSpec, PodStatus
 from services.config import Settings
 from services.names import prompts_key
+from services.prompts import to_jsonl
 from services.runspec import RunSpec
 from services.wiring import Backends, open_backends
 
@@ -25,8 +25,7 @@ def submit_run(backends: Backends, spec: RunSpec) -> str:
     given to the scheduler, which must cope with whatever the state store holds."""
     run_id = f"run-{uuid.uuid4().hex[:10]}"
     prompts = spec.prompts if isinstance(spec.prompts, list) else []
-    lines = "".join(json.dumps(p.model_dump(exclude_none=True)) + "\n" for p in prompts)
-    backends.objects.put_bytes(prompts_key(run_id), lines.encode())
+    backends.objects.put_bytes(prompts_key(run_id), to_jsonl(prompts))  # as the API writes them: unicode raw
     backends.state.create_run(run_id, name=spec.name, spec=spec.model_dump(mode="json"))
     return run_id
 
