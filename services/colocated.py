@@ -217,26 +217,12 @@ def run_colocated(
     started = time.monotonic()
     out_dir = Path(out_dir)
     checkpoints = out_dir / CHECKPOINTS_DIR
-    latest = latest_checkpoint(checkpoints)
-    if latest is not None and not resume:
-        raise ResumeError(f"{out_dir} already holds checkpoints ({latest.name}): pass resume, or use an empty directory")
     items = load_prompts(spec.prompts, objects)
-    catalog = load_catalog()
-    price = catalog.get(spec.training.instance_type)
-
-    engine = _build_engine(spec, model_cache, device)
-    sampler = None
-    if spec.rollout.engine == RolloutEngine.VLLM:
-        sampler = VLLMSampler(build_vllm_engine(spec, engine.policy, colocated=True), engine, out_dir / VLLM_ADAPTERS_DIR)
+    price = load_catalog().get(spec.training.instance_type)
     config = {"spec": spec.model_dump(mode="json"), "seed": seed, "run_id": run_id}
-    # Resumed last, so that nothing drawn during the setup above shifts the restored RNG streams.
-    history, elapsed_before = _resume(latest, engine, config) if latest is not None else ([], 0.0)
-    if latest is not None and sampler is not None:
-        sampler.push()  # vLLM loaded the base weights
-    if latest is None:
-        _seed_everything(seed)
-    # Adaptive KL continues from the coefficient the last iteration ended with.
-    engine.kl_controller = kl_controller(spec, history[-1].metrics.get("actor/kl_coef") if history else None)
+    engine, sampler, history, elapsed_before = _start(
+        spec, out_dir, config, model_cache=model_cache, resume=resume, seed=seed, device=device
+    )
 
     def elapsed() -> float:
         """Wall seconds of the whole run, its segments before a resume included."""
@@ -257,6 +243,29 @@ def run_colocated(
         instance_type=price.instance_type, price_per_hour=price.on_demand, currency=price.currency, wall_seconds=elapsed()
     )
     return ColocatedResult(iterations=history, stop_reason=reason, policy_dir=policy_dir, cost=cost)
+
+
+def _start(
+    spec: RunSpec, out_dir: Path, config: dict, *, model_cache: Path, resume: bool, seed: int, device: str | None
+) -> tuple[HybridEngine, VLLMSampler | None, list[IterationRecord], float]:
+    """The engine (and vLLM sampler) of a run, fresh and seeded, or restored from `out_dir`'s
+    latest checkpoint: with the iterations done and the wall seconds spent before (run_colocated)."""
+    latest = latest_checkpoint(out_dir / CHECKPOINTS_DIR)
+    if latest is not None and not resume:
+        raise ResumeError(f"{out_dir} already holds checkpoints ({latest.name}): pass resume, or use an empty directory")
+    engine = _build_engine(spec, model_cache, device)
+    sampler = None
+    if spec.rollout.engine == RolloutEngine.VLLM:
+        sampler = VLLMSampler(build_vllm_engine(spec, engine.policy, colocated=True), engine, out_dir / VLLM_ADAPTERS_DIR)
+    # Resumed last, so that nothing drawn during the setup above shifts the restored RNG streams.
+    history, elapsed_before = _resume(latest, engine, config) if latest is not None else ([], 0.0)
+    if latest is not None and sampler is not None:
+        sampler.push()  # vLLM loaded the base weights
+    if latest is None:
+        _seed_everything(seed)
+    # Adaptive KL continues from the coefficient the last iteration ended with.
+    engine.kl_controller = kl_controller(spec, history[-1].metrics.get("actor/kl_coef") if history else None)
+    return engine, sampler, history, elapsed_before
 
 
 def _build_engine(spec: RunSpec, model_cache: Path, device: str | None) -> HybridEngine:
