@@ -1,8 +1,8 @@
 """The audit of an ended run: the promises of README "Guarantees", checked on what the stores hold.
 
-No prompt lost, no sample trained twice, every sample trained or counted dropped (and the run's
-counters saying so), policy versions increasing, every ledger entry closed, no pod left, the run
-ended. ``spotrl demo --chaos``, tests/test_chaos.py and the end-to-end tests audit their runs
+No prompt lost, no sample trained twice, every queued sample trained or counted dropped (and the
+run's counters saying so), every sample generated either queued or dropped by dynamic sampling,
+policy versions increasing, every ledger entry closed, no pod left, the run ended. ``spotrl demo --chaos``, tests/test_chaos.py and the end-to-end tests audit their runs
 with ``audit_run``; each check below adds what it finds to the audit's ``problems``.
 
 Control plane only (no torch): it reads the queue, the object store, the state store and the
@@ -38,8 +38,11 @@ class Audit:
     status: str
     produced: int  # samples queued, by the queue
     trained: int  # samples in the stored results' trained ids
-    dropped: int  # samples in the results' dropped ids and the run's leftovers
+    dropped: int  # queued samples in the results' dropped ids and the run's leftovers
     dropped_by_reason: dict[str, int]  # duplicate, stale, uneven, run_ended
+    # Samples rollout workers generated and dropped before queueing (DAPO dynamic sampling), by the
+    # run's counter: generated = produced + filtered. Never queued, so in none of the figures above.
+    filtered: int
     counted: dict[str, int]  # the run's own counters: produced, trained, dropped
     policy_versions: list[int]  # of the recorded iterations, in order
     policy_version: int  # the run's
@@ -59,7 +62,8 @@ class Audit:
             f"run {self.run_id} {self.status}; policy v{self.policy_version}, iterations' versions {self.policy_versions}",
             f"samples: produced {self.produced}, trained {self.trained}, dropped {self.dropped} "
             f"({', '.join(f'{k} {v}' for k, v in sorted(self.dropped_by_reason.items())) or 'none'}; "
-            f"the run counts {c['produced']} / {c['trained']} / {c['dropped']})",
+            f"the run counts {c['produced']} / {c['trained']} / {c['dropped']}); "
+            f"dropped by dynamic sampling before queueing {self.filtered}",
             f"prompts: published {self.prompts_published}, committed by workers {self.prompts_committed}",
             f"ledger: {self.ledger_entries} entries, {self.open_entries} open",
         ] + [f"PROBLEM: {p}" for p in self.problems]
@@ -76,13 +80,14 @@ def audit_run(backends: Backends, run_id: str) -> Audit:
     trained, dropped, reasons = _trained_and_dropped(backends, run_id, iterations, problems)
     produced = [s.sample_id for s in samples]
     counted = _check_samples(run, produced, trained, dropped, problems)
+    _check_filtered(run, problems)
     versions = _check_policy_versions(backends, run, iterations, samples, problems)
     prompts_committed = _check_prompts(backends, run, samples, problems) if started else 0
     ledger = backends.state.ledger(run_id)
     open_entries = _check_ledger_and_pods(backends, run, ledger, problems)
     return Audit(
         run_id=run_id, status=run.status, produced=len(produced), trained=len(trained), dropped=len(dropped),
-        dropped_by_reason=dict(reasons),
+        dropped_by_reason=dict(reasons), filtered=run.samples_filtered,
         counted=counted, policy_versions=versions, policy_version=run.policy_version,
         prompts_published=run.prompts_published, prompts_committed=prompts_committed,
         ledger_entries=len(ledger), open_entries=len(open_entries), problems=problems,
@@ -159,6 +164,16 @@ def _check_samples(run: RunRow, produced: list[str], trained: list[str], dropped
     return counted
 
 
+def _check_filtered(run: RunRow, problems: list[str]) -> None:
+    """Samples dropped before queueing: only by dynamic sampling, and only whole groups. Which
+    prompts they were is checked with the prompts (``_check_prompts``)."""
+    spec = RunSpec.from_stored(run.spec)
+    if run.samples_filtered and not spec.training.dynamic_sampling:
+        problems.append(f"{run.samples_filtered} samples dropped before queueing, without dynamic sampling")
+    if run.samples_filtered % spec.samples_per_prompt:
+        problems.append(f"{run.samples_filtered} samples dropped by dynamic sampling: not whole groups of {spec.samples_per_prompt}")
+
+
 def _check_policy_versions(
     backends: Backends, run: RunRow, iterations: list[IterationRow], samples: list[Sample], problems: list[str]
 ) -> list[int]:
@@ -182,8 +197,12 @@ def _check_policy_versions(
 
 
 def _check_prompts(backends: Backends, run: RunRow, samples: list[Sample], problems: list[str]) -> int:
-    """No prompt lost: each prompt a worker committed became a whole group of samples. Returns
-    how many prompts the workers committed."""
+    """No prompt lost: each prompt a worker committed became a whole group of samples, queued or
+    dropped by dynamic sampling. Returns how many prompts the workers committed.
+
+    Dropped groups are a count, not ids: the committed prompts without a queued group must be at
+    most that many groups. At most, not exactly: a worker that counted its drops and died before
+    committing its prompts had them redone, and its drops were generated all the same."""
     topic = prompts_topic(run.id)
     prompt_records = _read_all(backends.queue, topic)
     committed = backends.queue.committed(topic, ROLLOUT_GROUP)
@@ -198,8 +217,11 @@ def _check_prompts(backends: Backends, run: RunRow, samples: list[Sample], probl
     if broken := [gid for gid, g in groups.items() if len(g) != n]:
         problems.append(f"{len(broken)} groups of samples are not whole ({n} samples each), e.g. {broken[:3]}")
     wanted = Counter(PromptMessage.decode(r.value).prompt_id for r in done)
-    if short := {p: (k, generated[p]) for p, k in wanted.items() if generated[p] < k}:
-        problems.append(f"prompts committed without their samples (prompt: committed, generated): {short}")
+    short = {p: (k, generated[p]) for p, k in wanted.items() if generated[p] < k}
+    unqueued = sum(k - queued for k, queued in short.values())
+    if short and unqueued * n > run.samples_filtered:
+        problems.append(f"prompts committed without their samples (prompt: committed, queued): {short}; "
+                        f"{unqueued} groups missing, {run.samples_filtered // n} dropped by dynamic sampling")
     return len(done)
 
 

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from contracts.status import RunStatus
 from services.backends.launcher import PodOutcome, PodPhase
-from services.backends.state_schema import RunRow
+from services.backends.state_schema import IterationRow, RunRow
 from services.backends.state_store import LedgerEntry
 from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog, load_catalog
@@ -59,6 +59,8 @@ TRAINING_GAUGES = (
     ("spotrl_sample_staleness_max", "data/staleness_max", "Most policy versions between a trained sample's generator and the policy updated."),
 )  # fmt: skip
 DROP_REASONS = ("duplicate", "stale", "uneven")  # iteration metrics data/dropped_<reason>; the rest: run_ended
+# Dropped by rollout workers before queueing (the run's samples_filtered), not among the queued samples' drops.
+DYNAMIC_SAMPLING = "dynamic_sampling"
 
 _POD = ["run", "role", "capacity_type", "instance_type"]
 
@@ -160,6 +162,7 @@ class RunCollector(Collector):
 
     def _iterations(self, f: _Families, r: RunRow) -> None:
         iterations = self.b.state.iterations(r.id)
+        self._dropped_by_reason(f, r, iterations)
         if not iterations:
             return
         last = iterations[-1]
@@ -170,9 +173,13 @@ class RunCollector(Collector):
             if metrics.get(key) is not None:
                 f.training[family].add_metric([r.id], metrics[key])
         f.busy.add_metric([r.id], sum(it.seconds for it in iterations))
+
+    def _dropped_by_reason(self, f: _Families, r: RunRow, iterations: list[IterationRow]) -> None:
+        """Also before the first iteration: dynamic sampling drops from the first batch on."""
         by_reason = {reason: sum(int(it.metrics.get(f"data/dropped_{reason}") or 0) for it in iterations) for reason in DROP_REASONS}
         # Dropped beyond the iterations' own: samples still queued when the run ended.
         by_reason["run_ended"] = max(0, r.samples_dropped - sum(it.samples_dropped for it in iterations))
+        by_reason[DYNAMIC_SAMPLING] = r.samples_filtered
         for reason, n in by_reason.items():
             f.dropped_by_reason.add_metric([r.id, reason], n)
 
@@ -213,11 +220,14 @@ class _Families:
         self.prompt_backlog = GaugeMetricFamily("spotrl_prompt_backlog", "Prompts queued and not yet generated from.", labels=run)
         self.produced = CounterMetricFamily("spotrl_samples_produced", "Samples queued by rollout workers.", labels=run)
         self.trained = CounterMetricFamily("spotrl_samples_trained", "Samples used by training.", labels=run)
-        self.dropped = CounterMetricFamily("spotrl_samples_dropped", "Samples discarded.", labels=run)
+        self.dropped = CounterMetricFamily(
+            "spotrl_samples_dropped", "Queued samples discarded, not trained (produced = trained + dropped).", labels=run
+        )
         self.dropped_by_reason = CounterMetricFamily(
             "spotrl_samples_dropped_by_reason",
             "Samples discarded, by reason: duplicate, stale (beyond the staleness bound), uneven (data-parallel shares), "
-            "run_ended (still queued when the run ended).",
+            "run_ended (still queued when the run ended); and dynamic_sampling (groups whose rewards were all equal, "
+            "dropped by rollout workers before queueing: in neither spotrl_samples_produced nor spotrl_samples_dropped).",
             labels=[*run, "reason"],
         )
         self.iterations = CounterMetricFamily("spotrl_training_iterations", "Training iterations finished.", labels=run)

@@ -51,6 +51,9 @@ class RunRow(Base):
     samples_produced: Mapped[int] = mapped_column(Integer, default=0)
     samples_trained: Mapped[int] = mapped_column(Integer, default=0)
     samples_dropped: Mapped[int] = mapped_column(Integer, default=0)
+    # Samples rollout workers generated and dropped before queueing (DAPO dynamic sampling: groups
+    # whose rewards were all equal); not among samples_produced, so not among samples_dropped.
+    samples_filtered: Mapped[int] = mapped_column(Integer, default=0)
     last_mean_reward: Mapped[float | None] = mapped_column(Float)
     # While CANCELLING or ENDING: the terminal status the run will get once its pods are gone.
     ending_status: Mapped[str | None] = mapped_column(String(16))
@@ -192,12 +195,20 @@ def _m005_worker_stats_and_pod_outcomes(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE ledger ADD COLUMN outcome VARCHAR(16)"))
 
 
+def _m006_samples_filtered(conn: Connection) -> None:
+    """``runs.samples_filtered``: dynamic sampling's drops, counted apart from the queued samples'.
+    Runs before it counted them in ``samples_dropped`` until they ended (then lost them): 0."""
+    if "samples_filtered" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
+        conn.execute(text("ALTER TABLE runs ADD COLUMN samples_filtered INTEGER NOT NULL DEFAULT 0"))
+
+
 MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m001_initial,
     _m002_leases_and_stopping_statuses,
     _m003_tenants_prompt_counts_reward_failures,
     _m004_queues_deleted,
     _m005_worker_stats_and_pod_outcomes,
+    _m006_samples_filtered,
 )
 
 

@@ -128,6 +128,7 @@ class StateStore:
             samples_produced=0,
             samples_trained=0,
             samples_dropped=0,
+            samples_filtered=0,
             train_failures=0,
             next_train_at=0.0,
             worker_slots_used=0,
@@ -225,10 +226,12 @@ class StateStore:
                         last_reward_error=_clipped("last_reward_error", reason))
             )
 
-    def count_dropped_samples(self, run_id: str, count: int) -> None:
-        """Add ``count`` samples a rollout worker dropped (dynamic sampling) to the run's ``samples_dropped``."""
+    def count_filtered_samples(self, run_id: str, count: int) -> None:
+        """Add ``count`` samples a rollout worker dropped before queueing them (dynamic sampling) to
+        the run's ``samples_filtered``: a counter of its own, which the scheduler's recount of
+        ``samples_dropped`` (queued samples never trained) leaves alone."""
         with self._write() as s:
-            s.execute(update(RunRow).where(RunRow.id == run_id).values(samples_dropped=RunRow.samples_dropped + count))
+            s.execute(update(RunRow).where(RunRow.id == run_id).values(samples_filtered=RunRow.samples_filtered + count))
 
     def runs_with_expired_queues(self, ended_before: float, limit: int) -> list[str]:
         """Ended runs (before ``ended_before``) whose queue topics are still there, oldest first."""

@@ -180,7 +180,7 @@ class RolloutWorker:
                     groups, dropped = informative_groups(samples)
                     samples = [s for g in groups for s in g]
                     if dropped:
-                        self.state.count_dropped_samples(self.run_id, dropped)
+                        self.state.count_filtered_samples(self.run_id, dropped)
                 if groups:
                     self.queue.produce(
                         samples_topic(self.run_id),

@@ -432,7 +432,9 @@ class Scheduler:
 
     def _count_dropped(self, run_id: str) -> None:
         """Set the run's dropped count from what is stored: each iteration's, and the leftovers'
-        chunks (their sizes are in their names). Setting, not adding: a retry counts nothing twice."""
+        chunks (their sizes are in their names). Setting, not adding: a retry counts nothing twice.
+        Queued samples only: what dynamic sampling dropped before queueing is ``samples_filtered``,
+        which rollout workers add to and this leaves alone."""
         iterations = sum(it.samples_dropped for it in self.b.state.iterations(run_id))
         leftovers = sum(int(key.rsplit("-", 1)[1].removesuffix(".json"))
                         for key in self.b.objects.list(leftover_prefix(run_id)))

@@ -50,11 +50,12 @@ def test_a_remax_worker_scores_a_greedy_response_per_prompt_and_drops_uninformat
     thread = threading.Thread(target=worker.run, daemon=True)  # the rollout group's own pass
     thread.start()
     try:
-        wait_for(lambda: b.state.get_run(RUN).samples_dropped >= 4, timeout_s=60,
+        wait_for(lambda: b.state.get_run(RUN).samples_filtered >= 4, timeout_s=60,
                  message="the worker dropped the 2 all-equal groups")  # fmt: skip
     finally:
         worker.stop.set()
         thread.join(timeout=60)
-    assert b.state.get_run(RUN).samples_dropped == 4
+    run = b.state.get_run(RUN)
+    assert (run.samples_filtered, run.samples_dropped) == (4, 0)  # dropped before queueing: not the queued samples' drops
     assert sum(b.queue.end_offsets(samples_topic(RUN)).values()) == 0  # nothing queued
     b.close()
