@@ -10,10 +10,10 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from contracts.model_sources import BUILTIN_MODELS
-from contracts.training import Algorithm, TrainConfig
+from contracts.training import AdvantageEstimator, Algorithm, TrainConfig
 from services.cost.catalog import load_catalog
 from services.reward.safe_regex import check_pattern
 
@@ -24,6 +24,10 @@ MAX_PATH_CHARS = 1024
 MAX_REWARD_TERMS = 16
 # Every model of the spec: numbers are finite (no NaN or infinity), unknown fields are refused.
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+# The validation context of a run trained colocated (``spotrl train --colocated``):
+# ``RunSpec.model_validate(data, context=COLOCATED)`` refuses, besides, what only the
+# disaggregated loop does (``RunSpec.check_colocated``).
+COLOCATED: dict[str, bool] = {"colocated": True}
 
 
 def _known_instance_type(v: str) -> str:
@@ -254,6 +258,31 @@ class RunSpec(BaseModel):
     def _one_currency(self) -> RunSpec:
         """The run's bill is in one currency: its instance types' prices must share it."""
         load_catalog().currency_of([self.rollout.instance_type, self.training.instance_type])  # a ValueError if not
+        return self
+
+    @model_validator(mode="after")
+    def _check_colocated_context(self, info: ValidationInfo) -> RunSpec:
+        if (info.context or {}).get("colocated"):
+            self.check_colocated()
+        return self
+
+    def check_colocated(self) -> RunSpec:
+        """Refuse (a ValueError naming each) the settings a colocated run cannot honour; returns
+        the spec. Its one process generates each batch in one pass and trains on it: it has no
+        rollout side to drop uninformative groups and sample on until the batch is full (DAPO
+        dynamic sampling), nor to generate a greedy response per prompt (ReMax's baseline).
+        Without this, the first was ignored silently and the second failed at the first update."""
+        refused = []
+        if self.training.dynamic_sampling:
+            refused.append("training.dynamic_sampling (the rollout workers drop the groups whose rewards are all equal)")
+        if self.training.adv_estimator == AdvantageEstimator.REMAX:
+            refused.append("training.adv_estimator remax (the rollout workers generate each prompt's greedy baseline)")
+        if refused:
+            raise ValueError(
+                f"a colocated run cannot use {' or '.join(refused)}: submit the spec as a disaggregated run instead "
+                "(`spotrl serve` and `spotrl scheduler`, then `spotrl runs submit SPEC_FILE` or POST /v1/runs), "
+                "or leave these settings out to train colocated"
+            )
         return self
 
     @model_validator(mode="after")
