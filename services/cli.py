@@ -1,28 +1,22 @@
-"""The ``spotrl`` command: serve, scheduler, demo, colocated training, the entry points of the pods
-the scheduler starts, and the client of a remote API (``spotrl runs``, ``services.client``)."""
+"""The ``spotrl`` command: serve, scheduler, demo, colocated training, the supervised steps
+(``services.cli_supervised``), the entry points of the pods the scheduler starts
+(``services.cli_pods``), and the client of a remote API (``spotrl runs``, ``services.client``)."""
 
 from __future__ import annotations
 
-import faulthandler
 import ipaddress
-import logging
 import os
 import signal
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
+from services.cli_common import HomeOption, load_settings, start_logging
+from services.cli_pods import train_job, worker
+from services.cli_supervised import reward_server, sft, train_rm
 from services.client.commands import Output, OutputOption, config_app, login, runs_app
 from services.simulate.command import simulate_command
-
-if TYPE_CHECKING:
-    from services.config import Settings
-    from services.runspec import RunSpec
-    from services.wiring import Backends
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="spotrl: RL post-training at the lowest GPU bill.")
 # The client of a remote API: torch-free (services.client), for laptops.
@@ -30,25 +24,6 @@ app.add_typer(runs_app, name="runs")
 app.add_typer(config_app, name="config")
 app.command("login")(login)
 app.command("simulate")(simulate_command)
-
-HomeOption = Annotated[
-    Path | None, typer.Option("--home", help="State directory of the embedded backends [env SPOTRL_HOME].")
-]
-
-
-def _settings(home: Path | None) -> Settings:
-    from services.config import Settings
-
-    if home is not None:
-        os.environ["SPOTRL_HOME"] = str(home)
-    return Settings()
-
-
-def _logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # `kill -USR1 <pid>` prints every thread's stack to the log: what a process that seems stuck is
-    # doing. The process's own stderr: sys.stderr may be a stand-in without a file (run in-process).
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 @app.command()
@@ -74,7 +49,7 @@ def serve(
     from services.api.auth import TokensFileError
     from services.api.main import create_app
 
-    settings = _settings(home)
+    settings = load_settings(home)
     loopback = host == "localhost" or _is_loopback(host)
     if not loopback and settings.tokens_file is None and not insecure_no_auth:
         raise typer.BadParameter(
@@ -83,7 +58,7 @@ def serve(
             "or pass --insecure-no-auth on a development machine.",
             param_hint="--host",
         )
-    _logging()
+    start_logging()
     try:
         app = create_app(settings, with_scheduler=scheduler)
     except TokensFileError as e:
@@ -160,8 +135,8 @@ def scheduler_command(home: HomeOption = None) -> None:
     from services.scheduler.loop import Scheduler
     from services.wiring import open_backends
 
-    _logging()
-    settings = _settings(home)
+    start_logging()
+    settings = load_settings(home)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -195,7 +170,7 @@ def demo(
     # A fresh state directory per demo; converted base models are cached across demos.
     os.environ.setdefault("SPOTRL_MODEL_CACHE", str(Path(".spotrl/models").resolve()))
     home = home or Path(".spotrl") / time.strftime("demo-%Y%m%d-%H%M%S")
-    ok = run_demo(model=model, settings=_settings(home), summary_json=summary_json, chaos=ChaosPlan() if chaos else None)
+    ok = run_demo(model=model, settings=load_settings(home), summary_json=summary_json, chaos=ChaosPlan() if chaos else None)
     raise typer.Exit(0 if ok else 1)
 
 
@@ -226,8 +201,8 @@ def train(
         spec = load_spec_file(colocated)
     except SpecFileError as e:
         raise typer.BadParameter(str(e), param_hint="--colocated") from None
-    _logging()
-    settings = _settings(home)
+    start_logging()
+    settings = load_settings(home)
     # store:// prompt sets are read from the embedded object store of --home.
     objects = LocalObjectStore(settings.home.resolve() / "objects") if is_store_uri(spec.prompts) else None
 
@@ -255,149 +230,12 @@ def train(
     typer.echo(str(result.cost))
 
 
-def _print_step(step: int, metrics: dict[str, float]) -> None:
-    typer.echo(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())))
-
-
-ModelArg = Annotated[str, typer.Argument(help="Base model: a builtin name (tiny, smollm2-135m), a HF directory or a .gguf file.")]
-LrOption = Annotated[float, typer.Option("--lr", help="AdamW learning rate.")]
-EpochsOption = Annotated[int, typer.Option(help="Passes over the data.")]
-MicroBatchOption = Annotated[int, typer.Option("--micro-batch", help="Examples per forward/backward pass.")]
-BatchOption = Annotated[int, typer.Option("--batch-size", help="Examples per optimizer step.")]
-MaxLenOption = Annotated[int, typer.Option("--max-len", help="Longest example in tokens; longer ones are truncated.")]
-
-
-@app.command()
-def sft(
-    model: ModelArg,
-    data: Annotated[Path, typer.Argument(help='JSONL of {"prompt": ..., "response": ...} lines.')],
-    out: Annotated[Path, typer.Argument(help="Directory for the fine-tuned policy (usable as a run's model).")],
-    lr: LrOption = 1e-5,
-    epochs: EpochsOption = 1,
-    batch_size: BatchOption = 16,
-    micro_batch: MicroBatchOption = 4,
-    max_len: MaxLenOption = 1024,
-    seed: Annotated[int, typer.Option(help="Seed of shuffling and initialisation.")] = 0,
-    home: HomeOption = None,
-) -> None:
-    """Supervised fine-tuning: the loss counts the response tokens only (step 1 of SFT -> RM -> PPO)."""
-    from trainer_core.supervised.sft import SFTConfig, run_sft
-
-    cfg = SFTConfig(learning_rate=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch, max_len=max_len, seed=seed)
-    metrics = run_sft(model, data, out, cfg, cache_dir=_settings(home).resolved_model_cache(), on_step=_print_step)
-    typer.echo(f"final loss {metrics['sft/loss']:.4f}; policy in {out}")
-
-
-@app.command("train-rm")
-def train_rm(
-    model: ModelArg,
-    data: Annotated[Path, typer.Argument(help='JSONL of {"prompt": ..., "chosen": ..., "rejected": ...} lines.')],
-    out: Annotated[Path, typer.Argument(help='Directory for the reward model; a run uses it as {"fn": "reward_model", "path": OUT}.')],
-    eval_data: Annotated[Path | None, typer.Option("--eval-data", help="Held-out preference pairs to report accuracy on.")] = None,
-    lr: LrOption = 1e-5,
-    epochs: EpochsOption = 1,
-    batch_size: BatchOption = 16,
-    micro_batch: MicroBatchOption = 4,
-    max_len: MaxLenOption = 1024,
-    seed: Annotated[int, typer.Option(help="Seed of shuffling and of the score head.")] = 0,
-    home: HomeOption = None,
-) -> None:
-    """Train a pairwise (Bradley-Terry) reward model: loss -log sigmoid(r_chosen - r_rejected)."""
-    from trainer_core.supervised.reward_model import RewardModelConfig, run_train_rm
-
-    cfg = RewardModelConfig(
-        learning_rate=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch, max_len=max_len, seed=seed
-    )
-    metrics = run_train_rm(
-        model, data, out, cfg, cache_dir=_settings(home).resolved_model_cache(), eval_data=eval_data, on_step=_print_step
-    )
-    held_out = f", held-out accuracy {metrics['eval/rm/accuracy']:.3f}" if "eval/rm/accuracy" in metrics else ""
-    typer.echo(f"pairwise accuracy {metrics['rm/accuracy']:.3f}{held_out}; reward model in {out}")
-
-
-@app.command("reward-server")
-def reward_server(
-    model: Annotated[Path, typer.Option("--model", help="Directory of a reward model saved by `spotrl train-rm`.")],
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-) -> None:
-    """Serve a reward model over HTTP: a run's reward_model term names its URL instead of a path."""
-    import uvicorn
-
-    from contracts.model_sources import check_reward_model_dir
-    from services.reward.service import create_reward_app
-
-    try:
-        check_reward_model_dir(model)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--model") from None
-    _logging()
-    uvicorn.run(create_reward_app(model), host=host, port=port, log_level="info")
-
-
-@contextmanager
-def _pod(run_id: str) -> Iterator[tuple[Settings, Backends, RunSpec]]:
-    """What every pod starts with: logging, its torch threads, the backends and the run's spec."""
-    from services.config import Settings
-    from services.runspec import RunSpec
-    from services.wiring import open_backends
-
-    _logging()
-    settings = Settings()
-    import torch
-
-    # Local pods share this machine's cores; oversubscribed torch threads slow every pod down.
-    torch.set_num_threads(settings.pod_threads)
-    backends = open_backends(settings)
-    try:
-        yield settings, backends, RunSpec.from_stored(backends.state.get_run(run_id).spec)
-    finally:
-        backends.close()
-
-
-@app.command(hidden=True)
-def worker(
-    run_id: str,
-    worker_id: Annotated[str, typer.Option("--worker-id")],
-) -> None:
-    """Pod entry point: a rollout worker of RUN_ID."""
-    from services.rollout.worker import RolloutWorker, StopSignal
-
-    with _pod(run_id) as (settings, backends, spec):
-        stop = StopSignal(settings.stop_grace_s)
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        RolloutWorker(
-            run_id=run_id,
-            worker_id=worker_id,
-            spec=spec,
-            state=backends.state,
-            queue=backends.queue,
-            objects=backends.objects,
-            rewards=backends.rewards,
-            model_cache=settings.resolved_model_cache(),
-            session_timeout_s=settings.session_timeout_s,
-            stop=stop,
-        ).run()
-
-
-@app.command("train-job", hidden=True)
-def train_job(run_id: str, iteration: int) -> None:
-    """Pod entry point: training iteration ITERATION of RUN_ID."""
-    from services.training.job import run_training_job
-
-    with _pod(run_id) as (settings, backends, spec):
-        run_training_job(
-            run_id=run_id,
-            iteration=iteration,
-            spec=spec,
-            queue=backends.queue,
-            objects=backends.objects,
-            model_cache=settings.resolved_model_cache(),
-        )
-    if spec.training.processes > 1:
-        from trainer_core.rl.distributed import exit_rank
-
-        exit_rank()  # a torchrun rank's normal exit can abort in gloo's threads: see exit_rank
+# Supervised steps before PPO (services.cli_supervised), then the pods' entry points (services.cli_pods).
+app.command()(sft)
+app.command("train-rm")(train_rm)
+app.command("reward-server")(reward_server)
+app.command(hidden=True)(worker)
+app.command("train-job", hidden=True)(train_job)
 
 
 @app.command()
@@ -411,7 +249,7 @@ def logs(
     from services.api.service import PodNotOfRunError, read_pod_log
     from services.wiring import open_backends
 
-    backends = open_backends(_settings(home))
+    backends = open_backends(load_settings(home))
     try:
         typer.echo(read_pod_log(backends, pod, tail=tail)[0])
     except PodNotOfRunError:
@@ -434,7 +272,7 @@ def report(
     from services.cost.catalog import load_catalog
     from services.wiring import open_backends
 
-    backends = open_backends(_settings(home))
+    backends = open_backends(load_settings(home))
     try:
         page = report_page_of(backends.state, load_catalog(), backends.state.get_run(run_id))
     except RunNotFoundError:

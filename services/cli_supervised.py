@@ -1,0 +1,88 @@
+"""The supervised steps before PPO, as ``spotrl`` commands: ``sft``, ``train-rm`` and the reward
+model's HTTP server ``reward-server`` (registered on the app in ``services.cli``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from services.cli_common import HomeOption, load_settings, start_logging
+
+
+def _print_step(step: int, metrics: dict[str, float]) -> None:
+    typer.echo(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())))
+
+
+ModelArg = Annotated[str, typer.Argument(help="Base model: a builtin name (tiny, smollm2-135m), a HF directory or a .gguf file.")]
+LrOption = Annotated[float, typer.Option("--lr", help="AdamW learning rate.")]
+EpochsOption = Annotated[int, typer.Option(help="Passes over the data.")]
+MicroBatchOption = Annotated[int, typer.Option("--micro-batch", help="Examples per forward/backward pass.")]
+BatchOption = Annotated[int, typer.Option("--batch-size", help="Examples per optimizer step.")]
+MaxLenOption = Annotated[int, typer.Option("--max-len", help="Longest example in tokens; longer ones are truncated.")]
+
+
+def sft(
+    model: ModelArg,
+    data: Annotated[Path, typer.Argument(help='JSONL of {"prompt": ..., "response": ...} lines.')],
+    out: Annotated[Path, typer.Argument(help="Directory for the fine-tuned policy (usable as a run's model).")],
+    lr: LrOption = 1e-5,
+    epochs: EpochsOption = 1,
+    batch_size: BatchOption = 16,
+    micro_batch: MicroBatchOption = 4,
+    max_len: MaxLenOption = 1024,
+    seed: Annotated[int, typer.Option(help="Seed of shuffling and initialisation.")] = 0,
+    home: HomeOption = None,
+) -> None:
+    """Supervised fine-tuning: the loss counts the response tokens only (step 1 of SFT -> RM -> PPO)."""
+    from trainer_core.supervised.sft import SFTConfig, run_sft
+
+    cfg = SFTConfig(learning_rate=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch, max_len=max_len, seed=seed)
+    metrics = run_sft(model, data, out, cfg, cache_dir=load_settings(home).resolved_model_cache(), on_step=_print_step)
+    typer.echo(f"final loss {metrics['sft/loss']:.4f}; policy in {out}")
+
+
+def train_rm(
+    model: ModelArg,
+    data: Annotated[Path, typer.Argument(help='JSONL of {"prompt": ..., "chosen": ..., "rejected": ...} lines.')],
+    out: Annotated[Path, typer.Argument(help='Directory for the reward model; a run uses it as {"fn": "reward_model", "path": OUT}.')],
+    eval_data: Annotated[Path | None, typer.Option("--eval-data", help="Held-out preference pairs to report accuracy on.")] = None,
+    lr: LrOption = 1e-5,
+    epochs: EpochsOption = 1,
+    batch_size: BatchOption = 16,
+    micro_batch: MicroBatchOption = 4,
+    max_len: MaxLenOption = 1024,
+    seed: Annotated[int, typer.Option(help="Seed of shuffling and of the score head.")] = 0,
+    home: HomeOption = None,
+) -> None:
+    """Train a pairwise (Bradley-Terry) reward model: loss -log sigmoid(r_chosen - r_rejected)."""
+    from trainer_core.supervised.reward_model import RewardModelConfig, run_train_rm
+
+    cfg = RewardModelConfig(
+        learning_rate=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch, max_len=max_len, seed=seed
+    )
+    metrics = run_train_rm(
+        model, data, out, cfg, cache_dir=load_settings(home).resolved_model_cache(), eval_data=eval_data, on_step=_print_step
+    )
+    held_out = f", held-out accuracy {metrics['eval/rm/accuracy']:.3f}" if "eval/rm/accuracy" in metrics else ""
+    typer.echo(f"pairwise accuracy {metrics['rm/accuracy']:.3f}{held_out}; reward model in {out}")
+
+
+def reward_server(
+    model: Annotated[Path, typer.Option("--model", help="Directory of a reward model saved by `spotrl train-rm`.")],
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+) -> None:
+    """Serve a reward model over HTTP: a run's reward_model term names its URL instead of a path."""
+    import uvicorn
+
+    from contracts.model_sources import check_reward_model_dir
+    from services.reward.service import create_reward_app
+
+    try:
+        check_reward_model_dir(model)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from None
+    start_logging()
+    uvicorn.run(create_reward_app(model), host=host, port=port, log_level="info")
