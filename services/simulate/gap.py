@@ -9,7 +9,8 @@ the run paid for is split into what the bound leaves out:
 - ``roll_startup``: rollout workers' start-ups;
 - ``roll_idle``: rollout workers up without a prompt to work on;
 - ``roll_waste``: generation never trained (groups lost to a preemption, stale, or left over at
-  the end) and the on-demand premium of rollout generation;
+  the end), the on-demand premium of rollout generation, and on a trace with prices, generation
+  paid above the trace's cheapest spot price (the bound's);
 - ``billing``: the provider's minimum and rounding (``services.cost.billing``), and training work
   that was not a trained batch.
 

@@ -11,7 +11,9 @@ are preempted after the provider's notice (their group in progress is lost). Tra
 after the start-up (at once on a warm node: a standby's, or the one a training or standby pod
 left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down yet), run ``training_minutes`` and train one batch,
 dropping the samples older than the staleness bound. Each pod is billed from launch to its end,
-at the catalog's price of its capacity; the bill is ``services.cost.report``'s.
+at the catalog's price of its capacity, except spot rollout workers on a trace that carries
+prices: those pay each tick's seconds at the trace's price for that tick (taken to be in the
+catalog's currency of the rollout instance type). The bill is ``services.cost.report``'s.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class _World:
             prompt_backlog=self.prompts_pending,
             sample_backlog=sum(s for _, s in self.groups),
             samples_produced=self.produced,
-            spent_dollars=sum(billed_dollars(list(self.ledger.values()), self.catalog, self.now)),  # as the real loop counts it
+            spent_dollars=sum(billed_dollars(self.billed_ledger(self.now), self.catalog, self.now)),  # as the real loop counts it
             billed=frozenset(self.ledger),
             open_entries={e.pod: e.started_at for e in self.ledger.values() if e.ended_at is None},
             now=self.now,
@@ -202,6 +204,21 @@ class _World:
             estimates=measured([(w.generated, w.generation_seconds) for w in self._all_workers()],
                                self.job_seconds, self.workload.startup_seconds),
         )
+
+    def billed_ledger(self, now: float) -> list[LedgerEntry]:
+        """The ledger as billed up to ``now``: a spot rollout worker on a priced trace at the mean of the
+        trace's prices over its life (each tick's seconds at that tick's price; the provider's
+        minimum, if it ran less, at that mean too); every other entry at the price it was opened with."""
+        if self.trace.prices is None:
+            return list(self.ledger.values())
+        billed = []
+        for e in self.ledger.values():
+            seconds = e.seconds(now)
+            if e.role == p.ROLE_ROLLOUT and e.capacity_type == "spot" and seconds > 0:
+                mean = self.trace.spot_cost(e.started_at, e.started_at + seconds) * 3600.0 / seconds
+                e = replace(e, price_per_hour=mean)
+            billed.append(e)
+        return billed
 
     # --- applying plan's actions -------------------------------------------------------------
     def apply(self, action: p.Action) -> None:
@@ -270,9 +287,12 @@ class _World:
         status = PodStatus(name=name, run_id=RUN_ID, role=role, instance_type=instance_type, capacity_type=capacity,
                            labels=labels, phase=PodPhase.RUNNING, exit_code=None, started_at=self.now, ended_at=None, pid=None)
         price = self.catalog.get(instance_type)
+        per_hour, source = price.price(capacity), price.source
+        if role == p.ROLE_ROLLOUT and capacity == "spot" and self.trace.prices is not None:
+            per_hour, source = self.trace.price_at(self.now), f"trace {self.trace.name}'s prices (billed tick by tick)"
         self.ledger[name] = LedgerEntry(id=len(self.ledger), run_id=RUN_ID, role=role, pod=name, instance_type=instance_type,
-                                        capacity_type=capacity, price_per_hour=price.price(capacity),
-                                        price_source=price.source, started_at=self.now, ended_at=None)
+                                        capacity_type=capacity, price_per_hour=per_hour,
+                                        price_source=source, started_at=self.now, ended_at=None)
         pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds)
         self.pods[name] = pod
         self._all_pods.append(pod)
@@ -310,15 +330,18 @@ def simulate(trace: SpotTrace, policy: CostPolicy, workload: Workload = Workload
 def _result(world: _World, policy: CostPolicy) -> SimResult:
     w, spec, catalog = world.workload, world.spec, world.catalog
     started, ended = world.run.started_at or 0.0, world.now
-    entries = list(world.ledger.values())
+    entries = world.billed_ledger(ended)
     report = cost_report(entries, catalog=catalog, training_instance_type=spec.training.instance_type,
                          run_started_at=started, run_ended_at=ended, now=ended)
     trained_batches = world.run.iterations_done
     rollout_busy = trained_batches * spec.batch_samples / (w.worker_samples_per_hour / 3600.0)
     training_busy = trained_batches * w.training_minutes * 60.0
-    rollout_bound = rollout_busy * catalog.get(spec.rollout.instance_type).spot / 3600.0
+    # With trace prices, the cheapest spot tick's: no schedule pays less for a busy second.
+    spot = catalog.get(spec.rollout.instance_type).spot if world.trace.prices is None else world.trace.cheapest_price()
+    rollout_bound = rollout_busy * spot / 3600.0
     training_bound = training_busy * catalog.get(spec.training.instance_type).on_demand / 3600.0
     lower_bound = rollout_bound + training_bound
+    billed = {e.pod: e for e in entries}
     node_seconds = sum(e.seconds(ended) for e in entries if e.role != p.ROLE_ROLLOUT)
     wall = ended - started
     return SimResult(
@@ -333,7 +356,7 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
         training_busy_fraction=round(training_busy / node_seconds, 4) if node_seconds else 0.0,
         deadline_met=None if w.deadline_seconds is None else world.run.status.is_terminal() and wall <= w.deadline_seconds,
         finished=world.run.status.is_terminal(),
-        gap=gap([_span(pod, world.ledger[pod.status.name], ended) for pod in world._all_pods],
+        gap=gap([_span(pod, billed[pod.status.name], ended) for pod in world._all_pods],
                 report.total_dollars, rollout_bound, training_bound),
     )
 
