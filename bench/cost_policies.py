@@ -8,7 +8,8 @@ SpotServe's AWS g4dn, with their sources in its README). Default workload, the s
 of 5000 samples, 4 spot rollout workers at 3,000 samples/h each, 18 minutes of training per
 batch, 90 s of node start plus model load per launch, staleness bound 1; 12 iterations.
 
-Prints one row per (trace, policy), then checks issue 13's targets for cost-aware on every
+Prints one row per (trace, policy), money in the run's currency (the price catalog's for the
+rollout and training instance types: USD on AWS and GCP, CNY on Alibaba Cloud), then checks issue 13's targets for cost-aware on every
 trace where the threshold run ends (<= 1.15x the lower bound; never dearer than threshold or
 always-on; wall time within 5% of threshold's or better) and on the mean (closes at least half
 of the gap threshold leaves to the bound), the saving against always-on, and a sweep over the
@@ -56,7 +57,8 @@ def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotT
             if r.finished:
                 typer.echo(f"| {name} | {r.policy} | {r.dollars - r.lower_bound_dollars:.2f} | "
                            + " | ".join(f"{r.gap[k]:.2f}" for k in PARTS) + " |")
-    startup_dollars = w.startup_seconds * load_catalog().get(w.training_instance_type).on_demand / 3600.0
+    training = load_catalog().get(w.training_instance_type)
+    startup_dollars, cur = w.startup_seconds * training.on_demand / 3600.0, training.currency
     typer.echo("\nthe most of threshold's gap a policy closes, the training start-ups it must pay left:")
     most: list[float] = []
     for trace in traces:
@@ -68,13 +70,15 @@ def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotT
                                           w.worker_samples_per_hour / 3600.0, w.training_minutes * 60.0, w.startup_seconds)
         gap = th.dollars - th.lower_bound_dollars
         most.append(1 - forced * startup_dollars / gap)
-        typer.echo(f"  {trace.name}: at most {spot} spot workers, {forced} forced start-ups (${forced * startup_dollars:.2f} "
-                   f"of ${gap:.2f}): at most {most[-1]:.0%} closable")
+        typer.echo(f"  {trace.name}: at most {spot} spot workers, {forced} forced start-ups ({cur} {forced * startup_dollars:.2f} "
+                   f"of {cur} {gap:.2f}): at most {most[-1]:.0%} closable")
     typer.echo(f"  mean: at most {statistics.mean(most):.0%} closable" if most else "  no run ended")
 
 
-HEADER = ("| trace                              | policy     |        $ | x bnd |   bound | always-on |  wall h | trained | stale | "
-          "pre. | busy  |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+def header(currency: str) -> str:
+    """The table's header, its money columns in ``currency``."""
+    return (f"| trace                              | policy     | {currency:>8} | x bnd |   bound | always-on |  wall h | trained | "
+            "stale | pre. | busy  |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def main(
@@ -101,7 +105,8 @@ def main(
 
     loaded = [load_trace(path) for path in traces_in(traces)]
     results = {t.name: {pol: simulate(t, pol, work(training_minutes)) for pol in CostPolicy} for t in loaded}
-    typer.echo(HEADER)
+    currency = load_catalog().currency_of([rollout_instance_type, training_instance_type])  # every run's
+    typer.echo(header(currency))
     for name, by_policy in results.items():
         for r in by_policy.values():
             typer.echo(_row(name, r))
@@ -138,7 +143,7 @@ def main(
     typer.echo(f"  mean gap closed: {mean_closed:.0%} (target >= 50%)")
 
     sweep = next((t for t in loaded if t.name == sweep_trace), loaded[0])
-    typer.echo(f"\nsweep over training minutes per batch, trace {sweep.name} ($, x bound, wall h):")
+    typer.echo(f"\nsweep over training minutes per batch, trace {sweep.name} ({currency}, x bound, wall h):")
     typer.echo("| min/batch | " + " | ".join(p.value for p in CostPolicy) + " |\n|---:|" + "---|" * len(CostPolicy))
     for minutes in SWEEP_MINUTES:
         cells = []

@@ -59,7 +59,9 @@ def simulate_command(
     training_instance_type: TrainingType = "p4d.24xlarge",
 ) -> None:
     """Simulate a run on a spot trace: the real scheduler's plan() every tick, with a simulated
-    launcher, queue, clock and ledger; print (and with --json write) its bill and figures."""
+    launcher, queue, clock and ledger; print (and with --json write) its bill and figures, money in
+    the run's currency (``currency``: the price catalog's for the instance types, e.g. CNY on Alibaba
+    Cloud). A trace's optional ``prices`` bill spot rollout tick by tick, in that currency."""
     from services.simulate.traces import load_trace
     from services.simulate.world import simulate
 

@@ -13,7 +13,8 @@ left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down y
 dropping the samples older than the staleness bound. Each pod is billed from launch to its end,
 at the catalog's price of its capacity, except spot rollout workers on a trace that carries
 prices: those pay each tick's seconds at the trace's price for that tick (taken to be in the
-catalog's currency of the rollout instance type). The bill is ``services.cost.report``'s.
+catalog's currency of the rollout instance type). The bill is ``services.cost.report``'s, in the
+run's currency (the catalog's for its instance types; ``SimResult.currency``).
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ class Workload:
 
 @dataclass(frozen=True)
 class SimResult:
+    """A run's figures; ``dollars`` and the other money figures are in ``currency``."""
+
     policy: str
+    currency: str  # the run's instance types' currency in the catalog, e.g. USD or CNY
     dollars: float
     wall_seconds: float
     lower_bound_dollars: float
@@ -315,6 +319,8 @@ def simulate(trace: SpotTrace, policy: CostPolicy, workload: Workload = Workload
              catalog: PriceCatalog | None = None) -> SimResult:
     """Run ``workload`` under ``policy`` on ``trace`` until the run ends; its bill and figures."""
     catalog = catalog or load_catalog()
+    # Refuses instance types priced in two currencies before simulating (a MixedCurrencyError).
+    catalog.currency_of([workload.rollout_instance_type, workload.training_instance_type])
     spec = workload.spec(policy)
     world = _World(spec=spec, workload=workload, trace=trace, catalog=catalog)
     world.run = p.RunState(run_id=RUN_ID, status=RunStatus.PENDING, spec=spec, iterations_done=0, last_mean_reward=None,
@@ -346,6 +352,7 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     wall = ended - started
     return SimResult(
         policy=policy.value,
+        currency=report.currency,
         dollars=round(report.total_dollars, 4),
         wall_seconds=round(wall, 1),
         lower_bound_dollars=round(lower_bound, 4),

@@ -67,7 +67,8 @@ def test_the_cli_writes_the_figures(tmp_path: Path) -> None:
                                       "--batch-samples", "400", "--iterations", "2", "--training-minutes", "5"])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
-    assert set(figures) == {"policy", "dollars", "wall_seconds", "lower_bound_dollars", "always_on_dollars",
+    assert set(figures) == {"policy", "currency", "dollars", "wall_seconds", "lower_bound_dollars", "always_on_dollars",
                             "samples_trained", "samples_dropped_stale", "preemptions", "training_busy_fraction",
                             "deadline_met"}
     assert figures["policy"] == "threshold" and figures["samples_trained"] == 800
+    assert figures["currency"] == "USD"  # g6.xlarge and p4d.24xlarge, the defaults
