@@ -6,6 +6,7 @@ field, never the content: a file on the server may hold what its reader must not
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,39 +24,102 @@ STORE_SCHEME = "store://"
 INLINE = "inline"
 MAX_PROMPTS = 1_000_000
 DEFAULT_MAX_BYTES = 64 << 20
+# A line holds one prompt (at most 100,000 characters) and its answer (10,000): even written as
+# \uXXXX escapes of surrogate pairs that is 1.32M characters, so a longer line is no prompt.
+MAX_LINE_CHARS = 2 << 20
 
 
 class InvalidPromptsError(ValueError):
     """The prompts of a run spec cannot be read; the message says which line and why."""
 
 
-def parse_jsonl(data: bytes, origin: str) -> list[PromptItem]:
-    """The prompt items of JSONL ``data``; errors name the line and the field, not the content.
+class JsonlParser:
+    r"""The prompt items of JSONL fed in pieces as it arrives (an upload): each line is parsed as
+    soon as it is whole, and only the partial last line is held, so the raw set is never held.
+    Errors name the line and the field, not the content.
 
     Lines end at "\n" only, as JSONL says: a prompt may hold U+2028 or a form feed, which
-    ``str.splitlines`` would cut it at. Lines are counted before any is read, blank ones too (a
-    body of 60 MB of newlines held an API thread for close to a minute)."""
-    if data.count(b"\n") + (not data.endswith(b"\n")) > MAX_PROMPTS:
-        raise InvalidPromptsError(f"{origin} holds more than {MAX_PROMPTS} lines (at most one prompt a line)")
-    try:
-        text = data.decode()
-    except UnicodeDecodeError:
-        raise InvalidPromptsError(f"{origin} is not UTF-8 text (a JSONL file of {{\"prompt\": ..., \"answer\": ...}} lines)") from None
-    items = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
+    ``str.splitlines`` would cut it at. A piece's lines are counted before any of them is read,
+    blank ones too (a body of 60 MB of newlines held an API thread for close to a minute), and a
+    line is refused as soon as it grows past MAX_LINE_CHARS, before it is whole.
+
+    >>> parser = JsonlParser("the upload")
+    >>> parser.feed(b'{"prompt": "a"}\n{"pro'); parser.feed(b'mpt": "b"}')
+    >>> [item.prompt for item in parser.finish()]
+    ['a', 'b']
+    """
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+        self.items: list[PromptItem] = []
+        self.bytes_read = 0
+        self._lines = 0  # lines read, blank ones included
+        # Decoded piece by piece: a character's bytes may be cut between two pieces.
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._partial: list[str] = []  # the last line's text so far, in the pieces it came in
+        self._partial_chars = 0
+
+    def feed(self, piece: bytes) -> None:
+        self.bytes_read += len(piece)
+        if self._lines + piece.count(b"\n") > MAX_PROMPTS:
+            raise self._too_many_lines()
+        *whole, rest = self._decode(piece).split("\n")
+        for line in whole:
+            self._partial.append(line)
+            self._line("".join(self._partial))
+            self._partial, self._partial_chars = [], 0
+        self._partial.append(rest)
+        self._partial_chars += len(rest)
+        if self._partial_chars > MAX_LINE_CHARS:
+            raise self._too_long(self._lines + 1)
+
+    def finish(self) -> list[PromptItem]:
+        """Every prompt item, once the last piece is fed; InvalidPromptsError if there is none."""
+        self._decode(b"", final=True)  # a character cut short at the end
+        if self._partial_chars:
+            if self._lines + 1 > MAX_PROMPTS:
+                raise self._too_many_lines()
+            self._line("".join(self._partial))
+            self._partial, self._partial_chars = [], 0
+        if not self.items:
+            raise InvalidPromptsError(f"{self.origin} holds no prompts")
+        return self.items
+
+    def _decode(self, piece: bytes, final: bool = False) -> str:
         try:
-            items.append(PromptItem.model_validate_json(line))
+            return self._decoder.decode(piece, final)
+        except UnicodeDecodeError:
+            raise InvalidPromptsError(
+                f"{self.origin} is not UTF-8 text (a JSONL file of {{\"prompt\": ..., \"answer\": ...}} lines)"
+            ) from None
+
+    def _line(self, line: str) -> None:
+        self._lines += 1
+        if len(line) > MAX_LINE_CHARS:
+            raise self._too_long(self._lines)
+        if not line.strip():
+            return
+        try:
+            self.items.append(PromptItem.model_validate_json(line))
         except ValidationError as e:
             first = e.errors(include_input=False, include_url=False, include_context=False)[0]
             where = ".".join(map(str, first["loc"])) or "the line"
             raise InvalidPromptsError(
-                f'{origin} line {number} is not a {{"prompt": ..., "answer": ...}} object: {where}: {first["msg"]}'
+                f'{self.origin} line {self._lines} is not a {{"prompt": ..., "answer": ...}} object: {where}: {first["msg"]}'
             ) from None
-    if not items:
-        raise InvalidPromptsError(f"{origin} holds no prompts")
-    return items
+
+    def _too_many_lines(self) -> InvalidPromptsError:
+        return InvalidPromptsError(f"{self.origin} holds more than {MAX_PROMPTS} lines (at most one prompt a line)")
+
+    def _too_long(self, number: int) -> InvalidPromptsError:
+        return InvalidPromptsError(f"{self.origin} line {number} is longer than {MAX_LINE_CHARS} characters (one prompt and its answer)")
+
+
+def parse_jsonl(data: bytes, origin: str) -> list[PromptItem]:
+    """The prompt items of JSONL ``data`` held whole (``JsonlParser`` fed one piece)."""
+    parser = JsonlParser(origin)
+    parser.feed(data)
+    return parser.finish()
 
 
 def is_store_uri(source: list[PromptItem] | str) -> bool:

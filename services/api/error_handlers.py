@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from services.api.service import InvalidCursorError, PodNotOfRunError, SpecFieldError
+from services.api.service import BodyTooLargeError, InvalidCursorError, PodNotOfRunError, SpecFieldError
 from services.backends.state_store import IllegalTransitionError, RunNotFoundError
 from services.cost.planner import PlanError
 from services.prompts import InvalidPromptsError
@@ -71,6 +71,10 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidCursorError)
     async def _bad_cursor(_: Request, exc: InvalidCursorError) -> JSONResponse:
         return JSONResponse(status_code=status.HTTP_400_BAD_REQUEST, content={"detail": str(exc)})
+
+    @app.exception_handler(BodyTooLargeError)
+    async def _too_large(_: Request, exc: BodyTooLargeError) -> JSONResponse:
+        return JSONResponse(status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, content={"detail": str(exc)})
 
     @app.exception_handler(SpecFieldError)
     async def _bad_field(_: Request, exc: SpecFieldError) -> JSONResponse:

@@ -45,7 +45,10 @@ class RunSummaryPublic(BaseModel):
 
 
 class RunPublic(RunSummaryPublic):
-    iterations: list[IterationPublic]
+    iterations: list[IterationPublic] = Field(
+        description="The latest iterations, oldest first: at most `iterations_limit` of GET /v1/runs/{run_id} (100 unless asked, and in every other answer)."
+    )
+    iterations_total: int = Field(description="Iterations the run has recorded, those not shown included.")
     prompt_count: int = Field(description="Prompts in the run's prompt set.")
     spec: RunSpec = Field(description="The run spec as submitted (defaults filled in); inline prompts read `inline` (see prompt_count).")
     last_error: str | None = Field(
@@ -113,7 +116,11 @@ class CostPublic(BaseModel):
     lower_bound_dollars: float = Field(description="Every pod's seconds at the cheapest price of its instance type.")
     savings_ratio: float | None = Field(description="always_on / total: how many times cheaper than always-on.")
     efficiency: float | None = Field(description="lower_bound / total.")
-    entries: list[LedgerEntryPublic]
+    entries: list[LedgerEntryPublic] = Field(
+        description="One page of the run's ledger, oldest first (at most `limit` entries); every figure above is over the whole ledger."
+    )
+    entries_total: int = Field(description="Entries in the run's ledger, on every page.")
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page of entries; null on the last page.")
 
 
 class PodPublic(BaseModel):

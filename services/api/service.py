@@ -12,7 +12,11 @@ import json
 import math
 import time
 import uuid
+from collections.abc import AsyncIterable
 from dataclasses import asdict
+from itertools import islice
+
+import anyio.to_thread
 
 from contracts.model_sources import BUILTIN_MODELS, check_model_source, check_reward_model_dir
 from services.api.auth import Principal
@@ -39,7 +43,7 @@ from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
 from services.cost.report_page import IterationPoint, report_page
 from services.names import pod_log_key, pod_logs_prefix, prompts_key, role_of_pod, run_id_of_pod, tenant_object_key
-from services.prompts import INLINE, STORE_SCHEME, InvalidPromptsError, load_prompts, parse_jsonl, to_jsonl
+from services.prompts import INLINE, STORE_SCHEME, InvalidPromptsError, JsonlParser, load_prompts, to_jsonl
 from services.runspec import RewardFn, RunSpec
 from services.server_paths import ServerPathError, check_server_path, url_is_allowed
 from services.wiring import Backends
@@ -62,8 +66,23 @@ class PodNotOfRunError(LookupError):
     """No pod of that name belongs to the run, running or ended (the API answers 404)."""
 
 
+class BodyTooLargeError(ValueError):
+    """A request body found over the server's limit while it is read (the API answers 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is larger than this server's limit of {limit} bytes")
+
+
 MAX_PODS_LISTED = 1000
 MAX_LOG_BYTES = 1 << 20  # of one response's log lines: a pod's line may be long
+# A run holds up to 100,000 iterations and a ledger entry per pod: a read of it shows the latest
+# iterations and one page of its ledger, so that its size does not grow with the run.
+DEFAULT_ITERATIONS_SHOWN = 100
+MAX_ITERATIONS_SHOWN = 1000
+DEFAULT_ENTRIES_PAGE = 100
+MAX_ENTRIES_PAGE = 1000
+# An upload is parsed in pieces of about this size: each is one hop to a worker thread.
+UPLOAD_PIECE_BYTES = 256 << 10
 
 
 def new_run_id() -> str:
@@ -115,16 +134,31 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
     return run_public(row, state=backends.state)
 
 
-def create_dataset(*, backends: Backends, principal: Principal, data: bytes) -> DatasetPublic:
-    """Store an uploaded JSONL prompt set among the caller's objects, checked line by line."""
+async def create_dataset(*, backends: Backends, principal: Principal, body: AsyncIterable[bytes], max_bytes: int) -> DatasetPublic:
+    """Store an uploaded JSONL prompt set among the caller's objects, parsed line by line as
+    ``body`` arrives: what is held is the prompts parsed so far, one partial line and one piece,
+    and the upload is refused at its first bad or overlong line, past MAX_PROMPTS lines, or past
+    ``max_bytes``, without reading the rest. Parsing and storing run in worker threads."""
+    parser = JsonlParser("the upload")
+    piece, received = bytearray(), 0
     try:
-        items = parse_jsonl(data, "the upload")
+        async for chunk in body:
+            received += len(chunk)
+            if received > max_bytes:  # the body-size middleware refuses first; this holds without it
+                raise BodyTooLargeError(max_bytes)
+            piece += chunk
+            if len(piece) >= UPLOAD_PIECE_BYTES:
+                await anyio.to_thread.run_sync(parser.feed, bytes(piece))
+                piece.clear()
+        await anyio.to_thread.run_sync(parser.feed, bytes(piece))
+        items = await anyio.to_thread.run_sync(parser.finish)
     except InvalidPromptsError as e:
         raise SpecFieldError(("body",), str(e)) from None
     dataset_id = uuid.uuid4().hex[:16]
     key = f"datasets/{dataset_id}.jsonl"
-    backends.objects.put_bytes(tenant_object_key(principal.tenant, key), to_jsonl(items))
-    return DatasetPublic(id=dataset_id, uri=STORE_SCHEME + key, prompts=len(items), bytes=len(data))
+    data = await anyio.to_thread.run_sync(to_jsonl, items)
+    await anyio.to_thread.run_sync(backends.objects.put_bytes, tenant_object_key(principal.tenant, key), data)
+    return DatasetPublic(id=dataset_id, uri=STORE_SCHEME + key, prompts=len(items), bytes=received)
 
 
 def _summary_fields(row: RunRow, spent: float) -> dict:
@@ -145,10 +179,14 @@ def _summary_fields(row: RunRow, spent: float) -> dict:
     )
 
 
-def run_public(row: RunRow, *, state: StateStore) -> RunPublic:
+def run_public(row: RunRow, *, state: StateStore, iterations_shown: int = DEFAULT_ITERATIONS_SHOWN) -> RunPublic:
+    """The run with its latest ``iterations_shown`` iterations (and the count of all of them)."""
+    iterations = state.iterations(row.id)
+    latest = iterations[-iterations_shown:] if iterations_shown else []  # [-0:] would be all of them
     return RunPublic(
         **_summary_fields(row, state.spent_of([row.id], time.time())[row.id]),
-        iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in state.iterations(row.id)],
+        iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in latest],
+        iterations_total=len(iterations),
         prompt_count=row.prompt_count,
         spec=RunSpec.from_stored(row.spec),
         last_error=row.last_error,
@@ -165,12 +203,16 @@ def _visible_run(state: StateStore, principal: Principal, run_id: str) -> RunRow
     return row
 
 
-def get_run(*, backends: Backends, principal: Principal, run_id: str) -> RunPublic:
-    return run_public(_visible_run(backends.state, principal, run_id), state=backends.state)
+def get_run(*, backends: Backends, principal: Principal, run_id: str, iterations_shown: int = DEFAULT_ITERATIONS_SHOWN) -> RunPublic:
+    return run_public(_visible_run(backends.state, principal, run_id), state=backends.state, iterations_shown=iterations_shown)
 
 
 def _encode_cursor(row: RunRow) -> str:
     return base64.urlsafe_b64encode(json.dumps([row.created_at, row.id]).encode()).decode()
+
+
+def _bad_cursor() -> InvalidCursorError:
+    return InvalidCursorError("`cursor` is not one this API returned: pass `next_cursor` of the previous page")
 
 
 def _decode_cursor(cursor: str) -> tuple[float, str]:
@@ -181,7 +223,22 @@ def _decode_cursor(cursor: str) -> tuple[float, str]:
             return float(created_at), run_id
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         pass
-    raise InvalidCursorError("`cursor` is not one this API returned: pass `next_cursor` of the previous page")
+    raise _bad_cursor()
+
+
+def _encode_entry_cursor(entry_id: int) -> str:
+    return base64.urlsafe_b64encode(json.dumps(["ledger", entry_id]).encode()).decode()
+
+
+def _decode_entry_cursor(cursor: str) -> int:
+    """The id of the last ledger entry of the previous page."""
+    try:
+        tag, entry_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        if tag == "ledger" and isinstance(entry_id, int) and not isinstance(entry_id, bool):
+            return entry_id
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
+        pass
+    raise _bad_cursor()
 
 
 def list_runs(*, backends: Backends, principal: Principal, limit: int, cursor: str | None) -> RunsPublic:
@@ -201,7 +258,13 @@ def cancel_run(*, backends: Backends, principal: Principal, run_id: str) -> RunP
     return run_public(backends.state.request_cancel(run_id), state=backends.state)
 
 
-def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str) -> CostPublic:
+def run_cost(
+    *, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str,
+    limit: int = DEFAULT_ENTRIES_PAGE, cursor: str | None = None,
+) -> CostPublic:  # fmt: skip
+    """The run's bill over its whole ledger, with one page of the ledger's entries (oldest first,
+    ``limit`` at most, after the entry ``cursor`` names)."""
+    after = _decode_entry_cursor(cursor) if cursor else None
     row = _visible_run(backends.state, principal, run_id)
     entries = backends.state.ledger(run_id)
     now = time.time()
@@ -213,6 +276,8 @@ def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal,
         run_ended_at=row.ended_at,
         now=now,
     )
+    billed = zip(entries, billed_dollars(entries, catalog, now), strict=True)
+    page = list(islice(((e, dollars) for e, dollars in billed if after is None or e.id > after), limit + 1))
     return CostPublic(
         run_id=run_id,
         currency=report.currency,
@@ -226,8 +291,10 @@ def run_cost(*, backends: Backends, catalog: PriceCatalog, principal: Principal,
         efficiency=report.efficiency,
         entries=[
             LedgerEntryPublic.model_validate({**asdict(e), "seconds": e.seconds(now), "dollars": dollars})
-            for e, dollars in zip(entries, billed_dollars(entries, catalog, now), strict=True)
+            for e, dollars in page[:limit]
         ],
+        entries_total=len(entries),
+        next_cursor=_encode_entry_cursor(page[limit - 1][0].id) if len(page) > limit else None,
     )
 
 

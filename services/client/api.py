@@ -18,6 +18,8 @@ import yaml
 
 # Pages asked of GET /v1/runs while following its cursor (the API allows up to 200).
 DEFAULT_PAGE_SIZE = 50
+# Ledger entries asked per page of GET /v1/runs/{id}/cost (the API allows up to 1000).
+LEDGER_PAGE_SIZE = 1000
 # A spec's `prompts` naming an uploaded prompt set (services.prompts.STORE_SCHEME, not imported:
 # that module brings the server's backends).
 STORE_SCHEME = "store://"
@@ -179,8 +181,17 @@ class ApiClient:
     def cancel_run(self, run_id: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/runs/{run_id}/cancel")
 
-    def run_cost(self, run_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/runs/{run_id}/cost")
+    def run_cost(self, run_id: str, *, page_size: int = LEDGER_PAGE_SIZE) -> dict[str, Any]:
+        """The run's bill with every ledger entry: the first page's figures, and the entries of
+        every page, following the API's page cursor."""
+        report = self._call("GET", f"/v1/runs/{run_id}/cost", params={"limit": page_size})
+        cursor = report.get("next_cursor")
+        while cursor:
+            page = self._call("GET", f"/v1/runs/{run_id}/cost", params={"limit": page_size, "cursor": cursor})
+            report["entries"] += page["entries"]
+            cursor = page.get("next_cursor")
+        report["next_cursor"] = None
+        return report
 
     def run_pods(self, run_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/runs/{run_id}/pods")

@@ -33,6 +33,10 @@ def run_progress(run: dict[str, Any]) -> Group:
             str(it["iteration"]), f"{it['mean_reward']:.3f}", f"{it['kl']:.4f}", f"{it['loss']:.4f}",
             str(it["samples_trained"]), f"{it['seconds']:.1f}",
         )  # fmt: skip
+    # The API shows a run's latest iterations only; `iterations_total` counts them all.
+    total = run.get("iterations_total", len(run["iterations"]))
+    if total > len(run["iterations"]):
+        iters.caption = f"the latest {len(run['iterations'])} of {total} iterations"
     return Group(head, iters)
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, status
-from fastapi.concurrency import run_in_threadpool
 
 from services.api import service
-from services.api.deps import BackendsDep, PrincipalDep
+from services.api.deps import BackendsDep, PrincipalDep, SettingsDep
 from services.api.responses import errors
 from services.api.schemas import DatasetPublic
 
@@ -26,8 +25,10 @@ JSONL_BODY = {
     "", status_code=status.HTTP_201_CREATED, response_model=DatasetPublic, responses=errors(413, 422),
     openapi_extra={"requestBody": JSONL_BODY},
 )  # fmt: skip
-async def upload_dataset(request: Request, backends: BackendsDep, principal: PrincipalDep) -> DatasetPublic:
-    """Store a JSONL prompt set (at most SPOTRL_MAX_DATASET_BYTES, refused unread when larger);
-    a run names it with the returned `uri` as its `prompts`."""
-    data = await request.body()  # bounded by the body-size middleware before it is read
-    return await run_in_threadpool(service.create_dataset, backends=backends, principal=principal, data=data)
+async def upload_dataset(request: Request, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep) -> DatasetPublic:
+    """Store a JSONL prompt set (at most SPOTRL_MAX_DATASET_BYTES, refused unread when it says it
+    is larger, and as soon as it grows larger), parsed line by line as it arrives; a run names it
+    with the returned `uri` as its `prompts`."""
+    return await service.create_dataset(
+        backends=backends, principal=principal, body=request.stream(), max_bytes=settings.max_dataset_bytes
+    )

@@ -46,7 +46,7 @@ async def readyz(backends: BackendsDep, request: Request) -> PlainTextResponse:
 
 @router.get(
     "/metrics", response_class=Response, dependencies=[Depends(require_admin)],
-    responses={200: _text("Prometheus text exposition.", "text/plain; version=0.0.4"), **errors(401, 403)},
+    responses={200: _text("Prometheus text exposition.", CONTENT_TYPE_LATEST), **errors(401, 403)},
 )  # fmt: skip
 async def metrics(request: Request) -> Response:
     """Per-run operating figures (no prompts, no spec); needs an admin token when tokens are configured."""

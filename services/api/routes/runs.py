@@ -43,8 +43,17 @@ async def list_runs(
 
 
 @router.get("/{run_id}", response_model=RunPublic, responses=errors(404))
-async def get_run(run_id: RunId, backends: BackendsDep, principal: PrincipalDep) -> RunPublic:
-    return await run_in_threadpool(service.get_run, backends=backends, principal=principal, run_id=run_id)
+async def get_run(
+    run_id: RunId,
+    backends: BackendsDep,
+    principal: PrincipalDep,
+    iterations_limit: Annotated[
+        int, Query(ge=0, le=service.MAX_ITERATIONS_SHOWN, description="The latest iterations shown (`iterations_total` counts all).")
+    ] = service.DEFAULT_ITERATIONS_SHOWN,
+) -> RunPublic:
+    return await run_in_threadpool(
+        service.get_run, backends=backends, principal=principal, run_id=run_id, iterations_shown=iterations_limit
+    )
 
 
 @router.post("/{run_id}/cancel", response_model=RunPublic, responses=errors(404, 409))
@@ -52,9 +61,19 @@ async def cancel_run(run_id: RunId, backends: BackendsDep, principal: PrincipalD
     return await run_in_threadpool(service.cancel_run, backends=backends, principal=principal, run_id=run_id)
 
 
-@router.get("/{run_id}/cost", response_model=CostPublic, responses=errors(404))
-async def run_cost(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> CostPublic:
-    return await run_in_threadpool(service.run_cost, backends=backends, catalog=catalog, principal=principal, run_id=run_id)
+@router.get("/{run_id}/cost", response_model=CostPublic, responses=errors(400, 404))
+async def run_cost(
+    run_id: RunId,
+    backends: BackendsDep,
+    catalog: CatalogDep,
+    principal: PrincipalDep,
+    limit: Annotated[int, Query(ge=1, le=service.MAX_ENTRIES_PAGE, description="Ledger entries per page.")] = service.DEFAULT_ENTRIES_PAGE,
+    cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
+) -> CostPublic:
+    """The run's bill (totals over its whole ledger) and one page of its ledger entries."""
+    return await run_in_threadpool(
+        service.run_cost, backends=backends, catalog=catalog, principal=principal, run_id=run_id, limit=limit, cursor=cursor
+    )
 
 
 @router.get("/{run_id}/report", response_class=HTMLResponse, responses=json_errors(401, 404))

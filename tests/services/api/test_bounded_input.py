@@ -11,8 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services import prompts
+from services.api import service
+from services.api.auth import NO_AUTH
 from services.api.main import create_app
-from services.prompts import MAX_PROMPTS, InvalidPromptsError, parse_jsonl, to_jsonl
+from services.backends.state_schema import IterationRow
+from services.names import tenant_object_key
+from services.prompts import MAX_LINE_CHARS, MAX_PROMPTS, InvalidPromptsError, JsonlParser, parse_jsonl, to_jsonl
 from services.api.service import SpecFieldError, check_spec_for_server
 from services.runspec import PromptItem, RunSpec
 
@@ -184,6 +189,142 @@ async def test_an_upload_over_its_limit_is_413_and_a_bad_upload_422(settings) ->
             assert r.status_code == 422
 
 
+async def chunked(data: bytes, size: int):
+    """``data`` in pieces of ``size`` bytes, with no Content-Length: counted as it arrives."""
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+async def test_an_upload_one_byte_over_its_limit_is_413_whether_it_says_its_length_or_not(settings) -> None:
+    app = create_app(settings.model_copy(update={"max_dataset_bytes": 4096}), with_scheduler=False)
+    at_limit = b'{"prompt": "x"}\n' * 256  # 4096 bytes
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
+            for content in (at_limit + b"\n", chunked(at_limit + b"\n", 1000)):
+                r = await api.post("/v1/datasets", content=content)
+                assert r.status_code == 413, r.text
+                assert "4096 bytes" in r.json()["detail"]
+            for content in (at_limit, chunked(at_limit, 1000)):
+                r = await api.post("/v1/datasets", content=content)
+                assert (r.status_code, r.json()["prompts"], r.json()["bytes"]) == (201, 256, 4096), r.text
+
+
+async def test_an_upload_is_refused_as_it_streams_without_the_body_limit_too(api: httpx.AsyncClient) -> None:
+    """The route's own count and the parser stop reading, whatever the middleware in front does."""
+    pulled = 0
+
+    async def body(first: bytes):
+        nonlocal pulled
+        for piece in (first, *[b'{"prompt": "x"}\n' * 16384] * 40):  # then 40 pieces of 256 kB
+            pulled += 1
+            yield piece
+
+    backends = api.app.state.backends  # type: ignore[attr-defined]
+    with pytest.raises(service.BodyTooLargeError, match="limit of 300000 bytes"):
+        await service.create_dataset(backends=backends, principal=NO_AUTH, body=body(b""), max_bytes=300_000)
+    assert pulled == 3
+    pulled = 0
+    with pytest.raises(SpecFieldError, match="line 1 is not a"):
+        await service.create_dataset(backends=backends, principal=NO_AUTH, body=body(b'{"question": "y"}\n'), max_bytes=64 << 20)
+    assert pulled < 5  # refused at the first piece parsed, not after the 10 MB
+
+
+def test_an_upload_parsed_piece_by_piece_is_the_file_parsed_whole() -> None:
+    items = [PromptItem(prompt=p, answer=a) for p, a in [("What is 2 + 3?", "5"), ("caf\u00e9 \U0001f600", None), ("a\u2028b\x0cc", "\u00e9")]]
+    lines = to_jsonl(items).split(b"\n")
+    data = b"\n".join([lines[0], b"", b"  ", lines[1], b'  {"prompt": "spaced", "answer": "1"}  \r', lines[2]])  # no final newline
+    whole = parse_jsonl(data, "the upload")
+    assert [i.prompt for i in whole] == ["What is 2 + 3?", "caf\u00e9 \U0001f600", "spaced", "a\u2028b\x0cc"]
+    for size in (1, 2, 3, 5, 64, len(data)):  # pieces cut inside characters, lines and line ends
+        parser = JsonlParser("the upload")
+        for i in range(0, len(data), size):
+            parser.feed(data[i : i + size])
+        assert parser.finish() == whole, size
+        assert parser.bytes_read == len(data)
+
+
+async def test_an_uploaded_set_is_stored_as_the_set_parsed_whole(api: httpx.AsyncClient) -> None:
+    data = b'{"prompt": "1+1", "answer": "2"}\n\n{"prompt": "caf\xc3\xa9"}\n' * 50
+    r = await api.post("/v1/datasets", content=chunked(data, 7), headers={"Content-Type": "application/x-ndjson"})
+    assert (r.status_code, r.json()["prompts"], r.json()["bytes"]) == (201, 100, len(data)), r.text
+    stored = api.app.state.backends.objects.get_bytes(tenant_object_key(NO_AUTH.tenant, f"datasets/{r.json()['id']}.jsonl"))  # type: ignore[attr-defined]
+    assert stored == to_jsonl(parse_jsonl(data, "the upload"))
+
+
+def test_an_upload_is_refused_at_the_first_line_too_long_or_too_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = JsonlParser("the upload")
+    parser.feed(b'{"prompt": "a"}\n{"prompt": "')
+    with pytest.raises(InvalidPromptsError, match=f"line 2 is longer than {MAX_LINE_CHARS} characters"):
+        parser.feed(b"x" * MAX_LINE_CHARS)  # refused before the line ends: only it is held
+    monkeypatch.setattr(prompts, "MAX_PROMPTS", 3)
+    parser = JsonlParser("the upload")
+    parser.feed(b'{"prompt": "a"}\n\n')
+    with pytest.raises(InvalidPromptsError, match="more than 3 lines"):
+        parser.feed(b'\n{"prompt": "b"}\n')
+    parser = JsonlParser("the upload")
+    parser.feed(b'\n\n\n{"prompt": "d"}')  # a fourth line without its newline
+    with pytest.raises(InvalidPromptsError, match="more than 3 lines"):
+        parser.finish()
+
+
+async def long_run(api: httpx.AsyncClient, *, iterations: int, pods: int) -> str:
+    """A run whose store holds ``iterations`` iterations and a closed ledger entry per pod."""
+    run_id = (await api.post("/v1/runs", json=spec(iterations=100_000))).json()["id"]
+    state = api.app.state.backends.state  # type: ignore[attr-defined]
+    for i in range(1, iterations + 1):
+        state.record_iteration(IterationRow(
+            run_id=run_id, iteration=i, policy_version=i, mean_reward=i / iterations, kl=0.01, loss=0.5, seconds=2.0,
+            samples_trained=8, samples_dropped=0, metrics={"actor/pg_clipfrac": 0.1}, ended_at=1000.0 + i,
+        ))  # fmt: skip
+    for i in range(pods):
+        pod = f"{run_id}-rollout-{i}"
+        state.open_ledger(run_id=run_id, role="rollout", pod=pod, instance_type="g6.xlarge", capacity_type="spot",
+                          price_per_hour=0.5, price_source="test", started_at=1000.0 + i)  # fmt: skip
+        state.close_ledger(pod, ended_at=1100.0 + i, outcome="succeeded")
+    return run_id
+
+
+async def test_a_long_run_is_read_with_its_latest_iterations_only(api: httpx.AsyncClient) -> None:
+    run_id = await long_run(api, iterations=120, pods=0)
+    got = await api.get(f"/v1/runs/{run_id}")
+    run = got.json()
+    assert ([it["iteration"] for it in run["iterations"]], run["iterations_total"]) == (list(range(21, 121)), 120)
+    assert run["iterations_done"] == 120
+    # Its size is that of the 100 shown, not of every iteration the run has (up to 100,000).
+    every = await api.get(f"/v1/runs/{run_id}", params={"iterations_limit": 1000})
+    assert len(every.json()["iterations"]) == 120
+    assert len(got.content) < len(every.content) * 100 / 120 + 1000
+    few = (await api.get(f"/v1/runs/{run_id}", params={"iterations_limit": 2})).json()
+    assert ([it["iteration"] for it in few["iterations"]], few["iterations_total"]) == ([119, 120], 120)
+    assert (await api.get(f"/v1/runs/{run_id}", params={"iterations_limit": 0})).json()["iterations"] == []
+    assert (await api.get(f"/v1/runs/{run_id}", params={"iterations_limit": 1001})).status_code == 422
+    cancelled = (await api.post(f"/v1/runs/{run_id}/cancel")).json()
+    assert (len(cancelled["iterations"]), cancelled["iterations_total"]) == (100, 120)
+
+
+async def test_a_long_runs_ledger_is_read_in_pages_and_its_totals_over_all_of_it(api: httpx.AsyncClient) -> None:
+    run_id = await long_run(api, iterations=0, pods=120)
+    first = (await api.get(f"/v1/runs/{run_id}/cost")).json()
+    assert (len(first["entries"]), first["entries_total"]) == (100, 120)
+    entries, cursor, pages = [], None, 0
+    while True:
+        params = {"limit": 50, **({"cursor": cursor} if cursor else {})}
+        page = (await api.get(f"/v1/runs/{run_id}/cost", params=params)).json()
+        assert (page["entries_total"], page["total_dollars"]) == (120, first["total_dollars"])
+        entries += page["entries"]
+        pages += 1
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert ([e["pod"] for e in entries], pages) == ([f"{run_id}-rollout-{i}" for i in range(120)], 3)
+    assert first["total_dollars"] == pytest.approx(sum(e["dollars"] for e in entries))
+    assert first["by_role"]["rollout"] == pytest.approx(first["total_dollars"])
+    runs_cursor = base64.urlsafe_b64encode(json.dumps([1000.0, run_id]).encode()).decode()  # GET /v1/runs's, not this one's
+    for forged in ("not-a-cursor", runs_cursor, base64.urlsafe_b64encode(b'["ledger", true]').decode()):
+        assert (await api.get(f"/v1/runs/{run_id}/cost", params={"cursor": forged})).status_code == 400, forged
+    assert (await api.get(f"/v1/runs/{run_id}/cost", params={"limit": 1001})).status_code == 422
+
+
 async def test_runs_are_listed_in_pages(api: httpx.AsyncClient) -> None:
     ids = [(await api.post("/v1/runs", json=spec(name=f"r{i}"))).json()["id"] for i in range(5)]
     seen, cursor, pages = [], None, 0
@@ -222,6 +363,9 @@ async def test_the_openapi_document_tells_what_each_operation_returns(api: httpx
     assert {"bearer": []} in paths["/v1/runs"]["post"]["security"]
     assert "application/x-ndjson" in paths["/v1/datasets"]["post"]["requestBody"]["content"]
     assert (await api.get("/readyz")).headers["content-type"].startswith("text/plain")
+    # The media type sent is the one documented (prometheus_client's, with its version).
+    metrics = await api.get("/metrics")
+    assert [metrics.headers["content-type"]] == list(paths["/metrics"]["get"]["responses"]["200"]["content"])
 
 
 def test_a_prompt_set_is_counted_in_lines_before_it_is_read_and_split_at_newlines_only() -> None:

@@ -1,0 +1,35 @@
+"""The CLI's API client against the API app in process: what the API hands out in pages, the
+client reads whole."""
+
+from __future__ import annotations
+
+import httpx
+from starlette.testclient import TestClient
+
+from services.api.main import create_app
+from services.client.api import ApiClient, Target
+from services.client.view import run_progress
+
+
+def test_the_cost_of_a_long_run_is_read_page_by_page_and_its_iterations_said_to_be_the_latest(settings) -> None:
+    with TestClient(create_app(settings, with_scheduler=False), base_url="http://spotrl") as app:
+        run_id = app.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}],
+                                            "batch_samples": 8, "iterations": 5}).json()["id"]  # fmt: skip
+        state = app.app.state.backends.state
+        for i in range(7):
+            pod = f"{run_id}-rollout-{i}"
+            state.open_ledger(run_id=run_id, role="rollout", pod=pod, instance_type="g6.xlarge", capacity_type="spot",
+                              price_per_hour=0.5, price_source="test", started_at=1000.0 + i)  # fmt: skip
+            state.close_ledger(pod, ended_at=1060.0 + i, outcome="succeeded")
+        def to_app(request: httpx.Request) -> httpx.Response:  # the client's requests, to the app in this process
+            r = app.request(request.method, str(request.url), headers=dict(request.headers), content=request.read())
+            return httpx.Response(r.status_code, headers=list(r.headers.items()), content=r.content)
+
+        with ApiClient(Target("http://spotrl", None), transport=httpx.MockTransport(to_app)) as client:
+            cost = client.run_cost(run_id, page_size=3)
+            run = client.get_run(run_id)
+    assert [e["pod"] for e in cost["entries"]] == [f"{run_id}-rollout-{i}" for i in range(7)]
+    assert (cost["entries_total"], cost["next_cursor"]) == (7, None)
+    assert run["iterations_total"] == 0 and run_progress(run).renderables[1].caption is None
+    shown = run_progress({**run, "iterations": [], "iterations_total": 250})
+    assert shown.renderables[1].caption == "the latest 0 of 250 iterations"
