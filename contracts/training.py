@@ -179,7 +179,7 @@ class TrainConfig(BaseModel):
     dynamic_sampling: bool = Field(
         default=False,
         description="DAPO dynamic sampling: rollout workers drop groups whose rewards are all equal (counted on the run's "
-        "samples_dropped); the batch fills with the others.",
+        "samples_filtered, apart from samples_dropped); the batch fills with the others. Disaggregated runs only.",
     )
     shuffle: bool = Field(default=True, description="Draw each epoch's mini-batches from a fresh seeded permutation of the batch's groups (kept whole).")
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed of the mini-batch permutation (epoch e uses seed + e).")

@@ -42,7 +42,7 @@ from services.prompts import load_prompts
 from services.reward.functions import RewardInput, total_rewards
 from services.rollout.vllm_engine import build_vllm_engine
 from services.rollout.worker import build_samples, reward_source
-from services.runspec import PromptItem, RolloutEngine, RunSpec
+from services.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec
 from services.training.job import build_value_head, kl_controller, reference_model, with_adapter
 from trainer_core.engines.hf import Completion, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine
@@ -73,7 +73,8 @@ class ResumeError(ValueError):
 
 
 def load_spec_file(path: Path) -> RunSpec:
-    """The run spec in a YAML (``.yaml``/``.yml``) or JSON file, validated as ``POST /v1/runs`` does."""
+    """The run spec in a YAML (``.yaml``/``.yml``) or JSON file, validated as ``POST /v1/runs`` does
+    and refused where a colocated run cannot honour it (``RunSpec.check_colocated``)."""
     try:
         text = path.read_text()
     except OSError as e:
@@ -93,7 +94,7 @@ def load_spec_file(path: Path) -> RunSpec:
     if not isinstance(data, dict):
         raise SpecFileError(f"{path} must hold a mapping of run spec fields, not {type(data).__name__}")
     try:
-        return RunSpec.model_validate(data)
+        return RunSpec.model_validate(data, context=COLOCATED)
     except ValidationError as e:
         raise SpecFileError(f"{path} is not a valid run spec:\n{e}") from None
 
@@ -214,6 +215,7 @@ def run_colocated(
     with none, it starts afresh. The run stops at its goal, or once its wall time on the
     spec's training instance, at the on-demand price, reaches `budget_dollars`.
     """
+    spec.check_colocated()
     started = time.monotonic()
     out_dir = Path(out_dir)
     checkpoints = out_dir / CHECKPOINTS_DIR

@@ -161,6 +161,10 @@ def test_spec_files_are_read_from_yaml_and_json(tmp_path: Path) -> None:
         load_spec_file(tmp_path / "bad.json")
     with pytest.raises(SpecFileError, match="cannot read"):
         load_spec_file(tmp_path / "missing.yaml")
+    # What only the disaggregated loop does is refused from a colocated spec file, saying so.
+    (tmp_path / "dapo.json").write_text(json.dumps({**SPEC, "training": {"dynamic_sampling": True}}))
+    with pytest.raises(SpecFileError, match="submit the spec as a disaggregated run"):
+        load_spec_file(tmp_path / "dapo.json")
 
 
 def test_train_command(tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
