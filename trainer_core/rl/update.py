@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -73,7 +73,6 @@ def train_on_batch(
     batch, is_metrics = prepare_batch(model, samples, response_len, cfg, kl_coef, ref_model, critic, strategy)
     loss_fn = partial(_micro_batch_loss, model, response_len=response_len, cfg=cfg, kl_coef=kl_coef,
                       critic=critic, strategy=strategy)  # fmt: skip
-    agg = cfg.effective_loss_agg
     with training_mode(model, cfg.gradient_checkpointing):
         totals: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         grad_norms = []
@@ -81,23 +80,7 @@ def train_on_batch(
             order = _epoch_order(samples, mini_size, cfg, epoch)
             for mb_start in range(0, len(samples), mini_size):
                 mini = order[mb_start : mb_start + mini_size]
-                mini_mask = batch.mask[torch.tensor(mini, device=device)]
-                # What each micro-batch's loss is averaged over (loss_agg), and its real tokens
-                # (what the per-token statistics are averaged over), summed over ranks, so that
-                # the accumulated gradient is that of the whole mini-batch.
-                mini_weight, mini_tokens = strategy.all_reduce(
-                    torch.stack([aggregation_weight(mini_mask, agg), mini_mask.sum()])
-                )
-                for micro in micro_batches(samples, mini, cfg, strategy):
-                    rows = batch.rows(micro)
-                    loss, step_metrics = strategy.forward(partial(loss_fn, [samples[i] for i in micro], rows))
-                    share = aggregation_weight(rows.mask, agg) / mini_weight
-                    token_share = rows.mask.sum() / mini_tokens
-                    release_freed_memory()
-                    strategy.backward(loss * share * strategy.world_size)
-                    for key, value in step_metrics.items():
-                        totals[key] += (token_share if key in TOKEN_MEAN_METRICS else share) * value
-                grad_norms.append(strategy.step())
+                grad_norms.append(_mini_batch_step(samples, mini, batch, loss_fn, cfg, strategy, totals))
 
     release_freed_memory()  # the activations' holes, before the next generation phase
     metrics = _batch_metrics(totals, grad_norms, samples, strategy, kl_controller, start, device)
@@ -130,6 +113,37 @@ def _epoch_order(samples: Sequence[Sample], mini_size: int, cfg: TrainConfig, ep
     members = list(groups.values())
     permutation = torch.randperm(len(members), generator=torch.Generator().manual_seed(cfg.seed + epoch))
     return [i for g in permutation.tolist() for i in members[g]]
+
+
+def _mini_batch_step(
+    samples: Sequence[Sample],
+    mini: list[int],
+    batch: BatchTensors,
+    loss_fn: Callable[[list[Sample], BatchTensors], tuple[Tensor, dict[str, Tensor]]],
+    cfg: TrainConfig,
+    strategy: Strategy,
+    totals: dict[str, Tensor],
+) -> Tensor:
+    """One optimizer step on the mini-batch `mini` (indices into `samples`): accumulate the
+    gradients of its micro-batches' losses (`loss_fn` of a micro-batch's samples and rows), each
+    weighted by its share of the whole mini-batch over all ranks, add their weighted metrics to
+    `totals`, and step; returns the step's gradient norm."""
+    agg = cfg.effective_loss_agg
+    mini_mask = batch.mask[torch.tensor(mini, device=batch.mask.device)]
+    # What each micro-batch's loss is averaged over (loss_agg), and its real tokens (what the
+    # per-token statistics are averaged over), summed over ranks, so that the accumulated
+    # gradient is that of the whole mini-batch.
+    mini_weight, mini_tokens = strategy.all_reduce(torch.stack([aggregation_weight(mini_mask, agg), mini_mask.sum()]))
+    for micro in micro_batches(samples, mini, cfg, strategy):
+        rows = batch.rows(micro)
+        loss, step_metrics = strategy.forward(partial(loss_fn, [samples[i] for i in micro], rows))
+        share = aggregation_weight(rows.mask, agg) / mini_weight
+        token_share = rows.mask.sum() / mini_tokens
+        release_freed_memory()
+        strategy.backward(loss * share * strategy.world_size)
+        for key, value in step_metrics.items():
+            totals[key] += (token_share if key in TOKEN_MEAN_METRICS else share) * value
+    return strategy.step()
 
 
 def _checked_strategy(
