@@ -12,6 +12,10 @@ class SampleCounts(BaseModel):
     produced: int = Field(description="Samples queued by rollout workers.")
     trained: int = Field(description="Samples used by a training iteration (each exactly once).")
     dropped: int = Field(description="Samples discarded: duplicates, beyond the staleness bound, or left when the run ended.")
+    filtered: int = Field(
+        description="Samples rollout workers generated and dropped before queueing: whole groups whose rewards were all "
+        "equal (DAPO dynamic sampling, training.dynamic_sampling); not among produced."
+    )
 
 
 class IterationPublic(BaseModel):

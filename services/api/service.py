@@ -174,7 +174,10 @@ def _summary_fields(row: RunRow, spent: float) -> dict:
         policy_version=row.policy_version,
         iterations_done=row.iterations_done,
         last_mean_reward=row.last_mean_reward,
-        samples=SampleCounts(produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped),
+        samples=SampleCounts(
+            produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped,
+            filtered=row.samples_filtered,
+        ),  # fmt: skip
         spent_dollars=spent,
     )
 

@@ -33,7 +33,7 @@ async def test_submit_get_list(api: httpx.AsyncClient) -> None:
                                       "vllm_gpu_memory_utilization": None}
     got = (await api.get(f"/v1/runs/{run['id']}")).json()
     assert got["name"] == "first"
-    assert got["samples"] == {"produced": 0, "trained": 0, "dropped": 0}
+    assert got["samples"] == {"produced": 0, "trained": 0, "dropped": 0, "filtered": 0}
     (listed,) = (await api.get("/v1/runs")).json()["runs"]
     assert listed["id"] == run["id"]
     # A listing is a summary: the spec and the iterations are for GET of the run.

@@ -13,6 +13,7 @@ from contracts.messages import PromptMessage
 from contracts.samples import Sample, encode_group
 from contracts.status import RunStatus
 from services.api.metrics import RunCollector
+from services.api.service import run_public
 from services.backends.queue import next_offsets
 from services.config import Settings
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
@@ -77,6 +78,8 @@ def test_dynamic_sampling_drops_are_counted_apart_and_survive_the_runs_end(
     assert run.status == RunStatus.SUCCEEDED, run.status_reason
     # _finish recounted the queued samples' drops and left dynamic sampling's alone.
     assert (run.samples_produced, run.samples_trained, run.samples_dropped, run.samples_filtered) == (8, 8, 0, 8)
+    shown = run_public(run, state=b.state).samples  # as GET /v1/runs/{id} shows them
+    assert (shown.produced, shown.trained, shown.dropped, shown.filtered) == (8, 8, 0, 8)
 
     audit = audit_run(b, run_id)
     assert audit.problems == []
