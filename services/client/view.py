@@ -11,12 +11,14 @@ from typing import Any
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from contracts.status import RunStatus
 
 
 def run_progress(run: dict[str, Any]) -> Group:
-    """One line of where the run stands, and its training iterations so far."""
+    """One line of where the run stands with a line on what its status means, and its training
+    iterations so far."""
     head = Table.grid(padding=(0, 2))
     s = run["samples"]
     status = RunStatus(run["status"])
@@ -27,6 +29,7 @@ def run_progress(run: dict[str, Any]) -> Group:
         f"samples produced {s['produced']} · trained {s['trained']} · dropped {s['dropped']}",
         f"spent ${run['spent_dollars']:.4f}",
     )
+    standing = Group(head, Text(status.meaning, style="dim"))
     iters = Table("iteration", "mean reward", "KL", "loss", "samples", "seconds", title="training iterations")
     for it in run["iterations"]:
         iters.add_row(
@@ -37,7 +40,7 @@ def run_progress(run: dict[str, Any]) -> Group:
     total = run.get("iterations_total", len(run["iterations"]))
     if total > len(run["iterations"]):
         iters.caption = f"the latest {len(run['iterations'])} of {total} iterations"
-    return Group(head, iters)
+    return Group(standing, iters)
 
 
 def cost_table(cost: dict[str, Any]) -> Table:

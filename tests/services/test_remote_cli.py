@@ -22,6 +22,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from contracts.status import RunStatus
 from services.api.auth import add_token
 from services.backends.state_store import StateStore
 from services.config import Settings
@@ -200,6 +201,7 @@ def test_submit_json_then_get(servers, cli, tmp_path: Path) -> None:
     assert (as_json["name"], as_json["status"], as_json["spec"]["iterations"], as_json["prompt_count"]) == ("from-json", "PENDING", 3, 8)
     table = cli("runs", "get", run_id, server=idle, token=idle.tokens["acme"])
     assert table.code == 0 and run_id in table.stdout and "PENDING" in table.stdout and "from-json" in table.stdout
+    assert RunStatus.PENDING.meaning in table.stdout  # what the status means, under it
 
 
 # --- list, cancel, cost --------------------------------------------------------------------------

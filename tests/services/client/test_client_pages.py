@@ -3,12 +3,16 @@ client reads whole."""
 
 from __future__ import annotations
 
+import io
+
 import httpx
+from rich.console import Console
 from starlette.testclient import TestClient
 
+from contracts.status import RunStatus
 from services.api.main import create_app
 from services.client.api import ApiClient, Target
-from services.client.view import run_progress
+from services.client.view import run_details, run_progress
 
 
 def test_the_cost_of_a_long_run_is_read_page_by_page_and_its_iterations_said_to_be_the_latest(settings) -> None:
@@ -33,3 +37,22 @@ def test_the_cost_of_a_long_run_is_read_page_by_page_and_its_iterations_said_to_
     assert run["iterations_total"] == 0 and run_progress(run).renderables[1].caption is None
     shown = run_progress({**run, "iterations": [], "iterations_total": 250})
     assert shown.renderables[1].caption == "the latest 0 of 250 iterations"
+
+
+def test_a_runs_status_is_shown_with_its_meaning(settings) -> None:
+    """`spotrl runs get` and `runs watch` say what the status means, under the status line."""
+    with TestClient(create_app(settings, with_scheduler=False), base_url="http://spotrl") as app:
+        run_id = app.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}],
+                                            "batch_samples": 8, "iterations": 5}).json()["id"]  # fmt: skip
+        run = app.get(f"/v1/runs/{run_id}").json()
+
+    def shown(view) -> str:
+        text = io.StringIO()
+        Console(file=text, width=200).print(view)
+        return text.getvalue()
+
+    pending = shown(run_details(run))
+    assert f"{run_id} PENDING" in pending and RunStatus.PENDING.meaning in pending
+    ending = shown(run_progress({**run, "status": "ENDING", "status_reason": "budget spent"}))
+    assert "ENDING (budget spent)" in ending and RunStatus.ENDING.meaning in ending
+    assert RunStatus.PENDING.meaning not in ending
