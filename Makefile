@@ -53,7 +53,7 @@ chromium: $(STAMP)
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
 test: $(STAMP) $(CHECKOV) kube-apiserver prometheus chromium
 	$(VENV)/bin/lint-imports --no-cache
-	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q --durations=15
+	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q --durations=40
 
 # tests/deploy/test_terraform.py runs it on infra/terraform.
 $(CHECKOV):
