@@ -51,7 +51,7 @@ from services.backends.kafka_queue import KafkaQueue
 from services.backends.launcher import PodPhase
 from services.backends.redis_reward_cache import KEY_PREFIX, RedisRewardCache
 from services.backends.s3_object_store import S3ObjectStore
-from services.backends.state_store import LedgerEntry
+from services.backends.state_ledger import LedgerEntry
 from services.chaos import Chaos
 from services.chaos_plan import ChaosPlan, ChaosTally, Levers
 from services.run_audit import Audit, audit_run

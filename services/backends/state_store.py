@@ -2,7 +2,8 @@
 
 One code path for both adapters: SQLite (embedded default, a file shared by the API,
 scheduler and pods on one machine) and PostgreSQL (production, ``postgresql+psycopg://...``),
-chosen by the URL. Tables and migrations are in ``services.backends.state_schema``.
+chosen by the URL. Tables and migrations are in ``services.backends.state_schema``, the cost
+ledger's queries in ``services.backends.state_ledger``.
 
 Concurrency: any number of processes (API replicas, schedulers, pods) share one store. Every
 read-modify-write of a run first locks the run's row (``SELECT ... FOR UPDATE``), so two writers
@@ -17,35 +18,20 @@ write outside any transaction.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    String,
-    and_,
-    case,
-    delete,
-    func,
-    make_url,
-    or_,
-    select,
-    update,
-)
+from sqlalchemy import String, and_, delete, make_url, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
 from services.backends.state_engine import WRITE_OPTION, create_state_engine, dialect_insert
-from services.backends.state_schema import (
-    DEFAULT_TENANT,
-    IterationRow,
-    LeaseRow,
-    LedgerRow,
-    RunRow,
-    WorkerStatsRow,
-    migrate,
-)
+from services.backends.state_ledger import LedgerEntry, LedgerQueries
+from services.backends.state_schema import DEFAULT_TENANT, IterationRow, LeaseRow, RunRow, WorkerStatsRow, migrate
+
+# Re-exported: the cost engine, the API and the simulator import LedgerEntry from here.
+__all__ = ["IllegalTransitionError", "LedgerEntry", "RunNotFoundError", "StateStore"]
 
 
 class IllegalTransitionError(Exception):
@@ -56,30 +42,16 @@ class RunNotFoundError(KeyError):
     """No run with that id (the API answers 404)."""
 
 
-@dataclass(frozen=True)
-class LedgerEntry:
-    """Who ran on what, for how long, at what price. Open entries are billed up to ``now``."""
-
-    id: int
-    run_id: str
-    role: str
-    pod: str
-    instance_type: str
-    capacity_type: str
-    price_per_hour: float
-    price_source: str
-    started_at: float
-    ended_at: float | None
-    outcome: str | None = None  # how the pod ended (``launcher.pod_outcome``); None while open or unknown
-
-    def seconds(self, now: float) -> float:
-        return max(0.0, (self.ended_at if self.ended_at is not None else now) - self.started_at)
-
-    def dollars(self, now: float) -> float:
-        return self.seconds(now) * self.price_per_hour / 3600.0
+def _locked_run(s: Session, run_id: str) -> RunRow:
+    """The run's row, locked until the transaction ends (PostgreSQL: ``FOR UPDATE``; SQLite: the
+    writing session holds the file's write lock already, and SQLAlchemy leaves the clause out)."""
+    row = s.get(RunRow, run_id, with_for_update=True)
+    if row is None:
+        raise RunNotFoundError(run_id)
+    return row
 
 
-class StateStore:
+class StateStore(LedgerQueries):
     """Runs, iterations and ledger. ``StateStore("sqlite:///path.db")`` or a PostgreSQL URL."""
 
     def __init__(self, url: str) -> None:
@@ -109,6 +81,9 @@ class StateStore:
         """A transaction that writes (on SQLite: holding the write lock from its start)."""
         with self._writes.begin() as session:
             yield session
+
+    # The run lock, as the ledger's queries (``LedgerQueries``, another module) reach it.
+    _locked_run = staticmethod(_locked_run)
 
     # --- runs ---------------------------------------------------------------------------
     def create_run(
@@ -269,99 +244,12 @@ class StateStore:
         with self._session() as s:
             return list(s.scalars(select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration)))
 
-    def spent_of(self, run_ids: Sequence[str], now: float) -> dict[str, float]:
-        """Dollars each run's ledger has billed up to ``now`` (open entries up to ``now``), in one
-        query for a page of runs; a run without entries is 0."""
-        seconds = func.coalesce(LedgerRow.ended_at, now) - LedgerRow.started_at
-        dollars = case((seconds > 0, seconds), else_=0.0) * LedgerRow.price_per_hour / 3600.0
-        with self._session() as s:
-            rows = s.execute(
-                select(LedgerRow.run_id, func.sum(dollars)).where(LedgerRow.run_id.in_(run_ids)).group_by(LedgerRow.run_id)
-            )
-            spent = {run_id: float(total or 0.0) for run_id, total in rows}
-        return {run_id: spent.get(run_id, 0.0) for run_id in run_ids}
-
     def policy_version(self, run_id: str) -> int:
         with self._session() as s:
             version = s.scalar(select(RunRow.policy_version).where(RunRow.id == run_id))
             if version is None:
                 raise RunNotFoundError(run_id)
             return version
-
-    # --- ledger -------------------------------------------------------------------------
-    def open_ledger(
-        self,
-        *,
-        run_id: str,
-        role: str,
-        pod: str,
-        instance_type: str,
-        capacity_type: str,
-        price_per_hour: float,
-        price_source: str,
-        started_at: float,
-    ) -> None:
-        """Start billing a pod. A pod that already has an open entry keeps it (idempotent); the
-        run's row is locked first, so two schedulers opening the same pod at once open one entry."""
-        with self._write() as s:
-            _locked_run(s, run_id)
-            open_entry = s.scalar(select(LedgerRow).where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None)))
-            if open_entry is not None:
-                return
-            s.add(
-                LedgerRow(
-                    run_id=run_id,
-                    role=role,
-                    pod=pod,
-                    instance_type=instance_type,
-                    capacity_type=capacity_type,
-                    price_per_hour=price_per_hour,
-                    price_source=price_source,
-                    started_at=started_at,
-                )
-            )
-
-    def close_ledger(self, pod: str, *, ended_at: float, outcome: str | None = None) -> None:
-        """Stop billing a pod at ``ended_at``, recording how it ended (``outcome``, see
-        ``launcher.pod_outcome``; None: unknown); closing an already closed pod changes nothing.
-
-        One UPDATE of the open entries only: of two closes at once, the second finds none open.
-        """
-        with self._write() as s:
-            s.execute(
-                update(LedgerRow)
-                .where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None))
-                .values(
-                    ended_at=case((LedgerRow.started_at > ended_at, LedgerRow.started_at), else_=ended_at),
-                    outcome=outcome,
-                )
-            )
-
-    def ledger(self, run_id: str) -> list[LedgerEntry]:
-        with self._session() as s:
-            rows = s.scalars(select(LedgerRow).where(LedgerRow.run_id == run_id).order_by(LedgerRow.id))
-            return [
-                LedgerEntry(
-                    id=r.id,
-                    run_id=r.run_id,
-                    role=r.role,
-                    pod=r.pod,
-                    instance_type=r.instance_type,
-                    capacity_type=r.capacity_type,
-                    price_per_hour=r.price_per_hour,
-                    price_source=r.price_source,
-                    started_at=r.started_at,
-                    ended_at=r.ended_at,
-                    outcome=r.outcome,
-                )
-                for r in rows
-            ]
-
-    def open_ledger_count(self, run_id: str) -> int:
-        with self._session() as s:
-            return s.scalar(
-                select(func.count()).select_from(LedgerRow).where(LedgerRow.run_id == run_id, LedgerRow.ended_at.is_(None))
-            ) or 0
 
     # --- rollout workers' counters ------------------------------------------------------
     def report_worker(
@@ -433,15 +321,6 @@ class StateStore:
         with self._session() as s:
             lease = s.get(LeaseRow, name)
             return lease.holder if lease is not None and lease.expires_at >= time.time() else None
-
-
-def _locked_run(s: Session, run_id: str) -> RunRow:
-    """The run's row, locked until the transaction ends (PostgreSQL: ``FOR UPDATE``; SQLite: the
-    writing session holds the file's write lock already, and SQLAlchemy leaves the clause out)."""
-    row = s.get(RunRow, run_id, with_for_update=True)
-    if row is None:
-        raise RunNotFoundError(run_id)
-    return row
 
 
 # Messages stored with a run, clipped to their columns' width: SQLite would keep a longer one,

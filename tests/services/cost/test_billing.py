@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.backends.state_store import LedgerEntry
+from services.backends.state_ledger import LedgerEntry
 from services.cost.billing import HANDOVER_SECONDS, PER_MINUTE, billed_dollars, billed_seconds, rule_for
 from services.cost.catalog import load_catalog
 from services.cost.report import cost_report

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.backends.state_store import LedgerEntry
+from services.backends.state_ledger import LedgerEntry
 from services.cost.catalog import UnknownInstanceTypeError, load_catalog
 from services.cost.report import cost_report
 
