@@ -128,7 +128,7 @@ def _trained_and_dropped(
             problems.append(f"iteration {it.iteration} published v{result.policy_version}, recorded v{it.policy_version}")
         if (len(result.trained_ids), result.dropped.count()) != (it.samples_trained, it.samples_dropped):
             problems.append(f"iteration {it.iteration}: recorded counts differ from its result")
-    # The chunks under runs/<run>/leftover/ (services.scheduler.loop), or one leftover.json of older runs.
+    # The chunks under runs/<run>/leftover/ (services.scheduler.apply), or one leftover.json of older runs.
     for key in backends.objects.list(leftover_key(run_id).removesuffix(".json")):
         if key.endswith(".json"):
             ids = list(json.loads(backends.objects.get_bytes(key))["run_ended"])

@@ -128,7 +128,8 @@ def assert_guarantees_held(home: Path, run: dict) -> Audit:
     finally:
         backends.close()
     assert audit.problems == []
-    assert run["samples"] == {"produced": audit.produced, "trained": audit.trained, "dropped": audit.dropped}
+    assert run["samples"] == {"produced": audit.produced, "trained": audit.trained, "dropped": audit.dropped,
+                              "filtered": audit.filtered}  # fmt: skip
     assert audit.prompts_committed > 0
     return audit
 

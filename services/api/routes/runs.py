@@ -23,7 +23,7 @@ PodName = Annotated[
     Path(max_length=63, pattern=r"^run-[0-9a-f]{1,40}-(train|rollout)-[0-9]{1,9}$",
          description="A pod of the run: `<run>-rollout-<slot>` or `<run>-train-<iteration>` (GET the run's pods for them)."),
 ]  # fmt: skip
-# A kept log holds the last 2000 lines (services.scheduler.loop.LOG_LINES_KEPT): more is never there.
+# A kept log holds the last 2000 lines (services.scheduler.apply.LOG_LINES_KEPT): more is never there.
 MAX_TAIL = 2000
 
 
