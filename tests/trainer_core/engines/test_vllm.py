@@ -5,7 +5,6 @@ that vLLM itself behaves so; that needs a GPU machine. Also the engine factory, 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import types
@@ -14,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from trainer_core.engines import make_engine
 from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
@@ -77,18 +75,7 @@ def stand_in_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return vllm_stand_in.install(monkeypatch)
 
 
-def _checkpoint(path: Path, dtype: str = "bfloat16") -> Path:
-    """A model directory as vLLM reads it: config.json and a safetensors file."""
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": dtype}))
-    save_file({"weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
-    return path
-
-
-def _adapter(path: Path, rank: int) -> Path:
-    path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "peft_type": "LORA"}))
-    return path
+_checkpoint, _adapter = vllm_stand_in.write_checkpoint, vllm_stand_in.write_adapter
 
 
 def test_generate_keeps_order_seeds_each_request_and_aborts_on_stop(
@@ -134,19 +121,6 @@ def test_a_full_weight_push_reloads_the_checkpoint_by_path_and_resets_the_prefix
     llm.busy_resets = 10**9
     with pytest.raises(RuntimeError, match="vLLM kept its prefix cache"):
         engine._reset_prefix_cache(timeout_s=0.1)
-
-
-def test_tensors_and_functions_do_not_cross_into_vllms_engine_process(
-    stand_in_vllm: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # What the old push, collective_rpc(a function, args=(tensors,)), met.
-    llm = VLLMEngine(_checkpoint(tmp_path / "m"))._llm
-    weights = [("weight", torch.zeros(2, 2))]
-    with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
-        llm.collective_rpc(lambda worker, w: worker.model_runner.model.load_weights(w), args=(weights,))
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    with pytest.raises(AttributeError, match="arrived as list \\['float32', \\[2, 2\\], 0\\]"):
-        llm.collective_rpc(lambda worker, w: worker.model_runner.model.load_weights(w), args=(weights,))
 
 
 def test_a_colocated_engine_pushes_tensors_in_process_and_sleeps(stand_in_vllm: types.ModuleType, tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ What it enforces, and where vLLM does the same:
   (entrypoints/llm.py:802, v1/core/block_pool.py:840-845).
 - a `lora_request` without `enable_lora` raises "LoRA is not enabled!"
   (v1/engine/input_processor.py:249); an adapter of rank above `max_lora_rank` is refused
-  (lora/peft_helper.py:130); LoRA ids start at 1 (lora/request.py:39).
+  (lora/peft_helper.py:130; vLLM raises it when a worker first loads the adapter, during the
+  step that schedules the request, the stand-in already in `add_request`); LoRA ids start at 1
+  (lora/request.py:39).
 - `sleep` frees memory only with `enable_sleep_mode` (its cumem allocator, config/model.py:621);
   vLLM itself then silently frees nothing, the stand-in raises. `wake_up` tags are
   "weights", "kv_cache", "scheduling" (entrypoints/llm.py:842).
@@ -30,7 +32,8 @@ What it enforces, and where vLLM does the same:
   requests only, otherwise also every unfinished one with all its tokens so far.
 
 Each request samples token 10 + its seed % 50 (in the tiny model's vocabulary), then token 2
-(two engine steps). Every `LLM` built since `install` is in `built`.
+(two engine steps). Every `LLM` built since `install` is in `built`. test_vllm_stand_in.py
+checks that each of these contracts fires.
 """
 
 from __future__ import annotations
@@ -249,6 +252,23 @@ class LLM:
             raise ValueError(f"wake_up tags must be in {WAKE_UP_TAGS}, not {tags}")
         self.calls.append(("wake_up", tags))
         self.sleeping -= set(tags or WAKE_UP_TAGS)
+
+
+def write_checkpoint(path: Path, dtype: str = "bfloat16") -> Path:
+    """A model directory as vLLM reads it: config.json (saved in `dtype`) and a safetensors file."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": dtype}))
+    save_file({"weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
+    return path
+
+
+def write_adapter(path: Path, rank: int) -> Path:
+    """A PEFT adapter directory, as far as the stand-in reads it (its rank)."""
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "peft_type": "LORA"}))
+    return path
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:

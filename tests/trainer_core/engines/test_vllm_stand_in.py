@@ -1,0 +1,214 @@
+"""The stand-in `vllm` (vllm_stand_in.py) itself. First, each contract of vLLM 0.31.0 that it
+enforces fires, so that the engine's tests passing against it keep meaning something. Then the
+calls that spotrl made before its vLLM engine was checked against vLLM's source (VLLMEngine
+before commit 9b16e2f, the rollout worker before c9ee3ce), replayed as they were: they fail
+against the stand-in wherever vLLM would fail them. What these tests cannot show is that vLLM
+itself behaves so; bench/vllm_gpu.py is the check for a GPU machine."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.trainer_core.engines import vllm_stand_in
+from tests.trainer_core.engines.vllm_stand_in import (
+    LLM,
+    LoRARequest,
+    RequestOutputKind,
+    SamplingParams,
+    TokensPrompt,
+    write_adapter,
+    write_checkpoint,
+)
+
+
+@pytest.fixture
+def vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """The stand-in as `import vllm` gives it, with vLLM's environment switches unset."""
+    return vllm_stand_in.install(monkeypatch)
+
+
+@pytest.fixture
+def model(vllm: types.ModuleType, tmp_path: Path) -> str:
+    """A model directory as vLLM reads it."""
+    return str(write_checkpoint(tmp_path / "base"))
+
+
+def _prompt() -> TokensPrompt:
+    return TokensPrompt(prompt_token_ids=[1, 2])
+
+
+def test_llm_takes_only_vllms_own_options_and_values(model: str) -> None:
+    # Every option spotrl's engine and bench/vllm_gpu.py pass is one of LLM's or EngineArgs'.
+    assert {
+        "dtype", "gpu_memory_utilization", "logprobs_mode", "enable_sleep_mode", "enable_lora", "max_lora_rank",
+        "max_model_len", "enforce_eager",
+    } <= vllm_stand_in.LLM_OPTIONS  # fmt: skip
+    LLM(model, dtype="float32", enable_lora=True, max_lora_rank=320, gpu_memory_utilization=1.0, enforce_eager=True)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['max_lora_ranks'\]"):
+        LLM(model, max_lora_ranks=8)
+    with pytest.raises(ValueError, match="dtype 'fp32' is not one of"):
+        LLM(model, dtype="fp32")
+    for rank in (0, 2, 4, 12, 1024):  # MaxLoRARanks: 1, 8, 16, 32, 64, 128, 256, 320, 512
+        with pytest.raises(ValueError, match=f"max_lora_rank {rank} is not one of"):
+            LLM(model, enable_lora=True, max_lora_rank=rank)
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            LLM(model, gpu_memory_utilization=share)
+
+
+def test_a_lora_request_needs_lora_enabled_and_an_adapter_within_max_lora_rank(model: str, tmp_path: Path) -> None:
+    rank_16, rank_32 = write_adapter(tmp_path / "r16", 16), write_adapter(tmp_path / "r32", 32)
+    with pytest.raises(ValueError, match="but LoRA is not enabled!"):
+        LLM(model).add_request("a", _prompt(), SamplingParams(), lora_request=LoRARequest("v1", 1, str(rank_16)))
+    default = LLM(model, enable_lora=True)  # max_lora_rank 16, vLLM's default
+    default.add_request("a", _prompt(), SamplingParams(), lora_request=LoRARequest("v1", 1, str(rank_16)))
+    with pytest.raises(ValueError, match="LoRA rank 32 is greater than max_lora_rank 16"):
+        default.add_request("b", _prompt(), SamplingParams(), lora_request=LoRARequest("v2", 2, str(rank_32)))
+    assert list(default.requests) == ["a"]
+    LLM(model, enable_lora=True, max_lora_rank=32).add_request(
+        "b", _prompt(), SamplingParams(), lora_request=LoRARequest("v2", 2, str(rank_32))
+    )
+    with pytest.raises(ValueError, match="id must be > 0"):
+        LoRARequest("v0", 0, str(rank_16))
+
+
+def test_sleep_needs_sleep_mode_and_a_sleeping_engine_does_no_work(model: str) -> None:
+    with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
+        LLM(model).sleep(level=1)
+    llm = LLM(model, enable_sleep_mode=True)
+    llm.add_request("a", _prompt(), SamplingParams())
+    llm.sleep(level=2)
+    with pytest.raises(RuntimeError, match="step while asleep"):
+        llm.step()
+    with pytest.raises(RuntimeError, match="reload_weights while the weights sleep"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
+    with pytest.raises(ValueError, match="wake_up tags must be in"):
+        llm.wake_up(tags=["weight"])
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
+    with pytest.raises(RuntimeError, match=r"step while asleep \(\['kv_cache'\]\)"):
+        llm.step()
+    llm.wake_up()
+    assert [o.finished for o in llm.step()] == [False]  # CUMULATIVE: unfinished requests come out too
+    assert llm.intermediate_outputs == 1
+
+
+def test_collective_rpc_arguments_cross_into_the_engine_process_by_msgpack(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(model)
+    assert llm.multiprocess  # VLLM_ENABLE_V1_MULTIPROCESSING unset: vLLM's default
+    version = write_checkpoint(tmp_path / "v1")
+    assert llm.collective_rpc("reload_weights", kwargs={"weights_path": str(version)}) == [None]  # a path crosses
+    assert llm.model == str(version)
+    with pytest.raises(RuntimeError, match="Cannot find any model weights"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path)})
+    with pytest.raises(TypeError, match="is not serializableSet VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+        llm.collective_rpc(lambda worker: None)
+    with pytest.raises(TypeError, match="<class 'object'> is not serializable"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": object()})
+    # A tensor crosses, but as a plain [dtype, shape, data] list.
+    with pytest.raises(AttributeError, match=r"arrived as list \['float32', \[3\], 0\]"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [("w", torch.zeros(3))]})
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    assert llm.collective_rpc(lambda worker, x: x + 1, args=(1,)) == [2]  # cloudpickled
+    with pytest.raises(TypeError, match="generator"):  # pickle cannot take an iterator of tensors
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": (w for w in [("w", torch.zeros(3))])})
+    # In process (VLLM_ENABLE_V1_MULTIPROCESSING=0 before LLM()), the call is direct.
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    local = LLM(model)
+    assert not local.multiprocess
+    local.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([("w", torch.zeros(3))])})
+    assert local.calls == [("reload_weights", ["w"])]
+
+
+def test_reset_prefix_cache_answers_false_while_requests_hold_the_cache(model: str) -> None:
+    llm = LLM(model)
+    assert llm.reset_prefix_cache() is True
+    llm.add_request("a", _prompt(), SamplingParams(seed=3, output_kind=RequestOutputKind.FINAL_ONLY))
+    assert llm.reset_prefix_cache() is False
+    assert llm.step() == []  # FINAL_ONLY: nothing until the request finishes
+    [done] = llm.step()
+    assert done.finished and done.outputs[0].token_ids == [13, 2]
+    assert llm.reset_prefix_cache() is True
+
+
+def test_requests_take_token_prompts_and_sampling_params_own_fields(model: str) -> None:
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['max_new_tokens'\]"):
+        SamplingParams(max_new_tokens=8)  # HF's name; vLLM's is max_tokens
+    llm = LLM(model)
+    with pytest.raises(TypeError, match="is not a TokensPrompt"):
+        llm.add_request("a", [1, 2], SamplingParams())
+    with pytest.raises(TypeError, match="prompt_token_ids must be ints"):
+        tensor_ids = TokensPrompt(prompt_token_ids=[torch.tensor(1)])  # type: ignore[list-item]
+        llm.add_request("a", tensor_ids, SamplingParams())
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        llm.add_request("a", _prompt(), {"max_tokens": 8})
+
+
+# The calls spotrl made before its vLLM engine was checked against vLLM's source.
+
+
+def _earlier_engine_llm(
+    vllm: types.ModuleType, model: str, *, colocated: bool = False, max_lora_rank: int | None = None
+) -> Any:
+    """`vllm.LLM` as VLLMEngine built it before 9b16e2f: LoRA only when given `max_lora_rank`,
+    taken as it came; no dtype (vLLM's "auto") and vLLM's default GPU share."""
+    lora = {"enable_lora": True, "max_lora_rank": max_lora_rank} if max_lora_rank else {}
+    return vllm.LLM(model=model, logprobs_mode="processed_logprobs", enable_sleep_mode=colocated, **lora)
+
+
+def _earlier_add_request(vllm: types.ModuleType, llm: Any, lora_request: Any = None) -> None:
+    """A request as the earlier `VLLMEngine.generate` added it."""
+    options = {
+        "temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "logprobs": 0, "stop_token_ids": [2], "detokenize": False
+    }  # fmt: skip
+    params = vllm.SamplingParams(**options)
+    llm.llm_engine.add_request("spotrl-0", {"prompt_token_ids": [1, 2]}, params, lora_request=lora_request)
+
+
+def test_the_earlier_rollout_worker_could_not_sample_a_lora_version(
+    vllm: types.ModuleType, model: str, tmp_path: Path
+) -> None:
+    # The worker built its engine with make_engine("vllm", model=..., tokenizer=...): no LoRA.
+    llm = _earlier_engine_llm(vllm, model)
+    _earlier_add_request(vllm, llm)  # the base version samples
+    adapter = write_adapter(tmp_path / "v1", 4)
+    with pytest.raises(ValueError, match="LoRA is not enabled!"):  # every adapter version after it
+        _earlier_add_request(vllm, llm, vllm_stand_in.LoRARequest("policy-1", 1, str(adapter)))
+
+
+def test_the_earlier_engine_took_the_runs_lora_rank_as_max_lora_rank(vllm: types.ModuleType, model: str) -> None:
+    for run_rank in (4, 12):  # not ranks vLLM allows as max_lora_rank
+        with pytest.raises(ValueError, match=f"max_lora_rank {run_rank} is not one of"):
+            _earlier_engine_llm(vllm, model, max_lora_rank=run_rank)
+
+
+def test_the_earlier_full_weight_push_did_not_cross_into_vllms_engine_process(
+    vllm: types.ModuleType, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = _earlier_engine_llm(vllm, model)
+
+    def _load_weights_on_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        worker.model_runner.model.load_weights(weights=named_tensors)  # as the earlier module's
+
+    weights = list(torch.nn.Linear(2, 2).state_dict().items())
+    with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+        llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    with pytest.raises(AttributeError, match=r"weight weight arrived as list \['float32', \[2, 2\], 0\]"):
+        llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+
+
+def test_the_earlier_engine_slept_without_sleep_mode_unless_built_colocated(vllm: types.ModuleType, model: str) -> None:
+    # Its sleep() called LLM.sleep whatever the engine was built with. No caller did so then:
+    # colocated runs did not use vLLM before issue 15.
+    with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
+        _earlier_engine_llm(vllm, model).sleep(level=2)
+    _earlier_engine_llm(vllm, model, colocated=True).sleep(level=2)
