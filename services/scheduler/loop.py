@@ -40,14 +40,10 @@ QUEUE_DELETIONS_PER_TICK = 10
 TEMPORARY_RETRY_CAP_S = 120.0
 
 
-def _log_decisions(run_id: str, actions: list[p.Action], observed: p.Observed) -> None:
-    """Each pod started or stopped, at INFO, with the figures it was decided on: what an operator
-    paying for the pods asks first."""
+def _decisions(actions: list[p.Action]) -> str:
+    """The pods ``actions`` start or stop, in words ("" for none)."""
     decided = [a for a in actions if isinstance(a, p.LaunchWorker | p.LaunchTraining | p.LaunchStandby | p.StopPod)]
-    if decided:
-        log.info("run %s: %s (prompt backlog %d, sample backlog %d, trainer committed %d, pods %s)", run_id,
-                 ", ".join(map(_describe, decided)), observed.prompt_backlog, observed.sample_backlog,
-                 observed.trainer_committed, ", ".join(f"{pod.name}:{pod.phase}" for pod in observed.pods) or "none")
+    return ", ".join(map(_describe, decided))
 
 
 def _describe(action: p.Action) -> str:
@@ -81,6 +77,7 @@ class Scheduler:
         self.leadership = Leadership(backends.state, settings.lease_seconds)
         self.applier = Applier(backends, settings, self.catalog)
         self._trouble: dict[str, _Trouble] = {}
+        self._logged: dict[str, str] = {}  # run -> the decisions last logged for it (_log_decisions)
 
     # --- the loop ---------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -182,10 +179,25 @@ class Scheduler:
         )
         observed = self.observe(row, pods, spec.samples_per_prompt, measure=spec.cost_policy == CostPolicy.COST_AWARE)
         actions = p.plan(state, observed)
-        _log_decisions(row.id, actions, observed)
+        self._log_decisions(row.id, actions, observed)
         for action in actions:
             self.applier.apply(action, spec)
         return actions
+
+    def _log_decisions(self, run_id: str, actions: list[p.Action], observed: p.Observed) -> None:
+        """Each pod started or stopped, at INFO, with the figures it was decided on: what an operator
+        paying for the pods asks first. The same decisions tick after tick (a stop the plan repeats
+        until the pod has ended) are logged once."""
+        decided = _decisions(actions)
+        if decided == self._logged.get(run_id, ""):
+            return
+        if not decided:
+            self._logged.pop(run_id, None)
+            return
+        self._logged[run_id] = decided
+        log.info("run %s: %s (prompt backlog %d, sample backlog %d, trainer committed %d, pods %s)", run_id, decided,
+                 observed.prompt_backlog, observed.sample_backlog, observed.trainer_committed,
+                 ", ".join(f"{pod.name}:{pod.phase}" for pod in observed.pods) or "none")  # fmt: skip
 
     def observe(self, row: RunRow, pods: list, group_size: int, measure: bool = True) -> p.Observed:
         """The run's world now; the sample topic's records are groups of ``group_size`` samples.

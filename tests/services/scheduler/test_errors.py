@@ -90,3 +90,19 @@ def test_unexpected_error_is_logged_once_per_distinct_error_and_retried_every_ti
     launcher.error = None
     scheduler.tick()
     assert backends.state.get_run(run_id).last_error is None
+
+
+def test_a_stop_the_plan_repeats_until_the_pod_ends_is_logged_once(
+    backends: Backends, scheduler: Scheduler, run_id: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler.tick()  # launches the worker
+    (worker,) = backends.launcher.running(run_id, "rollout")
+    monkeypatch.setattr(backends.launcher, "stop", lambda name, grace_s: None)  # it takes its grace period to end
+    backends.state.request_cancel(run_id)
+    with caplog.at_level(logging.INFO, logger="services.scheduler.loop"):
+        for _ in range(4):
+            scheduler.tick()  # StopPod each tick: level-triggered
+        backends.launcher.end(worker.name, -15)
+        scheduler.tick()
+    stops = [r.getMessage() for r in caplog.records if f"stop {worker.name}" in r.getMessage()]
+    assert len(stops) == 1, stops
