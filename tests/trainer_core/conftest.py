@@ -1,4 +1,4 @@
-"""Shared fixtures: a per-session model cache and the builtin "tiny" policy."""
+"""Shared fixtures: a per-session model cache, the builtin "tiny" policy and SmolLM2 converted once."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_policy(model_cache: Path) -> Policy:
     """A fresh copy per test (tests train it); the weights come from the session cache."""
     return load_policy("tiny", cache_dir=model_cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(model_cache: Path) -> Policy:
+    """SmolLM2-135M as `load_policy` returns it right after converting its GGUF (~25 s), done once
+    per session into the session cache and shared: read-only (a test that trains takes a copy)."""
+    assert not (model_cache / "smollm2-135m").exists(), "this fixture must be the one that converts it"
+    return load_policy("smollm2-135m", cache_dir=model_cache)
 
 
 @pytest.fixture

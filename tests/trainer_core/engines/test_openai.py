@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from openai_server import llama_server, smollm2_gguf
 
 from trainer_core.engines.hf import Completion, GenerationEngine, HFEngine, SamplingParams
-from trainer_core.models.loading import Policy, encode_prompt, load_policy
+from trainer_core.models.loading import Policy, encode_prompt
 from trainer_core.engines.openai import OpenAIEngine, ServerError, parse_choice, to_completion
 
 TEXTS = ("What is 2+2?", "Name a colour.")
@@ -29,8 +28,8 @@ MAX_TOL = 0.5
 
 
 @pytest.fixture(scope="module")
-def smollm2(model_cache: Path) -> Policy:
-    return load_policy("smollm2-135m", cache_dir=model_cache)
+def smollm2(smollm2_converted: Policy) -> Policy:
+    return smollm2_converted  # converted once per session, shared with the loading test
 
 
 @pytest.fixture(scope="module")

