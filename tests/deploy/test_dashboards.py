@@ -160,9 +160,13 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
         run_id = r.json()["id"]
         victim = _kill_a_worker_once_it_serves(served, run_id)
         run = served.wait_for(run_id, timeout_s=240)
+        ended = time.time()
         assert run["status"] == "SUCCEEDED", run["status_reason"]
-        time.sleep(2.5 * SCRAPE_S)  # the final state scraped
-        end = time.time()
+        # The final state scraped twice (a rate over it needs two samples): two scrapes of the API
+        # that began after the run was seen ended, awaited rather than slept for, and the range's
+        # last step on or after the second (steps fall on started + k * SCRAPE_S).
+        scraped = _api_scraped_after(prom, _api_scraped_after(prom, ended, timeout_s=30), timeout_s=30)
+        end = started + math.ceil((scraped - started) / SCRAPE_S) * SCRAPE_S
 
         out = Path(os.environ.get("SPOTRL_DASHBOARD_PNG_DIR") or tmp_path / "dashboards")
         out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +200,20 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
     finally:
         prom.close()
         dcgm.close()
+
+
+def _api_scraped_after(prom: Prometheus, after: float, timeout_s: float) -> float:
+    """The time of the first scrape of the API that began after ``after`` (Prometheus stamps a
+    scrape's samples with its start), once Prometheus has it; polled, not slept for. ``timestamp``
+    of the bare selector: of an expression (``up == 1``) it is the evaluation time, not the scrape's."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = prom.client.get("/api/v1/query", params={"query": 'timestamp(up{job="spotrl-api"})'})
+        result = r.json()["data"]["result"] if r.status_code == 200 else []
+        if result and float(result[0]["value"][1]) > after:
+            return float(result[0]["value"][1])
+        assert time.monotonic() < deadline, f"Prometheus scraped the API no more after the run ended: {r.text}"
+        time.sleep(0.05)
 
 
 def _kill_a_worker_once_it_serves(served: Served, run_id: str) -> str:
