@@ -159,6 +159,10 @@ def demo(
             "(restarted each time), then audit the run: nothing lost, trained twice or left unbilled.",
         ),
     ] = False,
+    iterations: Annotated[
+        int | None,
+        typer.Option(min=1, help="Training iterations (default: 3 for tiny, 5 otherwise); fewer make a quicker check."),
+    ] = None,
     home: HomeOption = None,
 ) -> None:
     """Train a policy on small arithmetic with GRPO, end to end on this machine, and print the bill."""
@@ -170,7 +174,8 @@ def demo(
     # A fresh state directory per demo; converted base models are cached across demos.
     os.environ.setdefault("SPOTRL_MODEL_CACHE", str(Path(".spotrl/models").resolve()))
     home = home or Path(".spotrl") / time.strftime("demo-%Y%m%d-%H%M%S")
-    ok = run_demo(model=model, settings=load_settings(home), summary_json=summary_json, chaos=ChaosPlan() if chaos else None)
+    ok = run_demo(model=model, settings=load_settings(home), summary_json=summary_json, chaos=ChaosPlan() if chaos else None,
+                  iterations=iterations)
     raise typer.Exit(0 if ok else 1)
 
 

@@ -38,8 +38,9 @@ from services.wiring import open_backends
 from trainer_core.models.loading import load_policy
 
 
-def demo_spec(model: str) -> dict[str, Any]:
-    """Sized to finish in minutes on 2 CPU cores: the real defaults (5000-sample batches) are for GPUs."""
+def demo_spec(model: str, iterations: int | None = None) -> dict[str, Any]:
+    """Sized to finish in minutes on 2 CPU cores: the real defaults (5000-sample batches) are for GPUs.
+    ``iterations`` (``spotrl demo --iterations``) replaces the model's default number of iterations."""
     tiny = model == "tiny"
     return {
         "name": "demo-arithmetic",
@@ -52,7 +53,7 @@ def demo_spec(model: str) -> dict[str, Any]:
         # 0.7: at 1.0 the 135M model mostly rambles; at 0.7 about a quarter of its answers are right.
         "sampling": {"temperature": 0.7, "max_new_tokens": 16 if tiny else 32},
         "batch_samples": 32 if tiny else 64,
-        "iterations": 3 if tiny else 5,
+        "iterations": iterations or (3 if tiny else 5),
         # On 2 CPU cores one worker and the training job keep both busy; on GPUs, raise max_workers.
         "rollout": {"instance_type": "g6.xlarge", "spot": True, "min_workers": 1, "max_workers": 1, "prompts_per_batch": 8},
         "training": {
@@ -88,7 +89,7 @@ def chaos_settings(settings: Settings, model: str) -> Settings:
 
 
 def run_demo(*, model: str, settings: Settings, summary_json: Path | None, console: Console | None = None,
-             chaos: ChaosPlan | None = None) -> bool:
+             chaos: ChaosPlan | None = None, iterations: int | None = None) -> bool:
     console = console or Console()
     if chaos is not None:
         settings = chaos_settings(settings, model)
@@ -111,7 +112,7 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
         with httpx.Client(base_url=base, timeout=30) as client:
             while not server.started:
                 time.sleep(0.05)
-            response = client.post("/v1/runs", json=demo_spec(model))
+            response = client.post("/v1/runs", json=demo_spec(model, iterations))
             response.raise_for_status()
             run = response.json()
             console.print(f"submitted {run['id']} ({model}); state in {settings.home}")
