@@ -79,10 +79,9 @@ def test_standby_takes_over_from_killed_leader_and_launches_nothing_twice(
     first = start_scheduler("first")
     wait_for(lambda: leader_pid(backends) == first.pid, timeout_s=60, message="the first scheduler leads")
     second = start_scheduler("second")
+    run_id = submit(backends, SPEC)  # at once: the second process starts while the first launches the run's pods
     wait_for(lambda: "stands by" in (tmp_path / "second.log").read_text(), timeout_s=60,
              message="the second scheduler stands by")
-
-    run_id = submit(backends, SPEC)
     wait_for(lambda: any(p.role == "training" for p in backends.launcher.list(run_id)), timeout_s=120,
              message="the first training job was launched")
     first.send_signal(signal.SIGKILL)  # mid-run, with its pods running
