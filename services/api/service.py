@@ -184,12 +184,11 @@ def _summary_fields(row: RunRow, spent: float) -> dict:
 
 def run_public(row: RunRow, *, state: StateStore, iterations_shown: int = DEFAULT_ITERATIONS_SHOWN) -> RunPublic:
     """The run with its latest ``iterations_shown`` iterations (and the count of all of them)."""
-    iterations = state.iterations(row.id)
-    latest = iterations[-iterations_shown:] if iterations_shown else []  # [-0:] would be all of them
+    latest = state.iterations(row.id, latest=iterations_shown)
     return RunPublic(
         **_summary_fields(row, state.spent_of([row.id], time.time())[row.id]),
         iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in latest],
-        iterations_total=len(iterations),
+        iterations_total=state.iteration_count(row.id),
         prompt_count=row.prompt_count,
         spec=RunSpec.from_stored(row.spec),
         last_error=row.last_error,
@@ -210,49 +209,40 @@ def get_run(*, backends: Backends, principal: Principal, run_id: str, iterations
     return run_public(_visible_run(backends.state, principal, run_id), state=backends.state, iterations_shown=iterations_shown)
 
 
-def _encode_cursor(row: RunRow) -> str:
-    return base64.urlsafe_b64encode(json.dumps([row.created_at, row.id]).encode()).decode()
+def _encode_cursor(*key: object) -> str:
+    """A page cursor: the sort key of the previous page's last item, as opaque text."""
+    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
 
 
-def _bad_cursor() -> InvalidCursorError:
-    return InvalidCursorError("`cursor` is not one this API returned: pass `next_cursor` of the previous page")
-
-
-def _decode_cursor(cursor: str) -> tuple[float, str]:
+def _decode_cursor(cursor: str, *types: type) -> tuple:
+    """The key ``_encode_cursor`` wrote, its items of ``types``; InvalidCursorError for any other
+    text. bool is an int, and json reads NaN and Infinity: none of them is a key this API hands out."""
     try:
-        created_at, run_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        # bool is an int, and json reads NaN and Infinity: none of them is a time this API hands out.
-        if isinstance(created_at, float | int) and not isinstance(created_at, bool) and math.isfinite(created_at) and isinstance(run_id, str):
-            return float(created_at), run_id
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
-        pass
-    raise _bad_cursor()
+        key = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        key = None
+    if (isinstance(key, list) and len(key) == len(types)
+            and all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(key, types, strict=True))
+            and all(math.isfinite(v) for v in key if isinstance(v, float))):  # fmt: skip
+        return tuple(key)
+    raise InvalidCursorError("`cursor` is not one this API returned: pass `next_cursor` of the previous page")
 
 
-def _encode_entry_cursor(entry_id: int) -> str:
-    return base64.urlsafe_b64encode(json.dumps(["ledger", entry_id]).encode()).decode()
-
-
-def _decode_entry_cursor(cursor: str) -> int:
-    """The id of the last ledger entry of the previous page."""
-    try:
-        tag, entry_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        if tag == "ledger" and isinstance(entry_id, int) and not isinstance(entry_id, bool):
-            return entry_id
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
-        pass
-    raise _bad_cursor()
+def _run_cursor_key(cursor: str) -> tuple[float, str]:
+    """(created_at, id) of the previous page's last run."""
+    created_at, run_id = _decode_cursor(cursor, float | int, str)
+    return float(created_at), run_id
 
 
 def list_runs(*, backends: Backends, principal: Principal, limit: int, cursor: str | None) -> RunsPublic:
     """One page of the caller's runs (every tenant's for an admin), oldest first."""
-    after = _decode_cursor(cursor) if cursor else None
+    after = _run_cursor_key(cursor) if cursor else None
     rows = backends.state.list_runs(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after)
     page = rows[:limit]
     spent = backends.state.spent_of([r.id for r in page], time.time())  # one query for the page
     return RunsPublic(
         runs=[RunSummaryPublic(**_summary_fields(r, spent[r.id])) for r in page],
-        next_cursor=_encode_cursor(page[-1]) if len(rows) > limit else None,
+        next_cursor=_encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None,
     )
 
 
@@ -267,7 +257,7 @@ def run_cost(
 ) -> CostPublic:  # fmt: skip
     """The run's bill over its whole ledger, with one page of the ledger's entries (oldest first,
     ``limit`` at most, after the entry ``cursor`` names)."""
-    after = _decode_entry_cursor(cursor) if cursor else None
+    after = _decode_cursor(cursor, int)[0] if cursor else None  # the previous page's last entry id
     row = _visible_run(backends.state, principal, run_id)
     entries = backends.state.ledger(run_id)
     now = time.time()
@@ -297,7 +287,7 @@ def run_cost(
             for e, dollars in page[:limit]
         ],
         entries_total=len(entries),
-        next_cursor=_encode_entry_cursor(page[limit - 1][0].id) if len(page) > limit else None,
+        next_cursor=_encode_cursor(page[limit - 1][0].id) if len(page) > limit else None,
     )
 
 

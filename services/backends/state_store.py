@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import String, and_, delete, make_url, or_, select, update
+from sqlalchemy import String, and_, delete, func, make_url, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
@@ -240,9 +240,17 @@ class StateStore(LedgerQueries):
             run.train_failures = 0
             run.next_train_at = 0.0
 
-    def iterations(self, run_id: str) -> list[IterationRow]:
+    def iterations(self, run_id: str, *, latest: int | None = None) -> list[IterationRow]:
+        """The run's iterations in order; with ``latest``, only the last that many (read as such)."""
+        query = select(IterationRow).where(IterationRow.run_id == run_id)
         with self._session() as s:
-            return list(s.scalars(select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration)))
+            if latest is None:
+                return list(s.scalars(query.order_by(IterationRow.iteration)))
+            return list(reversed(s.scalars(query.order_by(IterationRow.iteration.desc()).limit(latest)).all()))
+
+    def iteration_count(self, run_id: str) -> int:
+        with self._session() as s:
+            return s.scalar(select(func.count()).select_from(IterationRow).where(IterationRow.run_id == run_id)) or 0
 
     def policy_version(self, run_id: str) -> int:
         with self._session() as s:
