@@ -2,8 +2,9 @@
 
 No prompt lost, no sample trained twice, every queued sample trained or counted dropped (and the
 run's counters saying so), every sample generated either queued or dropped by dynamic sampling,
-policy versions increasing, every ledger entry closed, no pod left, the run ended. ``spotrl demo --chaos``, tests/test_chaos.py and the end-to-end tests audit their runs
-with ``audit_run``; each check below adds what it finds to the audit's ``problems``.
+policy versions increasing, every ledger entry closed, no pod left, the run ended.
+``spotrl demo --chaos``, tests/test_chaos.py and the end-to-end tests audit their runs with
+``audit_run``; each check below adds what it finds to the audit's ``problems``.
 
 Control plane only (no torch): it reads the queue, the object store, the state store and the
 launcher.
@@ -73,6 +74,7 @@ def audit_run(backends: Backends, run_id: str) -> Audit:
     """Check an ended run against the guarantees, from the queue, the object store, the state
     store and the launcher (module docstring). Problems are collected, not raised."""
     run = backends.state.get_run(run_id)
+    spec = RunSpec.from_stored(run.spec)
     problems: list[str] = []
     started = run.started_at is not None
     samples = [s for r in _read_all(backends.queue, samples_topic(run_id)) for s in decode_group(r.value)] if started else []
@@ -80,9 +82,9 @@ def audit_run(backends: Backends, run_id: str) -> Audit:
     trained, dropped, reasons = _trained_and_dropped(backends, run_id, iterations, problems)
     produced = [s.sample_id for s in samples]
     counted = _check_samples(run, produced, trained, dropped, problems)
-    _check_filtered(run, problems)
+    _check_filtered(run, spec, problems)
     versions = _check_policy_versions(backends, run, iterations, samples, problems)
-    prompts_committed = _check_prompts(backends, run, samples, problems) if started else 0
+    prompts_committed = _check_prompts(backends, run, spec.samples_per_prompt, samples, problems) if started else 0
     ledger = backends.state.ledger(run_id)
     open_entries = _check_ledger_and_pods(backends, run, ledger, problems)
     return Audit(
@@ -164,10 +166,9 @@ def _check_samples(run: RunRow, produced: list[str], trained: list[str], dropped
     return counted
 
 
-def _check_filtered(run: RunRow, problems: list[str]) -> None:
+def _check_filtered(run: RunRow, spec: RunSpec, problems: list[str]) -> None:
     """Samples dropped before queueing: only by dynamic sampling, and only whole groups. Which
     prompts they were is checked with the prompts (``_check_prompts``)."""
-    spec = RunSpec.from_stored(run.spec)
     if run.samples_filtered and not spec.training.dynamic_sampling:
         problems.append(f"{run.samples_filtered} samples dropped before queueing, without dynamic sampling")
     if run.samples_filtered % spec.samples_per_prompt:
@@ -196,9 +197,9 @@ def _check_policy_versions(
     return versions
 
 
-def _check_prompts(backends: Backends, run: RunRow, samples: list[Sample], problems: list[str]) -> int:
+def _check_prompts(backends: Backends, run: RunRow, n: int, samples: list[Sample], problems: list[str]) -> int:
     """No prompt lost: each prompt a worker committed became a whole group of samples, queued or
-    dropped by dynamic sampling. Returns how many prompts the workers committed.
+    dropped by dynamic sampling (``n`` samples a group). Returns how many prompts the workers committed.
 
     Dropped groups are a count, not ids: the committed prompts without a queued group must be at
     most that many groups. At most, not exactly: a worker that counted its drops and died before
@@ -212,7 +213,6 @@ def _check_prompts(backends: Backends, run: RunRow, samples: list[Sample], probl
     groups: dict[str, list[Sample]] = defaultdict(list)
     for s in samples:
         groups[s.group_id].append(s)
-    n = RunSpec.from_stored(run.spec).samples_per_prompt
     generated = Counter(g[0].prompt_id for g in groups.values() if len(g) == n)
     if broken := [gid for gid, g in groups.items() if len(g) != n]:
         problems.append(f"{len(broken)} groups of samples are not whole ({n} samples each), e.g. {broken[:3]}")
