@@ -50,10 +50,11 @@ prometheus: $(STAMP)
 chromium: $(STAMP)
 	$(PY) -m tests.servers.chromium
 
-# The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the suite.
+# The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the
+# suite as two pytest sessions side by side: the `slow` tests one after another, the rest beside them.
 test: $(STAMP) $(CHECKOV) kube-apiserver prometheus chromium
 	$(VENV)/bin/lint-imports --no-cache
-	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) -m pytest -q --durations=40
+	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) scripts/run_suite.py -q --durations=25
 
 # tests/deploy/test_terraform.py runs it on infra/terraform.
 $(CHECKOV):

@@ -1,0 +1,50 @@
+"""The whole test suite as two pytest sessions side by side, one per core (`make test` runs it).
+
+- `slow`: the tests marked slow, one after another. Each starts real processes (pods, schedulers,
+  servers) with 2 s leases and 1-2 s Kafka sessions; two of them at once on a 2-core machine
+  would starve each other.
+- `rest`: every other test, beside them.
+
+Each line of output is prefixed with its session's name. The exit status is the first failing
+session's (pytest's own: 5, no test collected, fails too), else 0. Arguments after the script's
+name go to both sessions, e.g. `--durations=20`. Ctrl-C reaches both (one process group), and
+each tears down what it started.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from typing import IO
+
+SESSIONS = {"slow": ["-m", "slow"], "rest": ["-m", "not slow"]}
+
+
+def _relay(name: str, stream: IO[str], lock: threading.Lock) -> None:
+    for line in stream:
+        with lock:
+            sys.stdout.write(f"{name} | {line}")
+            sys.stdout.flush()
+
+
+def main(args: list[str]) -> int:
+    lock = threading.Lock()
+    procs, relays = {}, []
+    for name, selection in SESSIONS.items():
+        procs[name] = proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *selection, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        relays.append(threading.Thread(target=_relay, args=(name, proc.stdout, lock)))
+        relays[-1].start()
+    codes = {name: proc.wait() for name, proc in procs.items()}
+    for relay in relays:
+        relay.join()
+    print(", ".join(f"{name}: pytest exit {code}" for name, code in codes.items()))
+    return next((code for code in codes.values() if code), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
