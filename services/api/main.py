@@ -16,7 +16,7 @@ from services.api.error_handlers import add_error_handlers
 from services.api.metrics import RunCollector
 from services.api.routes import datasets, health, plan, runs
 from services.config import Settings, get_settings
-from services.cost.live_prices import load_prices
+from services.cost.catalog import load_prices
 from services.scheduler.loop import Scheduler
 from services.wiring import open_backends
 

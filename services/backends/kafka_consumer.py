@@ -26,7 +26,7 @@ from services.backends.kafka_rebalance import RebalanceListener, SpotrlAssignor
 from services.backends.queue import CommitFailedError, MemberFencedError, Record
 
 if TYPE_CHECKING:
-    from services.backends.kafka_queue import KafkaSettings
+    from services.backends.kafka_settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ botocore's debug log lines, which would: the ``botocore`` logger is kept at INFO
 answer of the service, or of a connection that failed after its retries, becomes
 ``ObjectStoreConfigError`` (a permanent ``PermanentError``: credentials, permissions, no such
 bucket) or ``ObjectStoreUnavailableError`` (a ``TemporaryError``); a missing key is
-``ObjectNotFoundError`` as in every adapter.
+``ObjectNotFoundError`` as in every adapter (``services.backends.s3_errors``).
 """
 
 from __future__ import annotations
@@ -43,20 +43,11 @@ from urllib.parse import urlsplit
 import boto3
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectionError as BotoConnectionError,
-    HTTPClientError,
-    IncompleteReadError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ResponseStreamingError,
-)
+from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError, ResponseStreamingError
 from s3transfer.exceptions import RetriesExceededError
 
 from services.backends.object_store import ObjectNotFoundError, _check_key, _check_prefix, _folder_key
-from services.errors import PermanentError, TemporaryError
+from services.backends.s3_errors import ObjectStoreConfigError, ObjectStoreUnavailableError, s3_error, scrub
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -85,31 +76,7 @@ DELETE_BATCH = 1000
 # retried CompleteMultipartUpload whose first try had completed it, or a lifecycle abort).
 _UPLOAD_ATTEMPTS = 3
 
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                    "TokenRefreshRequired", "AuthorizationHeaderMalformed", "InvalidClientTokenId"}  # fmt: skip
-_DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
-# Besides any 5xx answer. NoSuchUpload: a multipart upload that vanished (retried whole, see _upload).
-_TEMPORARY = {"SlowDown", "Throttling", "RequestTimeout", "ServiceUnavailable", "InternalError", "NoSuchUpload"}
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-
-
-class ObjectStoreConfigError(PermanentError):
-    """The store refuses the request as configured (credentials, permissions, bucket): retrying
-    cannot help until the settings change. ``code``: S3's error code, or the client's error."""
-
-    def __init__(self, message: str, code: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class ObjectStoreUnavailableError(TemporaryError):
-    """The store did not answer, or answered with a server error, on every attempt. ``code``:
-    S3's error code, or the client's error (``ReadTimeoutError``, ``EndpointConnectionError``...)."""
-
-    def __init__(self, message: str, code: str = "") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class S3ObjectStore:
@@ -164,7 +131,7 @@ class S3ObjectStore:
             )
         except (ValueError, BotoCoreError) as err:
             raise ObjectStoreConfigError(
-                f"cannot open the S3 store s3://{bucket}/{self.root}: {_scrub(str(err))}. Check AWS_REGION and"
+                f"cannot open the S3 store s3://{bucket}/{self.root}: {scrub(str(err))}. Check AWS_REGION and"
                 " AWS_ENDPOINT_URL_S3"
             ) from None
         self.endpoint = self._client.meta.endpoint_url
@@ -345,54 +312,11 @@ class S3ObjectStore:
             self._raise(operation, key, err)
 
     def _raise(self, operation: str, key: str, err: Exception, note: str = "") -> NoReturn:
-        """Raise this port's error for ``err``, self-contained: the client's exception is not
-        chained on, since what it quotes is not ours to vet (what S3 said is, scrubbed)."""
-        at = f"{operation} s3://{self.bucket}/{self.root}{key} (endpoint {self.endpoint})"
-        code = type(err).__name__
-        if isinstance(err, ClientError):
-            error = err.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            detail = _scrub(f"{code}: {error.get('Message', '')}".strip(": ")) + (f"; {note}" if note else "")
-            status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            if code in _NOT_FOUND:
-                raise ObjectNotFoundError(f"no object {key!r} in s3://{self.bucket}/{self.root}", key) from None
-            if code == "NoSuchBucket":
-                error_class, message = ObjectStoreConfigError, (
-                    f"{at} failed: the bucket {self.bucket!r} does not exist ({detail}). Create it, or point"
-                    " SPOTRL_OBJECTS_URL at an existing one (and AWS_ENDPOINT_URL_S3 at its service)"
-                )
-            elif code in _BAD_CREDENTIALS:
-                error_class, message = ObjectStoreConfigError, (
-                    f"{at} failed: the service refused the credentials ({detail}). Check AWS_ACCESS_KEY_ID and"
-                    " AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, which expires), or the pod's IAM role, and the"
-                    " clock"
-                )
-            elif code in _DENIED:
-                error_class, message = ObjectStoreConfigError, (
-                    f"{at} failed: access denied ({detail}). Give these credentials s3:GetObject, s3:PutObject,"
-                    f" s3:DeleteObject and s3:ListBucket on s3://{self.bucket}/{self.root}* (without"
-                    " s3:ListBucket, S3 answers 403 for a missing key)"
-                )
-            elif status >= 500 or code in _TEMPORARY:
-                error_class, message = ObjectStoreUnavailableError, (
-                    f"{at} failed after {self.max_attempts} attempts: {detail}. The service is failing or"
-                    " throttling; this is retried later"
-                )
-            else:
-                error_class, message = ObjectStoreConfigError, f"{at} failed: {detail}"
-        elif isinstance(err, (NoCredentialsError, PartialCredentialsError)):
-            error_class, message = ObjectStoreConfigError, (
-                f"{at}: no usable AWS credentials ({_scrub(str(err))}). Set AWS_ACCESS_KEY_ID and"
-                " AWS_SECRET_ACCESS_KEY, or run with an IAM role"
-            )
-        elif isinstance(err, (BotoConnectionError, HTTPClientError, IncompleteReadError, RetriesExceededError)):
-            error_class, message = ObjectStoreUnavailableError, (
-                f"{at} failed after {self.max_attempts} attempts: {_scrub(str(err))}. Check that the endpoint is"
-                " reachable from here (AWS_ENDPOINT_URL_S3, AWS_REGION, network, proxy); this is retried later"
-            )
-        else:
-            error_class, message = ObjectStoreConfigError, f"{at} failed: {code}: {_scrub(str(err))}"
-        raise error_class(message, code) from None
+        """Raise this port's error for ``err`` (``s3_error``), self-contained: the client's exception
+        is not chained on, since what it quotes is not ours to vet (what S3 said is, scrubbed)."""
+        where = f"s3://{self.bucket}/{self.root}"
+        raise s3_error(err, operation=f"{operation} {where}{key} (endpoint {self.endpoint})", key=key, where=where,
+                       bucket=self.bucket, attempts=self.max_attempts, note=note) from None
 
 
 def _endpoint_in_use(endpoint_url: str | None) -> str | None:
@@ -411,13 +335,3 @@ def _endpoint_in_use(endpoint_url: str | None) -> str | None:
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     return int(value) if value.isdigit() and int(value) > 0 else None
-
-
-def _scrub(text: str) -> str:
-    """``text`` with the secret key and session token of the environment blanked, should a
-    message from below ever quote one."""
-    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-        secret = os.environ.get(name, "")
-        if len(secret) >= 8:
-            text = text.replace(secret, "***")
-    return text

@@ -9,17 +9,11 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from services.backends._sqlite import SqliteFile
-from services.backends.queue import (
-    CommitFailedError,
-    Consumer,
-    MemberFencedError,
-    Record,
-    UnknownTopicError,
-)
+from services.backends.queue import CommitFailedError, Consumer, MemberFencedError, Record
+from services.backends.sqlite_queue_groups import GroupView, committed_of, end_offsets_of, partitions_of, rebalance
 
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 # An idle poll re-reads the log this often while it waits for records.
@@ -80,84 +74,6 @@ def _partition_for_key(key: bytes, partitions: int) -> int:
     return zlib.crc32(key) % partitions
 
 
-def _partitions(conn: sqlite3.Connection, topic: str) -> int:
-    row = conn.execute("SELECT partitions FROM topics WHERE topic = ?", (topic,)).fetchone()
-    if row is None:
-        raise UnknownTopicError(f"topic {topic!r} does not exist: create it with create_topic first")
-    return int(row[0])
-
-
-def _end_offsets(conn: sqlite3.Connection, topic: str) -> dict[int, int]:
-    _partitions(conn, topic)
-    return dict(conn.execute("SELECT partition_id, end_offset FROM log_ends WHERE topic = ?", (topic,)))
-
-
-def _committed(conn: sqlite3.Connection, topic: str, group: str) -> dict[int, int]:
-    stored = dict(
-        conn.execute(
-            "SELECT partition_id, next_offset FROM commits WHERE group_id = ? AND topic = ?", (group, topic)
-        )
-    )
-    return {p: stored.get(p, 0) for p in range(_partitions(conn, topic))}
-
-
-@dataclass(frozen=True)
-class _GroupView:
-    """One snapshot of a group's membership, partition owners and commits on one topic."""
-
-    partitions: int
-    members: dict[str, tuple[str, float, float]]  # member id -> (instance, heartbeat_at, session_timeout_s)
-    owners: dict[int, tuple[str | None, int]]  # partition -> (member id, epoch)
-    committed: dict[int, int]
-
-    @classmethod
-    def read(cls, conn: sqlite3.Connection, topic: str, group: str) -> _GroupView:
-        key = (group, topic)
-        members = conn.execute(
-            "SELECT member_id, instance, heartbeat_at, session_timeout_s FROM members"
-            " WHERE group_id = ? AND topic = ?",
-            key,
-        )
-        owners = conn.execute(
-            "SELECT partition_id, member_id, epoch FROM owners WHERE group_id = ? AND topic = ?", key
-        )
-        return cls(
-            partitions=_partitions(conn, topic),
-            members={m: (instance, beat, timeout) for m, instance, beat, timeout in members},
-            owners={p: (m, epoch) for p, m, epoch in owners},
-            committed=_committed(conn, topic, group),
-        )
-
-    def owner(self, partition: int) -> tuple[str | None, int]:
-        return self.owners.get(partition, (None, 0))
-
-    def target_owners(self, now: float) -> dict[int, str | None]:
-        """Partitions dealt round-robin over the sorted ids of the live members."""
-        live = sorted(m for m, (_, beat, timeout) in self.members.items() if now - beat <= timeout)
-        return {p: live[p % len(live)] if live else None for p in range(self.partitions)}
-
-    def balanced(self, now: float) -> bool:
-        return all(self.owner(p)[0] == m for p, m in self.target_owners(now).items())
-
-
-def _rebalance(conn: sqlite3.Connection, topic: str, group: str, now: float) -> _GroupView:
-    """Drop expired members and hand their partitions to the live ones; returns the new view."""
-    conn.execute(
-        "DELETE FROM members WHERE group_id = ? AND topic = ? AND ? - heartbeat_at > session_timeout_s",
-        (group, topic, now),
-    )
-    view = _GroupView.read(conn, topic, group)
-    for partition, member in view.target_owners(now).items():
-        current, epoch = view.owner(partition)
-        if current != member:
-            conn.execute(
-                "INSERT INTO owners (group_id, topic, partition_id, member_id, epoch) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT DO UPDATE SET member_id = excluded.member_id, epoch = excluded.epoch",
-                (group, topic, partition, member, epoch + 1),
-            )
-    return _GroupView.read(conn, topic, group)
-
-
 class _SqliteConsumer:
     """A group member; its read positions live in this object, its membership in the file."""
 
@@ -202,7 +118,7 @@ class _SqliteConsumer:
         now = time.time()
         with self._file.write() as conn:
             view = self._heartbeat(conn, now, take_over=False, rejoin=False)
-            ends = _end_offsets(conn, self._topic)
+            ends = end_offsets_of(conn, self._topic)
             for partition, offset in offsets.items():
                 if partition not in ends or not 0 <= offset <= ends[partition]:
                     raise ValueError(
@@ -239,7 +155,7 @@ class _SqliteConsumer:
                 (self._group, self._topic, self._member_id, self._instance),
             )
             if conn.execute("SELECT 1 FROM topics WHERE topic = ?", (self._topic,)).fetchone():
-                _rebalance(conn, self._topic, self._group, time.time())
+                rebalance(conn, self._topic, self._group, time.time())
         self._positions, self._epochs = {}, {}
         self._on_close(self)
 
@@ -253,7 +169,7 @@ class _SqliteConsumer:
         if not join and now - self._heartbeat_at < self._session_timeout_s * _HEARTBEAT_FRACTION:
             # Fast path: a read-only check; most polls find the group unchanged and write nothing.
             with self._file.read() as conn:
-                view = _GroupView.read(conn, self._topic, self._group)
+                view = GroupView.read(conn, self._topic, self._group)
             holder = view.members.get(self._member_id)
             if holder is not None and holder[0] == self._instance and view.balanced(now):
                 self._adopt(view)
@@ -263,7 +179,7 @@ class _SqliteConsumer:
         self._heartbeat_at = now
         self._adopt(view)
 
-    def _heartbeat(self, conn: sqlite3.Connection, now: float, *, take_over: bool, rejoin: bool) -> _GroupView:
+    def _heartbeat(self, conn: sqlite3.Connection, now: float, *, take_over: bool, rejoin: bool) -> GroupView:
         """Record this member as alive and rebalance the group; returns the group after it.
 
         ``take_over``: a consumer holding this member id is replaced (joining); otherwise its
@@ -288,16 +204,16 @@ class _SqliteConsumer:
                 "UPDATE owners SET epoch = epoch + 1 WHERE group_id = ? AND topic = ? AND member_id = ?", key
             )
         elif row is None and not rejoin:
-            return _rebalance(conn, self._topic, self._group, now)
+            return rebalance(conn, self._topic, self._group, now)
         conn.execute(
             "INSERT INTO members (group_id, topic, member_id, instance, heartbeat_at, session_timeout_s)"
             " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET instance = excluded.instance,"
             " heartbeat_at = excluded.heartbeat_at, session_timeout_s = excluded.session_timeout_s",
             (*key, self._instance, now, self._session_timeout_s),
         )
-        return _rebalance(conn, self._topic, self._group, now)
+        return rebalance(conn, self._topic, self._group, now)
 
-    def _adopt(self, view: _GroupView) -> None:
+    def _adopt(self, view: GroupView) -> None:
         """Take the owned partitions from ``view``; a partition gained (or regained) restarts from the commit."""
         owned = {p: epoch for p, (m, epoch) in view.owners.items() if m == self._member_id}
         self._positions = {
@@ -378,9 +294,9 @@ class SqliteQueue:
                 raise TypeError(f"record values must be bytes, got {type(value).__name__}; encode them first")
         now = time.time()
         with self._file.write() as conn:
-            partitions = _partitions(conn, topic)
+            partitions = partitions_of(conn, topic)
             (round_robin,) = conn.execute("SELECT round_robin FROM topics WHERE topic = ?", (topic,)).fetchone()
-            ends = _end_offsets(conn, topic)
+            ends = end_offsets_of(conn, topic)
             rows = []
             for value, key in zip(values, keys if keys is not None else [None] * len(values)):
                 if key is None:
@@ -413,16 +329,16 @@ class SqliteQueue:
 
     def end_offsets(self, topic: str) -> dict[int, int]:
         with self._file.read() as conn:
-            return _end_offsets(conn, topic)
+            return end_offsets_of(conn, topic)
 
     def committed(self, topic: str, group: str) -> dict[int, int]:
         with self._file.read() as conn:
-            return _committed(conn, topic, group)
+            return committed_of(conn, topic, group)
 
     def backlog(self, topic: str, group: str) -> int:
         with self._file.read() as conn:
-            committed = _committed(conn, topic, group)
-            return sum(end - committed[p] for p, end in _end_offsets(conn, topic).items())
+            committed = committed_of(conn, topic, group)
+            return sum(end - committed[p] for p, end in end_offsets_of(conn, topic).items())
 
     def close(self) -> None:
         for consumer in list(self._consumers):

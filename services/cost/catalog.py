@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from services.config import get_settings
+from services.config import Settings, get_settings
 
 CAPACITY_TYPES = ("on-demand", "spot")
 
@@ -137,3 +137,14 @@ def load_catalog(path: Path | None = None) -> PriceCatalog:
 def _read_catalog(path: Path | None) -> PriceCatalog:
     text = path.read_text() if path else resources.files("services.cost").joinpath("catalog.json").read_text()
     return parse_catalog(json.loads(text))
+
+
+def load_prices(settings: Settings) -> PriceCatalog:
+    """The catalog (``load_catalog``), with live AWS spot prices when ``settings.live_prices``
+    (``services.cost.live_prices``, imported only then: boto3 is slow to import)."""
+    catalog = load_catalog()
+    if not settings.live_prices:
+        return catalog
+    from services.cost.live_prices import AwsSpotPrices, LivePriceCatalog
+
+    return LivePriceCatalog(catalog.currency, catalog.instances, AwsSpotPrices(settings.live_prices_ttl_s))

@@ -29,8 +29,7 @@ import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from services.config import Settings
-from services.cost.catalog import InstancePrice, PriceCatalog, load_catalog
+from services.cost.catalog import InstancePrice, PriceCatalog
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +128,3 @@ class LivePriceCatalog(PriceCatalog):
 
     def get(self, instance_type: str) -> InstancePrice:
         return self.spot_prices.apply(super().get(instance_type))
-
-
-def load_prices(settings: Settings) -> PriceCatalog:
-    """The catalog (``load_catalog``), with live AWS spot prices when ``settings.live_prices``."""
-    catalog = load_catalog()
-    if not settings.live_prices:
-        return catalog
-    return LivePriceCatalog(catalog.currency, catalog.instances, AwsSpotPrices(settings.live_prices_ttl_s))

@@ -21,8 +21,7 @@ from contracts.status import RunStatus
 from services.backends.state_schema import RunRow
 from services.config import Settings
 from services.cost.billing import billed_dollars
-from services.cost.catalog import PriceCatalog
-from services.cost.live_prices import load_prices
+from services.cost.catalog import PriceCatalog, load_prices
 from services.errors import PermanentError, TemporaryError
 from services.names import ROLLOUT_GROUP, TRAINER_GROUP, prompts_topic, result_key, samples_topic
 from services.runspec import CostPolicy, RunSpec

@@ -20,7 +20,8 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.partitioner import DefaultPartitioner
 
 from contracts.samples import Sample, decode_group, encode_group
-from services.backends.kafka_queue import KafkaQueue, KafkaSettings, KafkaUnavailableError, _partition_for_key
+from services.backends.kafka_queue import KafkaQueue, KafkaUnavailableError, _partition_for_key
+from services.backends.kafka_settings import KafkaSettings
 from services.names import TRAINER_GROUP, samples_topic
 from services.training.backlog import read_backlog, take_batch, trainer_consumer
 from services.wiring import open_queue

@@ -18,11 +18,8 @@ import pytest
 from botocore.stub import Stubber
 
 from services.backends.object_store import LocalObjectStore, ObjectNotFoundError, ObjectStore
-from services.backends.s3_object_store import (
-    ObjectStoreConfigError,
-    ObjectStoreUnavailableError,
-    S3ObjectStore,
-)
+from services.backends.s3_errors import ObjectStoreConfigError, ObjectStoreUnavailableError
+from services.backends.s3_object_store import S3ObjectStore
 from services.errors import PermanentError, TemporaryError
 from services.names import policy_prefix, result_key
 from services.wiring import open_object_store

@@ -12,7 +12,8 @@ import pytest
 
 from services.config import Settings
 from services.cost.catalog import load_catalog, parse_catalog
-from services.cost.live_prices import AwsSpotPrices, LivePriceCatalog, load_prices
+from services.cost.catalog import load_prices
+from services.cost.live_prices import AwsSpotPrices, LivePriceCatalog
 from tests.servers.process import free_port
 from tests.servers.s3 import S3Server
 
