@@ -5,7 +5,9 @@
   would starve each other.
 - `rest`: every other test, beside them.
 
-Each line of output is prefixed with its session's name. The exit status is the first failing
+Each session's test servers take ports from its own half of ``tests.servers.process``'s range
+(``SPOTRL_TEST_PORTS``), so the two never pick the same free port at once. Each line of output is
+prefixed with its session's name. The exit status is the first failing
 session's (pytest's own: 5, no test collected, fails too), else 0. Arguments after the script's
 name go to both sessions, e.g. `--durations=20`. Ctrl-C reaches both (one process group), and
 each tears down what it started.
@@ -13,12 +15,20 @@ each tears down what it started.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import IO
 
-SESSIONS = {"slow": ["-m", "slow"], "rest": ["-m", "not slow"]}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.servers.process import DEFAULT_PORTS, PORTS_ENV  # noqa: E402
+
+_LOW, _HIGH = DEFAULT_PORTS
+_MIDDLE = (_LOW + _HIGH) // 2
+# name: (pytest's selection, the ports its servers take)
+SESSIONS = {"slow": (["-m", "slow"], f"{_LOW}-{_MIDDLE}"), "rest": (["-m", "not slow"], f"{_MIDDLE + 1}-{_HIGH}")}
 
 
 def _relay(name: str, stream: IO[str], lock: threading.Lock) -> None:
@@ -31,10 +41,11 @@ def _relay(name: str, stream: IO[str], lock: threading.Lock) -> None:
 def main(args: list[str]) -> int:
     lock = threading.Lock()
     procs, relays = {}, []
-    for name, selection in SESSIONS.items():
+    for name, (selection, ports) in SESSIONS.items():
         procs[name] = proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", *selection, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env={**os.environ, PORTS_ENV: ports},
         )  # fmt: skip
         assert proc.stdout is not None
         relays.append(threading.Thread(target=_relay, args=(name, proc.stdout, lock)))

@@ -6,9 +6,9 @@ One run undisturbed, with evidence that each server was used; then two runs unde
 counted by the driver as it happened, and the same audit (``services.run_audit.audit_run``):
 
 - run A: rollout workers SIGKILLed mid-batch, the scheduler killed and restarted, Redis
-  unresponsive for 10 s;
+  unresponsive for ``OUTAGE_S`` (6 s);
 - run B: a training job killed after publishing its version, before its commit reached Kafka;
-  the broker unresponsive for 10 s; S3 unresponsive for 10 s while a version is published.
+  the broker unresponsive for 6 s; S3 unresponsive for 6 s while a version is published.
 
 A worker is killed at any point of its batch, queueing it included: each GRPO group is one Kafka
 record (``contracts.samples.encode_group``), which the broker appends whole or not at all, so no
@@ -60,7 +60,7 @@ from services.names import pod_log_key, policy_prefix, prompts_topic, samples_to
 from services.wiring import Backends, open_backends
 from tests.servers.kafka import TEST_SESSION_RANGE, KafkaBroker, tansu_binary
 from tests.servers.postgres import PostgresServer
-from tests.servers.process import wait_until_it_answers
+from tests.servers.process import free_port, wait_until_it_answers
 from tests.servers.redis import RedisServer
 from tests.servers.s3 import S3Bucket
 from tests.test_chaos import SPEC as CHAOS_SPEC
@@ -76,12 +76,6 @@ RUN_TIMEOUT_S = 240.0
 
 
 # --- a broker behind a link that can be cut --------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Link:
     """A TCP relay from a loopback port to ``127.0.0.1:upstream_port``, that can be cut.
 
@@ -214,7 +208,7 @@ class BrokerBehindLink(KafkaBroker):
     def __init__(self) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="spotrl-tansu-link-"))
         self._log = self._dir / "tansu.log"
-        broker_port = _free_port()
+        broker_port = free_port()
         self.link = Link(broker_port)
         self.port = self.link.port
         with self._log.open("wb") as log:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,10 +15,30 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
+# The ports free_port() picks from: below Linux's ephemeral range (32768-60999 by default), so no
+# outgoing connection takes a port between its pick and its server's bind. scripts/run_suite.py
+# gives each of its two sessions half of it, so they never pick the same port at once.
+PORTS_ENV = "SPOTRL_TEST_PORTS"
+DEFAULT_PORTS = (20000, 32767)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, never the same twice in a process: random in
+    ``$SPOTRL_TEST_PORTS`` (``low-high``; ``DEFAULT_PORTS`` without it)."""
+    low, high = (int(n) for n in os.environ.get(PORTS_ENV, "%d-%d" % DEFAULT_PORTS).split("-"))
+    for _ in range(1000):
+        port = random.randint(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {low}-{high} after 1000 tries")
 
 
 @contextlib.contextmanager

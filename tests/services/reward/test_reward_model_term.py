@@ -139,17 +139,15 @@ def test_the_cache_fingerprint_changes_when_the_reward_model_is_retrained(tmp_pa
 @pytest.fixture(scope="module")
 def reward_service(rm_dir: Path) -> Iterator[str]:
     """`spotrl reward-server`'s app on a free loopback port, serving the reward model of `rm_dir`."""
-    import socket
     import threading
     import time
 
     import uvicorn
 
     from services.reward.service import create_reward_app
+    from tests.servers.process import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_reward_app(rm_dir), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

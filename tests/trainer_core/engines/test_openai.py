@@ -9,7 +9,6 @@ A wrong temperature (log-probs at T=1 for a T=0.7 sample) measured a mean differ
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator, Sequence
 
 import httpx
@@ -21,6 +20,7 @@ from openai_server import llama_server, smollm2_gguf
 from trainer_core.engines.hf import Completion, GenerationEngine, HFEngine, SamplingParams
 from trainer_core.models.loading import Policy, encode_prompt
 from trainer_core.engines.openai import OpenAIEngine, ServerError, parse_choice, to_completion
+from tests.servers.process import free_port
 
 TEXTS = ("What is 2+2?", "Name a colour.")
 MEAN_TOL = 0.1
@@ -173,9 +173,7 @@ async def test_generate_blocks_inside_a_running_event_loop(engine: OpenAIEngine,
 def test_server_errors_say_what_to_do(server_url: str, smollm2: Policy) -> None:
     prompts = _prompts(smollm2, [TEXTS[0]])
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed_port = s.getsockname()[1]
+    closed_port = free_port()
     with pytest.raises(ServerError, match="could not connect .* start the completions server"):
         OpenAIEngine(f"http://127.0.0.1:{closed_port}", server="llama.cpp").generate(prompts, greedy)
     with pytest.raises(ServerError, match="HTTP 404.* base_url must be the root"):
