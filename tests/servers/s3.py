@@ -9,7 +9,8 @@ service looks. It keeps its objects in memory and is stopped by its PID when the
 
 Fixtures:
 - ``s3_server``: the session's server (``S3Server``: ``endpoint_url``, ``pid``, ``client()``,
-  ``paused()``).
+  ``paused()``, and ``checking_credentials()`` with ``iam_user()``: S3's authentication and
+  IAM permissions, which the server otherwise skips).
 - ``s3_bucket``: a fresh, empty bucket for one test (``S3Bucket``: ``name``, ``url`` of
   ``s3://<bucket>/spotrl`` for ``S3ObjectStore.from_url``, ``secret_key``), with the AWS
   settings of the environment pointing at the server: ``AWS_ENDPOINT_URL_S3``, a region, and
@@ -20,11 +21,13 @@ Fixtures:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +70,36 @@ class S3Server:
                           read_timeout=30),
         )  # fmt: skip
 
+    def iam_user(self, name: str, allow: list[str]) -> tuple[str, str]:
+        """A new IAM user of the server, allowed the S3 actions ``allow`` on every resource: its
+        access key id and secret (made while the server checks no credentials)."""
+        iam = boto3.session.Session(
+            aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key="admin-secret", region_name=REGION
+        ).client("iam", endpoint_url=self.endpoint_url)
+        iam.create_user(UserName=name)
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": allow, "Resource": "*"}]}
+        iam.put_user_policy(UserName=name, PolicyName="s3", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return key["AccessKeyId"], key["SecretAccessKey"]
+
+    @contextlib.contextmanager
+    def checking_credentials(self) -> Iterator[None]:
+        """While the block runs, the server checks every request as S3 does: its signature against
+        the IAM users' access keys (``InvalidAccessKeyId``, ``SignatureDoesNotMatch``), then the
+        user's policies (``AccessDenied``). moto's IAM authentication, switched on and off through
+        its ``/moto-api/reset-auth`` (the number of requests let through unchecked)."""
+        self._unchecked_requests("0")
+        try:
+            yield
+        finally:
+            self._unchecked_requests("inf")
+
+    def _unchecked_requests(self, count: str) -> None:
+        request = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset-auth", data=count.encode(), method="POST",
+                                         headers={"Content-Type": "text/plain"})  # as a form, moto reads no body
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            answer.read()
+
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """S3 unreachable for a while: the process is stopped (SIGSTOP), so connections are
         accepted by the kernel but nothing answers; SIGCONT at the end, and the server carries
@@ -83,6 +116,7 @@ class S3Bucket:
     server: S3Server
     name: str
     secret_key: str  # AWS_SECRET_ACCESS_KEY while the test runs
+    session_token: str  # AWS_SESSION_TOKEN likewise
 
     @property
     def url(self) -> str:
@@ -101,16 +135,17 @@ def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     """A fresh bucket on the session's server, and the environment a production pod would have."""
     for name in [n for n in os.environ if n.startswith("AWS_")]:
         monkeypatch.delenv(name)
-    secret = "s3cr3t-" + secrets.token_hex(16)
+    secret, token = "s3cr3t-" + secrets.token_hex(16), "t0ken-" + secrets.token_hex(16)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    monkeypatch.setenv("AWS_SESSION_TOKEN", "t0ken-" + secrets.token_hex(16))
+    monkeypatch.setenv("AWS_SESSION_TOKEN", token)
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    bucket = S3Bucket(server=s3_server, name=f"spotrl-test-{secrets.token_hex(6)}", secret_key=secret)
+    bucket = S3Bucket(server=s3_server, name=f"spotrl-test-{secrets.token_hex(6)}", secret_key=secret,
+                      session_token=token)
     client = s3_server.client()
     client.create_bucket(Bucket=bucket.name)
     yield bucket
