@@ -218,7 +218,7 @@ class KubernetesLauncher:
         self._core = client.CoreV1Api(api)
         self._batch = client.BatchV1Api(api)
         self._gpus = gpus
-        self._nodes: dict[str, dict[str, str]] = {}  # node name -> labels; a node's type never changes
+        self._nodes: dict[str, dict[str, Any]] = {}  # node name -> metadata; a node's type and birth never change
         self.pods = Watched(self._core.list_namespaced_pod, cfg.namespace)
         self.jobs = Watched(self._batch.list_namespaced_job, cfg.namespace)
 
@@ -261,11 +261,11 @@ class KubernetesLauncher:
         for pod in pods:
             owner = pod["metadata"]["labels"].get(POD_LABEL)
             if owner == pod["metadata"]["name"]:
-                statuses.append(status_of(pod, [pod], self._node_labels, self.cfg.spot_labels))
+                statuses.append(status_of(pod, [pod], self._node_metadata, self.cfg.spot_labels))
             else:
                 of_job.setdefault(owner, []).append(pod)
         for job in self.jobs.snapshot():
-            statuses.append(status_of(job, of_job.get(job["metadata"]["name"], []), self._node_labels,
+            statuses.append(status_of(job, of_job.get(job["metadata"]["name"], []), self._node_metadata,
                                       self.cfg.spot_labels))
         return sorted((s for s in statuses if run_id is None or s.run_id == run_id), key=lambda s: s.name)
 
@@ -326,7 +326,7 @@ class KubernetesLauncher:
         finally:
             response.release_conn()
 
-    def _node_labels(self, node: str) -> dict[str, str]:
+    def _node_metadata(self, node: str) -> dict[str, Any]:
         if node not in self._nodes:
             try:
                 found = self._read(self._core.read_node(node, _preload_content=False))
@@ -334,7 +334,7 @@ class KubernetesLauncher:
                 if e.status != 404:
                     raise
                 return {}  # the node has gone (a reclaimed spot machine): what was asked stands
-            self._nodes[node] = found["metadata"].get("labels", {})
+            self._nodes[node] = found["metadata"]
         return self._nodes[node]
 
     @staticmethod

@@ -216,15 +216,17 @@ def pod_ended(pod: dict[str, Any]) -> bool:
     return pod.get("status", {}).get("phase") in ("Succeeded", "Failed") or bool(never_ran)
 
 
-def status_of(obj: dict[str, Any], pods: list[dict[str, Any]], node_labels: Callable[[str], dict[str, str]],
+def status_of(obj: dict[str, Any], pods: list[dict[str, Any]], node_metadata: Callable[[str], dict[str, Any]],
               spot_labels: dict[str, str]) -> PodStatus:
-    """The PodStatus of a bare pod (``pods`` is itself) or of a Job (``pods`` are its pods, oldest first)."""
+    """The PodStatus of a bare pod (``pods`` is itself) or of a Job (``pods`` are its pods, oldest
+    first). ``node_metadata(name)``: a node's metadata (labels, creationTimestamp), {} if it is gone."""
     described = json.loads(obj["metadata"]["annotations"][SPEC_ANNOTATION])
     latest = pods[-1] if pods else None
     terminated = _terminated(latest) if latest else None
     instance_type, capacity_type = described["instance_type"], described["capacity_type"]
     node = latest["spec"].get("nodeName") if latest else None
-    labels = node_labels(node) if node else {}
+    labels = node_metadata(node).get("labels", {}) if node else {}
+    placed = [p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")]
     if labels:  # what the pod got; else (not on a node yet, or the node gone) what it asked for
         instance_type = labels.get(INSTANCE_TYPE_LABEL, instance_type)
         capacity_type = "spot" if any(labels.get(k) == v for k, v in spot_labels.items()) else "on-demand"
@@ -261,4 +263,6 @@ def status_of(obj: dict[str, Any], pods: list[dict[str, Any]], node_labels: Call
         pid=None,
         platform_name=latest["metadata"]["name"] if obj["kind"] == "Job" and latest else None,
         preempted=phase is PodPhase.FAILED and latest is not None and _disrupted(latest),
+        waiting_for_node=not placed,
+        node_joined_at=_time(node_metadata(placed[0]).get("creationTimestamp")) if placed else None,
     )

@@ -78,6 +78,11 @@ class PodStatus:
     # The platform's name of the pod it runs as, where that is not ``name``: a Kubernetes Job's
     # latest pod (``<job>-xxxxx``), the name GPU exporters (dcgm-exporter's ``pod``) label it with.
     platform_name: str | None = None
+    # Kubernetes: no node has held it yet (no capacity of its kind, or its node still starting),
+    # so no machine is billed for it; once one has, when that node joined the cluster (``None``
+    # where unknown, and for local pods, which never wait).
+    waiting_for_node: bool = False
+    node_joined_at: float | None = None
 
 
 class PodOutcome(StrEnum):

@@ -107,6 +107,16 @@ class LedgerQueries:
                 )
             )
 
+    def defer_ledger(self, pod: str, *, started_at: float) -> None:
+        """Start the pod's open entry at ``started_at`` if that is later: it had no machine before
+        (``services.scheduler.plan.DeferEntry``). A closed entry, or one starting later, is kept."""
+        with self._write() as s:
+            s.execute(
+                update(LedgerRow)
+                .where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None), LedgerRow.started_at < started_at)
+                .values(started_at=started_at)
+            )
+
     def ledger(self, run_id: str) -> list[LedgerEntry]:
         with self._session() as s:
             rows = s.scalars(select(LedgerRow).where(LedgerRow.run_id == run_id).order_by(LedgerRow.id))

@@ -10,6 +10,11 @@ on the node the last one left) runs on the machine already billed: it pays no ne
 the node's seconds between the two pods are billed to the newcomer. ``HANDOVER_SECONDS`` is how
 long an emptied node waits before the cluster takes it back (Karpenter's ``consolidateAfter`` in
 the chart's training pool); a pod starting later starts a new machine.
+
+A pod that waits for a node (on Kubernetes: no spot capacity of its kind, or a node starting)
+is billed from ``NODE_BOOT_SECONDS`` before its node joined the cluster, not from its launch:
+until a machine is started for it the provider bills nothing, and a budget must not run out on
+capacity that never came (``services.scheduler.plan``'s ``DeferEntry``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from services.cost.catalog import PriceCatalog
 # Roles whose pods hold a training node (services.scheduler.plan's ROLE_TRAINING and ROLE_STANDBY).
 NODE_ROLES = frozenset({"training", "standby"})
 HANDOVER_SECONDS = 30.0
+# An instance's boot before its node joins the cluster (a GPU node on EKS: about a minute): the
+# provider bills it, Kubernetes does not see it.
+NODE_BOOT_SECONDS = 60.0
 # Float noise in a ledger's start/end (e.g. 299.99999999) must not round up a whole increment.
 _EPSILON_S = 1e-6
 

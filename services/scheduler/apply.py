@@ -97,6 +97,8 @@ class Applier:
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.BillPod(pod):
                 self._bill(pod.run_id, pod.name, pod.role, pod.instance_type, pod.capacity_type, pod.started_at)
+            case p.DeferEntry(pod, started_at):
+                self.b.state.defer_ledger(pod, started_at=started_at)
             case p.CloseEntry(pod, ended_at, None):
                 log.warning("pod %s has an open ledger entry but was never launched; closed with nothing billed", pod)
                 self.b.state.close_ledger(pod, ended_at=ended_at)

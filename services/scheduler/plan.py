@@ -45,12 +45,7 @@ embedded launcher pays no start-up in any case). So keeping a node warm costs it
 and a cold start its start-up: the policy weighs the two (ski rental). ``spotrl simulate``
 (``services.simulate``) calls this same ``plan`` against a simulated world.
 
-The ledger is matched to the pods first, every tick: a pod without an entry (or a running one
-whose entry is closed) is billed from its start (``BillPod``); an ended pod whose entry is still
-open is closed at the pod's observed end (``CloseEntry`` with its outcome: a scheduler died, or a
-later action of its tick failed, before reaping it, so the entry is not billed on up to now);
-and an open entry without a pod is closed with nothing billed (``CloseEntry`` at its start: its
-scheduler died between opening the entry and launching the pod, which therefore never started).
+The ledger is matched to the pods first, every tick (``services.scheduler.ledger_match``).
 """
 
 from __future__ import annotations
@@ -60,8 +55,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
-from services.backends.launcher import PodOutcome, PodPhase, PodStatus, pod_outcome
+from services.backends.launcher import PodPhase, PodStatus
 from services.runspec import RunSpec
+from services.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
 from services.scheduler.policies import POLICIES, Estimates, PolicyInput
 
 ROLE_ROLLOUT = "rollout"
@@ -159,25 +155,6 @@ class StopPod:
 
 
 @dataclass(frozen=True)
-class BillPod:
-    """Open the ledger entry of a pod that has none, from its start: its scheduler died between
-    launching and billing it (a standby took over)."""
-
-    pod: PodStatus
-
-
-@dataclass(frozen=True)
-class CloseEntry:
-    """Close an open ledger entry at ``ended_at``: an ended pod's at its observed end, with how it
-    ended (``outcome``); one whose pod does not exist at its start, nothing billed (``outcome``
-    None: its scheduler died between opening it and launching the pod)."""
-
-    pod: str
-    ended_at: float
-    outcome: PodOutcome | None = None
-
-
-@dataclass(frozen=True)
 class ReapPod:
     """Close the pod's ledger entry at its end time and forget it."""
 
@@ -237,6 +214,7 @@ Action = (
     | LaunchStandby
     | StopPod
     | BillPod
+    | DeferEntry
     | CloseEntry
     | ReapPod
     | RecordIteration
@@ -250,28 +228,7 @@ Action = (
 
 def plan(run: RunState, observed: Observed) -> list[Action]:
     """Decide this tick's actions for one run: the ledger matched to the pods, then its life's next step."""
-    return _match_ledger(observed) + _next_step(run, observed)
-
-
-def _match_ledger(observed: Observed) -> list[Action]:
-    """Every pod billed while it runs, and no entry open without a pod (module docstring)."""
-    listed = {p.name for p in observed.pods}
-    actions: list[Action] = [
-        BillPod(p)
-        for p in observed.pods
-        if p.name not in observed.billed
-        # Running, yet its entries are closed: its launch raised (the entry was closed) but the pod started.
-        or (p.phase == PodPhase.RUNNING and p.name not in observed.open_entries)
-    ]
-    actions += [
-        CloseEntry(p.name, p.ended_at, pod_outcome(p))
-        for p in observed.pods
-        # Ended while its entry stayed open: bill it up to its end, not up to now. (An end the
-        # launcher does not know is closed by ReapPod, at the tick that sees the pod ended.)
-        if p.phase != PodPhase.RUNNING and p.ended_at is not None and p.name in observed.open_entries
-    ]
-    actions += [CloseEntry(pod, started) for pod, started in sorted(observed.open_entries.items()) if pod not in listed]
-    return actions
+    return match_ledger(observed) + _next_step(run, observed)
 
 
 def _next_step(run: RunState, observed: Observed) -> list[Action]:

@@ -10,6 +10,9 @@ SIGTERM and, once its grace period is over, SIGKILL; once ended it is deleted fo
 finalizer holds it). The pod log API works: the API server asks this kubelet's HTTPS endpoint
 (``/containerLogs/...``), which answers from the process's output.
 
+``spot_capacity`` (an Event, set) is the zone's spot capacity: cleared, pods that ask for spot
+stay Pending with no node, as when the cloud has none to give.
+
 ``JobController`` plays the Job controller: one pod at a time per Job from its template, the
 Job's status from the pods' ends, and the launcher's ``podFailurePolicy`` (v1.20 drops the
 field, so it is applied here as the launcher writes it: a pod with ``DisruptionTarget`` is
@@ -85,6 +88,10 @@ class Kubelet:
         self.dir = Path(tempfile.mkdtemp(prefix=f"spotrl-kubelet-{namespace}-"))
         self.processes: dict[str, _Process] = {}  # pod uid -> its process
         self._ended: set[str] = set()  # uids reported ended
+        # Cleared, the zone has no spot capacity: a pod that asks for spot waits unbound, no node
+        # is made for it, until it is set again (or the pod is deleted).
+        self.spot_capacity = threading.Event()
+        self.spot_capacity.set()
         self._stop = threading.Event()
         self._logs = self._serve_logs()
         self._thread = threading.Thread(target=_sync_until_stopped, args=(self.sync, self._stop, "kubelet"),
@@ -92,13 +99,16 @@ class Kubelet:
         self._thread.start()
 
     # --- the nodes and the log endpoint ---
+    @staticmethod
+    def wants_spot(pod: dict[str, Any]) -> bool:
+        terms = pod["spec"].get("affinity", {}).get("nodeAffinity", {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+        return any(e["operator"] == "In" and e["key"] == SPOT_LABEL for t in terms for e in t["matchExpressions"])
+
     def node_for(self, pod: dict[str, Any]) -> str:
         """A node fitting the pod's node selector and capacity affinity, created if need be."""
         selector = pod["spec"].get("nodeSelector") or {}
-        terms = pod["spec"].get("affinity", {}).get("nodeAffinity", {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
-        spot = any(e["operator"] == "In" and e["key"] == SPOT_LABEL for t in terms for e in t["matchExpressions"])
-        labels = {**selector, SPOT_LABEL: "spot" if spot else "on-demand"}
+        labels = {**selector, SPOT_LABEL: "spot" if self.wants_spot(pod) else "on-demand"}
         name = f"{self.namespace}-{labels.get('node.kubernetes.io/instance-type', 'any')}-{labels[SPOT_LABEL]}"
         name = name.replace(".", "-")
         try:
@@ -166,6 +176,8 @@ class Kubelet:
             if uid not in self.processes:
                 if pod["metadata"].get("deletionTimestamp"):
                     continue  # deleted before it started
+                if self.wants_spot(pod) and not self.spot_capacity.is_set():
+                    continue  # no node for it yet
                 self._start(pod)
                 continue
             proc = self.processes[uid]

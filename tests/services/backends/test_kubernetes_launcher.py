@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,7 @@ def node_status(node_labels: dict[str, str], pod_status: dict[str, Any], cfg: Ku
     pod["metadata"] |= {"creationTimestamp": "2026-12-01T10:00:00Z", "uid": "u"}
     pod["spec"]["nodeName"] = "node-a"
     pod["status"] = pod_status
-    return status_of(pod, [pod], lambda node: node_labels, cfg.spot_labels)
+    return status_of(pod, [pod], lambda node: {"labels": node_labels}, cfg.spot_labels)
 
 
 def test_the_node_labels_give_instance_and_capacity_type() -> None:
@@ -247,6 +248,23 @@ def test_a_preempted_spot_pod_is_reported_preempted(
 
     pod = wait_until_ended(launcher, "r-spot")  # still listed: the finalizer keeps it until reaped
     assert (pod.phase, pod.preempted, pod.exit_code) == (PodPhase.FAILED, True, -signal.SIGTERM)
+
+
+def test_a_spot_pod_without_capacity_waits_for_a_node_and_then_says_when_its_node_joined(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster, wait_for
+) -> None:
+    launcher = open_launcher_on()
+    kube_cluster.kubelet.spot_capacity.clear()  # the zone has none to give
+    launched = time.time()
+    launcher.launch(rollout_spec("r-wait", command=python(SLEEPS)))
+    (waiting,) = wait_for(launcher.list, message="the pod is listed")
+    assert (waiting.phase, waiting.waiting_for_node, waiting.node_joined_at) == (PodPhase.RUNNING, True, None)
+
+    kube_cluster.kubelet.spot_capacity.set()  # capacity comes back: a node is made for the pod
+    wait_for_log(launcher, "r-wait", "ready")
+    placed = wait_for(lambda: [p for p in launcher.list() if not p.waiting_for_node], message="the pod is on a node")[0]
+    assert placed.node_joined_at is not None and placed.node_joined_at >= int(launched)  # the API's stamps are whole seconds
+    assert placed.capacity_type == "spot"
 
 
 def test_pods_inherit_the_launchers_spotrl_settings(

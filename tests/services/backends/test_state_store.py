@@ -338,3 +338,16 @@ def test_postgresql_url_password_is_never_shown(postgres) -> None:
             StateStore(bad)
         shown = f"{failure.value} {failure.value!r} {failure.value.__cause__!r}"
         assert secret not in shown, shown
+
+
+def test_deferring_an_entry_only_ever_starts_an_open_one_later(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    kw = dict(run_id="r1", role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6,
+              price_source="test")
+    store.open_ledger(pod="waited", started_at=100.0, **kw)
+    store.defer_ledger("waited", started_at=160.0)  # its node came: billed from then
+    store.defer_ledger("waited", started_at=130.0)  # an older figure: kept at 160
+    store.open_ledger(pod="ran", started_at=100.0, **kw)
+    store.close_ledger("ran", ended_at=200.0)
+    store.defer_ledger("ran", started_at=150.0)  # closed: its bill stands
+    assert [(e.pod, e.started_at, e.ended_at) for e in store.ledger("r1")] == [("waited", 160.0, None), ("ran", 100.0, 200.0)]

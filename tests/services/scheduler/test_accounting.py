@@ -5,6 +5,8 @@ of `spotrl demo --chaos`."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import uuid
 
 import pytest
@@ -14,7 +16,9 @@ from contracts.samples import Sample, decode_group, encode_group
 from contracts.status import RunStatus
 from services.run_audit import audit_run
 from services.config import Settings
-from services.names import policy_prefix, prompts_topic, result_key, samples_topic
+from services.backends.launcher import PodSpec
+from services.cost.billing import NODE_BOOT_SECONDS
+from services.names import policy_prefix, prompts_topic, result_key, rollout_pod_name, samples_topic
 from services.runspec import RunSpec
 from services.scheduler.loop import Scheduler
 from services.scheduler.plan import MAX_PROMPTS_PER_TICK
@@ -294,3 +298,24 @@ def test_an_ended_runs_topics_are_deleted_after_the_retention(
                 b.queue.end_offsets(topic)
         else:
             assert b.queue.end_offsets(topic)
+
+
+def test_a_worker_waiting_for_a_node_is_not_billed_for_the_wait(
+    scripted_backends: Backends, settings: Settings, submit
+) -> None:
+    """On Kubernetes a spot pod may wait for capacity long after its launch: the provider bills
+    no machine meanwhile, so neither does the ledger (services.scheduler.ledger_match)."""
+    b, launcher = scripted_backends, scripted_backends.launcher
+    scheduler = Scheduler(b, settings)
+    run_id = submit(b, SPEC)
+    scheduler.tick()  # started
+    # Worker 0 as the scheduler launched it an hour ago: its entry opened, then the pod created.
+    name = rollout_pod_name(run_id, 0)
+    b.state.update_run(run_id, worker_slots_used=1)
+    b.state.open_ledger(run_id=run_id, role="rollout", pod=name, instance_type="g6.xlarge", capacity_type="spot",
+                        price_per_hour=0.35, price_source="test", started_at=time.time() - 3600)
+    launcher.launch(PodSpec(name, run_id, "rollout", ["worker"], {}, "g6.xlarge", "spot", {"slot": "0"}))
+    launcher.pods[name] = dataclasses.replace(launcher.pods[name], waiting_for_node=True)  # no spot capacity yet
+    scheduler.tick()
+    ((started, ended),) = entries(b, run_id)[name]
+    assert ended is None and started == pytest.approx(time.time() - NODE_BOOT_SECONDS, abs=5.0)

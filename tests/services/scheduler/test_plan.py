@@ -8,13 +8,16 @@ import pytest
 
 from contracts.status import RunStatus
 from services.backends.launcher import PodOutcome, PodPhase, PodStatus
+from services.cost.billing import NODE_BOOT_SECONDS
 from services.runspec import RunSpec
+from services.scheduler.ledger_match import DEFER_STEP_SECONDS
 from services.scheduler.plan import (
     BeginEnding,
     MAX_LEFTOVERS_PER_TICK,
     MAX_PROMPTS_PER_TICK,
     BillPod,
     CloseEntry,
+    DeferEntry,
     DropLeftovers,
     FinishRun,
     LaunchTraining,
@@ -218,3 +221,24 @@ def test_target_reward_run_keeps_one_batch_ahead_without_limit() -> None:
 def test_retry_delay_grows_and_is_capped() -> None:
     assert [retry_delay(k) for k in (1, 2, 3)] == [5.0, 10.0, 20.0]
     assert retry_delay(50) == 300.0
+
+
+def test_a_pod_waiting_for_a_node_is_billed_from_a_boot_before_its_node_joined() -> None:
+    """No machine is billed before one is started for the pod: while it waits (no spot capacity),
+    its entry's start follows now - NODE_BOOT_SECONDS a minute at a time; once its node has
+    joined, the entry starts a boot before that (services.cost.billing)."""
+    state = run(prompts_published=2, worker_slots_used=1)
+    waiting = dataclasses.replace(W0, waiting_for_node=True)
+    ledger = [a for a in plan(state, seen([waiting], prompts=2, entries={W0.name: NOW - 300})) if isinstance(a, DeferEntry)]
+    assert ledger == [DeferEntry(W0.name, NOW - NODE_BOOT_SECONDS)]
+    recent = NOW - NODE_BOOT_SECONDS - DEFER_STEP_SECONDS + 1  # moved on less than a step ago: not yet again
+    assert not [a for a in plan(state, seen([waiting], prompts=2, entries={W0.name: recent})) if isinstance(a, DeferEntry)]
+
+    placed = dataclasses.replace(W0, node_joined_at=NOW - 20)  # its node joined 20 s ago
+    ledger = [a for a in plan(state, seen([placed], prompts=2, entries={W0.name: NOW - 300})) if isinstance(a, DeferEntry)]
+    assert ledger == [DeferEntry(W0.name, NOW - 20 - NODE_BOOT_SECONDS)]
+    # A node that was up before the pod's launch (a warm node, an idle one): billed from the launch.
+    older_node = dataclasses.replace(W0, node_joined_at=NOW - 3600)
+    assert not [a for a in plan(state, seen([older_node], prompts=2, entries={W0.name: NOW - 300}))
+                if isinstance(a, DeferEntry)]
+
