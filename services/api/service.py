@@ -316,13 +316,14 @@ def run_pods(*, backends: Backends, principal: Principal, run_id: str) -> PodsPu
     """The run's pods that have a log: those the launcher still has (running, or ended and not
     yet reaped) and those whose log the scheduler kept in the object store when it reaped them."""
     _visible_run(backends.state, principal, run_id)
-    running = {p.name for p in backends.launcher.list(run_id)}
+    listed = {p.name: p for p in backends.launcher.list(run_id)}
     prefix = pod_logs_prefix(run_id)
     ended = {key.removeprefix(prefix).removesuffix(".log") for key in backends.objects.list(prefix) if key.endswith(".log")}
-    names = sorted(running | ended)
+    names = sorted(listed.keys() | ended)
     return PodsPublic(
         run_id=run_id,
-        pods=[PodPublic(name=n, role=role_of_pod(n), running=n in running) for n in names[:MAX_PODS_LISTED]],
+        pods=[PodPublic(name=n, role=role_of_pod(n), running=n in listed,
+                        waiting_for_node=n in listed and listed[n].waiting_for_node) for n in names[:MAX_PODS_LISTED]],
         truncated=len(names) > MAX_PODS_LISTED,
     )
 
