@@ -23,6 +23,9 @@ from services.runspec import CostPolicy, RunSpec
 DEFAULT_STARTUP_SECONDS = 90.0
 # The least a provider bills a launch (AWS's, GCP's and Alibaba's 60 s: services.cost.billing).
 MIN_BILLED_SECONDS = 60.0
+# The share of a run's deadline it waits for its first sample on spot capacity before new rollout
+# workers go on-demand (without a sample there is no pace to project the run's end from).
+UNMEASURED_DEADLINE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ def cost_aware(x: PolicyInput) -> Decision:
       new one is launched shortly before the batch is ready (never for less than the provider's
       billed minimum), so the job starts (almost) at once;
     - deadline: new workers go on-demand only when, at the run's pace so far, the samples still
-      to make would miss ``deadline_seconds``.
+      to make would miss ``deadline_seconds``, or when a quarter of it has gone by without a
+      single sample (``UNMEASURED_DEADLINE_SHARE``: a zone without spot capacity).
     """
     spec, e = x.spec, x.estimates
     publish = not (spec.staleness_bound == 0 and x.training_running)
@@ -147,11 +151,16 @@ def _keep_warm(x: PolicyInput) -> bool:
 
 
 def _deadline_at_risk(x: PolicyInput) -> bool:
+    """At the run's pace so far, the samples still to make would miss ``deadline_seconds``. Before
+    any sample, there is no pace: the deadline is at risk once ``UNMEASURED_DEADLINE_SHARE`` of it
+    has gone by without one (no spot capacity came), and not before."""
     deadline, e = x.spec.deadline_seconds, x.estimates
     if deadline is None or x.started_at is None or x.still_needed is None:
         return False
     elapsed = x.now - x.started_at
-    if elapsed < e.startup_seconds or x.samples_produced == 0:
+    if x.samples_produced == 0:
+        return elapsed >= max(e.startup_seconds, UNMEASURED_DEADLINE_SHARE * deadline)
+    if elapsed < e.startup_seconds:
         return False  # no pace measured yet
     pace = x.samples_produced / elapsed
     to_make = max(0, x.still_needed - x.queued_for_next)

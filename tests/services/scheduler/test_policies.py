@@ -117,6 +117,16 @@ def test_cost_aware_turns_to_on_demand_rollout_only_to_meet_the_deadline(deadlin
     assert actions and all(a.on_demand is on_demand for a in actions)
 
 
+@pytest.mark.parametrize(("elapsed", "on_demand"), [(200.0, False), (999.0, False), (1000.0, True)])
+def test_cost_aware_without_a_sample_waits_a_quarter_of_the_deadline_for_spot(elapsed: float, on_demand: bool) -> None:
+    # Nothing produced yet (no spot capacity): no pace to project, so a quarter of the 4000 s deadline.
+    run = replace(state("cost-aware", worker_slots_used=0, deadline_seconds=4000.0), started_at=NOW - elapsed,
+                  iterations_done=0, prompts_published=25, samples_produced=0)
+    actions = [a for a in plan(run, world([], prompts=25, samples=0, estimates=Estimates(None, None), produced=0))
+               if isinstance(a, LaunchWorker)]
+    assert actions and all(a.on_demand is on_demand for a in actions)
+
+
 def test_always_on_rollout_is_on_demand() -> None:
     actions = [a for a in plan(state("always-on", worker_slots_used=0), world([JOB], prompts=25, samples=100))
                if isinstance(a, LaunchWorker)]

@@ -54,6 +54,18 @@ def test_a_deadline_is_met_with_on_demand_rollout_where_spot_alone_misses_it() -
     assert simulate(scarce, CostPolicy.COST_AWARE, deadline).deadline_met is True
 
 
+def test_a_zone_without_spot_capacity_turns_to_on_demand_in_time_for_the_deadline() -> None:
+    """No sample ever comes from spot, so there is no pace to project: cost-aware waits a quarter
+    of the deadline for capacity, then starts its workers on-demand. Without a deadline it waits."""
+    none = parse_trace("none", {"metadata": {"gap_seconds": 60}, "data": [0]})
+    deadline = Workload(**{**SMALL.__dict__, "deadline_seconds": 7200.0, "horizon_days": 0.5})
+    met = simulate(none, CostPolicy.COST_AWARE, deadline)
+    assert met.deadline_met is True and met.samples_trained == 3 * 400
+    assert met.wall_seconds >= 0.25 * 7200  # it gave spot its quarter first
+    waited = simulate(none, CostPolicy.COST_AWARE, Workload(**{**SMALL.__dict__, "horizon_days": 0.5}))
+    assert not waited.finished and waited.dollars == 0
+
+
 def test_a_malformed_trace_says_what_is_expected() -> None:
     with pytest.raises(ValueError, match="gap_seconds"):
         parse_trace("bad", {"data": [1, 2]})
