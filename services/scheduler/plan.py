@@ -345,6 +345,11 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     )
     if to_publish and decision.publish:
         actions.append(PublishPrompts(run.run_id, run.prompts_published, to_publish))
+    if decision.on_demand:
+        # Spot workers still waiting for a node (Kubernetes) hold slots that on-demand ones fill.
+        waiting = [p for p in workers if p.waiting_for_node and p.capacity_type == "spot"]
+        actions += [StopPod(p.name) for p in waiting]
+        workers = [p for p in workers if p not in waiting]
     for i in range(decision.workers - len(workers)):
         actions.append(LaunchWorker(run.run_id, run.worker_slots_used + i, on_demand=decision.on_demand))
     for pod in workers[decision.workers:]:

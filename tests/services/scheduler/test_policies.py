@@ -127,6 +127,17 @@ def test_cost_aware_without_a_sample_waits_a_quarter_of_the_deadline_for_spot(el
     assert actions and all(a.on_demand is on_demand for a in actions)
 
 
+def test_spot_workers_waiting_for_a_node_give_their_slots_to_on_demand_ones() -> None:
+    # The deadline is at risk (as above) while the two spot workers still wait for capacity.
+    run = state("cost-aware", deadline_seconds=1500.0)
+    waiting = [replace(w, waiting_for_node=True) for w in WORKERS]
+    actions = launched(plan(run, world(waiting + [JOB], prompts=25, samples=100)))
+    assert actions == [StopPod("r-rollout-0"), StopPod("r-rollout-1"),
+                       LaunchWorker("r", 2, on_demand=True), LaunchWorker("r", 3, on_demand=True)]
+    # With time to spare they keep waiting for spot.
+    assert launched(plan(state("cost-aware", deadline_seconds=1_000_000.0), world(waiting + [JOB], prompts=25, samples=100))) == []
+
+
 def test_always_on_rollout_is_on_demand() -> None:
     actions = [a for a in plan(state("always-on", worker_slots_used=0), world([JOB], prompts=25, samples=100))
                if isinstance(a, LaunchWorker)]
