@@ -174,6 +174,10 @@ def preemptions() -> list[Panel]:
         Panel("Spot pods ended by outcome",
               (q(f"sum by (outcome) ({s('spotrl_pods_ended_total', spot)})", "{{outcome}}"),)),
         Panel("Running spot pods", (q(f"sum by (instance_type) ({s('spotrl_pods', spot)})", "{{instance_type}}"),)),
+        Panel("Spot pods waiting for capacity",
+              (q(f"sum by (instance_type) ({s('spotrl_pods_waiting_for_node', spot)})", "{{instance_type}}"),),
+              description="Launched with no node yet: the zone has no spot capacity of that type. Nothing is billed "
+                          "for them; with a deadline at risk, cost-aware starts on-demand workers in their place."),
     ]  # fmt: skip
 
 

@@ -86,19 +86,30 @@ class RunCollector(Collector):
                 self._run(f, r, now)
         yield from f.all()
 
-        pods = GaugeMetricFamily("spotrl_pods", "Running pods.", labels=_POD)
-        info = GaugeMetricFamily(
-            "spotrl_pod_info", "1 for each running pod: join DCGM_FI_DEV_GPU_UTIL{pod} to a run and role.", labels=[*_POD, "pod"]
+        pods = GaugeMetricFamily("spotrl_pods", "Running pods, on a node.", labels=_POD)
+        waiting = GaugeMetricFamily(
+            "spotrl_pods_waiting_for_node",
+            "Running pods that no node has taken yet (no capacity of their kind): nothing is billed for them.",
+            labels=_POD,
         )
-        counts: dict[tuple[str, str, str, str], int] = defaultdict(int)
+        info = GaugeMetricFamily(
+            "spotrl_pod_info", "1 for each pod on a node: join DCGM_FI_DEV_GPU_UTIL{pod} to a run and role.", labels=[*_POD, "pod"]
+        )
+        on_node: dict[tuple[str, str, str, str], int] = defaultdict(int)
+        unplaced: dict[tuple[str, str, str, str], int] = defaultdict(int)
         for pod in self.b.launcher.list():
             if pod.phase == PodPhase.RUNNING:
                 key = (pod.run_id, pod.role, pod.capacity_type, pod.instance_type)
-                counts[key] += 1
-                info.add_metric([*key, pod.platform_name or pod.name], 1)  # the name dcgm-exporter labels it with
-        for key, n in counts.items():
-            pods.add_metric(list(key), n)
+                if pod.waiting_for_node:
+                    unplaced[key] += 1
+                else:
+                    on_node[key] += 1
+                    info.add_metric([*key, pod.platform_name or pod.name], 1)  # the name dcgm-exporter labels it with
+        for key in sorted(on_node.keys() | unplaced.keys()):  # both series for each key, 0 included
+            pods.add_metric(list(key), on_node[key])
+            waiting.add_metric(list(key), unplaced[key])
         yield pods
+        yield waiting
         yield info
 
     def _run(self, f: _Families, r: RunRow, now: float) -> None:

@@ -422,7 +422,7 @@ def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespac
         launcher.close()
 
 
-async def test_the_api_lists_a_pod_that_waits_for_a_node(kube_cluster: Cluster, settings: Settings) -> None:
+async def test_the_api_lists_and_counts_a_pod_that_waits_for_a_node(kube_cluster: Cluster, settings: Settings) -> None:
     kube_cluster.kubelet.spot_capacity.clear()
     on_kubernetes = settings.model_copy(update={"launcher": "kubernetes", "kube_config": kube_cluster.server.kubeconfig,
                                                 "kube_namespace": kube_cluster.namespace})  # fmt: skip
@@ -437,4 +437,8 @@ async def test_the_api_lists_a_pod_that_waits_for_a_node(kube_cluster: Cluster, 
             app.state.backends.launcher.launch(PodSpec(pod, run_id, "rollout", python(SLEEPS), {}, "g6.xlarge", "spot",
                                                        {"slot": "0"}))  # fmt: skip
             listed = (await client.get(f"/v1/runs/{run_id}/pods")).json()["pods"]
+            metrics = (await client.get("/metrics")).text
     assert listed == [{"name": pod, "role": "rollout", "running": True, "waiting_for_node": True}]
+    labels = f'{{capacity_type="spot",instance_type="g6.xlarge",role="rollout",run="{run_id}"}}'
+    assert f"spotrl_pods_waiting_for_node{labels} 1.0" in metrics and f"spotrl_pods{labels} 0.0" in metrics
+    assert "spotrl_pod_info{" not in metrics  # no GPU of a node to join to
