@@ -5,8 +5,8 @@
   would starve each other.
 - `rest`: every other test, beside them.
 
-Each session's test servers take ports from its own half of ``tests.servers.process``'s range
-(``SPOTRL_TEST_PORTS``), so the two never pick the same free port at once. Each line of output is
+Each session's test servers take ports from its own slice of ``tests.servers.process``'s range
+(``SPOTRL_TEST_PORTS=k/n``), so the two never pick the same free port at once. Each line of output is
 prefixed with its session's name. The exit status is the first failing
 session's (pytest's own: 5, no test collected, fails too), else 0. Arguments after the script's
 name go to both sessions, e.g. `--durations=20`. Ctrl-C reaches both (one process group), and
@@ -19,16 +19,9 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import IO
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.servers.process import DEFAULT_PORTS, PORTS_ENV  # noqa: E402
-
-_LOW, _HIGH = DEFAULT_PORTS
-_MIDDLE = (_LOW + _HIGH) // 2
-# name: (pytest's selection, the ports its servers take)
-SESSIONS = {"slow": (["-m", "slow"], f"{_LOW}-{_MIDDLE}"), "rest": (["-m", "not slow"], f"{_MIDDLE + 1}-{_HIGH}")}
+SESSIONS = {"slow": ["-m", "slow"], "rest": ["-m", "not slow"]}  # name: pytest's selection
 
 
 def _relay(name: str, stream: IO[str], lock: threading.Lock) -> None:
@@ -41,11 +34,11 @@ def _relay(name: str, stream: IO[str], lock: threading.Lock) -> None:
 def main(args: list[str]) -> int:
     lock = threading.Lock()
     procs, relays = {}, []
-    for name, (selection, ports) in SESSIONS.items():
+    for k, (name, selection) in enumerate(SESSIONS.items()):
         procs[name] = proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", *selection, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            env={**os.environ, PORTS_ENV: ports},
+            env={**os.environ, "SPOTRL_TEST_PORTS": f"{k}/{len(SESSIONS)}"},
         )  # fmt: skip
         assert proc.stdout is not None
         relays.append(threading.Thread(target=_relay, args=(name, proc.stdout, lock)))

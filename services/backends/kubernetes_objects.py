@@ -226,7 +226,7 @@ def status_of(obj: dict[str, Any], pods: list[dict[str, Any]], node_metadata: Ca
     instance_type, capacity_type = described["instance_type"], described["capacity_type"]
     node = latest["spec"].get("nodeName") if latest else None
     labels = node_metadata(node).get("labels", {}) if node else {}
-    placed = [p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")]
+    first_node = next((p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")), None)
     if labels:  # what the pod got; else (not on a node yet, or the node gone) what it asked for
         instance_type = labels.get(INSTANCE_TYPE_LABEL, instance_type)
         capacity_type = "spot" if any(labels.get(k) == v for k, v in spot_labels.items()) else "on-demand"
@@ -263,6 +263,6 @@ def status_of(obj: dict[str, Any], pods: list[dict[str, Any]], node_metadata: Ca
         pid=None,
         platform_name=latest["metadata"]["name"] if obj["kind"] == "Job" and latest else None,
         preempted=phase is PodPhase.FAILED and latest is not None and _disrupted(latest),
-        waiting_for_node=not placed,
-        node_joined_at=_time(node_metadata(placed[0]).get("creationTimestamp")) if placed else None,
+        waiting_for_node=first_node is None,
+        node_joined_at=_time(node_metadata(first_node).get("creationTimestamp")) if first_node else None,
     )

@@ -109,7 +109,7 @@ class LedgerQueries:
 
     def defer_ledger(self, pod: str, *, started_at: float) -> None:
         """Start the pod's open entry at ``started_at`` if that is later: it had no machine before
-        (``services.scheduler.plan.DeferEntry``). A closed entry, or one starting later, is kept."""
+        (``services.scheduler.ledger_match.DeferEntry``). A closed entry, or one starting later, is kept."""
         with self._write() as s:
             s.execute(
                 update(LedgerRow)

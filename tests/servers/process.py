@@ -16,17 +16,23 @@ from pathlib import Path
 
 
 # The ports free_port() picks from: below Linux's ephemeral range (32768-60999 by default), so no
-# outgoing connection takes a port between its pick and its server's bind. scripts/run_suite.py
-# gives each of its two sessions half of it, so they never pick the same port at once.
-PORTS_ENV = "SPOTRL_TEST_PORTS"
-DEFAULT_PORTS = (20000, 32767)
+# outgoing connection takes a port between its pick and its server's bind. Sessions side by side
+# (scripts/run_suite.py) each take a slice of their own, ``SPOTRL_TEST_PORTS=k/n`` (the k-th of n,
+# from 0), so they never pick the same port at once.
+PORTS = (20000, 32767)
 _handed_out: set[int] = set()
 
 
+def _port_range() -> tuple[int, int]:
+    k, n = (int(x) for x in os.environ.get("SPOTRL_TEST_PORTS", "0/1").split("/"))
+    size = (PORTS[1] - PORTS[0] + 1) // n
+    return PORTS[0] + k * size, PORTS[0] + (k + 1) * size - 1
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on now, never the same twice in a process: random in
-    ``$SPOTRL_TEST_PORTS`` (``low-high``; ``DEFAULT_PORTS`` without it)."""
-    low, high = (int(n) for n in os.environ.get(PORTS_ENV, "%d-%d" % DEFAULT_PORTS).split("-"))
+    """A loopback port nothing listens on now, never the same twice in a process: random in this
+    session's slice of ``PORTS``."""
+    low, high = _port_range()
     for _ in range(1000):
         port = random.randint(low, high)
         if port in _handed_out:
