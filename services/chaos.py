@@ -16,8 +16,9 @@ are local processes and, from two threads, disrupts it for real:
 - SIGKILLs the scheduler, or stops it with SIGTERM (which releases its lease), and starts a new
   one each time: the new one resumes from the state store and the launcher's pods;
 - where the backends are real servers the monkey can stop (``Levers``): makes the queue's
-  brokers or the reward cache unresponsive for ``outage_s``, by turns with the above, and the
-  object store while a training job publishes its policy version (instead of killing that job).
+  brokers or the reward cache unresponsive for ``outage_s``, by turns with the above (the reward
+  cache longer if need be, until a worker's lookups have failed on it), and the object store
+  while a training job publishes its policy version (instead of killing that job).
 
 ``services.run_audit.audit_run`` then checks the run against README "Guarantees";
 ``spotrl demo --chaos`` and tests/test_chaos.py both use the two.
@@ -67,6 +68,9 @@ _LOCK_HOLD_MAX_S = 15.0
 _INTO_COMMIT_S = 0.5
 # Longest the monkey waits for a job that published through an object store outage to write its result.
 _RESULT_WAIT_S = 120.0
+# Longest a reward cache outage goes on past ``outage_s`` for a worker to meet it: the worker caught
+# computing may have been loading its model, and the others waiting for a new policy.
+_MEET_MAX_S = 60.0
 
 
 class Chaos:
@@ -239,7 +243,8 @@ class Chaos:
                     # While a worker computes its batch: it looks the batch's rewards up next.
                     if done := flowing and any(_computing(w.pid) for w in workers if w.pid):
                         assert self.levers.reward_cache_outage is not None  # checked in __init__
-                        self._outage(turn, self.levers.reward_cache_outage, produced)
+                        met = self._reward_cache_errors_grew()
+                        self._outage(turn, self.levers.reward_cache_outage, produced, met=met)
                 elif turn == "queue" and len(tally.of(turn)) < plan.queue_outages:
                     # While a worker computes its batch: it queues its samples and commits its prompts next.
                     if done := flowing and any(_computing(w.pid) for w in workers if w.pid):
@@ -256,13 +261,27 @@ class Chaos:
         """Groups of samples queued so far (a record each)."""
         return sum(self.b.queue.end_offsets(samples_topic(self.run_id)).values())
 
+    def _reward_cache_errors_grew(self) -> Callable[[], bool]:
+        """Whether the run's workers have reported reward cache errors since this call (they
+        report after each batch)."""
+
+        def errors() -> int:
+            return sum(w.reward_cache_errors for w in self.b.state.worker_stats(self.run_id))
+
+        before = errors()
+        return lambda: errors() > before
+
     def _outage(self, server: str, lever: Callable[[], AbstractContextManager[object]], produced: int,
-                iteration: int | None = None) -> None:
-        """``server`` unresponsive for ``outage_s`` (the run goes on, or waits, meanwhile)."""
+                iteration: int | None = None, met: Callable[[], bool] | None = None) -> None:
+        """``server`` unresponsive for ``outage_s`` (the run goes on, or waits, meanwhile), and
+        then, where ``met`` is given, until it says the run met the outage (or ``_MEET_MAX_S`` more)."""
         log.info("chaos: %s unresponsive for %.0f s", server, self.plan.outage_s)
         started = time.monotonic()
         with lever():
             self._stop.wait(self.plan.outage_s)  # cut short only when the monkey is stopped
+            until = time.monotonic() + _MEET_MAX_S
+            while met is not None and not met() and time.monotonic() < until and not self._stop.is_set():
+                self._stop.wait(_LOOK_S)
         seconds = time.monotonic() - started
         self.tally.outages.append(Outage(server, seconds, self._produced() - produced, iteration))
         log.info("chaos: %s answers again after %.1f s", server, seconds)
