@@ -9,8 +9,8 @@ import httpx
 import pytest
 import torch
 
-from services.api.main import create_app
 from services.config import Settings
+from tests.app_client import app_client
 
 # Real servers for the production adapters' tests, each started once per session on free
 # loopback ports (tests/servers/<name>.py).
@@ -44,11 +44,8 @@ def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Settin
 @pytest.fixture
 async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """The API without its scheduler loop: validation and bookkeeping only."""
-    app = create_app(settings, with_scheduler=False)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as client:
-            client.app = app  # type: ignore[attr-defined]
-            yield client
+    async with app_client(settings) as client:
+        yield client
 
 
 @pytest.fixture

@@ -14,12 +14,12 @@ import pytest
 from services import prompts
 from services.api import service
 from services.api.auth import NO_AUTH
-from services.api.main import create_app
 from services.backends.state_schema import IterationRow
 from services.names import tenant_object_key
 from services.prompts import MAX_LINE_CHARS, MAX_PROMPTS, InvalidPromptsError, JsonlParser, parse_jsonl, to_jsonl
 from services.api.service import SpecFieldError, check_spec_for_server
 from services.runspec import PromptItem, RunSpec
+from tests.app_client import app_client
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}]
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
@@ -80,10 +80,8 @@ async def test_a_bad_line_of_a_data_file_is_named_without_its_content(api: httpx
 async def test_a_file_over_the_limit_is_refused_unread(settings, tmp_path: Path) -> None:
     big = tmp_path / "data" / "big.jsonl"
     big.write_text('{"prompt": "x"}\n' * 10_000)  # 160 kB against a 64 kB limit
-    app = create_app(settings.model_copy(update={"max_dataset_bytes": 64 << 10}), with_scheduler=False)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
-            await refused(api, spec(prompts=str(big)), "prompts", "larger than the 65536-byte limit")
+    async with app_client(settings, max_dataset_bytes=64 << 10) as api:
+        await refused(api, spec(prompts=str(big)), "prompts", "larger than the 65536-byte limit")
 
 
 @pytest.mark.parametrize(
@@ -158,35 +156,31 @@ async def test_inline_prompts_are_bounded_and_not_echoed(api: httpx.AsyncClient)
 
 
 async def test_a_body_over_the_limit_is_refused_before_it_is_read(settings) -> None:
-    app = create_app(settings.model_copy(update={"max_body_bytes": 64 << 10}), with_scheduler=False)
     big = json.dumps(spec(prompts=[{"prompt": "x" * 1000}] * 100)).encode()  # ~100 kB
 
     async def chunked():  # no Content-Length: counted as it arrives
         for i in range(0, len(big), 8192):
             yield big[i : i + 8192]
 
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
-            for content in (big, chunked()):
-                r = await api.post("/v1/runs", content=content, headers={"Content-Type": "application/json"})
-                assert r.status_code == 413, r.text
-                assert "65536 bytes" in r.json()["detail"]
-            assert (await api.get("/v1/runs")).json()["runs"] == []
-            small = await api.post("/v1/runs", json=spec())
-            assert small.status_code == 201
+    async with app_client(settings, max_body_bytes=64 << 10) as api:
+        for content in (big, chunked()):
+            r = await api.post("/v1/runs", content=content, headers={"Content-Type": "application/json"})
+            assert r.status_code == 413, r.text
+            assert "65536 bytes" in r.json()["detail"]
+        assert (await api.get("/v1/runs")).json()["runs"] == []
+        small = await api.post("/v1/runs", json=spec())
+        assert small.status_code == 201
 
 
 async def test_an_upload_over_its_limit_is_413_and_a_bad_upload_422(settings) -> None:
-    app = create_app(settings.model_copy(update={"max_dataset_bytes": 4096}), with_scheduler=False)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
-            r = await api.post("/v1/datasets", content=b'{"prompt": "x"}\n' * 1000)
-            assert r.status_code == 413
-            r = await api.post("/v1/datasets", content=b'{"prompt": "x"}\n{"question": "y"}\n')
-            assert (r.status_code, r.json()["detail"][0]["loc"]) == (422, ["body"])
-            assert "line 2" in r.json()["detail"][0]["msg"]
-            r = await api.post("/v1/datasets", content=b"\xff\xfe" * 100)
-            assert r.status_code == 422
+    async with app_client(settings, max_dataset_bytes=4096) as api:
+        r = await api.post("/v1/datasets", content=b'{"prompt": "x"}\n' * 1000)
+        assert r.status_code == 413
+        r = await api.post("/v1/datasets", content=b'{"prompt": "x"}\n{"question": "y"}\n')
+        assert (r.status_code, r.json()["detail"][0]["loc"]) == (422, ["body"])
+        assert "line 2" in r.json()["detail"][0]["msg"]
+        r = await api.post("/v1/datasets", content=b"\xff\xfe" * 100)
+        assert r.status_code == 422
 
 
 async def chunked(data: bytes, size: int):
@@ -196,17 +190,15 @@ async def chunked(data: bytes, size: int):
 
 
 async def test_an_upload_one_byte_over_its_limit_is_413_whether_it_says_its_length_or_not(settings) -> None:
-    app = create_app(settings.model_copy(update={"max_dataset_bytes": 4096}), with_scheduler=False)
     at_limit = b'{"prompt": "x"}\n' * 256  # 4096 bytes
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
-            for content in (at_limit + b"\n", chunked(at_limit + b"\n", 1000)):
-                r = await api.post("/v1/datasets", content=content)
-                assert r.status_code == 413, r.text
-                assert "4096 bytes" in r.json()["detail"]
-            for content in (at_limit, chunked(at_limit, 1000)):
-                r = await api.post("/v1/datasets", content=content)
-                assert (r.status_code, r.json()["prompts"], r.json()["bytes"]) == (201, 256, 4096), r.text
+    async with app_client(settings, max_dataset_bytes=4096) as api:
+        for content in (at_limit + b"\n", chunked(at_limit + b"\n", 1000)):
+            r = await api.post("/v1/datasets", content=content)
+            assert r.status_code == 413, r.text
+            assert "4096 bytes" in r.json()["detail"]
+        for content in (at_limit, chunked(at_limit, 1000)):
+            r = await api.post("/v1/datasets", content=content)
+            assert (r.status_code, r.json()["prompts"], r.json()["bytes"]) == (201, 256, 4096), r.text
 
 
 async def test_an_upload_is_refused_as_it_streams_without_the_body_limit_too(api: httpx.AsyncClient) -> None:

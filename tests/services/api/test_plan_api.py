@@ -13,8 +13,8 @@ import yaml
 from typer.testing import CliRunner
 
 from services.api.auth import add_token
-from services.api.main import create_app
 from services.cli import app as cli
+from tests.app_client import app_client
 
 SEED_FILE = Path(__file__).parents[3] / "examples" / "plan-seed.yaml"
 SEED = yaml.safe_load(SEED_FILE.read_text())
@@ -25,10 +25,8 @@ MARKER = "ZZsecretZZ"
 @pytest.fixture
 async def client(settings, tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str]]]:
     token = add_token(tmp_path / "tokens.json", tenant="acme")
-    app = create_app(settings.model_copy(update={"tokens_file": tmp_path / "tokens.json"}), with_scheduler=False)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as api:
-            yield api, {"Authorization": f"Bearer {token}"}
+    async with app_client(settings, tokens_file=tmp_path / "tokens.json") as api:
+        yield api, {"Authorization": f"Bearer {token}"}
 
 
 async def refused(client, body: dict | str, field: str, reason: str) -> list[dict]:

@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from services.api.auth import TokenBook, TokensFileError, add_token, hash_token
-from services.api.main import create_app
 from services.names import pod_log_key
 from services.cli import app as cli
+from tests.app_client import app_client
 
 SPEC = {"model": "tiny", "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}], "batch_samples": 8, "iterations": 2}
 DATASET = b'{"prompt": "1+1", "answer": "2"}\n'
@@ -34,11 +34,8 @@ def tokens(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 async def client(settings, tokens) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings.model_copy(update={"tokens_file": Path(tokens["file"])}), with_scheduler=False)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as c:
-            c.app = app  # type: ignore[attr-defined]
-            yield c
+    async with app_client(settings, tokens_file=Path(tokens["file"])) as c:
+        yield c
 
 
 def auth(token: str) -> dict[str, str]:

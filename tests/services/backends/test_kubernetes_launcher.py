@@ -14,13 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import kubernetes_validate
 import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
-from services.api.main import create_app
 from services.api.metrics import RunCollector
 from services.backends.kubernetes_launcher import KubernetesLauncher, Watched
 from services.backends.kubernetes_objects import FINALIZER, KubernetesConfig, job_manifest, pod_manifest, status_of
@@ -29,6 +27,7 @@ from services.config import Settings, get_settings
 from services.cost.catalog import load_catalog
 from services.names import rollout_pod_name
 from services.wiring import open_backends, open_launcher
+from tests.app_client import app_client
 from tests.servers.kube import Cluster, KubeServer
 from tests.services.backends.kube_support import launcher_factory
 from tests.services.backends.test_launcher_contract import SLEEPS, wait_for_log, wait_until_ended
@@ -424,20 +423,17 @@ def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespac
 
 async def test_the_api_lists_and_counts_a_pod_that_waits_for_a_node(kube_cluster: Cluster, settings: Settings) -> None:
     kube_cluster.kubelet.spot_capacity.clear()
-    on_kubernetes = settings.model_copy(update={"launcher": "kubernetes", "kube_config": kube_cluster.server.kubeconfig,
-                                                "kube_namespace": kube_cluster.namespace})  # fmt: skip
-    app = create_app(on_kubernetes, with_scheduler=False)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as client:
-            run = await client.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}],
-                                                      "batch_samples": 8, "iterations": 1})
-            assert run.status_code == 201, run.text
-            run_id = run.json()["id"]
-            pod = rollout_pod_name(run_id, 0)
-            app.state.backends.launcher.launch(PodSpec(pod, run_id, "rollout", python(SLEEPS), {}, "g6.xlarge", "spot",
-                                                       {"slot": "0"}))  # fmt: skip
-            listed = (await client.get(f"/v1/runs/{run_id}/pods")).json()["pods"]
-            metrics = (await client.get("/metrics")).text
+    async with app_client(settings, launcher="kubernetes", kube_config=kube_cluster.server.kubeconfig,
+                          kube_namespace=kube_cluster.namespace) as client:  # fmt: skip
+        run = await client.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}],
+                                                  "batch_samples": 8, "iterations": 1})
+        assert run.status_code == 201, run.text
+        run_id = run.json()["id"]
+        pod = rollout_pod_name(run_id, 0)
+        client.app.state.backends.launcher.launch(  # type: ignore[attr-defined]
+            PodSpec(pod, run_id, "rollout", python(SLEEPS), {}, "g6.xlarge", "spot", {"slot": "0"}))
+        listed = (await client.get(f"/v1/runs/{run_id}/pods")).json()["pods"]
+        metrics = (await client.get("/metrics")).text
     assert listed == [{"name": pod, "role": "rollout", "running": True, "waiting_for_node": True}]
     labels = f'{{capacity_type="spot",instance_type="g6.xlarge",role="rollout",run="{run_id}"}}'
     assert f"spotrl_pods_waiting_for_node{labels} 1.0" in metrics and f"spotrl_pods{labels} 0.0" in metrics

@@ -99,7 +99,7 @@ def test_the_audit_finds_committed_prompts_whose_groups_were_neither_queued_nor_
 ) -> None:
     """The allowance for dropped groups is no blank cheque: drops beyond what was counted, or
     counted without dynamic sampling, are problems."""
-    b, launcher = scripted_backends, scripted_backends.launcher
+    b = scripted_backends
     scheduler = Scheduler(b, settings)
     run_id = submit(b, DAPO)
     scheduler.tick()
