@@ -28,12 +28,14 @@ queue.close()
 """
 
 # Joins the group, reads everything it is given, commits nothing, says so, and waits to be killed.
+# Its session outlasts the kill and the survivor's join on a busy machine (the survivor checks that
+# the dead member still holds its partitions).
 CONSUMER = """
 import sys, time
 from pathlib import Path
 from services.backends.sqlite_queue import SqliteQueue
 
-consumer = SqliteQueue(Path(sys.argv[1])).consumer("t", "g", member_id="a-doomed", session_timeout_s=2.0)
+consumer = SqliteQueue(Path(sys.argv[1])).consumer("t", "g", member_id="a-doomed", session_timeout_s=5.0)
 got = []
 while len(got) < int(sys.argv[2]):
     got += consumer.poll(100, timeout_s=0.5)
