@@ -338,7 +338,8 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     decision = POLICIES[spec.cost_policy](
         PolicyInput(
             spec=spec, now=observed.now, started_at=run.started_at, training_running=bool(training), standby=bool(standby),
-            workers=len(workers), prompt_backlog=observed.prompt_backlog, to_publish=to_publish,
+            workers=len(workers), workers_on_node=sum(not p.waiting_for_node for p in workers),
+            prompt_backlog=observed.prompt_backlog, to_publish=to_publish,
             queued_for_next=queued_for_next, still_needed=still_needed,
             samples_produced=observed.samples_produced, estimates=observed.estimates,
         )
@@ -352,7 +353,8 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         workers = [p for p in workers if p not in waiting]
     for i in range(decision.workers - len(workers)):
         actions.append(LaunchWorker(run.run_id, run.worker_slots_used + i, on_demand=decision.on_demand))
-    for pod in workers[decision.workers:]:
+    # A smaller pool stops those waiting for a node first: they make nothing yet.
+    for pod in sorted(workers, key=lambda p: p.waiting_for_node)[decision.workers:]:
         actions.append(StopPod(pod.name))
 
     if not training and observed.sample_backlog >= batch and observed.now >= run.next_train_at:

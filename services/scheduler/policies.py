@@ -45,6 +45,7 @@ class PolicyInput:
     training_running: bool
     standby: bool  # a standby pod holds the training node
     workers: int  # rollout workers alive
+    workers_on_node: int  # of them, those a node has taken (the others wait for capacity and make nothing)
     prompt_backlog: int  # prompts published and not yet turned into samples
     to_publish: int  # prompts plan would publish now to keep one batch ahead
     queued_for_next: int  # samples queued for the next batch (not held by a running job)
@@ -103,6 +104,7 @@ def cost_aware(x: PolicyInput) -> Decision:
     - staleness: with a bound of 0, samples generated while a job runs would be dropped (they
       come from a policy one version old), so nothing is generated then;
     - warm node (ski rental): hold the training node while the expected wait for the next batch
+      (at the pace of the workers a node has taken: those waiting for one make nothing yet)
       is at most a restart's start-up (holding costs the wait, a restart costs the start-up); a
       new one is launched shortly before the batch is ready (never for less than the provider's
       billed minimum), so the job starts (almost) at once;
@@ -133,7 +135,7 @@ def _batch_handed_over(x: PolicyInput) -> bool:
 
 
 def _keep_warm(x: PolicyInput) -> bool:
-    r, workers = x.estimates.rollout_samples_per_s, x.workers
+    r, workers = x.estimates.rollout_samples_per_s, x.workers_on_node
     if x.training_running or x.still_needed == 0 or not r or workers == 0:
         return False
     # Workers without a prompt make nothing: the batch's tail goes at the pace of the prompts left.

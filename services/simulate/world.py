@@ -5,12 +5,16 @@ Every tick the simulated world (clock, launcher, queue, ledger) is shown to
 applied here: a policy decision is therefore tested once and used in both.
 
 The world: spot rollout workers that start ``startup_seconds`` after launch, then turn prompts
-into groups of samples at ``worker_samples_per_hour``; a spot launch is refused while the trace
-has no capacity left, and when the trace's capacity drops below the workers held, the newest
-are preempted after the provider's notice (their group in progress is lost). Training jobs start
+into groups of samples at ``worker_samples_per_hour``. As on Kubernetes, a spot worker launched
+while the trace has no capacity left waits for a node (``PodStatus.waiting_for_node``), oldest
+first, and takes one when capacity returns: its node joins ``NODE_BOOT_SECONDS`` (or its start-up,
+if shorter) after the capacity came, and its start-up counts from then. When the trace's capacity
+drops below the workers on a node, the newest are preempted after the provider's notice (their
+group in progress is lost). Training jobs start
 after the start-up (at once on a warm node: a standby's, or the one a training or standby pod
 left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down yet), run ``training_minutes`` and train one batch,
-dropping the samples older than the staleness bound. Each pod is billed from launch to its end,
+dropping the samples older than the staleness bound. Each pod is billed from launch to its end
+(a waiting worker's bill starts later, as the real ledger's ``DeferEntry`` moves it),
 at the catalog's price of its capacity, except spot rollout workers on a trace that carries
 prices: those pay each tick's seconds at the trace's price for that tick (taken to be in the
 catalog's currency of the rollout instance type). The bill is ``services.cost.report``'s, in the
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from contracts.status import RunStatus
 from services.backends.launcher import PodPhase, PodStatus, pod_outcome
 from services.backends.state_store import LedgerEntry
-from services.cost.billing import billed_dollars
+from services.cost.billing import NODE_BOOT_SECONDS, billed_dollars
 from services.cost.catalog import PriceCatalog, load_catalog
 from services.cost.report import cost_report
 from services.runspec import CostPolicy, RunSpec
@@ -103,7 +107,7 @@ class SimResult:
 @dataclass
 class _Pod:
     status: PodStatus
-    ready_at: float  # start-up done
+    ready_at: float  # start-up done (math.inf while a spot worker waits for a node)
     done_at: float | None = None  # a training job's end
     preempt_at: float | None = None
     holding: int | None = None  # a worker's prompt in hand: the policy version it started with
@@ -139,6 +143,7 @@ class _World:
     # --- the world moving on ----------------------------------------------------------
     def advance(self, dt: float) -> None:
         end = self.now + dt
+        self._place_waiting_workers()
         self._preempt_beyond_capacity()
         for pod in list(self.pods.values()):
             if pod.status.phase != PodPhase.RUNNING:
@@ -153,15 +158,24 @@ class _World:
                 self._end(pod, pod.done_at, PodPhase.SUCCEEDED, 0)
         self.now = end
 
+    def _place_waiting_workers(self) -> None:
+        """Spot workers waiting for a node take the trace's free capacity, oldest first."""
+        free = self.trace.at(self.now) - len(self._spot_workers())
+        for pod in sorted(self._spot_workers(waiting=True), key=lambda w: w.status.started_at)[:max(0, free)]:
+            joined = self.now + min(NODE_BOOT_SECONDS, self.workload.startup_seconds)
+            pod.status = replace(pod.status, waiting_for_node=False, node_joined_at=joined)
+            pod.ready_at = self.now + self.workload.startup_seconds
+
     def _preempt_beyond_capacity(self) -> None:
         held = [w for w in self._spot_workers() if w.preempt_at is None]
         excess = len(held) - self.trace.at(self.now)
         for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[:max(0, excess)]:
             pod.preempt_at = self.now + self.workload.spot_notice_seconds
 
-    def _spot_workers(self) -> list[_Pod]:
-        return [w for w in self.pods.values() if w.status.role == p.ROLE_ROLLOUT
-                and w.status.capacity_type == "spot" and w.status.phase == PodPhase.RUNNING]
+    def _spot_workers(self, waiting: bool = False) -> list[_Pod]:
+        """The running spot workers on a node (``waiting``: those waiting for one)."""
+        return [w for w in self.pods.values() if w.status.role == p.ROLE_ROLLOUT and w.status.capacity_type == "spot"
+                and w.status.phase == PodPhase.RUNNING and w.status.waiting_for_node == waiting]
 
     def _generate(self, pod: _Pod, t: float, end: float) -> None:
         n = self.spec.samples_per_prompt
@@ -236,10 +250,11 @@ class _World:
             case p.LaunchWorker(_, slot, on_demand):
                 self.run = replace(run, worker_slots_used=slot + 1)
                 spot = self.spec.rollout.spot and not on_demand
-                if spot and len(self._spot_workers()) >= self.trace.at(self.now):
-                    return  # no spot capacity: the request is refused; plan asks again next tick
-                self._launch(f"{RUN_ID}-rollout-{slot}", p.ROLE_ROLLOUT, self.spec.rollout.instance_type,
-                             "spot" if spot else "on-demand", {"slot": str(slot)})
+                no_capacity = spot and len(self._spot_workers()) >= self.trace.at(self.now)
+                pod = self._launch(f"{RUN_ID}-rollout-{slot}", p.ROLE_ROLLOUT, self.spec.rollout.instance_type,
+                                   "spot" if spot else "on-demand", {"slot": str(slot)})
+                if no_capacity:  # it waits for a node (_place_waiting_workers)
+                    pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
             case p.LaunchStandby(_, after):
                 ready = self._node_ready_at()
                 pod = self._launch(f"{RUN_ID}-warm-{after}", p.ROLE_STANDBY, self.spec.training.instance_type,
@@ -257,6 +272,8 @@ class _World:
                 if pod.status.phase == PodPhase.RUNNING:
                     self._end(pod, self.now, PodPhase.SUCCEEDED if pod.status.role != p.ROLE_TRAINING else PodPhase.FAILED,
                               0 if pod.status.role != p.ROLE_TRAINING else -15)
+            case p.DeferEntry(name, started_at):  # a worker waited for a node
+                self.ledger[name] = replace(self.ledger[name], started_at=started_at)
             case p.CloseEntry(name, ended_at, outcome) if outcome is not None:  # an ended pod, reaped this same tick
                 self.ledger[name] = replace(self.ledger[name], ended_at=ended_at, outcome=outcome.value)
             case p.ReapPod(status):

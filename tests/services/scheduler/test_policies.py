@@ -138,6 +138,22 @@ def test_spot_workers_waiting_for_a_node_give_their_slots_to_on_demand_ones() ->
     assert launched(plan(state("cost-aware", deadline_seconds=1_000_000.0), world(waiting + [JOB], prompts=25, samples=100))) == []
 
 
+def test_workers_waiting_for_a_node_make_no_batch_worth_a_warm_node() -> None:
+    # As in the first test (a 64 s wait with two workers at 0.5/s), but one of them waits for spot
+    # capacity: the batch is 128 s away at the pace of the one working, too far to hold a node for.
+    one_waiting = [WORKERS[0], replace(WORKERS[1], waiting_for_node=True)]
+    actions = plan(state("cost-aware"), world(one_waiting, prompts=16, samples=36, estimates=SLOW))
+    assert not any(isinstance(a, LaunchStandby) for a in actions)
+
+
+def test_a_smaller_pool_stops_the_workers_waiting_for_a_node_first() -> None:
+    # No prompt left to hand out, one worker kept (min_workers): the one at work, not the one waiting.
+    run = state("threshold", rollout={"min_workers": 1, "max_workers": 8, "prompts_per_batch": 25})
+    waiting_first = [replace(WORKERS[0], waiting_for_node=True), WORKERS[1]]
+    actions = launched(plan(run, world(waiting_first, prompts=0, samples=100)))
+    assert [a for a in actions if isinstance(a, StopPod)] == [StopPod("r-rollout-0")]
+
+
 def test_always_on_rollout_is_on_demand() -> None:
     actions = [a for a in plan(state("always-on", worker_slots_used=0), world([JOB], prompts=25, samples=100))
                if isinstance(a, LaunchWorker)]

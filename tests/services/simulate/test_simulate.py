@@ -9,7 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from services.cli import app
+from services.cost.billing import NODE_BOOT_SECONDS
+from services.cost.catalog import load_catalog
 from services.runspec import CostPolicy
+from services.scheduler.ledger_match import DEFER_STEP_SECONDS
 from services.simulate.traces import parse_trace
 from services.simulate.world import Workload, simulate
 
@@ -63,7 +66,23 @@ def test_a_zone_without_spot_capacity_turns_to_on_demand_in_time_for_the_deadlin
     assert met.deadline_met is True and met.samples_trained == 3 * 400
     assert met.wall_seconds >= 0.25 * 7200  # it gave spot its quarter first
     waited = simulate(none, CostPolicy.COST_AWARE, Workload(**{**SMALL.__dict__, "horizon_days": 0.5}))
-    assert not waited.finished and waited.dollars == 0
+    # Its workers waited for a node the whole time: each billed a boot and at most a step of it.
+    spot = load_catalog().get(SMALL.rollout_instance_type).spot
+    most = SMALL.max_workers * (NODE_BOOT_SECONDS + DEFER_STEP_SECONDS) * spot / 3600
+    assert not waited.finished and 0 < waited.dollars <= most
+    assert waited.gap["roll_startup"] == pytest.approx(waited.dollars, abs=1e-4)  # all of it waiting, none working
+
+
+def test_workers_wait_for_spot_capacity_and_are_billed_from_when_it_comes() -> None:
+    """No capacity for the first half hour: the workers launched at once wait for a node, take
+    one when capacity comes, and the run costs what the same run started half an hour later does:
+    their bills start when their nodes do (a boot before each joined)."""
+    late = parse_trace("late", {"metadata": {"gap_seconds": 60}, "data": [0] * 30 + [4] * 200})
+    at_once = parse_trace("at once", {"metadata": {"gap_seconds": 60}, "data": [4] * 230})
+    waited, started = simulate(late, CostPolicy.THRESHOLD, SMALL), simulate(at_once, CostPolicy.THRESHOLD, SMALL)
+    assert waited.samples_trained == started.samples_trained == 3 * 400 and waited.preemptions == 0
+    assert waited.wall_seconds == pytest.approx(started.wall_seconds + 30 * 60, abs=SMALL.tick_seconds)
+    assert waited.dollars == pytest.approx(started.dollars, abs=1e-4)
 
 
 def test_a_malformed_trace_says_what_is_expected() -> None:
