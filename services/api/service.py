@@ -36,7 +36,7 @@ from services.api.schemas import (
 from services.backends.launcher import PodNotFoundError
 from services.backends.object_store import ObjectNotFoundError
 from services.backends.state_schema import RunRow
-from services.backends.state_store import RunNotFoundError, StateStore
+from services.backends.state_store import RunNotFoundError, RunView, StateStore
 from services.config import Settings
 from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog
@@ -131,7 +131,7 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
     if isinstance(spec.prompts, list):
         stored["prompts"] = INLINE  # kept beside the run (prompts_key), not in every read of it
     row = backends.state.create_run(run_id, name=spec.name, spec=stored, tenant=principal.tenant, prompt_count=len(prompts))
-    return run_public(row, state=backends.state)
+    return run_public(RunView(row, latest=[], iterations_total=0, spent=0.0))  # new: no iteration, no ledger yet
 
 
 async def create_dataset(*, backends: Backends, principal: Principal, body: AsyncIterable[bytes], max_bytes: int) -> DatasetPublic:
@@ -182,13 +182,12 @@ def _summary_fields(row: RunRow, spent: float) -> dict:
     )
 
 
-def run_public(row: RunRow, *, state: StateStore, iterations_shown: int = DEFAULT_ITERATIONS_SHOWN) -> RunPublic:
-    """The run with its latest ``iterations_shown`` iterations (and the count of all of them)."""
-    latest = state.iterations(row.id, latest=iterations_shown)
+def run_public(view: RunView) -> RunPublic:
+    row = view.run
     return RunPublic(
-        **_summary_fields(row, state.spent_of([row.id], time.time())[row.id]),
-        iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in latest],
-        iterations_total=state.iteration_count(row.id),
+        **_summary_fields(row, view.spent),
+        iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in view.latest],
+        iterations_total=view.iterations_total,
         prompt_count=row.prompt_count,
         spec=RunSpec.from_stored(row.spec),
         last_error=row.last_error,
@@ -206,7 +205,11 @@ def _visible_run(state: StateStore, principal: Principal, run_id: str) -> RunRow
 
 
 def get_run(*, backends: Backends, principal: Principal, run_id: str, iterations_shown: int = DEFAULT_ITERATIONS_SHOWN) -> RunPublic:
-    return run_public(_visible_run(backends.state, principal, run_id), state=backends.state, iterations_shown=iterations_shown)
+    """The run with its latest ``iterations_shown`` iterations (and the count of all of them)."""
+    view = backends.state.run_view(run_id, latest=iterations_shown, now=time.time())
+    if not principal.sees(view.run.tenant):
+        raise RunNotFoundError(run_id)
+    return run_public(view)
 
 
 def _encode_cursor(*key: object) -> str:
@@ -237,18 +240,18 @@ def _run_cursor_key(cursor: str) -> tuple[float, str]:
 def list_runs(*, backends: Backends, principal: Principal, limit: int, cursor: str | None) -> RunsPublic:
     """One page of the caller's runs (every tenant's for an admin), oldest first."""
     after = _run_cursor_key(cursor) if cursor else None
-    rows = backends.state.list_runs(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after)
+    rows = backends.state.runs_page(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after, now=time.time())
     page = rows[:limit]
-    spent = backends.state.spent_of([r.id for r in page], time.time())  # one query for the page
     return RunsPublic(
-        runs=[RunSummaryPublic(**_summary_fields(r, spent[r.id])) for r in page],
-        next_cursor=_encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None,
+        runs=[RunSummaryPublic(**_summary_fields(r, spent)) for r, spent in page],
+        next_cursor=_encode_cursor(page[-1][0].created_at, page[-1][0].id) if len(rows) > limit else None,
     )
 
 
 def cancel_run(*, backends: Backends, principal: Principal, run_id: str) -> RunPublic:
     _visible_run(backends.state, principal, run_id)
-    return run_public(backends.state.request_cancel(run_id), state=backends.state)
+    backends.state.request_cancel(run_id)
+    return get_run(backends=backends, principal=principal, run_id=run_id)
 
 
 def run_cost(

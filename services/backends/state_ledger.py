@@ -47,16 +47,14 @@ class LedgerQueries:
     _write: Callable[[], AbstractContextManager[Session]]
     _locked_run: Callable[[Session, str], RunRow]
 
-    def spent_of(self, run_ids: Sequence[str], now: float) -> dict[str, float]:
+    @staticmethod
+    def _spent(s: Session, run_ids: Sequence[str], now: float) -> dict[str, float]:
         """Dollars each run's ledger has billed up to ``now`` (open entries up to ``now``), in one
-        query for a page of runs; a run without entries is 0."""
+        query for a page of runs, in the transaction ``s``; a run without entries is 0."""
         seconds = func.coalesce(LedgerRow.ended_at, now) - LedgerRow.started_at
         dollars = case((seconds > 0, seconds), else_=0.0) * LedgerRow.price_per_hour / 3600.0
-        with self._session() as s:
-            rows = s.execute(
-                select(LedgerRow.run_id, func.sum(dollars)).where(LedgerRow.run_id.in_(run_ids)).group_by(LedgerRow.run_id)
-            )
-            spent = {run_id: float(total or 0.0) for run_id, total in rows}
+        rows = s.execute(select(LedgerRow.run_id, func.sum(dollars)).where(LedgerRow.run_id.in_(run_ids)).group_by(LedgerRow.run_id))
+        spent = {run_id: float(total or 0.0) for run_id, total in rows}
         return {run_id: spent.get(run_id, 0.0) for run_id in run_ids}
 
     def open_ledger(

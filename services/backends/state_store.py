@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import String, and_, delete, func, make_url, or_, select, update
@@ -31,7 +32,7 @@ from services.backends.state_ledger import LedgerEntry, LedgerQueries
 from services.backends.state_schema import DEFAULT_TENANT, IterationRow, LeaseRow, RunRow, WorkerStatsRow, migrate
 
 # Re-exported: the cost engine, the API and the simulator import LedgerEntry from here.
-__all__ = ["IllegalTransitionError", "LedgerEntry", "RunNotFoundError", "StateStore"]
+__all__ = ["IllegalTransitionError", "LedgerEntry", "RunNotFoundError", "RunView", "StateStore"]
 
 
 class IllegalTransitionError(Exception):
@@ -49,6 +50,39 @@ def _locked_run(s: Session, run_id: str) -> RunRow:
     if row is None:
         raise RunNotFoundError(run_id)
     return row
+
+
+def _runs_query(*, active_only: bool, tenant: str | None, limit: int | None, after: tuple[float, str] | None) -> Any:
+    query = select(RunRow).order_by(RunRow.created_at, RunRow.id)
+    if active_only:
+        query = query.where(RunRow.status.in_([s.value for s in RunStatus if not s.is_terminal()]))
+    if tenant is not None:
+        query = query.where(RunRow.tenant == tenant)
+    if after is not None:
+        created_at, run_id = after
+        query = query.where(or_(RunRow.created_at > created_at, and_(RunRow.created_at == created_at, RunRow.id > run_id)))
+    return query if limit is None else query.limit(limit)
+
+
+def _latest_iterations(s: Session, run_id: str, latest: int) -> list[IterationRow]:
+    """The run's last ``latest`` iterations, in order (read as such, newest first, then turned)."""
+    query = select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration.desc()).limit(latest)
+    return list(reversed(s.scalars(query).all()))
+
+
+def _iteration_count(s: Session, run_id: str) -> int:
+    return s.scalar(select(func.count()).select_from(IterationRow).where(IterationRow.run_id == run_id)) or 0
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A run as the API shows it, read in one transaction: its row, its latest iterations in
+    order, how many iterations it has in all, and the dollars its ledger billed up to then."""
+
+    run: RunRow
+    latest: list[IterationRow]
+    iterations_total: int
+    spent: float
 
 
 class StateStore(LedgerQueries):
@@ -122,6 +156,15 @@ class StateStore(LedgerQueries):
                 raise RunNotFoundError(run_id)
             return row
 
+    def run_view(self, run_id: str, *, latest: int, now: float) -> RunView:
+        """The run with its ``latest`` iterations, their count and its spend up to ``now``: one
+        read transaction (a GET of a run is the API's commonest request)."""
+        with self._session() as s:
+            row = s.get(RunRow, run_id)
+            if row is None:
+                raise RunNotFoundError(run_id)
+            return RunView(row, _latest_iterations(s, run_id, latest), _iteration_count(s, run_id), self._spent(s, [run_id], now)[run_id])
+
     def list_runs(
         self,
         *,
@@ -132,18 +175,17 @@ class StateStore(LedgerQueries):
     ) -> list[RunRow]:
         """Runs oldest first; of one ``tenant`` (None: all); at most ``limit``; those after the
         (created_at, id) of ``after``, the last run of the previous page."""
-        query = select(RunRow).order_by(RunRow.created_at, RunRow.id)
-        if active_only:
-            query = query.where(RunRow.status.in_([s.value for s in RunStatus if not s.is_terminal()]))
-        if tenant is not None:
-            query = query.where(RunRow.tenant == tenant)
-        if after is not None:
-            created_at, run_id = after
-            query = query.where(or_(RunRow.created_at > created_at, and_(RunRow.created_at == created_at, RunRow.id > run_id)))
-        if limit is not None:
-            query = query.limit(limit)
         with self._session() as s:
-            return list(s.scalars(query))
+            return list(s.scalars(_runs_query(active_only=active_only, tenant=tenant, limit=limit, after=after)))
+
+    def runs_page(
+        self, *, tenant: str | None, limit: int, after: tuple[float, str] | None, now: float
+    ) -> list[tuple[RunRow, float]]:
+        """``list_runs`` of ``tenant`` with each run's spend up to ``now``, in one read transaction."""
+        with self._session() as s:
+            rows = list(s.scalars(_runs_query(active_only=False, tenant=tenant, limit=limit, after=after)))
+            spent = self._spent(s, [r.id for r in rows], now)
+        return [(r, spent[r.id]) for r in rows]
 
     def update_run(self, run_id: str, **fields: Any) -> RunRow:
         """Set plain fields; status changes go through ``set_status`` and ``begin_ending``."""
@@ -242,15 +284,14 @@ class StateStore(LedgerQueries):
 
     def iterations(self, run_id: str, *, latest: int | None = None) -> list[IterationRow]:
         """The run's iterations in order; with ``latest``, only the last that many (read as such)."""
-        query = select(IterationRow).where(IterationRow.run_id == run_id)
         with self._session() as s:
             if latest is None:
-                return list(s.scalars(query.order_by(IterationRow.iteration)))
-            return list(reversed(s.scalars(query.order_by(IterationRow.iteration.desc()).limit(latest)).all()))
+                return list(s.scalars(select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration)))
+            return _latest_iterations(s, run_id, latest)
 
     def iteration_count(self, run_id: str) -> int:
         with self._session() as s:
-            return s.scalar(select(func.count()).select_from(IterationRow).where(IterationRow.run_id == run_id)) or 0
+            return _iteration_count(s, run_id)
 
     def policy_version(self, run_id: str) -> int:
         with self._session() as s:

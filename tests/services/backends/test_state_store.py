@@ -144,8 +144,8 @@ def test_worker_reports_add_up_per_worker(store: StateStore) -> None:
     assert store.worker_stats("other") == []
 
 
-def test_spent_of_a_page_of_runs_is_what_their_ledgers_bill(store: StateStore) -> None:
-    """One query for a page: open entries billed up to now, closed ones to their end; a run
+def test_a_page_of_runs_comes_with_what_their_ledgers_bill(store: StateStore) -> None:
+    """One transaction for a page: open entries billed up to now, closed ones to their end; a run
     without entries spent 0."""
     for run_id in ("r1", "r2", "r3"):
         store.create_run(run_id, name=None, spec={})
@@ -154,9 +154,31 @@ def test_spent_of_a_page_of_runs_is_what_their_ledgers_bill(store: StateStore) -
     store.open_ledger(run_id="r1", pod="b", started_at=100.0, price_per_hour=36.0, **kw)
     store.close_ledger("b", ended_at=110.0)  # 10 s at $36/h
     store.open_ledger(run_id="r2", pod="c", started_at=500.0, price_per_hour=7.2, **kw)  # starts after now: 0
-    spent = store.spent_of(["r1", "r2", "r3"], now=200.0)
+    page = store.runs_page(tenant=None, limit=10, after=None, now=200.0)
+    spent = {row.id: dollars for row, dollars in page}
     assert spent == pytest.approx({"r1": 0.1 + 0.1, "r2": 0.0, "r3": 0.0})
     assert spent["r1"] == pytest.approx(sum(e.dollars(200.0) for e in store.ledger("r1")))
+    first, second = store.runs_page(tenant=None, limit=2, after=None, now=200.0), store.runs_page(
+        tenant=None, limit=2, after=(page[1][0].created_at, page[1][0].id), now=200.0
+    )
+    assert [r.id for r, _ in first + second] == [r.id for r, _ in page]
+    assert store.runs_page(tenant="another", limit=10, after=None, now=200.0) == []
+
+
+def test_a_run_view_is_its_latest_iterations_their_count_and_its_spend(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    for n in (1, 2, 3):
+        store.record_iteration(IterationRow(run_id="r1", iteration=n, policy_version=n, mean_reward=n / 10, kl=0.0, loss=0.0,
+                                            seconds=1.0, samples_trained=4, samples_dropped=0, metrics={}, ended_at=float(n)))  # fmt: skip
+    store.open_ledger(run_id="r1", pod="a", started_at=100.0, price_per_hour=3.6, role="train", instance_type="x",
+                      capacity_type="on-demand", price_source="test")  # fmt: skip
+    view = store.run_view("r1", latest=2, now=200.0)
+    assert (view.run.id, view.run.iterations_done) == ("r1", 3)
+    assert [it.iteration for it in view.latest] == [2, 3]  # the latest two, oldest first
+    assert view.iterations_total == 3 and view.spent == pytest.approx(0.1)
+    assert store.run_view("r1", latest=0, now=200.0).latest == []
+    with pytest.raises(RunNotFoundError):
+        store.run_view("nope", latest=2, now=200.0)
 
 
 def test_lease_has_one_holder_until_it_expires_or_is_released(store: StateStore) -> None:
