@@ -337,7 +337,8 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
 
     decision = POLICIES[spec.cost_policy](
         PolicyInput(
-            spec=spec, now=observed.now, started_at=run.started_at, training_running=bool(training), standby=bool(standby),
+            spec=spec, now=observed.now, started_at=run.started_at, training_running=bool(training),
+            training_started_at=min((p.started_at for p in training), default=None), standby=bool(standby),
             workers=len(workers), workers_on_node=sum(not p.waiting_for_node for p in workers),
             prompt_backlog=observed.prompt_backlog, to_publish=to_publish,
             queued_for_next=queued_for_next, still_needed=still_needed,

@@ -43,6 +43,7 @@ class PolicyInput:
     now: float
     started_at: float | None  # when the run started (for its deadline)
     training_running: bool
+    training_started_at: float | None  # when the running job's pod started (None: no job)
     standby: bool  # a standby pod holds the training node
     workers: int  # rollout workers alive
     workers_on_node: int  # of them, those a node has taken (the others wait for capacity and make nothing)
@@ -100,7 +101,9 @@ def cost_aware(x: PolicyInput) -> Decision:
     - pool: sized so the next batch is ready as the running job ends (batch / (rate x training
       seconds) workers), once both are measured and if ``max_workers`` allows it; the design
       card's pool otherwise; kept up for the tick the batch goes to its job (the next batch's
-      prompts come the tick after: stopping would cost every worker a start-up);
+      prompts come the tick after: stopping would cost every worker a start-up), and while the
+      next batch is complete and the running job ends within a worker's start-up (ski rental
+      again: idling until its prompts come costs less than coming back);
     - staleness: with a bound of 0, samples generated while a job runs would be dropped (they
       come from a policy one version old), so nothing is generated then;
     - warm node (ski rental): hold the training node while the expected wait for the next batch
@@ -121,7 +124,7 @@ def cost_aware(x: PolicyInput) -> Decision:
         if sized > spec.rollout.max_workers:
             sized = 0  # no pool allowed keeps up with the trainer: more workers would only add start-ups
     workers = 0 if backlog == 0 and not publish else _demand_pool(x, backlog, floor=sized if backlog else 0)
-    if _batch_handed_over(x):
+    if _batch_handed_over(x) or _prompts_come_within_startup(x):
         workers = max(workers, x.workers)
     return Decision(workers=workers, publish=publish, on_demand=_deadline_at_risk(x), standby=_keep_warm(x))
 
@@ -132,6 +135,19 @@ def _batch_handed_over(x: PolicyInput) -> bool:
     cost each worker a start-up)."""
     queued = x.queued_for_next
     return not x.training_running and queued >= x.spec.batch_samples and (x.still_needed is None or x.still_needed > queued)
+
+
+def _prompts_come_within_startup(x: PolicyInput) -> bool:
+    """The next batch is complete while a job trains, and more batches follow: its prompts come as
+    the job ends (plan publishes them when the batch is handed over), and by the measured job time
+    that is at most a worker's start-up away. A pool stopped now would pay every worker's start-up
+    to come back, and make the batch after late for its job (the trainer then waits)."""
+    e = x.estimates
+    if x.training_started_at is None or not e.training_seconds or x.queued_for_next < x.spec.batch_samples:
+        return False
+    if x.still_needed is not None and x.still_needed <= x.queued_for_next:
+        return False  # the complete batch is the last one the run needs
+    return x.training_started_at + e.training_seconds - x.now <= e.startup_seconds
 
 
 def _keep_warm(x: PolicyInput) -> bool:

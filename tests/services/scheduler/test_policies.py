@@ -176,3 +176,20 @@ def test_cost_aware_keeps_the_pool_up_as_the_batch_goes_to_its_job(policy: str, 
     actions = plan(run, world(WORKERS, prompts=0, samples=100))
     assert LaunchTraining("r", iterations_done + 1) in actions
     assert any(isinstance(a, StopPod) and "rollout" in a.name for a in actions) is not kept
+
+
+@pytest.mark.parametrize(("policy", "training_seconds", "iterations_done", "kept"), [
+    ("cost-aware", 50.0, 1, True),  # the job ends in 40 s, under a worker's 90 s start-up: idle until then
+    ("cost-aware", 500.0, 1, False),  # in 490 s: stopping and coming back costs less
+    ("cost-aware", 50.0, 3, False),  # the complete batch is the run's last
+    ("threshold", 50.0, 1, False),  # the design card's pool follows the backlog, empty now
+])
+def test_cost_aware_keeps_a_pool_a_batch_ahead_while_the_job_ends_within_a_start_up(
+    policy: str, training_seconds: float, iterations_done: int, kept: bool
+) -> None:
+    # The job (started 10 s ago) holds its batch, and the next batch is complete: no prompt to publish before it ends.
+    job = replace(JOB, started_at=NOW - 10, labels={"iteration": str(iterations_done + 1)})
+    estimates = replace(MEASURED, training_seconds=training_seconds)
+    actions = plan(replace(state(policy), iterations_done=iterations_done), world(WORKERS + [job], prompts=0, samples=200, estimates=estimates))
+    assert not any(isinstance(a, PublishPrompts | LaunchTraining) for a in actions)
+    assert any(isinstance(a, StopPod) and "rollout" in a.name for a in actions) is not kept
