@@ -40,6 +40,7 @@ Timestamps are Kubernetes', whole seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -130,7 +131,10 @@ class Watched:
         while self._thread.is_alive() and time.monotonic() < deadline:
             response = self._response
             if response is not None:
-                response.shutdown()  # unblocks the watch thread's read
+                # Unblocks the watch thread's read; a socket it has closed meanwhile (its watch
+                # ended as we looked) has no read left to unblock.
+                with contextlib.suppress(OSError):
+                    response.shutdown()
             self._thread.join(timeout=0.05)
 
     def _run(self) -> None:
