@@ -207,12 +207,17 @@ class Scheduler:
         samples = samples_topic(row.id)
         ledger = self.b.state.ledger(row.id)
         ended_jobs = [int(pod.labels["iteration"]) for pod in pods if pod.role == p.ROLE_TRAINING and pod.phase.is_terminal()]
+        # The sample backlog and the trainer's commits from one read of each, the commits first: a job
+        # committing between two reads made the backlog lack its batch while the commits still showed
+        # the job holding it (plan then counted that batch twice, and stopped a pool the run needed).
+        committed = self.b.queue.committed(samples, TRAINER_GROUP) if started else {}
+        end = self.b.queue.end_offsets(samples) if started else {}
         return p.Observed(
             pods=pods,
             prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
-            sample_backlog=group_size * self.b.queue.backlog(samples, TRAINER_GROUP) if started else 0,
-            samples_produced=group_size * sum(self.b.queue.end_offsets(samples).values()) if started else 0,
-            trainer_committed=sum(self.b.queue.committed(samples, TRAINER_GROUP).values()) if started else 0,
+            sample_backlog=group_size * sum(offset - committed.get(partition, 0) for partition, offset in end.items()),
+            samples_produced=group_size * sum(end.values()),
+            trainer_committed=sum(committed.values()),
             spent_dollars=sum(billed_dollars(ledger, self.catalog, now)),  # the cost report's figure
             billed=frozenset(e.pod for e in ledger),
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},

@@ -18,7 +18,7 @@ from services.run_audit import audit_run
 from services.config import Settings
 from services.backends.launcher import PodSpec
 from services.cost.billing import NODE_BOOT_SECONDS
-from services.names import policy_prefix, prompts_topic, result_key, rollout_pod_name, samples_topic
+from services.names import TRAINER_GROUP, policy_prefix, prompts_topic, result_key, rollout_pod_name, samples_topic
 from services.runspec import RunSpec
 from services.scheduler.loop import Scheduler
 from services.scheduler.plan import MAX_PROMPTS_PER_TICK
@@ -319,3 +319,33 @@ def test_a_worker_waiting_for_a_node_is_not_billed_for_the_wait(
     scheduler.tick()
     ((started, ended),) = entries(b, run_id)[name]
     assert ended is None and started == pytest.approx(time.time() - NODE_BOOT_SECONDS, abs=5.0)
+
+
+def test_a_batch_committed_while_the_scheduler_looks_is_counted_once(
+    scripted_backends: Backends, settings: Settings, submit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job commits its batch between two of the scheduler's reads of the queue: what is queued
+    and what the trainer committed are still of one moment, adding up to what was produced. (Read
+    apart, the backlog still held the batch while the commits showed it gone: plan took it for
+    the next batch too, and stopped a pool the run needed; a CI run relaunched both workers.)"""
+    b = scripted_backends
+    scheduler = Scheduler(b, settings)
+    run_id = submit(b, SPEC)
+    scheduler.tick()  # started: its topics exist
+    produce(b, run_id, 4)  # two batches of two groups
+    consumer = trainer_consumer(b.queue, run_id)
+    records, offsets = take_batch(read_backlog(b.queue, consumer, run_id)[0], SPEC.batch_samples // 4)
+    end_offsets = b.queue.end_offsets
+
+    def end_offsets_then_the_job_commits(topic: str) -> dict[int, int]:
+        seen = end_offsets(topic)
+        if topic == samples_topic(run_id) and b.queue.committed(topic, TRAINER_GROUP) != offsets:
+            consumer.commit(offsets)  # once: right after the scheduler's first read of the end offsets
+        return seen
+
+    monkeypatch.setattr(b.queue, "end_offsets", end_offsets_then_the_job_commits)
+    observed = scheduler.observe(b.state.get_run(run_id), pods=[], group_size=4)
+    consumer.close()
+    assert b.queue.committed(samples_topic(run_id), TRAINER_GROUP) == offsets  # the job did commit meanwhile
+    assert observed.samples_produced == 16
+    assert observed.sample_backlog + 4 * observed.trainer_committed == observed.samples_produced
