@@ -282,16 +282,10 @@ class StateStore(LedgerQueries):
             run.train_failures = 0
             run.next_train_at = 0.0
 
-    def iterations(self, run_id: str, *, latest: int | None = None) -> list[IterationRow]:
-        """The run's iterations in order; with ``latest``, only the last that many (read as such)."""
+    def iterations(self, run_id: str) -> list[IterationRow]:
+        """The run's iterations in order (the API reads only the latest, through ``run_view``)."""
         with self._session() as s:
-            if latest is None:
-                return list(s.scalars(select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration)))
-            return _latest_iterations(s, run_id, latest)
-
-    def iteration_count(self, run_id: str) -> int:
-        with self._session() as s:
-            return _iteration_count(s, run_id)
+            return list(s.scalars(select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration)))
 
     def policy_version(self, run_id: str) -> int:
         with self._session() as s:
