@@ -1,5 +1,5 @@
 """The supervised steps before PPO, as ``spotrl`` commands: ``sft``, ``train-rm`` and the reward
-model's HTTP server ``reward-server`` (registered on the app in ``services.cli``)."""
+model's HTTP server ``reward-server``, which also serves a user's own reward function (registered on the app in ``services.cli``)."""
 
 from __future__ import annotations
 
@@ -70,19 +70,50 @@ def train_rm(
 
 
 def reward_server(
-    model: Annotated[Path, typer.Option("--model", help="Directory of a reward model saved by `spotrl train-rm`.")],
+    model: Annotated[Path | None, typer.Option("--model", help="Directory of a reward model saved by `spotrl train-rm`.")] = None,
+    function: Annotated[str | None, typer.Option(
+        "--function", help="A reward function taking verl's compute_score arguments: path/to/file.py:name or package.module:name."
+    )] = None,
+    batched: Annotated[bool, typer.Option(
+        "--batched", help="Call the function with lists, a chunk at a time (verl's batch form), whatever its parameter names."
+    )] = False,
+    workers: Annotated[int, typer.Option(min=1, help="Worker processes running the function.")] = 2,
+    timeout_s: Annotated[float, typer.Option(
+        "--timeout-s", min=0.01, help="Time limit of one call of the function; past it the response scores 0.0 and its worker is replaced."
+    )] = 10.0,
+    memory_mb: Annotated[int, typer.Option("--memory-mb", min=0, help="Address-space limit of each function worker in MiB (0: none).")] = 4096,
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
 ) -> None:
-    """Serve a reward model over HTTP: a run's reward_model term names its URL instead of a path."""
+    """Serve a reward model, or your own reward function, over HTTP: a run's reward term names its URL."""
     import uvicorn
 
-    from contracts.model_sources import check_reward_model_dir
     from services.reward.service import create_reward_app
 
-    try:
-        check_reward_model_dir(model)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--model") from None
+    if (model is None) == (function is None):
+        raise typer.BadParameter("give exactly one of --model and --function", param_hint="--model / --function")
+    if model is not None:
+        from contracts.model_sources import check_reward_model_dir
+
+        try:
+            check_reward_model_dir(model)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--model") from None
+        app = create_reward_app(model)
+    else:
+        app = create_reward_app(pool=_function_pool(function or "", batched, workers, timeout_s, memory_mb))
     start_logging()
-    uvicorn.run(create_reward_app(model), host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+def _function_pool(reference: str, batched: bool, workers: int, timeout_s: float, memory_mb: int):  # noqa: ANN202
+    """The started pool for ``reference``; a clear error when it does not import, is missing or
+    has the wrong signature."""
+    from services.reward.function_pool import FunctionPool
+    from services.reward.user_function import UserFunctionError, resolve
+
+    try:
+        function = resolve(reference, batched=batched or None)
+        return FunctionPool(function, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb).start()
+    except UserFunctionError as e:
+        raise typer.BadParameter(str(e), param_hint="--function") from None
