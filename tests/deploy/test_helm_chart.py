@@ -330,11 +330,116 @@ def test_production_ingress_service_monitor_and_identity() -> None:
     assert reward["args"] == ["reward-server", "--host", "0.0.0.0", "--port", "8100", "--model", "/models/helpfulness-rm-v3"]
     assert settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"] == "http://spotrl-reward.ml.svc:8100"
     assert reward["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "command" not in reward and reward["image"].rsplit("/", 1)[-1].startswith("spotrl-rollout:")
+    (model,) = [v for v in by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "model"]
+    assert model["persistentVolumeClaim"] == {"claimName": "reward-models", "readOnly": True}
     # On the reward pool; its Service is the URL runs name (SPOTRL_REWARD_SERVICE_URLS).
     pool, pod = helm.Chart.load(CHART).merge_values(values)["pools"]["reward"], by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"]
     assert (pod["nodeSelector"], pod["tolerations"]) == (pool["nodeSelector"], pool["tolerations"])
     service = by_kind(docs, "Service")["spotrl-reward"]
     assert f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}" == settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"]
+
+
+REWARD_IMAGE = "registry.acme.example/ml/rewards:2025.06@sha256:" + "ab" * 32
+
+
+def reward_function_values(**function: Any) -> dict[str, Any]:
+    """The trial scenario with the reward service serving the user's function from the user's image."""
+    values = scenario("minimal-trial-values.yaml")
+    values["reward"] = {
+        "enabled": True,
+        "image": {"registry": "registry.acme.example/ml", "repository": "rewards", "tag": "2025.06", "digest": "sha256:" + "ab" * 32},
+        "function": {"reference": "/app/rewards.py:compute_score", "workers": 4, "timeoutSeconds": 2.5, "memoryMb": 2048} | function,
+    }
+    return values
+
+
+def reward_pod(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return pod, container
+
+
+def reward_server_options(args: list[str]) -> dict[str, Any]:
+    """What `spotrl reward-server` makes of ``args``: parsed by the CLI itself, nothing started."""
+    import typer
+
+    from services.cli import app
+
+    assert args[0] == "reward-server"
+    return typer.main.get_command(app).commands["reward-server"].make_context("reward-server", args[1:]).params
+
+
+def test_reward_function_runs_from_the_users_image() -> None:
+    """A reward function: the user's image with `spotrl reward-server --function`, the pool's
+    limits as arguments the CLI accepts, CPU and memory sized to the workers, no GPU, no claim,
+    and the chart's security context, probes and read-only root."""
+    values = reward_function_values()
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSIONS[0]}")
+    assert not [m for m in report["messages"] if m["severity"] >= 2] and not report["errors"], report
+    docs = render(values)
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_KINDS:
+            for version in KUBE_VERSIONS:
+                kubernetes_validate.validate(doc, version, strict=True)
+    pod, reward = reward_pod(docs)
+    assert reward["image"] == REWARD_IMAGE and reward["command"] == ["spotrl"]
+    assert reward["args"] == ["reward-server", "--host", "0.0.0.0", "--port", "8100", "--function", "/app/rewards.py:compute_score",
+                              "--workers", "4", "--timeout-s", "2.5", "--memory-mb", "2048"]  # fmt: skip
+    options = reward_server_options(reward["args"])
+    assert (options["function"], options["model"], options["batched"]) == ("/app/rewards.py:compute_score", None, False)
+    assert (options["workers"], options["timeout_s"], options["memory_mb"], options["port"]) == (4, 2.5, 2048, 8100)
+    # No GPU: one CPU per worker, every worker at its address-space limit plus 512 MiB for the server.
+    assert reward["resources"] == {"requests": {"cpu": "4", "memory": f"{4 * 2048 + 512}Mi"}, "limits": {"memory": f"{4 * 2048 + 512}Mi"}}
+    assert "gpu" not in json.dumps(reward["resources"])
+    # No model: only the /tmp scratch space.
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
+    assert reward["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert "persistentVolumeClaim" not in json.dumps(docs)
+    merged = helm.Chart.load(CHART).merge_values(values)
+    assert reward["securityContext"] == merged["containerSecurityContext"] and reward["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"] == merged["podSecurityContext"] and pod["automountServiceAccountToken"] is False
+    assert reward["readinessProbe"]["httpGet"] == reward["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # On the reward pool, behind the Service runs name, admitted from the release's pods only.
+    assert (pod["nodeSelector"], pod["tolerations"]) == (merged["pools"]["reward"]["nodeSelector"], merged["pools"]["reward"]["tolerations"])
+    assert settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"] == "http://spotrl-reward.ml.svc:8100"
+    assert by_kind(docs, "NetworkPolicy")["spotrl-reward"]["spec"]["ingress"][0]["ports"] == [{"port": 8100, "protocol": "TCP"}]
+
+
+def test_reward_function_options() -> None:
+    # batched: true forces lists; null and false leave it to the parameter names.
+    for batched, flag in ((True, True), (None, False), (False, False)):
+        _, reward = reward_pod(render(reward_function_values(batched=batched)))
+        assert ("--batched" in reward["args"]) is flag and reward_server_options(reward["args"])["batched"] is flag
+    # Without an image of the user's: the chart's rollout image and its own entrypoint.
+    values = reward_function_values(reference="rewards.math:compute_score")
+    del values["reward"]["image"]
+    _, reward = reward_pod(render(values))
+    assert reward["image"].rsplit("/", 1)[-1].startswith("spotrl-rollout:") and "command" not in reward
+    # A repository that names its registry, pinned by tag alone.
+    values["reward"]["image"] = {"repository": "123456789012.dkr.ecr.us-east-1.amazonaws.com/rewards", "tag": "v3"}
+    assert reward_pod(render(values))[1]["image"] == "123456789012.dkr.ecr.us-east-1.amazonaws.com/rewards:v3"
+    # The user's own resources (a GPU for a function that wants one), nodes and tolerations.
+    values = reward_function_values(resources={"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "3Gi", "nvidia.com/gpu": 1}})
+    values["reward"] |= {"nodeSelector": {"spotrl.dev/pool": "cpu"}, "tolerations": [{"key": "spotrl.dev/pool", "operator": "Exists"}]}
+    pod, reward = reward_pod(render(values))
+    assert reward["resources"] == values["reward"]["function"]["resources"]
+    assert pod["nodeSelector"] == {"spotrl.dev/pool": "cpu"} and pod["tolerations"] == [{"key": "spotrl.dev/pool", "operator": "Exists"}]
+
+
+@pytest.mark.parametrize(("reward", "message"), [
+    ({"model": {"existingClaim": "reward-models"}, "function": {"reference": "/app/rewards.py:compute_score"}},
+     "set one of reward.model.existingClaim (a reward model) and reward.function.reference (your reward function), not both"),
+    ({}, "reward.enabled needs reward.model.existingClaim (a PVC with a reward model) or reward.function.reference"),
+    ({"function": {"reference": "/app/rewards.py:compute_score"}, "image": {"repository": "rewards"}},
+     "reward.image.tag or reward.image.digest is required with reward.image.repository"),
+    ({"function": {"reference": "/app/rewards.py:compute_score", "memoryMb": 0}}, "needs reward.function.resources"),
+], ids=["both", "neither", "image-unpinned", "no-memory-limit"])  # fmt: skip
+def test_reward_service_refuses_what_it_cannot_run(reward: dict[str, Any], message: str) -> None:
+    values = scenario("minimal-trial-values.yaml")
+    values["reward"] = {"enabled": True} | reward
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(values)
 
 
 def test_service_monitor() -> None:
@@ -368,7 +473,9 @@ BAD_VALUES = [
     ({"pools": {"rollout": {"nodeSelector": {"spot": True}, "tolerations": []}}}, "/pools/rollout/nodeSelector/spot"),
     ({"pools": {"training": {"tolerations": [{"key": "a", "effect": "Sometimes"}], "nodeSelector": {}}}}, "/pools/training/tolerations/0/effect"),
     ({"trial": {"postgresql": {"enabled": True, "password": "short"}}}, "/trial/postgresql/password"),
-    ({"reward": {"enabled": True}}, "/reward/model/existingClaim"),
+    ({"reward": {"function": {"workers": 0}}}, "/reward/function/workers"),
+    ({"reward": {"function": {"batched": "yes"}}}, "/reward/function/batched"),
+    ({"reward": {"image": {"digest": "latest"}}}, "/reward/image/digest"),
     ({"reward": {"model": {"path": "../../etc"}}}, "/reward/model/path"),
     ({"priceCatalog": {"instances": {"x1": {"gpu": "A10G", "gpus": 1}}}}, "/priceCatalog/instances/x1"),
     ({"api": {"resources": {"limits": {"memory": "lots"}}}}, "/api/resources/limits/memory"),
@@ -542,6 +649,21 @@ def test_scenario_creates_on_a_real_api_server(name: str, kube) -> None:
         assert scheduler.spec.strategy.type == "RollingUpdate"
         api_service = dynamic.resources.get(api_version="v1", kind="Service").get(name="spotrl-api", namespace=namespace)
         assert api_service.spec.clusterIP
+
+
+def test_reward_function_creates_on_a_real_api_server(kube) -> None:
+    """The function mode's reward Deployment and Service, as the v1.20 server stores them."""
+    from kubernetes.dynamic import DynamicClient
+
+    namespace = kube.new_namespace()
+    docs = [d for d in render(reward_function_values(batched=True), namespace=namespace)
+            if d["metadata"]["name"] == "spotrl-reward" and d["kind"] in {"Deployment", "Service"}]  # fmt: skip
+    assert len(docs) == 2
+    with kube.api_client() as api:
+        dynamic = DynamicClient(api)
+        for doc in docs:
+            resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+            _assert_kept(doc, resource.create(body=doc, namespace=namespace).to_dict(), f"{doc['kind']}/spotrl-reward")
 
 
 def _assert_kept(sent: Any, stored: Any, where: str) -> None:

@@ -120,6 +120,46 @@ envFrom:
 {{- printf "http://%s.%s.svc:%v" (include "spotrl.componentName" (list . "reward")) .Release.Namespace .Values.reward.service.port }}
 {{- end }}
 
+{{/* The reward service's image: the user's (reward.image, holding their reward code and spotrl),
+else the chart's rollout image. The user's registry does not default to image.registry: it is
+not a spotrl image. */}}
+{{- define "spotrl.rewardImage" -}}
+{{- $image := .Values.reward.image }}
+{{- if $image.repository }}
+{{- if not (or $image.tag $image.digest) }}
+{{- fail "reward.image.tag or reward.image.digest is required with reward.image.repository" }}
+{{- end }}
+{{- $ref := $image.repository }}
+{{- if $image.registry }}{{ $ref = printf "%s/%s" (trimSuffix "/" $image.registry) $ref }}{{ end }}
+{{- if $image.tag }}{{ $ref = printf "%s:%s" $ref $image.tag }}{{ end }}
+{{- if $image.digest }}{{ $ref = printf "%s@%s" $ref $image.digest }}{{ end }}
+{{- $ref }}
+{{- else }}
+{{- include "spotrl.image" (list . .Values.image.rollout) }}
+{{- end }}
+{{- end }}
+
+{{/* Resources of a reward function's container: reward.function.resources, else no GPU, one CPU
+per worker, and memory for every worker at its address-space limit (memoryMb) plus 512 MiB for
+the server and its forkserver, requested and limited alike so that the limit the workers run
+under is what the node sets aside. */}}
+{{- define "spotrl.rewardFunctionResources" -}}
+{{- $function := .Values.reward.function }}
+{{- if $function.resources }}
+{{- toYaml $function.resources }}
+{{- else }}
+{{- if not (int $function.memoryMb) }}
+{{- fail "reward.function.memoryMb 0 (no limit per worker) needs reward.function.resources: the chart sizes the pod from workers × memoryMb" }}
+{{- end }}
+{{- $memory := printf "%dMi" (add (mul (int $function.workers) (int $function.memoryMb)) 512) }}
+requests:
+  cpu: {{ int $function.workers | quote }}
+  memory: {{ $memory }}
+limits:
+  memory: {{ $memory }}
+{{- end }}
+{{- end }}
+
 {{/* A container's writable scratch space under a read-only root filesystem. */}}
 {{- define "spotrl.tmpVolume" -}}
 - name: tmp
