@@ -22,7 +22,8 @@ its grace period (SIGTERM, SIGKILL after it), the ended pod stays readable, and 
 removes the finalizer. A training Job is stopped by setting its parallelism to 0 (the Job
 controller starts no new pod) and deleting its running pods the same way.
 
-Each role (rollout, training) has its own image, node selector and tolerations
+Each role (rollout, training) has its own image, node selector and tolerations (eval pods take the
+rollout pool's, standby pods the training pool's)
 (``KubernetesConfig``; the chart's ``SPOTRL_KUBE_*`` settings, services/wiring.py). Pods inherit
 the launcher's ``SPOTRL_*`` settings, but never a secret one as a value in the pod spec: with
 ``env_secrets`` the backends' URLs (and any setting named as a secret) reach them only through

@@ -120,8 +120,9 @@ def job_manifest(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str,
 
 def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, str]) -> dict[str, Any]:
     training = spec.role == "training"
-    # A standby (the scheduler's warm training node) holds a training node: the training pool's everything.
-    pool_role = "training" if spec.role == "standby" else spec.role
+    # A standby (the scheduler's warm training node) holds a training node: the training pool's everything;
+    # an eval pod (a held-out evaluation) runs on the rollout pool, as a bare Pod like a rollout worker.
+    pool_role = {"standby": "training", "eval": "rollout"}.get(spec.role, spec.role)
     described = {"run_id": spec.run_id, "role": spec.role, "instance_type": spec.instance_type,
                  "capacity_type": spec.capacity_type, "labels": spec.labels}  # fmt: skip
     labels = {**cfg.pod_labels, **MANAGED_BY, POD_LABEL: spec.name, "spotrl.dev/run": spec.run_id,

@@ -145,6 +145,19 @@ def test_a_standby_holds_a_node_of_the_training_pool() -> None:
     assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8"}  # the node's GPUs, held
 
 
+def test_an_eval_pod_runs_on_the_rollout_pool() -> None:
+    cfg = KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2"},
+                           node_selectors={"rollout": {"spotrl.dev/pool": "rollout"}},
+                           tolerations={"rollout": [{"key": "spot", "operator": "Exists"}]})  # fmt: skip
+    evaluation = PodSpec(name="run-1-eval-2", run_id="run-1", role="eval", command=["python", "-m", "services.cli", "eval-job"],
+                         env={}, instance_type="g5.xlarge", capacity_type="spot", labels={"version": "2"})
+    pod = pod_manifest(evaluation, cfg, 1, {})
+    assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "rollout", "node.kubernetes.io/instance-type": "g5.xlarge"}
+    assert pod["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists"}]
+    assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-rollout:2"
+    assert pod["metadata"]["labels"]["spotrl.dev/role"] == "eval" and pod["metadata"]["labels"]["spotrl.dev/version"] == "2"
+
+
 def node_status(node_labels: dict[str, str], pod_status: dict[str, Any], cfg: KubernetesConfig = CFG) -> Any:
     pod = pod_manifest(rollout_spec(), cfg, 1, {})
     pod["metadata"] |= {"creationTimestamp": "2026-12-01T10:00:00Z", "uid": "u"}
