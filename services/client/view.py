@@ -29,7 +29,7 @@ def run_progress(run: dict[str, Any]) -> Group:
         f"samples produced {s['produced']} · trained {s['trained']} · dropped {s['dropped']}",
         f"spent ${run['spent_dollars']:.4f}",
     )
-    standing = Group(head, Text(status.meaning, style="dim"))
+    standing = Group(head, Text(status.meaning, style="dim"), *_latest_eval(run))
     iters = Table("iteration", "mean reward", "KL", "loss", "samples", "seconds", title="training iterations")
     for it in run["iterations"]:
         iters.add_row(
@@ -41,6 +41,16 @@ def run_progress(run: dict[str, Any]) -> Group:
     if total > len(run["iterations"]):
         iters.caption = f"the latest {len(run['iterations'])} of {total} iterations"
     return Group(standing, iters)
+
+
+def _latest_eval(run: dict[str, Any]) -> list[Text]:
+    """A line with the latest held-out eval's figures, for a run that has one."""
+    evals = run.get("evals") or []
+    if not evals:
+        return []
+    last = evals[-1]
+    figures = " · ".join(f"{name} {value:.3f}" for name, value in last["metrics"].items())
+    return [Text(f"held-out eval of policy v{last['policy_version']}: {figures}")]
 
 
 def cost_table(cost: dict[str, Any]) -> Table:

@@ -56,3 +56,8 @@ def test_a_runs_status_is_shown_with_its_meaning(settings) -> None:
     ending = shown(run_progress({**run, "status": "ENDING", "status_reason": "budget spent"}))
     assert "ENDING (budget spent)" in ending and RunStatus.ENDING.meaning in ending
     assert RunStatus.PENDING.meaning not in ending
+    # `runs watch` shows the latest held-out eval's figures, once a run has one.
+    assert "held-out eval" not in ending
+    evaluated = {**run, "evals": [{"policy_version": 0, "metrics": {"mean": 0.1}},
+                                  {"policy_version": 2, "metrics": {"mean": 0.375, "pass@4": 0.5}}]}  # fmt: skip
+    assert "held-out eval of policy v2: mean 0.375 · pass@4 0.500" in shown(run_progress(evaluated))
