@@ -219,7 +219,7 @@ def run_colocated(
     started = time.monotonic()
     out_dir = Path(out_dir)
     checkpoints = out_dir / CHECKPOINTS_DIR
-    items = load_prompts(spec.prompts, objects)
+    items = load_prompts(spec.prompts, objects, fields=spec.dataset)
     price = load_catalog().get(spec.training.instance_type)
     config = {"spec": spec.model_dump(mode="json"), "seed": seed, "run_id": run_id}
     engine, sampler, history, elapsed_before = _start(

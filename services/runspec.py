@@ -151,6 +151,23 @@ class RolloutPool(BaseModel):
         return self
 
 
+class DatasetFields(BaseModel):
+    """Where each row of a prompt set file keeps what a prompt item needs (verl's ``data.prompt_key``
+    and ``reward_model.ground_truth``). Every other field of a row reaches the reward in its
+    ``extra_info``; a row's own ``extra_info`` object is merged in and wins."""
+
+    model_config = STRICT
+
+    prompt_key: str = Field(
+        default="prompt", min_length=1, max_length=256, description="The field holding each row's prompt: text or chat messages."
+    )
+    answer_key: str | None = Field(
+        default=None, min_length=1, max_length=256, pattern=r"^[^.]+(\.[^.]+)*$",
+        description="The dotted path of each row's answer, e.g. reward_model.ground_truth; by default reward_model.ground_truth "
+        "where a row has it, else `answer`. The top-level field it lies in is not passed on in extra_info.",
+    )
+
+
 class RunSpec(BaseModel):
     """What to train, on what, until when, for how much."""
 
@@ -165,8 +182,14 @@ class RunSpec(BaseModel):
     algorithm: Algorithm = Field(default=Algorithm.GRPO, description="RL algorithm: grpo or ppo (value head critic).")
     prompts: Annotated[list[PromptItem], Field(max_length=MAX_INLINE_PROMPTS)] | Annotated[str, Field(max_length=MAX_PATH_CHARS)] = Field(
         description=f"Inline list of at most {MAX_INLINE_PROMPTS} {{prompt, answer}}, a prompt set uploaded with POST /v1/datasets "
-        "(store://datasets/<id>.jsonl), or a JSONL path inside the server's SPOTRL_DATA_DIRS. A stored run shows `inline` for "
-        "an inline list, and its `prompt_count`."
+        "(store://datasets/<id>.jsonl; JSONL or Parquet), or the path of a JSONL or Parquet file or of a directory written by "
+        "datasets' save_to_disk inside the server's SPOTRL_DATA_DIRS. A stored run shows `inline` for an inline list, and its "
+        "`prompt_count`."
+    )
+    dataset: DatasetFields = Field(
+        default_factory=DatasetFields,
+        description="The fields of a prompt set file's rows (verl's layout by default), for the run's prompts and its held-out "
+        "set as read from a server path or uploaded by `spotrl runs submit`.",
     )
     reward: Annotated[list[RewardTerm], Field(min_length=1, max_length=MAX_REWARD_TERMS)] = Field(
         default_factory=lambda: [RewardTerm(fn=RewardFn.EXACT_MATCH)],

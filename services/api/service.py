@@ -10,9 +10,10 @@ import base64
 import binascii
 import json
 import math
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import asdict
 from itertools import islice
 
@@ -43,8 +44,19 @@ from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
 from services.cost.report_page import IterationPoint, report_page
 from services.names import pod_log_key, pod_logs_prefix, prompts_key, role_of_pod, run_id_of_pod, tenant_object_key
-from services.prompts import INLINE, STORE_SCHEME, InvalidPromptsError, JsonlParser, load_prompts, to_jsonl
-from services.runspec import RewardFn, RunSpec
+from services.prompts import (
+    DEFAULT_FIELDS,
+    INLINE,
+    PARQUET_MAGIC,
+    PARQUET_MEDIA_TYPE,
+    STORE_SCHEME,
+    InvalidPromptsError,
+    JsonlParser,
+    load_prompts,
+    read_parquet,
+    to_jsonl,
+)
+from services.runspec import DatasetFields, RewardFn, RunSpec
 from services.server_paths import ServerPathError, check_server_path, url_is_allowed
 from services.wiring import Backends
 
@@ -123,7 +135,7 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
     check_spec_for_server(spec, settings)
     prompts = load_prompts(
         spec.prompts, backends.objects, tenant=principal.tenant,
-        allowed_dirs=settings.allowed_data_dirs(), max_bytes=settings.max_dataset_bytes,
+        allowed_dirs=settings.allowed_data_dirs(), max_bytes=settings.max_dataset_bytes, fields=spec.dataset,
     )  # fmt: skip
     run_id = new_run_id()
     backends.objects.put_bytes(prompts_key(run_id), to_jsonl(prompts))
@@ -134,24 +146,51 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
     return run_public(RunView(row, latest=[], iterations_total=0, spent=0.0))  # new: no iteration, no ledger yet
 
 
-async def create_dataset(*, backends: Backends, principal: Principal, body: AsyncIterable[bytes], max_bytes: int) -> DatasetPublic:
-    """Store an uploaded JSONL prompt set among the caller's objects, parsed line by line as
-    ``body`` arrives: what is held is the prompts parsed so far, one partial line and one piece,
-    and the upload is refused at its first bad or overlong line, past MAX_PROMPTS lines, or past
-    ``max_bytes``, without reading the rest. Parsing and storing run in worker threads."""
-    parser = JsonlParser("the upload")
-    piece, received = bytearray(), 0
-    try:
+async def create_dataset(
+    *, backends: Backends, principal: Principal, body: AsyncIterable[bytes], max_bytes: int,
+    media_type: str | None = None, fields: DatasetFields = DEFAULT_FIELDS,
+) -> DatasetPublic:
+    """Store an uploaded prompt set among the caller's objects as normalised JSONL, its rows
+    mapped by ``fields``. JSONL is parsed line by line as ``body`` arrives: what is held is the
+    prompts parsed so far, one partial line and one piece, and the upload is refused at its first
+    bad or overlong line, past MAX_PROMPTS lines, or past ``max_bytes``, without reading the rest.
+    Parquet (``media_type`` PARQUET_MEDIA_TYPE, or a body that starts with its magic) cannot be
+    read before its footer, at the end: it is spooled to a temporary file, refused as soon as it
+    passes ``max_bytes``, then read row group by row group. Parsing, spooling and storing run in
+    worker threads."""
+    received = 0
+
+    async def pieces() -> AsyncIterator[bytes]:  # of UPLOAD_PIECE_BYTES or more, the last one shorter
+        nonlocal received
+        piece = bytearray()
         async for chunk in body:
             received += len(chunk)
             if received > max_bytes:  # the body-size middleware refuses first; this holds without it
                 raise BodyTooLargeError(max_bytes)
             piece += chunk
             if len(piece) >= UPLOAD_PIECE_BYTES:
-                await anyio.to_thread.run_sync(parser.feed, bytes(piece))
+                yield bytes(piece)
                 piece.clear()
-        await anyio.to_thread.run_sync(parser.feed, bytes(piece))
-        items = await anyio.to_thread.run_sync(parser.finish)
+        yield bytes(piece)
+
+    stream = pieces()
+    first = await anext(stream)  # the whole body when shorter than a piece: JSONL or Parquet, by its start
+    try:
+        if media_type == PARQUET_MEDIA_TYPE or first.startswith(PARQUET_MAGIC):
+            spool = await anyio.to_thread.run_sync(tempfile.TemporaryFile)
+            try:
+                await anyio.to_thread.run_sync(spool.write, first)
+                async for piece in stream:
+                    await anyio.to_thread.run_sync(spool.write, piece)
+                items = await anyio.to_thread.run_sync(lambda: read_parquet(spool, "the upload", fields=fields, max_bytes=max_bytes))
+            finally:
+                await anyio.to_thread.run_sync(spool.close)
+        else:
+            parser = JsonlParser("the upload", fields)
+            await anyio.to_thread.run_sync(parser.feed, first)
+            async for piece in stream:
+                await anyio.to_thread.run_sync(parser.feed, piece)
+            items = await anyio.to_thread.run_sync(parser.finish)
     except InvalidPromptsError as e:
         raise SpecFieldError(("body",), str(e)) from None
     dataset_id = uuid.uuid4().hex[:16]

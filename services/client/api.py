@@ -23,6 +23,9 @@ LEDGER_PAGE_SIZE = 1000
 # A spec's `prompts` naming an uploaded prompt set (services.prompts.STORE_SCHEME, not imported:
 # that module brings the server's backends).
 STORE_SCHEME = "store://"
+# A Parquet file's first bytes, and its media type for POST /v1/datasets (services.prompts).
+PARQUET_MAGIC = b"PAR1"
+PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
 
 
 class ClientError(Exception):
@@ -161,8 +164,12 @@ class ApiClient:
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "/v1/runs", json=spec)
 
-    def upload_dataset(self, data: bytes) -> dict[str, Any]:
-        return self._call("POST", "/v1/datasets", content=data, headers={"Content-Type": "application/x-ndjson"})
+    def upload_dataset(self, data: bytes, *, fields: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Upload a prompt set, JSONL or Parquet (told apart by its first bytes), its rows mapped
+        by ``fields`` (a run spec's ``dataset``: prompt_key, answer_key)."""
+        media_type = PARQUET_MEDIA_TYPE if data.startswith(PARQUET_MAGIC) else "application/x-ndjson"
+        params = {k: v for k, v in (fields or {}).items() if v is not None}
+        return self._call("POST", "/v1/datasets", content=data, headers={"Content-Type": media_type}, params=params)
 
     def list_runs(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[dict[str, Any]]:
         """Every run the token sees, oldest first, following the API's page cursor."""
@@ -220,13 +227,22 @@ def read_spec_file(path: Path) -> dict[str, Any]:
 
 
 def upload_local_prompts(client: ApiClient, spec: dict[str, Any], *, base_dir: Path) -> dict[str, Any] | None:
-    """When the spec's ``prompts`` names a JSONL file on this machine (relative to the spec
-    file), upload it (POST /v1/datasets) and name the upload instead; returns the upload.
+    """When the spec's ``prompts`` names a JSONL or Parquet file on this machine (relative to the
+    spec file), upload it (POST /v1/datasets, its rows mapped by the spec's ``dataset``) and name
+    the upload instead; so too its ``eval.prompts``. Returns the upload of ``prompts``.
 
     A path that is not a file here is left as it is: a path on the server, inside its
-    SPOTRL_DATA_DIRS, which the API checks.
+    SPOTRL_DATA_DIRS, which the API checks (a directory saved by datasets' save_to_disk too).
     """
-    prompts = spec.get("prompts")
+    fields = spec.get("dataset") if isinstance(spec.get("dataset"), dict) else None
+    dataset = _upload_local(client, spec, fields, base_dir=base_dir)
+    if isinstance(spec.get("eval"), dict):
+        _upload_local(client, spec["eval"], fields, base_dir=base_dir)
+    return dataset
+
+
+def _upload_local(client: ApiClient, section: dict[str, Any], fields: dict[str, Any] | None, *, base_dir: Path) -> dict[str, Any] | None:
+    prompts = section.get("prompts")
     if not isinstance(prompts, str) or prompts.startswith(STORE_SCHEME):
         return None
     path = Path(prompts).expanduser()
@@ -237,8 +253,8 @@ def upload_local_prompts(client: ApiClient, spec: dict[str, Any], *, base_dir: P
         data = path.read_bytes()
     except OSError as e:
         raise ClientError(f"cannot read the prompts {path}: {e.strerror}") from None
-    dataset = client.upload_dataset(data)
-    spec["prompts"] = dataset["uri"]
+    dataset = client.upload_dataset(data, fields=fields)
+    section["prompts"] = dataset["uri"]
     return dataset
 
 

@@ -84,8 +84,9 @@ def submit(
     token: TokenOption = None,
     output: OutputOption = Output.TABLE,
 ) -> None:
-    """Submit a run. A `prompts` naming a JSONL file on this machine (relative to SPEC) is
-    uploaded first (POST /v1/datasets) and the run names the upload."""
+    """Submit a run. A `prompts` (or `eval.prompts`) naming a JSONL or Parquet file on this machine
+    (relative to SPEC) is uploaded first (POST /v1/datasets, its rows mapped by the spec's
+    `dataset`) and the run names the upload."""
     from services.client.api import read_spec_file, upload_local_prompts
 
     with _api(server, token, output) as client:
