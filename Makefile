@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spotrl-installed
 # checkov pins boto3, packaging and networkx below what spotrl's venv holds: it gets a venv of its own.
 CHECKOV := $(VENV)/checkov/bin/checkov
+# The MLflow tracking server of the MLflow sink's tests (tests/servers/mlflow.py): the full mlflow package pins
+# much of what spotrl's venv holds, and spotrl talks to it over HTTP only, so it too gets a venv of its own.
+MLFLOW := $(VENV)/mlflow/bin/mlflow
 
 .PHONY: demo demo-tiny test setup bench kube-apiserver prometheus chromium image-control image-rollout image-training
 
@@ -52,14 +55,18 @@ chromium: $(STAMP)
 
 # The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the
 # suite as two pytest sessions side by side: the `slow` tests one after another, the rest beside them.
-test: $(STAMP) $(CHECKOV) kube-apiserver prometheus chromium
+test: $(STAMP) $(CHECKOV) $(MLFLOW) kube-apiserver prometheus chromium
 	$(VENV)/bin/lint-imports --no-cache
-	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) $(PY) scripts/run_suite.py -q --durations=25
+	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) SPOTRL_MLFLOW=$(abspath $(MLFLOW)) $(PY) scripts/run_suite.py -q --durations=25
 
 # tests/deploy/test_terraform.py runs it on infra/terraform.
 $(CHECKOV):
 	test -x $(VENV)/checkov/bin/python || python3 -m venv $(VENV)/checkov
 	$(VENV)/checkov/bin/python -m pip install -q checkov==3.3.30
+
+$(MLFLOW):
+	test -x $(VENV)/mlflow/bin/python || python3 -m venv $(VENV)/mlflow
+	$(VENV)/mlflow/bin/python -m pip install -q 'mlflow[auth]==3.17.2'
 
 # spotrl's trainer against TRL's GRPOTrainer on the same GRPO work (a benchmark, not a test; ~4 min).
 bench: $(STAMP)

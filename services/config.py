@@ -11,7 +11,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -88,6 +88,15 @@ class Settings(BaseSettings):
         default="karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true",
         description="Node labels of spot capacity (label=value, comma-separated; a node matching any one is spot): what spot rollout pods ask for, and how a node's capacity type is read.",
     )
+    # Experiment trackers (services.tracking): where they are and their credentials, never in a run spec.
+    mlflow_tracking_uri: str | None = Field(default=None, repr=False, description="The MLflow tracking server runs with tracking.mlflow log to (http(s)://host:port); credentials in it become basic auth.")
+    mlflow_tracking_token: SecretStr | None = Field(default=None, repr=False, description="Bearer token of the MLflow server.")
+    mlflow_tracking_token_file: Path | None = Field(default=None, description="A file holding that token (e.g. a mounted Kubernetes Secret); read when the scheduler first logs to MLflow.")
+    wandb_api_key: SecretStr | None = Field(default=None, repr=False, description="The W&B API key runs with tracking.wandb log with.")
+    wandb_api_key_file: Path | None = Field(default=None, description="A file holding that key (e.g. a mounted Kubernetes Secret).")
+    wandb_base_url: str | None = Field(default=None, description="The W&B server (a dedicated or self-hosted one); unset: W&B's own.")
+    wandb_mode: Literal["online", "offline"] = Field(default="online", description="online: log to the W&B server; offline: write the runs under wandb_dir for `wandb sync` later (no key needed).")
+    wandb_dir: Path | None = Field(default=None, description="Where W&B keeps its run files (offline: the runs themselves); default: home/wandb.")
 
     def allowed_data_dirs(self) -> list[Path]:
         """The directories of ``data_dirs``, resolved (symbolic links followed)."""
@@ -115,6 +124,9 @@ class Settings(BaseSettings):
 
     def resolved_model_cache(self) -> Path:
         return (self.model_cache or self.home / "models").resolve()
+
+    def resolved_wandb_dir(self) -> Path:
+        return (self.wandb_dir or self.home / "wandb").resolve()
 
 
 @cache

@@ -134,6 +134,20 @@ class LeaseRow(Base):
     expires_at: Mapped[float] = mapped_column(Float)
 
 
+class TrackingCursorRow(Base):
+    """How far one experiment tracker (``sink``: tensorboard, mlflow, wandb) has a run's figures:
+    iterations up to ``iteration`` and evaluations up to policy version ``eval_version`` are sent
+    (``services.tracking``); ``ended``: the run's end is sent too, nothing more will be."""
+
+    __tablename__ = "tracking_cursors"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    sink: Mapped[str] = mapped_column(String(32), primary_key=True)
+    iteration: Mapped[int] = mapped_column(Integer, default=0)
+    eval_version: Mapped[int] = mapped_column(Integer, default=-1)
+    ended: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
 # --- migrations ---------------------------------------------------------------------------
 # Append only: each entry upgrades the schema by one version. Version 1 is the initial schema.
 def _m001_initial(conn: Connection) -> None:
@@ -202,6 +216,11 @@ def _m006_samples_filtered(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE runs ADD COLUMN samples_filtered INTEGER NOT NULL DEFAULT 0"))
 
 
+def _add_tracking_cursors(conn: Connection) -> None:
+    """The ``tracking_cursors`` table: what each experiment tracker has of each run."""
+    TrackingCursorRow.__table__.create(conn, checkfirst=True)
+
+
 MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m001_initial,
     _m002_leases_and_stopping_statuses,
@@ -209,6 +228,7 @@ MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m004_queues_deleted,
     _m005_worker_stats_and_pod_outcomes,
     _m006_samples_filtered,
+    _add_tracking_cursors,
 )
 
 

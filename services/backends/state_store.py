@@ -23,13 +23,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import String, and_, delete, func, make_url, or_, select, update
+from sqlalchemy import String, and_, case, delete, func, make_url, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
 from services.backends.state_engine import WRITE_OPTION, create_state_engine, dialect_insert
 from services.backends.state_ledger import LedgerEntry, LedgerQueries
-from services.backends.state_schema import DEFAULT_TENANT, IterationRow, LeaseRow, RunRow, WorkerStatsRow, migrate
+from services.backends.state_schema import (
+    DEFAULT_TENANT,
+    IterationRow,
+    LeaseRow,
+    RunRow,
+    TrackingCursorRow,
+    WorkerStatsRow,
+    migrate,
+)
 
 # Re-exported: the cost engine, the API and the simulator import LedgerEntry from here.
 __all__ = ["IllegalTransitionError", "LedgerEntry", "RunNotFoundError", "RunView", "StateStore"]
@@ -282,10 +290,12 @@ class StateStore(LedgerQueries):
             run.train_failures = 0
             run.next_train_at = 0.0
 
-    def iterations(self, run_id: str) -> list[IterationRow]:
-        """The run's iterations in order (the API reads only the latest, through ``run_view``)."""
+    def iterations(self, run_id: str, *, after: int = 0, limit: int | None = None) -> list[IterationRow]:
+        """The run's iterations in order (the API reads only the latest, through ``run_view``); only
+        those after iteration ``after``, at most ``limit`` of them, when given."""
         with self._session() as s:
-            return list(s.scalars(select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration)))
+            query = select(IterationRow).where(IterationRow.run_id == run_id, IterationRow.iteration > after)
+            return list(s.scalars(query.order_by(IterationRow.iteration).limit(limit)))
 
     def policy_version(self, run_id: str) -> int:
         with self._session() as s:
@@ -293,6 +303,42 @@ class StateStore(LedgerQueries):
             if version is None:
                 raise RunNotFoundError(run_id)
             return version
+
+    # --- experiment trackers' cursors (services.tracking) -------------------------------
+    def tracking_cursors(self, run_id: str) -> dict[str, TrackingCursorRow]:
+        """What each tracker has of the run, by sink name; a sink without a row has nothing yet."""
+        with self._session() as s:
+            return {c.sink: c for c in s.scalars(select(TrackingCursorRow).where(TrackingCursorRow.run_id == run_id))}
+
+    def advance_tracking_cursor(self, run_id: str, sink: str, *, iteration: int, eval_version: int, ended: bool = False) -> None:
+        """Record that ``sink`` has the run's iterations through ``iteration`` and evaluations through
+        ``eval_version`` (and its end, with ``ended``). One upsert, only forward: a cursor never moves back."""
+        with self._write_engine.begin() as conn:
+            upsert = dialect_insert(conn.dialect.name)(TrackingCursorRow).values(
+                run_id=run_id, sink=sink, iteration=iteration, eval_version=eval_version, ended=ended
+            )
+            conn.execute(upsert.on_conflict_do_update(
+                index_elements=[TrackingCursorRow.run_id, TrackingCursorRow.sink],
+                set_={
+                    "iteration": case((upsert.excluded.iteration > TrackingCursorRow.iteration, upsert.excluded.iteration),
+                                      else_=TrackingCursorRow.iteration),
+                    "eval_version": case((upsert.excluded.eval_version > TrackingCursorRow.eval_version, upsert.excluded.eval_version),
+                                         else_=TrackingCursorRow.eval_version),
+                    "ended": or_(TrackingCursorRow.ended, upsert.excluded.ended),
+                },
+            ))  # fmt: skip
+
+    def runs_with_tracking_to_end(self, limit: int) -> list[str]:
+        """Ended runs (a terminal status) that some tracker has not been told the end of, oldest end first."""
+        terminal = [s.value for s in RunStatus if s.is_terminal()]
+        with self._session() as s:
+            return list(s.scalars(
+                select(RunRow.id)
+                .where(RunRow.status.in_(terminal), RunRow.id.in_(
+                    select(TrackingCursorRow.run_id).where(TrackingCursorRow.ended.is_(False))))
+                .order_by(RunRow.ended_at)
+                .limit(limit)
+            ))  # fmt: skip
 
     # --- rollout workers' counters ------------------------------------------------------
     def report_worker(
