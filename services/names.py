@@ -29,8 +29,23 @@ def standby_pod_name(run_id: str, after_iteration: int) -> str:
     return f"{run_id}-warm-{after_iteration}"
 
 
+def eval_pod_name(run_id: str, version: int) -> str:
+    """The pod that evaluates policy ``version`` on the run's held-out prompts."""
+    return f"{run_id}-eval-{version}"
+
+
 def prompts_key(run_id: str) -> str:
     return f"runs/{run_id}/prompts.jsonl"
+
+
+def eval_prompts_key(run_id: str) -> str:
+    """The run's held-out prompt set (its spec's ``eval.prompts``), stored at submit time."""
+    return f"runs/{run_id}/eval_prompts.jsonl"
+
+
+def eval_result_key(run_id: str, version: int) -> str:
+    """Written last by the eval pod of ``version``: its presence means that eval is done."""
+    return f"runs/{run_id}/evals/v{version}.json"
 
 
 def tenant_object_key(tenant: str, key: str) -> str:
@@ -67,14 +82,19 @@ def pod_log_key(run_id: str, pod: str) -> str:
 
 def run_id_of_pod(pod: str) -> str:
     """Inverse of the pod names above: ``run-ab12-train-3`` -> ``run-ab12``."""
-    for marker in ("-train-", "-rollout-", "-warm-"):
+    for marker in ("-train-", "-rollout-", "-warm-", "-eval-"):
         if marker in pod:
             return pod.rsplit(marker, 1)[0]
-    raise ValueError(f"{pod!r} is not a spotrl pod name (<run>-train-<N>, <run>-rollout-<slot> or <run>-warm-<N>)")
+    raise ValueError(
+        f"{pod!r} is not a spotrl pod name (<run>-train-<N>, <run>-rollout-<slot>, <run>-warm-<N> or <run>-eval-<N>)"
+    )
 
 
 def role_of_pod(pod: str) -> str:
-    """``run-ab12-train-3`` -> ``training``, ``run-ab12-rollout-0`` -> ``rollout``, ``run-ab12-warm-2`` -> ``standby``."""
+    """``run-ab12-train-3`` -> ``training``, ``run-ab12-rollout-0`` -> ``rollout``, ``run-ab12-warm-2`` -> ``standby``,
+    ``run-ab12-eval-2`` -> ``eval``."""
     if "-warm-" in pod:
         return "standby"
+    if "-eval-" in pod:
+        return "eval"
     return "training" if "-train-" in pod else "rollout"

@@ -7,6 +7,7 @@ that the README's configuration reference and ``/docs`` both show.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -19,6 +20,8 @@ from services.reward.safe_regex import check_pattern
 
 
 MAX_INLINE_PROMPTS = 10_000
+# An eval metric's name: `mean`, or `pass@k` (k in the group).
+_EVAL_METRIC = re.compile(r"mean|pass@([1-9][0-9]{0,2})")
 MAX_PATH_CHARS = 1024
 # Every term runs on every response: 100,000 of them took the API 20 s to validate and store.
 MAX_REWARD_TERMS = 16
@@ -176,6 +179,55 @@ class RolloutPool(BaseModel):
         return self
 
 
+class EvalSpec(BaseModel):
+    """Held-out evaluation: chosen policy versions scored on prompts training never sees, each by
+    an eval pod on the rollout pool's instance type and capacity, beside rollout and training."""
+
+    model_config = STRICT
+
+    prompts: Annotated[list[PromptItem], Field(max_length=MAX_INLINE_PROMPTS)] | Annotated[str, Field(max_length=MAX_PATH_CHARS)] = Field(
+        description="The held-out prompt set, in the forms of the run's `prompts`: an inline list, a store:// upload or a "
+        "JSONL path inside the server's SPOTRL_DATA_DIRS. A stored run shows `inline` for an inline list."
+    )
+    every_iterations: int = Field(
+        default=1, ge=1, le=100_000,
+        description="Evaluate every this-many-th policy version; the base model (v0) is evaluated too, as the baseline, and, "
+        "when the run succeeds, its last version.",
+    )
+    samples_per_prompt: int = Field(default=4, ge=1, le=256, description="Responses generated per held-out prompt.")
+    temperature: float = Field(default=1.0, ge=0.0, le=5.0, description="Sampling temperature of the eval (0 = greedy).")
+    max_new_tokens: int = Field(default=64, ge=1, le=8192, description="Response length limit in tokens.")
+    metrics: Annotated[list[str], Field(min_length=1, max_length=16)] = Field(
+        default_factory=lambda: ["mean"],
+        description="What to report: `mean` (mean score of every response; always reported) and `pass@k` (k <= "
+        "samples_per_prompt: the chance that one of k responses to a prompt scores above 0, unbiased estimator).",
+    )
+    target_score: float | None = Field(
+        default=None, ge=-1e6, le=1e6, description="The run ends SUCCEEDED once an eval's mean score reaches this."
+    )
+
+    @field_validator("prompts")
+    @classmethod
+    def _check_prompts(cls, v: list[PromptItem] | str) -> list[PromptItem] | str:
+        if isinstance(v, list) and not v:
+            raise ValueError("at least one held-out prompt is needed")
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("give a JSONL path, a store:// URI or an inline list")
+        return v
+
+    @model_validator(mode="after")
+    def _check_metrics(self) -> EvalSpec:
+        for name in self.metrics:
+            m = _EVAL_METRIC.fullmatch(name)
+            if m is None:
+                raise ValueError(f"eval metrics are `mean` and `pass@k` (k a positive integer), not {name[:40]!r}")
+            if m.group(1) is not None and int(m.group(1)) > self.samples_per_prompt:
+                raise ValueError(f"{name} needs k <= samples_per_prompt ({self.samples_per_prompt})")
+        if len(set(self.metrics)) != len(self.metrics):
+            raise ValueError("each eval metric once")
+        return self
+
+
 class DatasetFields(BaseModel):
     """Where each row of a prompt set file keeps what a prompt item needs (verl's ``data.prompt_key``
     and ``reward_model.ground_truth``). Every other field of a row reaches the reward in its
@@ -237,6 +289,9 @@ class RunSpec(BaseModel):
     )
     deadline_seconds: float | None = Field(
         default=None, gt=0.0, le=1e8, description="Wall time the run should end within; cost-aware falls back to on-demand rollout to meet it."
+    )
+    eval: EvalSpec | None = Field(
+        default=None, description="Held-out evaluation of chosen policy versions by eval pods (none when absent)."
     )
 
     @field_validator("model")
@@ -326,6 +381,8 @@ class RunSpec(BaseModel):
             refused.append("training.dynamic_sampling (the rollout workers drop the groups whose rewards are all equal)")
         if self.training.adv_estimator == AdvantageEstimator.REMAX:
             refused.append("training.adv_estimator remax (the rollout workers generate each prompt's greedy baseline)")
+        if self.eval is not None:
+            refused.append("eval (the scheduler launches the eval pods)")
         if refused:
             raise ValueError(
                 f"a colocated run cannot use {' or '.join(refused)}: submit the spec as a disaggregated run instead "
@@ -336,8 +393,8 @@ class RunSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_goal(self) -> RunSpec:
-        if self.iterations is None and self.target_mean_reward is None:
-            raise ValueError("set `iterations`, `target_mean_reward`, or both, so the run can end")
+        if self.iterations is None and self.target_mean_reward is None and (self.eval is None or self.eval.target_score is None):
+            raise ValueError("set `iterations`, `target_mean_reward` or `eval.target_score` (or several), so the run can end")
         if self.algorithm == Algorithm.GRPO and self.samples_per_prompt < 2:
             raise ValueError("grpo needs samples_per_prompt >= 2 (advantages are relative within a prompt's group)")
         if self.batch_samples % self.samples_per_prompt:

@@ -130,6 +130,8 @@ class RunCollector(Collector):
         self._ledger(f, r, entries, now)
         self._iterations(f, r)
         self._workers(f, r, entries)
+        if r.spec.get("eval"):
+            self._evals(f, r)
 
     def _ledger(self, f: _Families, r: RunRow, entries: list[LedgerEntry], now: float) -> None:
         dollars: dict[tuple[str, ...], float] = defaultdict(float)
@@ -184,6 +186,16 @@ class RunCollector(Collector):
             if metrics.get(key) is not None:
                 f.training[family].add_metric([r.id], metrics[key])
         f.busy.add_metric([r.id], sum(it.seconds for it in iterations))
+
+    def _evals(self, f: _Families, r: RunRow) -> None:
+        """The latest recorded held-out eval (the highest policy version evaluated)."""
+        evals = self.b.state.evals(r.id)
+        if not evals:
+            return
+        last = evals[-1]
+        f.eval_version.add_metric([r.id], last.policy_version)
+        for name, value in sorted((last.metrics or {}).items()):
+            f.eval_score.add_metric([r.id, name], value)
 
     def _dropped_by_reason(self, f: _Families, r: RunRow, iterations: list[IterationRow]) -> None:
         """Also before the first iteration: dynamic sampling drops from the first batch on."""
@@ -287,6 +299,12 @@ class _Families:
         )
         self.worker_report = GaugeMetricFamily(
             "spotrl_worker_last_report_timestamp_seconds", "When a rollout worker last reported (unix seconds).", labels=worker
+        )
+        self.eval_score = GaugeMetricFamily(
+            "spotrl_eval_score", "The latest held-out eval's metrics by name (mean score, pass@k).", labels=[*run, "metric"]
+        )
+        self.eval_version = GaugeMetricFamily(
+            "spotrl_eval_policy_version", "The policy version of the latest held-out eval (0: the base model).", labels=run
         )
         self.cache = CounterMetricFamily(
             "spotrl_reward_cache_requests", "Reward cache keys by result (hit, miss, error), as the run's workers reported them.",

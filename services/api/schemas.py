@@ -30,6 +30,17 @@ class IterationPublic(BaseModel):
     metrics: dict[str, float]
 
 
+class EvalPublic(BaseModel):
+    """A policy version's held-out evaluation (the spec's `eval`)."""
+
+    policy_version: int = Field(description="The version evaluated; 0 is the base model.")
+    mean_score: float = Field(description="Mean reward of every response to every held-out prompt.")
+    metrics: dict[str, float] = Field(description="The spec's eval metrics by name: `mean`, `pass@k`.")
+    prompts: int = Field(description="Held-out prompts evaluated.")
+    seconds: float = Field(description="Wall time of the eval pod's work.")
+    ended_at: float
+
+
 class RunSummaryPublic(BaseModel):
     """A run as listed: where it stands, without its spec and iterations (GET the run for those)."""
 
@@ -57,11 +68,15 @@ class RunPublic(RunSummaryPublic):
     spec: RunSpec = Field(description="The run spec as submitted (defaults filled in); inline prompts read `inline` (see prompt_count).")
     last_error: str | None = Field(
         default=None,
-        description="The scheduler's latest temporary or unexpected error on this run, while it retries; null once it reconciles cleanly.",
+        description="The scheduler's latest temporary or unexpected error on this run, while it retries; null once it reconciles "
+        "cleanly, unless an eval was given up (its pods failing): then why.",
     )
     reward_failures: int = Field(default=0, description="Reward computations that failed or timed out (each such response scored 0).")
     last_reward_error: str | None = Field(default=None, description="Why the latest failed reward computation failed.")
     report_url: str = Field(description="The run's report page (HTML: reward, cost and pod timelines), relative to the API's root.")
+    evals: list[EvalPublic] = Field(
+        default_factory=list, description="Held-out evals recorded, by policy version: the latest `iterations_limit` of them."
+    )
 
 
 class RunsPublic(BaseModel):

@@ -24,6 +24,7 @@ from services.api.auth import Principal
 from services.api.schemas import (
     CostPublic,
     DatasetPublic,
+    EvalPublic,
     IterationPublic,
     LedgerEntryPublic,
     PodLogPublic,
@@ -42,8 +43,16 @@ from services.config import Settings
 from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog
 from services.cost.report import cost_report
-from services.cost.report_page import IterationPoint, report_page
-from services.names import pod_log_key, pod_logs_prefix, prompts_key, role_of_pod, run_id_of_pod, tenant_object_key
+from services.cost.report_page import EvalPoint, IterationPoint, report_page
+from services.names import (
+    eval_prompts_key,
+    pod_log_key,
+    pod_logs_prefix,
+    prompts_key,
+    role_of_pod,
+    run_id_of_pod,
+    tenant_object_key,
+)
 from services.prompts import (
     DEFAULT_FIELDS,
     INLINE,
@@ -137,11 +146,24 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
         spec.prompts, backends.objects, tenant=principal.tenant,
         allowed_dirs=settings.allowed_data_dirs(), max_bytes=settings.max_dataset_bytes, fields=spec.dataset,
     )  # fmt: skip
+    eval_prompts = None
+    if spec.eval is not None:  # the held-out set, read and checked as the run's own
+        try:
+            eval_prompts = load_prompts(
+                spec.eval.prompts, backends.objects, tenant=principal.tenant,
+                allowed_dirs=settings.allowed_data_dirs(), max_bytes=settings.max_dataset_bytes, fields=spec.dataset,
+            )  # fmt: skip
+        except InvalidPromptsError as e:
+            raise SpecFieldError(("body", "eval", "prompts"), str(e)) from None
     run_id = new_run_id()
     backends.objects.put_bytes(prompts_key(run_id), to_jsonl(prompts))
     stored = spec.model_dump(mode="json")
     if isinstance(spec.prompts, list):
         stored["prompts"] = INLINE  # kept beside the run (prompts_key), not in every read of it
+    if spec.eval is not None and eval_prompts is not None:
+        backends.objects.put_bytes(eval_prompts_key(run_id), to_jsonl(eval_prompts))
+        if isinstance(spec.eval.prompts, list):
+            stored["eval"]["prompts"] = INLINE  # kept beside the run (eval_prompts_key)
     row = backends.state.create_run(run_id, name=spec.name, spec=stored, tenant=principal.tenant, prompt_count=len(prompts))
     return run_public(RunView(row, latest=[], iterations_total=0, spent=0.0))  # new: no iteration, no ledger yet
 
@@ -231,6 +253,7 @@ def run_public(view: RunView) -> RunPublic:
         spec=RunSpec.from_stored(row.spec),
         last_error=row.last_error,
         reward_failures=row.reward_failures,
+        evals=[EvalPublic.model_validate(e, from_attributes=True) for e in view.evals],
         last_reward_error=row.last_reward_error,
         report_url=f"/v1/runs/{row.id}/report",
     )
@@ -345,6 +368,7 @@ def report_page_of(state: StateStore, catalog: PriceCatalog, row: RunRow) -> str
         status=row.status,
         currency=catalog.currency_of([row.spec["training"]["instance_type"], row.spec["rollout"]["instance_type"]]),
         iterations=[IterationPoint(it.iteration, it.mean_reward) for it in state.iterations(row.id)],
+        evals=[EvalPoint(e.policy_version, e.metrics or {}) for e in state.evals(row.id)],
         entries=state.ledger(row.id),
         catalog=catalog,
         training_instance_type=row.spec["training"]["instance_type"],

@@ -124,6 +124,30 @@ class WorkerStatsRow(Base):
     reported_at: Mapped[float] = mapped_column(Float)
 
 
+class EvalRow(Base):
+    """The held-out evaluation of one policy version of a run: opened when its eval pod is first
+    launched, then either recorded (``metrics`` set from the pod's result) or failed, retried and
+    perhaps given up (``given_up``, with ``error``)."""
+
+    __tablename__ = "evals"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    policy_version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    launched_at: Mapped[float] = mapped_column(Float)
+    # Failed eval pods of this version so far, and when the next may be launched.
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    retry_at: Mapped[float] = mapped_column(Float, default=0.0)
+    given_up: Mapped[bool] = mapped_column(Boolean, default=False)
+    error: Mapped[str | None] = mapped_column(String(500))
+    # Set once recorded, from the eval pod's result (``contracts.evaluation.EvalResult``).
+    mean_score: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    prompts: Mapped[int | None] = mapped_column(Integer)
+    samples: Mapped[int | None] = mapped_column(Integer)
+    seconds: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+
+
 class LeaseRow(Base):
     """A named lease: ``holder`` leads until ``expires_at`` (wall-clock seconds) unless it renews."""
 
@@ -221,6 +245,11 @@ def _add_tracking_cursors(conn: Connection) -> None:
     TrackingCursorRow.__table__.create(conn, checkfirst=True)
 
 
+def _add_evals(conn: Connection) -> None:
+    """The ``evals`` table: held-out evaluations of runs' policy versions."""
+    EvalRow.__table__.create(conn, checkfirst=True)
+
+
 MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m001_initial,
     _m002_leases_and_stopping_statuses,
@@ -229,6 +258,7 @@ MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m005_worker_stats_and_pod_outcomes,
     _m006_samples_filtered,
     _add_tracking_cursors,
+    _add_evals,
 )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import String, and_, case, delete, func, make_url, or_, select, update
@@ -28,9 +28,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
 from services.backends.state_engine import WRITE_OPTION, create_state_engine, dialect_insert
+from services.backends.state_evals import EvalProgress, EvalQueries, recorded_evals
 from services.backends.state_ledger import LedgerEntry, LedgerQueries
 from services.backends.state_schema import (
     DEFAULT_TENANT,
+    EvalRow,
     IterationRow,
     LeaseRow,
     RunRow,
@@ -40,7 +42,7 @@ from services.backends.state_schema import (
 )
 
 # Re-exported: the cost engine, the API and the simulator import LedgerEntry from here.
-__all__ = ["IllegalTransitionError", "LedgerEntry", "RunNotFoundError", "RunView", "StateStore"]
+__all__ = ["EvalProgress", "IllegalTransitionError", "LedgerEntry", "RunNotFoundError", "RunView", "StateStore"]
 
 
 class IllegalTransitionError(Exception):
@@ -91,10 +93,11 @@ class RunView:
     latest: list[IterationRow]
     iterations_total: int
     spent: float
+    evals: list[EvalRow] = field(default_factory=list)  # its latest recorded held-out evals, by policy version
 
 
-class StateStore(LedgerQueries):
-    """Runs, iterations and ledger. ``StateStore("sqlite:///path.db")`` or a PostgreSQL URL."""
+class StateStore(LedgerQueries, EvalQueries):
+    """Runs, iterations, ledger and held-out evals. ``StateStore("sqlite:///path.db")`` or a PostgreSQL URL."""
 
     def __init__(self, url: str) -> None:
         parsed = make_url(url)
@@ -171,7 +174,8 @@ class StateStore(LedgerQueries):
             row = s.get(RunRow, run_id)
             if row is None:
                 raise RunNotFoundError(run_id)
-            return RunView(row, _latest_iterations(s, run_id, latest), _iteration_count(s, run_id), self._spent(s, [run_id], now)[run_id])
+            return RunView(row, _latest_iterations(s, run_id, latest), _iteration_count(s, run_id), self._spent(s, [run_id], now)[run_id],
+                           evals=recorded_evals(s, run_id, latest))
 
     def list_runs(
         self,

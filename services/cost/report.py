@@ -5,8 +5,8 @@ Three figures, so a user can judge the bill:
 - ``total_dollars``: what the run spent: every pod it started, billed by its provider's rule
   (``services.cost.billing``: per second with a 60 s minimum on AWS, for instance).
 - ``always_on_dollars``: the same work on an always-on on-demand cluster: the training
-  instance held on-demand for the run's whole wall time, and the rollout work billed at
-  the on-demand price of its instance type instead of spot (by the same billing rules).
+  instance held on-demand for the run's whole wall time, and the rollout and eval work billed
+  at the on-demand price of its instance type instead of spot (by the same billing rules).
   A run of many jobs much shorter than the provider's minimum can cost more than this.
 - ``lower_bound_dollars``: the busy seconds of every pod at the cheapest price of its
   instance type; no schedule can pay less for the same pods.
@@ -66,7 +66,9 @@ def cost_report(
         price = catalog.get(e.instance_type)
         seconds = e.seconds(now)
         lower_bound += seconds * price.cheapest() / 3600.0
-        if e.role == "rollout":  # training and its standby (warm node) are the training instance's, counted below
+        # Rollout and eval pods at on-demand prices; training and its standby (warm node) are the training
+        # instance's, counted below.
+        if e.role in ("rollout", "eval"):
             rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * price.on_demand / 3600.0
     wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
     training = catalog.get(training_instance_type)

@@ -1,5 +1,6 @@
-"""A run's report as one self-contained HTML page: reward by iteration, cumulative cost against
-always-on and the lower bound, and the rollout and training timelines with preemptions marked.
+"""A run's report as one self-contained HTML page: reward by iteration (and the held-out eval
+scores by policy version, where the run has evals), cumulative cost against always-on and the
+lower bound, and the rollout and training timelines with preemptions marked.
 
 Pure: the run's records in, a string out. The page loads nothing (inline SVG, inline CSS, no
 script; its Content-Security-Policy forbids any fetch), so it works offline and from a file.
@@ -9,7 +10,7 @@ names only, and even those are escaped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 
@@ -21,6 +22,8 @@ from services.cost.report import cost_report
 from services.cost.svg_charts import Bar, Series, line_chart, number, timeline_chart
 
 REWARD_COLOR = "#6a3d9a"
+# The held-out eval's metrics (mean first, then each pass@k), dashed beside the training reward.
+EVAL_COLORS = ("#1b9e77", "#d95f02", "#e7298a", "#66a61e")
 CAPACITY_COLORS = {"spot": "#2b8cbe", "on-demand": "#e6550d"}
 OTHER_CAPACITY_COLOR = "#999999"
 SPENT_COLOR = "#111111"
@@ -45,6 +48,14 @@ class IterationPoint:
     mean_reward: float
 
 
+@dataclass(frozen=True)
+class EvalPoint:
+    """A policy version's held-out eval: version N is what iteration N trained (0: the base model)."""
+
+    policy_version: int
+    metrics: Mapping[str, float]  # `mean` and the spec's pass@k
+
+
 def report_page(
     *,
     run_id: str,
@@ -57,8 +68,9 @@ def report_page(
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
+    evals: Sequence[EvalPoint] = (),
 ) -> str:
-    """The report page of run ``run_id`` from its iterations and ledger, as of ``now``."""
+    """The report page of run ``run_id`` from its iterations, held-out evals and ledger, as of ``now``."""
     start = run_started_at if run_started_at is not None else min((e.started_at for e in entries), default=now)
     end = run_ended_at if run_ended_at is not None else now
     report = cost_report(entries, catalog=catalog, training_instance_type=training_instance_type,
@@ -73,7 +85,8 @@ def report_page(
         ("lower bound / spent", "-" if report.efficiency is None else f"{report.efficiency:.2f}"),
     ]
     figures = [
-        ("reward", "Mean reward by iteration", reward_chart(iterations)),
+        ("reward", "Mean reward by iteration" + (", held-out eval by policy version" if evals else ""),
+         reward_chart(iterations, evals)),
         ("cost", f"Cumulative cost ({currency})", cost_chart(
             entries, catalog=catalog, currency=currency, training_instance_type=training_instance_type,
             run_started_at=run_started_at, run_ended_at=run_ended_at, now=now, start=start)),
@@ -90,10 +103,21 @@ def report_page(
             f"<h1>spotrl run {escape(run_id)}</h1><table class=\"summary\">{rows}</table>{body}</body></html>\n")  # fmt: skip
 
 
-def reward_chart(iterations: Sequence[IterationPoint]) -> str:
+def reward_chart(iterations: Sequence[IterationPoint], evals: Sequence[EvalPoint] = ()) -> str:
+    """The training samples' mean reward by iteration; with ``evals``, a dashed line per eval
+    metric by policy version beside it (the same axis: version N is iteration N's)."""
     points = [(float(it.iteration), it.mean_reward) for it in iterations]
     series = [Series("mean reward", points, REWARD_COLOR, markers=True)]
-    return line_chart("reward", series, x_label="iteration", y_label="mean reward", empty="no iteration finished yet")
+    names = list(dict.fromkeys(name for e in evals for name in e.metrics))
+    series += [
+        Series(f"held-out {name}", [(float(e.policy_version), e.metrics[name]) for e in evals if name in e.metrics],
+               EVAL_COLORS[i % len(EVAL_COLORS)], dash="6 4", markers=True)  # fmt: skip
+        for i, name in enumerate(names)
+    ]
+    if not evals:
+        return line_chart("reward", series, x_label="iteration", y_label="mean reward", empty="no iteration finished yet")
+    return line_chart("reward", series, x_label="iteration (= policy version)", y_label="mean reward / eval score",
+                      empty="no iteration finished yet")  # fmt: skip
 
 
 def cost_chart(entries: Sequence[LedgerEntry], *, catalog: PriceCatalog, currency: str, training_instance_type: str,

@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 
+from contracts.evaluation import EvalResult
 from contracts.job_result import JobResult
 from contracts.messages import PromptMessage
 from contracts.samples import decode_group
@@ -24,6 +25,8 @@ from services.cost.catalog import PriceCatalog
 from services.errors import PermanentError
 from services.names import (
     TRAINER_GROUP,
+    eval_pod_name,
+    eval_result_key,
     leftover_key,
     pod_log_key,
     prompts_key,
@@ -38,6 +41,7 @@ from services.policy_rotation import rotate
 from services.prompts import InvalidPromptsError, parse_jsonl
 from services.runspec import PromptItem, RunSpec
 from services.scheduler import plan as p
+from services.scheduler.evals import EvalAction
 from services.training.backlog import trainer_consumer
 from services.wiring import Backends
 
@@ -93,6 +97,8 @@ class Applier:
                 self._launch(run_id, standby_pod_name(run_id, after), p.ROLE_STANDBY,
                              [sys.executable, "-m", "services.scheduler.standby"],
                              spec.training.instance_type, "on-demand", {"after_iteration": str(after)})
+            case p.LaunchEval() | p.RecordEval() | p.RecordEvalFailure():
+                self._apply_eval(action, spec)
             case p.StopPod(name):
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.BillPod(pod):
@@ -111,7 +117,7 @@ class Applier:
                 self.b.objects.put_bytes(pod_log_key(pod.run_id, pod.name), log_text.encode())
                 self.b.launcher.delete(pod.name)
             case p.RecordIteration(run_id, iteration):
-                self._record_iteration(run_id, iteration)
+                self._record_iteration(run_id, iteration, spec)
             case p.RecordTrainingFailure(run_id, iteration, failures, retry_at):
                 log.warning("run %s: training job %d failed (%d so far); retrying", run_id, iteration, failures)
                 self.b.state.update_run(run_id, train_failures=failures, next_train_at=retry_at)
@@ -124,6 +130,25 @@ class Applier:
                 self._drop_leftovers(run_id, limit)
             case p.FinishRun(run_id, status, reason):
                 self._finish(run_id, status, reason)
+
+    def _apply_eval(self, action: EvalAction, spec: RunSpec) -> None:
+        """A held-out eval's actions (``services.scheduler.evals``)."""
+        match action:
+            case p.LaunchEval(run_id, version):
+                self.b.state.open_eval(run_id, version, launched_at=time.time())  # first: a restarted scheduler sees it
+                self._launch(run_id, eval_pod_name(run_id, version), p.ROLE_EVAL, cli_command(["eval-job", run_id, str(version)]),
+                             spec.rollout.instance_type, "spot" if spec.rollout.spot else "on-demand", {"version": str(version)})
+            case p.RecordEval(run_id, version):
+                result = EvalResult.from_json(self.b.objects.get_bytes(eval_result_key(run_id, version)))
+                self.b.state.record_eval(run_id, result)
+                log.info("run %s: eval of policy v%d done, mean score %.3f", run_id, version, result.mean_score)
+            case p.RecordEvalFailure(run_id, version, failures, retry_at, gave_up):
+                self.b.state.fail_eval(run_id, version, failures=failures, retry_at=retry_at, gave_up=gave_up)
+                if gave_up is None:
+                    log.warning("run %s: eval of policy v%d failed (%d so far); retrying", run_id, version, failures)
+                else:  # the run goes on; its last_error says why this version has no eval
+                    log.warning("run %s: %s", run_id, gave_up)
+                    self.b.state.update_run(run_id, last_error=gave_up)
 
     def _launch(self, run_id: str, name: str, role: str, command: list[str], instance_type: str,
                 capacity_type: str, labels: dict[str, str]) -> None:
@@ -186,7 +211,7 @@ class Applier:
         except InvalidPromptsError as e:
             raise PermanentError(str(e)) from None
 
-    def _record_iteration(self, run_id: str, iteration: int) -> None:
+    def _record_iteration(self, run_id: str, iteration: int, spec: RunSpec) -> None:
         key = result_key(run_id, iteration)
         if not self.b.objects.exists(key):
             raise PermanentError(f"training job {iteration} exited 0 without publishing {key}")
@@ -208,7 +233,10 @@ class Applier:
             )
         )
         log.info("run %s: iteration %d done, mean reward %.3f", run_id, iteration, r.mean_reward)
-        rotate(self.b.objects, run_id, latest=self.b.state.policy_version(run_id), keep=self.settings.keep_policy_versions)
+        # Versions whose evals have not finished are kept for their eval pods.
+        evaluating = [e.policy_version for e in self.b.state.eval_progress(run_id).open] if spec.eval is not None else []
+        rotate(self.b.objects, run_id, latest=self.b.state.policy_version(run_id), in_use=evaluating,
+               keep=self.settings.keep_policy_versions)  # fmt: skip
 
     def _commit_trained(self, run_id: str, iteration: int, result: JobResult) -> None:
         """Commit the samples a published iteration trained, if its job died before committing

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
 from services.backends.state_schema import RunRow
+from services.backends.state_store import EvalProgress
 from services.config import Settings
 from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog, load_prices
 from services.errors import PermanentError, TemporaryError
-from services.names import ROLLOUT_GROUP, TRAINER_GROUP, prompts_topic, result_key, samples_topic
+from services.names import ROLLOUT_GROUP, TRAINER_GROUP, eval_result_key, prompts_topic, result_key, samples_topic
 from services.runspec import CostPolicy, RunSpec
 from services.scheduler import plan as p
 from services.scheduler.apply import Applier
@@ -41,7 +42,8 @@ TEMPORARY_RETRY_CAP_S = 120.0
 
 def _decisions(actions: list[p.Action]) -> str:
     """The pods ``actions`` start or stop, in words ("" for none)."""
-    decided = [a for a in actions if isinstance(a, p.LaunchWorker | p.LaunchTraining | p.LaunchStandby | p.StopPod)]
+    pods = p.LaunchWorker | p.LaunchTraining | p.LaunchStandby | p.LaunchEval | p.StopPod
+    decided = [a for a in actions if isinstance(a, pods)]
     return ", ".join(map(_describe, decided))
 
 
@@ -53,6 +55,8 @@ def _describe(action: p.Action) -> str:
             return f"hold the training node warm after iteration {after}"
         case p.LaunchTraining(_, iteration):
             return f"launch training job {iteration}"
+        case p.LaunchEval(_, version):
+            return f"launch the eval of policy v{version}"
         case p.StopPod(name):
             return f"stop {name}"
     return type(action).__name__
@@ -77,6 +81,7 @@ class Scheduler:
         self.applier = Applier(backends, settings, self.catalog)
         self._trouble: dict[str, _Trouble] = {}
         self._logged: dict[str, str] = {}  # run -> the decisions last logged for it (_log_decisions)
+        self._standing: dict[str, str | None] = {}  # run -> the error a clean tick leaves on show (_recovered)
 
     # --- the loop ---------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -154,9 +159,11 @@ class Scheduler:
             self.b.state.update_run(row.id, last_error=error)
 
     def _recovered(self, row: RunRow) -> None:
+        """A clean tick clears the error shown, but for an eval given up: that reason stays."""
         self._trouble.pop(row.id, None)
-        if row.last_error is not None:
-            self.b.state.update_run(row.id, last_error=None)
+        standing = self._standing.pop(row.id, None)
+        if row.last_error != standing:
+            self.b.state.update_run(row.id, last_error=standing)
 
     def reconcile(self, row: RunRow, pods: list) -> list[p.Action]:
         spec = RunSpec.from_stored(row.spec)
@@ -175,6 +182,7 @@ class Scheduler:
             samples_produced=row.samples_produced,
             train_launch_committed=row.train_launch_committed,
             started_at=row.started_at,
+            **self._eval_state(row, spec),
         )
         observed = self.observe(row, pods, spec.samples_per_prompt, measure=spec.cost_policy == CostPolicy.COST_AWARE)
         actions = p.plan(state, observed)
@@ -182,6 +190,20 @@ class Scheduler:
         for action in actions:
             self.applier.apply(action, spec)
         return actions
+
+    def _eval_state(self, row: RunRow, spec: RunSpec) -> dict:
+        """The RunState fields of the run's held-out evals (one read, for runs that have them); the
+        reason of the latest eval given up is noted to stay on the run's last_error."""
+        if spec.eval is None:
+            return {}
+        progress: EvalProgress = self.b.state.eval_progress(row.id)
+        self._standing[row.id] = progress.given_up.error if progress.given_up is not None else None
+        best = progress.best  # recorded: it has a mean score
+        return dict(
+            eval_launched_through=progress.launched_through,
+            evals_open={e.policy_version: p.EvalState(e.failures, e.retry_at) for e in progress.open},
+            best_eval=None if best is None else (best.policy_version, best.mean_score),
+        )
 
     def _log_decisions(self, run_id: str, actions: list[p.Action], observed: p.Observed) -> None:
         """Each pod started or stopped, at INFO, with the figures it was decided on: what an operator
@@ -207,6 +229,7 @@ class Scheduler:
         samples = samples_topic(row.id)
         ledger = self.b.state.ledger(row.id)
         ended_jobs = [int(pod.labels["iteration"]) for pod in pods if pod.role == p.ROLE_TRAINING and pod.phase.is_terminal()]
+        ended_evals = [int(pod.labels["version"]) for pod in pods if pod.role == p.ROLE_EVAL and pod.phase.is_terminal()]
         # The sample backlog and the trainer's commits from one read of each, the commits first: a job
         # committing between two reads made the backlog lack its batch while the commits still showed
         # the job holding it (plan then counted that batch twice, and stopped a pool the run needed).
@@ -223,6 +246,7 @@ class Scheduler:
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},
             now=now,
             published=frozenset(i for i in ended_jobs if self.b.objects.exists(result_key(row.id, i))),
+            evals_published=frozenset(v for v in ended_evals if self.b.objects.exists(eval_result_key(row.id, v))),
             estimates=measured([(w.samples_produced, w.generation_seconds) for w in self.b.state.worker_stats(row.id)],
                                [it.seconds for it in self.b.state.iterations(row.id)]) if measure else Estimates(None, None),
         )

@@ -45,6 +45,9 @@ embedded launcher pays no start-up in any case). So keeping a node warm costs it
 and a cold start its start-up: the policy weighs the two (ski rental). ``spotrl simulate``
 (``services.simulate``) calls this same ``plan`` against a simulated world.
 
+Held-out evals (eval pods ``<run>-eval-<N>`` of chosen policy versions, beside rollout and training,
+and what a run's end does with them) are ``services.scheduler.evals``'s.
+
 The ledger is matched to the pods first, every tick (``services.scheduler.ledger_match``).
 """
 
@@ -52,11 +55,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
 from services.backends.launcher import PodPhase, PodStatus
 from services.runspec import RunSpec
+from services.scheduler.evals import (
+    ROLE_EVAL,
+    EvalState,
+    LaunchEval,
+    RecordEval,
+    RecordEvalFailure,
+    evals_at_end,
+    evals_due,
+    reap_eval,
+)
 from services.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
 from services.scheduler.policies import POLICIES, Estimates, PolicyInput
 
@@ -96,6 +109,9 @@ class RunState:
     samples_produced: int
     train_launch_committed: int = 0  # trainer offsets (summed) when the running job started
     started_at: float | None = None  # when the run started (its deadline counts from there)
+    eval_launched_through: int = -1  # the highest policy version an eval was launched for (-1: none yet)
+    evals_open: Mapping[int, EvalState] = field(default_factory=dict)  # by policy version
+    best_eval: tuple[int, float] | None = None  # (policy version, mean score) of the best recorded eval
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,7 @@ class Observed:
     trainer_committed: int = 0  # trainer-group committed offsets, summed over partitions
     published: frozenset[int] = frozenset()  # iterations of ended training pods whose result.json exists
     estimates: Estimates = Estimates(None, None)  # rollout rate and training time measured so far, for the policy
+    evals_published: frozenset[int] = frozenset()  # policy versions of ended eval pods whose result exists
 
 
 # --- actions --------------------------------------------------------------------------
@@ -212,6 +229,7 @@ Action = (
     | LaunchWorker
     | LaunchTraining
     | LaunchStandby
+    | LaunchEval
     | StopPod
     | BillPod
     | DeferEntry
@@ -219,6 +237,8 @@ Action = (
     | ReapPod
     | RecordIteration
     | RecordTrainingFailure
+    | RecordEval
+    | RecordEvalFailure
     | RecordProgress
     | BeginEnding
     | DropLeftovers
@@ -255,14 +275,20 @@ def _next_step(run: RunState, observed: Observed) -> list[Action]:
         status, reason = ending
         if not run.status.is_stopping():
             actions.append(BeginEnding(run.run_id, status, reason))
-        if alive:
-            return actions + [StopPod(p.name) for p in alive]
+        # A run that succeeded lets its evals on a node finish, and evaluates its last version; any other end stops them.
+        kept, evals = evals_at_end(run, observed, alive, succeeded=status == RunStatus.SUCCEEDED)
+        stopped = [p for p in alive if p not in kept]
+        if stopped:
+            return actions + [StopPod(p.name) for p in stopped] + evals
         if observed.sample_backlog > 0:
             groups = max(1, MAX_LEFTOVERS_PER_TICK // run.spec.samples_per_prompt)
-            return actions + [DropLeftovers(run.run_id, groups)]
+            return actions + [DropLeftovers(run.run_id, groups)] + evals
+        if kept or evals or (status == RunStatus.SUCCEEDED and run.evals_open):  # evals run, start, or await a retry
+            return actions + evals
         return actions + [FinishRun(run.run_id, status, reason)]
 
-    return actions + _feed_and_scale(run, observed, alive)
+    # Training's decisions first; the evals ride beside them.
+    return actions + _feed_and_scale(run, observed, alive) + evals_due(run, observed, final=False)
 
 
 def _reap(run: RunState, done: Sequence[PodStatus], observed: Observed) -> list[Action]:
@@ -288,6 +314,8 @@ def _reap(run: RunState, done: Sequence[PodStatus], observed: Observed) -> list[
                     actions.append(
                         RecordTrainingFailure(run.run_id, iteration, failures, observed.now + retry_delay(failures))
                     )
+        elif pod.role == ROLE_EVAL:
+            actions += reap_eval(run, pod, observed)
         actions.append(ReapPod(pod))
     return actions
 
@@ -304,6 +332,10 @@ def _end_condition(run: RunState, observed: Observed) -> tuple[RunStatus, str] |
         and run.last_mean_reward >= spec.target_mean_reward
     ):
         return RunStatus.SUCCEEDED, f"mean reward {run.last_mean_reward:.3f} reached the target {spec.target_mean_reward}"
+    target = spec.eval.target_score if spec.eval is not None else None
+    if target is not None and run.best_eval is not None and run.best_eval[1] >= target:
+        version, score = run.best_eval
+        return RunStatus.SUCCEEDED, f"eval mean score {score:.3f} of policy v{version} reached the target {target}"
     if spec.budget_dollars is not None and observed.spent_dollars >= spec.budget_dollars:
         return (
             RunStatus.FAILED,

@@ -40,3 +40,10 @@ def test_a_colocated_spec_refuses_what_needs_rollout_workers_and_says_to_run_dis
 def test_a_colocated_spec_without_them_is_accepted() -> None:
     spec = RunSpec.model_validate({**BASE, "training": {"adv_estimator": "rloo"}}, context=COLOCATED)
     assert spec.check_colocated() is spec
+
+
+def test_a_colocated_spec_refuses_a_held_out_eval() -> None:
+    data = {**BASE, "eval": {"prompts": [{"prompt": "2+2=", "answer": "4"}]}}
+    assert RunSpec.model_validate(data).eval is not None  # the scheduler's eval pods evaluate a disaggregated run
+    with pytest.raises(ValidationError, match="a colocated run cannot use eval"):
+        RunSpec.model_validate(data, context=COLOCATED)

@@ -8,8 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
 from services.backends.launcher import PodSpec
+from services.names import eval_prompts_key
+from services.prompts import parse_jsonl
 from services.scheduler.loop import Scheduler
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "What is 1 + 1?", "answer": "2"}]
@@ -189,3 +192,49 @@ async def test_openapi_run_spec_is_one_schema_sent_and_shown(api: httpx.AsyncCli
     assert posted == {"$ref": "#/components/schemas/RunSpec"}
     assert doc["components"]["schemas"]["RunPublic"]["properties"]["spec"]["$ref"] == posted["$ref"]
     assert doc["components"]["schemas"]["RunSpec"]["properties"]["training"]["$ref"] == "#/components/schemas/TrainConfig"
+
+
+HELD_OUT = [{"prompt": "What is 4 + 4?", "answer": "8"}, {"prompt": "What is 3 + 3?", "answer": "6"}]
+
+
+async def test_a_held_out_set_is_stored_beside_the_run_and_its_evals_are_shown(api: httpx.AsyncClient) -> None:
+    r = await api.post("/v1/runs", json=spec(eval={"prompts": HELD_OUT, "samples_per_prompt": 2, "metrics": ["mean", "pass@2"]}))
+    assert r.status_code == 201, r.text
+    run = r.json()
+    assert (run["spec"]["eval"]["prompts"], run["spec"]["eval"]["every_iterations"], run["evals"]) == ("inline", 1, [])
+    backends = api.app.state.backends  # type: ignore[attr-defined]
+    stored = parse_jsonl(backends.objects.get_bytes(eval_prompts_key(run["id"])), "the held-out set")
+    assert [(item.prompt, item.answer) for item in stored] == [(p["prompt"], p["answer"]) for p in HELD_OUT]
+
+    metrics = {"mean": 0.375, "pass@2": 0.5}  # as the scheduler records an eval pod's result
+    backends.state.open_eval(run["id"], 0, launched_at=1.0)
+    backends.state.record_eval(run["id"], EvalResult(policy_version=0, mean_score=0.375, metrics=metrics, prompts=2, samples=4,
+                                                     seconds=2.0, ended_at=3.0))  # fmt: skip
+    got = (await api.get(f"/v1/runs/{run['id']}")).json()
+    assert got["evals"] == [{"policy_version": 0, "mean_score": 0.375, "metrics": metrics, "prompts": 2, "seconds": 2.0,
+                             "ended_at": 3.0}]  # fmt: skip
+    text = (await api.get("/metrics")).text
+    assert f'spotrl_eval_score{{metric="pass@2",run="{run["id"]}"}} 0.5' in text
+    assert f'spotrl_eval_policy_version{{run="{run["id"]}"}} 0.0' in text
+
+
+@pytest.mark.parametrize(
+    ("changes", "loc", "reason"),
+    [
+        ({"eval": {"prompts": HELD_OUT, "metrics": ["pass@5"]}}, ["body", "eval"], "k <= samples_per_prompt (4)"),
+        ({"eval": {"prompts": HELD_OUT, "metrics": ["median"]}}, ["body", "eval"], "`mean` and `pass@k`"),
+        ({"eval": {"prompts": []}}, ["body", "eval", "prompts"], "at least one held-out prompt"),
+        ({"eval": {"prompts": "store://datasets/missing.jsonl"}}, ["body", "eval", "prompts"], "no object 'datasets/missing.jsonl'"),
+        ({"eval": {"prompts": HELD_OUT, "every": 2}}, ["body", "eval", "every"], "Extra inputs"),
+    ],
+)
+async def test_a_bad_eval_section_is_422_naming_it(api: httpx.AsyncClient, changes: dict, loc: list[str], reason: str) -> None:
+    r = await api.post("/v1/runs", json=spec(**changes))
+    assert r.status_code == 422, r.text
+    assert any(d["loc"][:len(loc)] == loc and reason in d["msg"] for d in r.json()["detail"]), r.json()["detail"]
+    assert (await api.get("/v1/runs")).json()["runs"] == []
+
+
+async def test_an_eval_target_alone_is_a_goal(api: httpx.AsyncClient) -> None:
+    r = await api.post("/v1/runs", json=spec(iterations=None, eval={"prompts": HELD_OUT, "target_score": 0.9}))
+    assert r.status_code == 201, r.text

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
+from contracts.evaluation import EvalResult
 from contracts.status import TRANSITIONS, RunStatus
 from services.backends.state_schema import MIGRATIONS, IterationRow
-from services.backends.state_store import IllegalTransitionError, RunNotFoundError, StateStore
+from services.backends.state_store import EvalProgress, IllegalTransitionError, RunNotFoundError, StateStore
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -373,3 +374,36 @@ def test_deferring_an_entry_only_ever_starts_an_open_one_later(store: StateStore
     store.close_ledger("ran", ended_at=200.0)
     store.defer_ledger("ran", started_at=150.0)  # closed: its bill stands
     assert [(e.pod, e.started_at, e.ended_at) for e in store.ledger("r1")] == [("waited", 160.0, None), ("ran", 100.0, 200.0)]
+
+
+def test_an_eval_is_opened_once_recorded_once_and_failed_until_given_up(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    assert store.eval_progress("r1") == EvalProgress(-1, [], None, None)
+    store.open_eval("r1", 0, launched_at=1.0)
+    store.open_eval("r1", 0, launched_at=2.0)  # a relaunch (or a second scheduler): the eval stays as opened
+    store.open_eval("r1", 2, launched_at=3.0)
+    progress = store.eval_progress("r1")
+    assert progress.launched_through == 2 and [(e.policy_version, e.launched_at) for e in progress.open] == [(0, 1.0), (2, 3.0)]
+
+    def result(version: int, mean: float) -> EvalResult:
+        return EvalResult(policy_version=version, mean_score=mean, metrics={"mean": mean, "pass@2": 0.5}, prompts=2, samples=4,
+                          seconds=1.5, ended_at=10.0)  # fmt: skip
+
+    store.record_eval("r1", result(0, 0.25))
+    store.record_eval("r1", result(0, 0.9))  # recorded once: a second scheduler's record changes nothing
+    store.fail_eval("r1", 2, failures=1, retry_at=20.0)
+    progress = store.eval_progress("r1")
+    assert [(e.policy_version, e.failures, e.retry_at) for e in progress.open] == [(2, 1, 20.0)]
+    assert (progress.best.policy_version, progress.best.mean_score, progress.given_up) == (0, 0.25, None)
+
+    store.fail_eval("r1", 2, failures=3, retry_at=0.0, gave_up="x" * 600)  # PostgreSQL refuses a longer error than its column
+    progress = store.eval_progress("r1")
+    assert progress.open == [] and progress.launched_through == 2
+    assert (progress.given_up.policy_version, progress.given_up.error) == (2, "x" * 500)
+    store.record_eval("r1", result(4, 0.5))  # a result without an opened eval (its row lost) is recorded all the same
+    assert store.eval_progress("r1").best.policy_version == 4
+    assert [(e.policy_version, e.mean_score, e.metrics, e.prompts, e.seconds) for e in store.evals("r1")] == [
+        (0, 0.25, {"mean": 0.25, "pass@2": 0.5}, 2, 1.5), (4, 0.5, {"mean": 0.5, "pass@2": 0.5}, 2, 1.5)]
+    # The run's view holds its latest recorded evals, read in the run's transaction.
+    assert [e.policy_version for e in store.run_view("r1", latest=1, now=0.0).evals] == [4]
+    assert [e.policy_version for e in store.run_view("r1", latest=10, now=0.0).evals] == [0, 4]

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
 from services.backends.state_schema import IterationRow
 from services.backends.state_store import StateStore
@@ -31,6 +32,8 @@ ROLLOUT = [("rollout-0", "spot", 0, 300, "preempted"), ("rollout-0", "spot", 360
 TRAINING = [("train-1", "on-demand", 200, 320, "succeeded"), ("train-2", "on-demand", 500, 620, "succeeded"),
             ("train-3", "on-demand", 800, 920, "succeeded")]  # fmt: skip
 REWARDS = [0.2, 0.45, 0.7]
+# The held-out evals of the base model and of v2: mean score and pass@2, dashed beside the reward.
+EVALS = {0: {"mean": 0.1, "pass@2": 0.3}, 2: {"mean": 0.5, "pass@2": 0.8}}
 # Where the cost curves bend: the run's start and end and every pod's start and end.
 INSTANTS = {0, 300, 360, 1000, 450, 470, 200, 320, 500, 620, 800, 920}
 HOSTILE_NAME = "<script>alert('name')</script>"
@@ -52,6 +55,9 @@ def record_run(state: StateStore, catalog: PriceCatalog, run_id: str, *, rollout
         state.record_iteration(IterationRow(run_id=run_id, iteration=i, policy_version=i, mean_reward=reward, kl=0.0,
                                             loss=0.0, seconds=120.0, samples_trained=8, samples_dropped=0, metrics={},
                                             ended_at=t0 + TRAINING[i - 1][3]))  # fmt: skip
+    for version, metrics in EVALS.items():
+        state.record_eval(run_id, EvalResult(policy_version=version, mean_score=metrics["mean"], metrics=metrics, prompts=4,
+                                             samples=8, seconds=30.0, ended_at=t0 + 100 * (version + 1)))  # fmt: skip
     state.begin_ending(run_id, RunStatus.SUCCEEDED, "reached its iterations")
     state.set_status(run_id, RunStatus.SUCCEEDED)
     state.update_run(run_id, started_at=t0, ended_at=t0 + WALL)
@@ -137,8 +143,9 @@ def test_chromium_renders_every_figure(report, tmp_path: Path) -> None:
 
     figures = Figures(dom)
     assert list(figures.elements) == ["reward", "cost", "rollout-timeline", "training-timeline"]
-    assert figures.count("reward", "circle", "point") == len(REWARDS)
-    assert figures.series_points("reward") == {"mean reward": len(REWARDS)}
+    assert figures.count("reward", "circle", "point") == len(REWARDS) + 2 * len(EVALS)
+    assert figures.series_points("reward") == {"mean reward": len(REWARDS), "held-out mean": len(EVALS),
+                                               "held-out pass@2": len(EVALS)}  # fmt: skip
     # A line per (role, capacity type), spent, always-on and the lower bound, each bending at every instant.
     assert figures.series_points("cost") == dict.fromkeys(
         ["rollout spot", "rollout on-demand", "training on-demand", "spent", "always-on on-demand", "lower bound"], len(INSTANTS))
@@ -155,6 +162,7 @@ def test_chromium_renders_every_figure(report, tmp_path: Path) -> None:
     for fid, box in boxes.items():
         assert pixels_of(image, box) > 0.01 * (box[2] - box[0]) * (box[3] - box[1]), fid  # not blank
     assert pixels_of(image, boxes["reward"], report_page.REWARD_COLOR) > 300
+    assert pixels_of(image, boxes["reward"], report_page.EVAL_COLORS[0]) > 100
     assert pixels_of(image, boxes["cost"], report_page.ALWAYS_ON_COLOR) > 200
     assert pixels_of(image, boxes["cost"], report_page.LOWER_BOUND_COLOR) > 200
     assert pixels_of(image, boxes["rollout-timeline"], report_page.CAPACITY_COLORS["spot"]) > 2000
