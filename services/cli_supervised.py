@@ -4,7 +4,7 @@ model's HTTP server ``reward-server``, which also serves a user's own reward fun
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -71,6 +71,7 @@ def train_rm(
 
 def reward_server(
     model: Annotated[Path | None, typer.Option("--model", help="Directory of a reward model saved by `spotrl train-rm`.")] = None,
+    quantize: Annotated[Literal["4bit", "8bit"] | None, typer.Option("--quantize", help="Load the --model's Linear layers in 8 bits: less memory, scores close to the full model's (4bit, for CUDA, is refused: the server loads on the CPU).")] = None,
     function: Annotated[str | None, typer.Option(
         "--function", help="A reward function taking verl's compute_score arguments: path/to/file.py:name or package.module:name."
     )] = None,
@@ -92,6 +93,10 @@ def reward_server(
 
     if (model is None) == (function is None):
         raise typer.BadParameter("give exactly one of --model and --function", param_hint="--model / --function")
+    if quantize is not None and model is None:
+        raise typer.BadParameter("--quantize is for a reward model (--model)", param_hint="--quantize")
+    if quantize == "4bit":
+        raise typer.BadParameter("4bit needs a CUDA GPU, and the reward server loads the model on the CPU: use 8bit", param_hint="--quantize")
     if model is not None:
         from contracts.model_sources import check_reward_model_dir
 
@@ -99,7 +104,7 @@ def reward_server(
             check_reward_model_dir(model)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--model") from None
-        app = create_reward_app(model)
+        app = create_reward_app(model, quantize=quantize)
     else:
         app = create_reward_app(pool=_function_pool(function or "", batched, workers, timeout_s, memory_mb))
     start_logging()

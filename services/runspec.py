@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -98,6 +98,7 @@ class RewardTerm(BaseModel):
         description="Instead of `path`: the URL of a reward service (`spotrl reward-server`) the rollout workers reach; over the "
         "API, one the operator allows (SPOTRL_REWARD_SERVICE_URLS) (reward_model only).",
     )
+    quantize: Literal["4bit", "8bit"] | None = Field(default=None, description="reward_model with `path`: load its backbone's Linear layers in 8 bits to use less memory (4bit, for CUDA, is refused: rollout workers load reward models on the CPU).")
 
     @model_validator(mode="after")
     def _check_args(self) -> RewardTerm:
@@ -112,6 +113,12 @@ class RewardTerm(BaseModel):
                 raise ValueError(
                     "the reward_model reward needs `path`, a directory saved by `spotrl train-rm`, or `url`, a reward service (one of the two)"
                 )
+        if self.quantize is not None and (self.fn != RewardFn.REWARD_MODEL or self.path is None):
+            raise ValueError(
+                "`quantize` is for the reward_model reward with `path` (a reward service is quantized by `spotrl reward-server --quantize`)"
+            )
+        if self.quantize == "4bit":
+            raise ValueError("`quantize: 4bit` needs a CUDA GPU, and rollout workers load reward models on the CPU: use 8bit")
         return self
 
 

@@ -28,7 +28,7 @@ import httpx
 from services.reward import safe_regex
 from services.reward.service import model_fingerprint, remote_fingerprint, score_remote
 from services.reward.safe_regex import RewardError
-from trainer_core.supervised.reward_model import RewardModel
+from trainer_core.supervised.reward_model import Quantize, RewardModel
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class Term(Protocol):
     target_tokens: int | None
     path: str | None
     url: str | None
+    quantize: Quantize | None
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,10 @@ def length_penalty(term: Term, response: str, n_tokens: int, answer: str | None)
 
 
 @functools.lru_cache(maxsize=4)
-def load_reward_model(path: str) -> RewardModel:
-    """The reward model saved at `path`, loaded once per process (a rollout worker scores every
-    batch of its run with it)."""
-    return RewardModel.load(Path(path))
+def load_reward_model(path: str, quantize: Quantize | None = None) -> RewardModel:
+    """The reward model saved at `path`, quantized as `quantize` says, loaded once per process (a
+    rollout worker scores every batch of its run with it)."""
+    return RewardModel.load(Path(path), quantize=quantize)
 
 
 def terms_fingerprint(terms: Sequence[Term]) -> str:
@@ -101,6 +102,8 @@ def terms_fingerprint(terms: Sequence[Term]) -> str:
                 d["files"] = remote_fingerprint(t.url) if t.url else model_fingerprint(Path(t.path or ""))
             except (OSError, httpx.HTTPError, ValueError):
                 d["files"] = None  # the model has gone or does not answer: its term fails on every batch, reported there
+        if t.quantize:  # a quantized model's scores differ from the full one's (absent otherwise: fingerprints kept)
+            d["quantize"] = t.quantize
         described.append(d)
     return json.dumps(described, sort_keys=True)
 
@@ -113,7 +116,7 @@ def reward_model_scores(term: Term, inputs: Sequence[RewardInput]) -> list[float
         return score_remote(term.url, prompts, responses)
     if not term.path:
         raise ValueError("the reward_model reward needs `path` or `url`")
-    return load_reward_model(term.path).score(prompts, responses)
+    return load_reward_model(term.path, term.quantize).score(prompts, responses)
 
 
 RuleFn = Callable[[Term, str, int, str | None], float]

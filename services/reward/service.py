@@ -91,11 +91,16 @@ def model_fingerprint(path: Path) -> str:
     return ";".join(f"{p.relative_to(path)}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
 
 
-def create_reward_app(model_path: Path | None = None, *, pool: FunctionPool | None = None) -> FastAPI:
-    """The service for the reward model at ``model_path``, or for the function ``pool`` runs
-    (exactly one of the two); the app starts the pool if it is not running, and closes it at stop."""
+def create_reward_app(
+    model_path: Path | None = None, *, pool: FunctionPool | None = None, quantize: str | None = None
+) -> FastAPI:
+    """The service for the reward model at ``model_path`` (loaded quantized as ``quantize`` says:
+    "8bit", "4bit" or None, see ``RewardModel.load``), or for the function ``pool`` runs (exactly
+    one of the two); the app starts the pool if it is not running, and closes it at stop."""
     if (model_path is None) == (pool is None):
         raise ValueError("the reward service serves a reward model or a reward function: give one of the two")
+    if quantize is not None and model_path is None:
+        raise ValueError("quantize is for a reward model, not a reward function")
     lock = threading.Lock()
 
     @asynccontextmanager
@@ -106,8 +111,10 @@ def create_reward_app(model_path: Path | None = None, *, pool: FunctionPool | No
         else:
             from trainer_core.supervised.reward_model import RewardModel
 
-            app.state.model = RewardModel.load(model_path)
+            app.state.model = RewardModel.load(model_path, quantize=quantize)  # type: ignore[arg-type]
             app.state.fingerprint = model_fingerprint(model_path)  # type: ignore[arg-type]
+            if quantize:  # its scores differ from the full model's: cached ones must not mix
+                app.state.fingerprint += f";quantize={quantize}"
         try:
             yield
         finally:

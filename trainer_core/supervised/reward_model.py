@@ -11,6 +11,9 @@ A saved reward model is a directory:
     reward_model.json   format marker, max_len
     head.safetensors    the Linear(hidden, 1) head
     backbone/           the backbone and tokenizer (save_pretrained), loaded with AutoModel
+
+`RewardModel.load(path, quantize="8bit")` keeps the backbone's Linear layers in 8 bits (4 bits
+on CUDA too) to serve a model in less memory; the head stays fp32. Training is fp32 only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +33,13 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTo
 
 from contracts.model_sources import RM_BACKBONE_DIR, RM_CONFIG_FILE, RM_FORMAT, RM_HEAD_FILE, check_reward_model_dir
 from trainer_core.supervised.fit import FitSettings, fit, mean_metrics
+from trainer_core.models.int8 import quantize_linears_int8
 from trainer_core.models.loading import Policy, load_policy
 from trainer_core.supervised.sft import TokenBatch, encode_pair, read_jsonl
 
+# How `RewardModel.load` may quantize the backbone's Linear layers (None: fp32).
+Quantize = Literal["4bit", "8bit"]
+QUANTIZE_CHOICES: tuple[str, ...] = get_args(Quantize)
 
 
 @dataclass
@@ -150,15 +158,63 @@ class RewardModel(nn.Module):
         (out_dir / RM_CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
     @classmethod
-    def load(cls, path: Path, *, device: str | torch.device = "cpu") -> RewardModel:
-        """A reward model saved by `save`, in eval mode, with fp32 weights."""
+    def load(
+        cls, path: Path, *, device: str | torch.device = "cpu", quantize: Quantize | None = None
+    ) -> RewardModel:
+        """A reward model saved by `save`, in eval mode, for scoring.
+
+        `quantize` None: fp32 weights. "8bit"/"4bit": the backbone's Linear layers quantized as
+        loaded (`_load_quantized_backbone`); embeddings, norms and the head stay in full precision.
+        """
         path = Path(path)
+        device = torch.device(device)
         config = check_reward_model_dir(path)
-        backbone = AutoModel.from_pretrained(path / RM_BACKBONE_DIR, dtype=torch.float32)
+        if quantize is None:
+            backbone = AutoModel.from_pretrained(path / RM_BACKBONE_DIR, dtype=torch.float32)
+        else:
+            backbone = _load_quantized_backbone(path / RM_BACKBONE_DIR, device, quantize)
         tokenizer = AutoTokenizer.from_pretrained(path / RM_BACKBONE_DIR)
-        model = cls(backbone, tokenizer, max_len=config["max_len"])
+        model = cls(backbone, tokenizer, max_len=config["max_len"])  # the fp32 head goes to the backbone's device
         model.head.load_state_dict(load_file(path / RM_HEAD_FILE))
+        if quantize is not None and device.type == "cuda":
+            # bitsandbytes placed the backbone while loading; moving its 4/8-bit weights with
+            # nn.Module.to is not supported.
+            return model.eval()
         return model.to(device).eval()
+
+
+def _load_quantized_backbone(backbone_dir: Path, device: torch.device, quantize: Quantize) -> PreTrainedModel:
+    """The saved backbone with its nn.Linear layers quantized.
+
+    CUDA: bitsandbytes through transformers' `quantization_config` -- 8bit is LLM.int8()
+    (Dettmers et al. 2022), 4bit is NF4 (Dettmers et al. 2023, QLoRA) computing in bf16; the
+    layers left unquantized load in bf16.
+    CPU: 8bit is weight-only int8 (`trainer_core.models.int8`: int8 weights with a scale per group
+    of 64 columns, multiplied in fp32), as accurate as the weights' rounding and no faster than
+    fp32; 4bit has no CPU kernel there and is refused.
+    """
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize is one of {', '.join(QUANTIZE_CHOICES)} (or None for fp32), got {quantize!r}")
+    if device.type == "cuda":
+        from transformers import BitsAndBytesConfig
+
+        if quantize == "4bit":
+            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+        else:
+            bnb = BitsAndBytesConfig(load_in_8bit=True)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return AutoModel.from_pretrained(
+            backbone_dir, quantization_config=bnb, dtype=torch.bfloat16, device_map={"": index}
+        )
+    if device.type != "cpu":
+        raise ValueError(f"a quantized reward model loads on a CUDA GPU or the CPU, not {device.type}")
+    if quantize == "4bit":
+        raise ValueError(
+            "4bit quantization needs a CUDA GPU (bitsandbytes) and this reward model loads on the CPU: use 8bit there"
+        )
+    backbone = AutoModel.from_pretrained(backbone_dir, dtype=torch.float32)
+    quantize_linears_int8(backbone)
+    return backbone
 
 
 
