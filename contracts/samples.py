@@ -55,6 +55,8 @@ class Sample:
     created_at: float
     # ReMax's baseline: the reward of the prompt's greedy response (None when none was made).
     baseline_reward: float | None = None
+    # What the reward reported beside the score (a user's function returning a dict), by name.
+    reward_metrics: dict[str, float] | None = None
 
 
 def _pack(typecode: str, values: list[int] | list[float]) -> bytes:

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from services.cli_common import HomeOption, load_settings, start_logging
-from services.cli_pods import train_job, worker
+from services.cli_pods import eval_job, reward_pod, train_job, worker
 from services.cli_supervised import reward_server, sft, train_rm
 from services.client.commands import Output, OutputOption, config_app, login, runs_app
 from services.simulate.command import simulate_command
@@ -241,6 +241,8 @@ app.command("train-rm")(train_rm)
 app.command("reward-server")(reward_server)
 app.command(hidden=True)(worker)
 app.command("train-job", hidden=True)(train_job)
+app.command("eval-job", hidden=True)(eval_job)
+app.command("reward-pod", hidden=True)(reward_pod)
 
 
 @app.command()

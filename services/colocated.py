@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from services.backends.object_store import ObjectStore
 from services.cost.catalog import load_catalog
 from services.prompts import load_prompts
-from services.reward.functions import RewardInput, total_rewards
+from services.reward.functions import RewardInput, prepare_terms, total_rewards
 from services.rollout.vllm_engine import build_vllm_engine
 from services.rollout.worker import build_samples, reward_source
 from services.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec
@@ -220,6 +220,7 @@ def run_colocated(
     out_dir = Path(out_dir)
     checkpoints = out_dir / CHECKPOINTS_DIR
     items = load_prompts(spec.prompts, objects, fields=spec.dataset)
+    prepare_terms(spec.reward)
     price = load_catalog().get(spec.training.instance_type)
     config = {"spec": spec.model_dump(mode="json"), "seed": seed, "run_id": run_id}
     engine, sampler, history, elapsed_before = _start(
@@ -334,7 +335,8 @@ def _iteration(
     )
     n = spec.samples_per_prompt
     tokenizer = engine.policy.tokenizer
-    prompt_ids = [encode_prompt(tokenizer, item.prompt) for _, item in prompts]
+    messages = [item.message(prompt_id) for prompt_id, item in prompts]
+    prompt_ids = [encode_prompt(tokenizer, m.prompt) for m in messages]
     started = time.monotonic()
     completions: list[Completion] = []
     # Chunks of prompts_per_batch prompts, as a rollout worker takes them: this bounds the
@@ -350,7 +352,7 @@ def _iteration(
     rewards = total_rewards(
         spec.reward,
         [
-            RewardInput(prompts[k // n][1].prompt, text, len(c.token_ids), prompts[k // n][1].answer)
+            RewardInput.of(messages[k // n], text, len(c.token_ids))
             for k, (c, text) in enumerate(zip(completions, texts, strict=True))
         ],
     )

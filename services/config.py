@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     kube_training_node_selector: dict[str, str] | None = Field(default=None, description="Node labels of the training pool (JSON); unset: spotrl.dev/pool=training.")
     kube_rollout_tolerations: list[dict[str, Any]] | None = Field(default=None, description="Tolerations of the rollout pool's pods (JSON, Kubernetes' form); unset: the pool's and the GPU nodes' taints.")
     kube_training_tolerations: list[dict[str, Any]] | None = Field(default=None, description="Tolerations of the training pool's pods (JSON); unset: the pool's and the GPU nodes' taints.")
+    kube_reward_node_selector: dict[str, str] | None = Field(default=None, description="Node labels of the reward pool, where runs' reward servers run (JSON); unset: spotrl.dev/pool=reward.")
+    kube_reward_tolerations: list[dict[str, Any]] | None = Field(default=None, description="Tolerations of the reward pool's pods (JSON); unset: the pool's and the GPU nodes' taints.")
+    kube_reward_image: str | None = Field(default=None, description="Image of runs' reward servers (one holding the users' reward code, with spotrl); unset: the rollout image.")
     kube_spot_labels: str = Field(
         default="karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true",
         description="Node labels of spot capacity (label=value, comma-separated; a node matching any one is spot): what spot rollout pods ask for, and how a node's capacity type is read.",

@@ -29,6 +29,11 @@ def standby_pod_name(run_id: str, after_iteration: int) -> str:
     return f"{run_id}-warm-{after_iteration}"
 
 
+def reward_server_pod_name(run_id: str) -> str:
+    """The pod of the run's reward server (the spec's reward_server)."""
+    return f"{run_id}-reward"
+
+
 def eval_pod_name(run_id: str, version: int) -> str:
     """The pod that evaluates policy ``version`` on the run's held-out prompts."""
     return f"{run_id}-eval-{version}"

@@ -7,12 +7,14 @@ that the README's configuration reference and ``/docs`` both show.
 
 from __future__ import annotations
 
+import json
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 
+from contracts.messages import PromptMessage
 from contracts.model_sources import BUILTIN_MODELS
 from contracts.training import AdvantageEstimator, Algorithm, TrainConfig
 from services.cost.catalog import load_catalog
@@ -22,6 +24,8 @@ from services.reward.safe_regex import check_pattern
 MAX_INLINE_PROMPTS = 10_000
 # An eval metric's name: `mean`, or `pass@k` (k in the group).
 _EVAL_METRIC = re.compile(r"mean|pass@([1-9][0-9]{0,2})")
+# A user's reward function: a Python file and the name of the function in it.
+_FUNCTION_REF = re.compile(r"[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*")
 MAX_PATH_CHARS = 1024
 # Every term runs on every response: 100,000 of them took the API 20 s to validate and store.
 MAX_REWARD_TERMS = 16
@@ -43,6 +47,10 @@ class RewardFn(StrEnum):
     REGEX = "regex"  # 1 when `pattern` matches the response (re.search)
     LENGTH_PENALTY = "length_penalty"  # -max(0, tokens - target_tokens) / target_tokens
     REWARD_MODEL = "reward_model"  # the score of the reward model saved at `path`
+    MATH = "math"  # 1 when the response's final answer is mathematically equal to the answer (math-verify)
+    CODE = "code"  # the fraction of the answer's test cases the response's program passes, in a sandbox
+    FORMAT = "format"  # 1 when the response is `pattern` in full, default <think>...</think><answer>...</answer>
+    FUNCTION = "function"  # the user's compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
 class CostPolicy(StrEnum):
@@ -68,13 +76,67 @@ class VLLMDtype(StrEnum):
 VLLM_MAX_LORA_RANK = 512
 
 
-class PromptItem(BaseModel):
-    """One line of a prompt set: ``{"prompt": ..., "answer": ...}``."""
+# The JSON a prompt item carries for its reward beyond the text (`answer`, `extra_info`), as
+# serialised: a code task's test cases fit; a line of a prompt set holds at most MAX_LINE_CHARS.
+MAX_REWARD_DATA_CHARS = 200_000
+MAX_PROMPT_CHARS = 100_000
+
+
+class ChatMessage(BaseModel):
+    """One turn of a chat prompt, as verl's datasets and OpenAI's API write it."""
 
     model_config = STRICT
 
-    prompt: str = Field(min_length=1, max_length=100_000, description="Text given to the policy.")
-    answer: str | None = Field(default=None, max_length=10_000, description="Reference answer for verifiable rewards.")
+    role: Literal["system", "user", "assistant", "tool"] = Field(description="Who speaks.")
+    content: str = Field(max_length=MAX_PROMPT_CHARS, description="What is said.")
+
+
+def _bounded_json(value: JsonValue, field: str) -> JsonValue:
+    if value is not None and len(json.dumps(value)) > MAX_REWARD_DATA_CHARS:
+        raise ValueError(f"{field} is longer than {MAX_REWARD_DATA_CHARS} characters as JSON")
+    return value
+
+
+class PromptItem(BaseModel):
+    """One prompt of a prompt set: its text or chat messages, and what its reward reads."""
+
+    model_config = STRICT
+
+    prompt: str | Annotated[list[ChatMessage], Field(min_length=1, max_length=64)] = Field(
+        description="Text given to the policy as a user turn, or chat messages rendered with the model's chat template."
+    )
+    answer: JsonValue = Field(
+        default=None,
+        description="Reference answer (verl's reward_model.ground_truth): text, or any JSON value the reward reads, such as a "
+        "code task's test cases.",
+    )
+    data_source: str | None = Field(default=None, max_length=256, description="Which dataset the item comes from; passed to the reward.")
+    extra_info: dict[str, JsonValue] | None = Field(default=None, description="Anything else the reward reads (verl's extra_info).")
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: str | list[ChatMessage]) -> str | list[ChatMessage]:
+        chars = len(v) if isinstance(v, str) else sum(len(m.content) for m in v)
+        if isinstance(v, str) and not v:
+            raise ValueError("the prompt is empty")
+        if chars > MAX_PROMPT_CHARS:
+            raise ValueError(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
+        return v
+
+    def message(self, prompt_id: str) -> PromptMessage:
+        """The item as queued for the rollout workers (``<run>.prompts``)."""
+        return PromptMessage(prompt_id=prompt_id, **self.model_dump(mode="json"))
+
+    @field_validator("answer")
+    @classmethod
+    def _check_answer(cls, v: JsonValue) -> JsonValue:
+        return _bounded_json(v, "answer")
+
+    @field_validator("extra_info")
+    @classmethod
+    def _check_extra_info(cls, v: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
+        return _bounded_json(v, "extra_info")  # type: ignore[return-value]
+
 
 
 class RewardTerm(BaseModel):
@@ -85,18 +147,27 @@ class RewardTerm(BaseModel):
     fn: RewardFn = Field(
         description="exact_match: 1 when the last number in the response equals the answer's; "
         "regex: 1 when `pattern` matches the response; length_penalty: -max(0, tokens - target_tokens) / target_tokens; "
-        "reward_model: the score of the reward model saved at `path` for (prompt, response)."
+        "reward_model: the score of the reward model saved at `path` for (prompt, response); "
+        "math: 1 when the response's final answer (e.g. \\boxed{}) is mathematically equal to the answer (math-verify); "
+        "code: the fraction of the test cases in the answer that the response's program passes, run in a sandbox; "
+        "format: 1 when the response is `pattern` in full (default <think>...</think> then <answer>...</answer>); "
+        "function: the user's verl-style compute_score(data_source, solution_str, ground_truth, extra_info) in `path` "
+        "(file.py:name) or served at `url` (`spotrl reward-server --function`)."
     )
     weight: float = Field(default=1.0, ge=-1e6, le=1e6, description="Multiplier of this term in the sum.")
-    pattern: str | None = Field(default=None, max_length=1000, description="Regular expression (regex only); matched with re.search.")
+    pattern: str | None = Field(
+        default=None, max_length=1000, description="Regular expression: regex matches it with re.search; format, in full."
+    )
     target_tokens: int | None = Field(default=None, gt=0, le=1_000_000, description="Length beyond which the penalty grows (length_penalty only).")
     path: str | None = Field(
-        default=None, max_length=MAX_PATH_CHARS, description="Directory of a reward model saved by `spotrl train-rm`, as the rollout workers see it (reward_model only)."
+        default=None, max_length=MAX_PATH_CHARS,
+        description="reward_model: the directory of a reward model saved by `spotrl train-rm`; function: `file.py:name`, the "
+        "Python file and function; both as the rollout workers see them (over the API, inside SPOTRL_DATA_DIRS).",
     )
     url: str | None = Field(
         default=None, max_length=2048, pattern=r"^https?://[^\s]+$",
         description="Instead of `path`: the URL of a reward service (`spotrl reward-server`) the rollout workers reach; over the "
-        "API, one the operator allows (SPOTRL_REWARD_SERVICE_URLS) (reward_model only).",
+        "API, one the operator allows (SPOTRL_REWARD_SERVICE_URLS) (reward_model and function).",
     )
     quantize: Literal["4bit", "8bit"] | None = Field(default=None, description="reward_model with `path`: load its backbone's Linear layers in 8 bits to use less memory (4bit, for CUDA, is refused: rollout workers load reward models on the CPU).")
 
@@ -108,18 +179,41 @@ class RewardTerm(BaseModel):
             check_pattern(self.pattern)
         if self.fn == RewardFn.LENGTH_PENALTY and self.target_tokens is None:
             raise ValueError("the length_penalty reward needs `target_tokens`")
-        if self.fn == RewardFn.REWARD_MODEL:
-            if (self.path is None) == (self.url is None):
-                raise ValueError(
-                    "the reward_model reward needs `path`, a directory saved by `spotrl train-rm`, or `url`, a reward service (one of the two)"
-                )
+        if self.fn == RewardFn.FORMAT and self.pattern:
+            check_pattern(self.pattern)
+        if self.fn == RewardFn.REWARD_MODEL and (self.path is None) == (self.url is None):
+            raise ValueError(
+                "the reward_model reward needs `path`, a directory saved by `spotrl train-rm`, or `url`, a reward service (one of the two)"
+            )
         if self.quantize is not None and (self.fn != RewardFn.REWARD_MODEL or self.path is None):
             raise ValueError(
                 "`quantize` is for the reward_model reward with `path` (a reward service is quantized by `spotrl reward-server --quantize`)"
             )
         if self.quantize == "4bit":
             raise ValueError("`quantize: 4bit` needs a CUDA GPU, and rollout workers load reward models on the CPU: use 8bit")
+        if self.fn == RewardFn.FUNCTION:
+            if (self.path is None) == (self.url is None):
+                raise ValueError(
+                    "the function reward needs `path`, the Python file and function as file.py:compute_score, or `url`, "
+                    "a reward service started with `spotrl reward-server --function` (one of the two)"
+                )
+            if self.path is not None and not _FUNCTION_REF.fullmatch(self.path):
+                raise ValueError("the function reward's `path` is file.py:name, e.g. /data/rewards/gsm8k.py:compute_score")
         return self
+
+
+class RewardServer(BaseModel):
+    """A reward service pod the scheduler keeps up for the run: it serves the one reward term
+    with a `path` (a user's function or a reward model) to the rollout workers and eval pods."""
+
+    model_config = STRICT
+
+    instance_type: str = Field(
+        default="g4dn.xlarge", min_length=1, max_length=64, description="Catalog instance type of the pod (a small GPU: T4/L4 class)."
+    )
+    spot: bool = Field(default=False, description="Run it on spot capacity (a preempted pod is started again; scoring waits meanwhile).")
+
+    _instance = field_validator("instance_type")(_known_instance_type)
 
 
 class Sampling(BaseModel):
@@ -300,6 +394,27 @@ class RunSpec(BaseModel):
     eval: EvalSpec | None = Field(
         default=None, description="Held-out evaluation of chosen policy versions by eval pods (none when absent)."
     )
+    reward_server: RewardServer | None = Field(
+        default=None,
+        description="A reward service pod (role reward) kept up for the run, serving its one reward term with a `path`; "
+        "none: each rollout worker runs its reward terms itself.",
+    )
+
+    def served_term(self) -> int | None:
+        """The index of the reward term the run's reward server serves; None without one."""
+        if self.reward_server is None:
+            return None
+        return next(i for i, t in enumerate(self.reward) if t.path is not None and t.fn in (RewardFn.FUNCTION, RewardFn.REWARD_MODEL))
+
+    def reward_terms(self, reward_url: str | None) -> list[RewardTerm]:
+        """The reward terms as the rollout workers and eval pods run them: the term the reward
+        server serves is scored at ``reward_url`` (where it listens now) instead of from its `path`."""
+        served = self.served_term()
+        if served is None or reward_url is None:
+            return list(self.reward)
+        terms = list(self.reward)
+        terms[served] = terms[served].model_copy(update={"path": None, "url": reward_url})
+        return terms
 
     @field_validator("model")
     @classmethod
@@ -368,7 +483,21 @@ class RunSpec(BaseModel):
     @model_validator(mode="after")
     def _one_currency(self) -> RunSpec:
         """The run's bill is in one currency: its instance types' prices must share it."""
-        load_catalog().currency_of([self.rollout.instance_type, self.training.instance_type])  # a ValueError if not
+        types = [self.rollout.instance_type, self.training.instance_type]
+        if self.reward_server is not None:
+            types.append(self.reward_server.instance_type)
+        load_catalog().currency_of(types)  # a ValueError if not
+        return self
+
+    @model_validator(mode="after")
+    def _check_reward_server(self) -> RunSpec:
+        if self.reward_server is not None:
+            served = [t for t in self.reward if t.path is not None and t.fn in (RewardFn.FUNCTION, RewardFn.REWARD_MODEL)]
+            if len(served) != 1:
+                raise ValueError(
+                    f"reward_server serves one reward term with a `path` (a function or a reward model); this spec has "
+                    f"{len(served)}: give exactly one, or leave reward_server out to score in the rollout workers"
+                )
         return self
 
     @model_validator(mode="after")

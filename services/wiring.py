@@ -109,8 +109,8 @@ def kubernetes_config(settings: Settings) -> KubernetesConfig:
     return KubernetesConfig(
         namespace=settings.kube_namespace,
         image=settings.kube_image,
-        images={role: image for role, image in (("rollout", settings.kube_rollout_image),
-                                                ("training", settings.kube_training_image)) if image},
+        images={role: image for role, image in (("rollout", settings.kube_rollout_image), ("training", settings.kube_training_image),
+                                                ("reward", settings.kube_reward_image)) if image},
         image_pull_policy=settings.kube_image_pull_policy,
         image_pull_secrets=_names(settings.kube_image_pull_secrets),
         service_account=settings.kube_service_account,
@@ -119,11 +119,11 @@ def kubernetes_config(settings: Settings) -> KubernetesConfig:
         pod_labels=settings.kube_pod_labels,
         spot_labels=dict(pair.split("=", 1) for pair in _names(settings.kube_spot_labels)),
         node_selectors=defaults.node_selectors | {role: selector for role, selector in (
-            ("rollout", settings.kube_rollout_node_selector), ("training", settings.kube_training_node_selector))
-            if selector is not None},
+            ("rollout", settings.kube_rollout_node_selector), ("training", settings.kube_training_node_selector),
+            ("reward", settings.kube_reward_node_selector)) if selector is not None},
         tolerations=defaults.tolerations | {role: tolerations for role, tolerations in (
-            ("rollout", settings.kube_rollout_tolerations), ("training", settings.kube_training_tolerations))
-            if tolerations is not None},
+            ("rollout", settings.kube_rollout_tolerations), ("training", settings.kube_training_tolerations),
+            ("reward", settings.kube_reward_tolerations)) if tolerations is not None},
     )  # fmt: skip
 
 

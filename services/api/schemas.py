@@ -72,6 +72,10 @@ class RunPublic(RunSummaryPublic):
         "cleanly, unless an eval was given up (its pods failing): then why.",
     )
     reward_failures: int = Field(default=0, description="Reward computations that failed or timed out (each such response scored 0).")
+    reward_failures_by_reason: dict[str, int] = Field(
+        default_factory=dict,
+        description="reward_failures by `<fn>:<kind>`, kind one of exception, timeout, crash, memory, invalid, unavailable.",
+    )
     last_reward_error: str | None = Field(default=None, description="Why the latest failed reward computation failed.")
     report_url: str = Field(description="The run's report page (HTML: reward, cost and pod timelines), relative to the API's root.")
     evals: list[EvalPublic] = Field(

@@ -67,6 +67,7 @@ from services.prompts import (
 )
 from services.runspec import DatasetFields, RewardFn, RunSpec
 from services.server_paths import ServerPathError, check_server_path, url_is_allowed
+from services.tracking.sinks import missing_settings
 from services.wiring import Backends
 
 
@@ -124,6 +125,9 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
             check_model_source(str(check_server_path(spec.model, allowed)))
         except (ValueError, OSError) as e:  # ServerPathError included; none repeats the path
             raise SpecFieldError(("body", "model"), str(e) if isinstance(e, ServerPathError) else "no model directory (with config.json) or .gguf file there") from None
+    missing = missing_settings(spec.tracking, settings)
+    if missing:
+        raise SpecFieldError(("body", "tracking"), "; ".join(missing))
     allowed_urls = [u.strip() for u in settings.reward_service_urls.split(",") if u.strip()]
     for i, term in enumerate(spec.reward):
         if term.url and not url_is_allowed(term.url, allowed_urls):
@@ -137,6 +141,13 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
                 check_reward_model_dir(check_server_path(term.path, allowed))
             except (ValueError, OSError) as e:
                 raise SpecFieldError(("body", "reward", str(i), "path"), str(e) if isinstance(e, ServerPathError) else "no reward model saved by `spotrl train-rm` there") from None
+        if term.fn == RewardFn.FUNCTION and term.path:
+            # Its file only: user code is imported (and its signature checked) by the run's pods, never here.
+            try:
+                if not check_server_path(term.path.rsplit(":", 1)[0], allowed).is_file():
+                    raise ValueError
+            except (ValueError, OSError) as e:
+                raise SpecFieldError(("body", "reward", str(i), "path"), str(e) if isinstance(e, ServerPathError) else "no Python file there") from None
 
 
 def create_run(*, backends: Backends, settings: Settings, principal: Principal, spec: RunSpec) -> RunPublic:
@@ -165,7 +176,7 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
         if isinstance(spec.eval.prompts, list):
             stored["eval"]["prompts"] = INLINE  # kept beside the run (eval_prompts_key)
     row = backends.state.create_run(run_id, name=spec.name, spec=stored, tenant=principal.tenant, prompt_count=len(prompts))
-    return run_public(RunView(row, latest=[], iterations_total=0, spent=0.0))  # new: no iteration, no ledger yet
+    return run_public(RunView(row, latest=[], iterations_total=0, spent=0.0, reward_failures={}))  # new: no iteration, no ledger yet
 
 
 async def create_dataset(
@@ -253,6 +264,7 @@ def run_public(view: RunView) -> RunPublic:
         spec=RunSpec.from_stored(row.spec),
         last_error=row.last_error,
         reward_failures=row.reward_failures,
+        reward_failures_by_reason=view.reward_failures,
         evals=[EvalPublic.model_validate(e, from_attributes=True) for e in view.evals],
         last_reward_error=row.last_reward_error,
         report_url=f"/v1/runs/{row.id}/report",

@@ -35,7 +35,9 @@ SPOT_LABELS = {"karpenter.sh/capacity-type": "spot", "eks.amazonaws.com/capacity
 SECRET_SETTINGS = frozenset({"SPOTRL_STATE_URL", "SPOTRL_QUEUE_URL", "SPOTRL_REWARD_CACHE_URL"})
 SECRET_NAME = re.compile("PASSWORD|SECRET|TOKEN")
 CATALOG_VOLUME = "price-catalog"
-ROLES = ("rollout", "training")  # each role's pods run on its own pool
+ROLES = ("rollout", "training", "reward")  # each role's pods run on its own pool
+# The port a run's reward server (role reward) listens on, at its pod's address.
+REWARD_PORT = 8100
 
 
 def _pool_tolerations(pool: str, *extra: dict[str, str]) -> list[dict[str, Any]]:
@@ -66,7 +68,7 @@ class KubernetesConfig:
     tolerations: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {
         "rollout": _pool_tolerations("rollout", {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
                                                  "effect": "NoSchedule"}),
-        "training": _pool_tolerations("training")})  # fmt: skip
+        "training": _pool_tolerations("training"), "reward": _pool_tolerations("reward")})  # fmt: skip
     spot_notice_s: int = 120  # AWS's two-minute interruption notice: a rollout pod's grace period
     training_grace_s: int = 60  # a training job stopped mid-step has nothing to hand back
     training_deadline_s: int = 6 * 3600  # activeDeadlineSeconds of a training Job
@@ -137,11 +139,15 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, st
     gpu = {"nvidia.com/gpu": str(gpus)}
     container: dict[str, Any] = {
         "name": CONTAINER,
-        "image": cfg.images.get(pool_role, cfg.image),
+        "image": cfg.images.get(pool_role, cfg.images.get("rollout", cfg.image) if pool_role == "reward" else cfg.image),
         "command": command,
         "env": [{"name": k, "value": v} for k, v in sorted(env.items()) if not (cfg.env_secrets and _secret(k))],
         "resources": {"requests": gpu, "limits": gpu},
     }
+    if spec.role == "reward":  # it tells the state store its address; rollout workers and eval pods reach it there
+        container["env"] += [{"name": "SPOTRL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                             {"name": "SPOTRL_REWARD_PORT", "value": str(REWARD_PORT)}]  # fmt: skip
+        container["ports"] = [{"name": "http", "containerPort": REWARD_PORT, "protocol": "TCP"}]
     if cfg.env_secrets:
         container["envFrom"] = [{"secretRef": {"name": name}} for name in cfg.env_secrets]
     if cfg.image_pull_policy:

@@ -38,6 +38,11 @@ class PodPhase(StrEnum):
         return self is not PodPhase.RUNNING
 
 
+# Every pod finds its own name and role in its environment (its memory reports carry them).
+POD_NAME_ENV = "SPOTRL_POD_NAME"
+POD_ROLE_ENV = "SPOTRL_POD_ROLE"
+
+
 @dataclass(frozen=True)
 class PodSpec:
     name: str  # deterministic, e.g. "<run>-train-3"; launching an existing name is a no-op

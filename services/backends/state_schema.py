@@ -71,6 +71,8 @@ class RunRow(Base):
     last_reward_error: Mapped[str | None] = mapped_column(String(500))
     # The run's queue topics are deleted (some retention after it ended): nothing more to read there.
     queues_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Where the run's reward server (the spec's reward_server) listens now, as it last said; None before it does.
+    reward_url: Mapped[str | None] = mapped_column(String(256))
 
 
 class IterationRow(Base):
@@ -124,6 +126,17 @@ class WorkerStatsRow(Base):
     reported_at: Mapped[float] = mapped_column(Float)
 
 
+class RewardFailureRow(Base):
+    """A run's failed reward computations of one reason, ``<fn>:<kind>`` (e.g. ``function:timeout``):
+    a counter that only grows."""
+
+    __tablename__ = "reward_failures"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    reason: Mapped[str] = mapped_column(String(64), primary_key=True)
+    count: Mapped[int] = mapped_column(Integer, default=0)
+
+
 class EvalRow(Base):
     """The held-out evaluation of one policy version of a run: opened when its eval pod is first
     launched, then either recorded (``metrics`` set from the pod's result) or failed, retried and
@@ -146,6 +159,21 @@ class EvalRow(Base):
     samples: Mapped[int | None] = mapped_column(Integer)
     seconds: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
+
+
+class PodMemoryRow(Base):
+    """A pod's memory at one moment (GPU memory where it has a GPU, else its RSS), reported by the
+    pod every 30 s while it runs: the run's memory over time, for its experiment trackers."""
+
+    __tablename__ = "pod_memory"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    pod: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    at: Mapped[float] = mapped_column(Float)
+    bytes: Mapped[float] = mapped_column(Float)
+    peak_bytes: Mapped[float] = mapped_column(Float)
 
 
 class LeaseRow(Base):
@@ -240,14 +268,31 @@ def _m006_samples_filtered(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE runs ADD COLUMN samples_filtered INTEGER NOT NULL DEFAULT 0"))
 
 
-def _add_tracking_cursors(conn: Connection) -> None:
+def _m007_reward_failures_by_reason(conn: Connection) -> None:
+    """The ``reward_failures`` table: a run's failed reward computations by reason. Runs before it
+    keep their total in ``runs.reward_failures`` only."""
+    RewardFailureRow.__table__.create(conn, checkfirst=True)
+
+
+def _m009_tracking_cursors(conn: Connection) -> None:
     """The ``tracking_cursors`` table: what each experiment tracker has of each run."""
     TrackingCursorRow.__table__.create(conn, checkfirst=True)
 
 
-def _add_evals(conn: Connection) -> None:
+def _m008_evals(conn: Connection) -> None:
     """The ``evals`` table: held-out evaluations of runs' policy versions."""
     EvalRow.__table__.create(conn, checkfirst=True)
+
+
+def _m010_pod_memory(conn: Connection) -> None:
+    """The ``pod_memory`` table: each pod's memory over time."""
+    PodMemoryRow.__table__.create(conn, checkfirst=True)
+
+
+def _m011_reward_url(conn: Connection) -> None:
+    """``runs.reward_url``: where a run's reward server listens. A file created fresh already has it."""
+    if "reward_url" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
+        conn.execute(text("ALTER TABLE runs ADD COLUMN reward_url VARCHAR(256)"))
 
 
 MIGRATIONS: Sequence[Callable[[Connection], None]] = (
@@ -257,8 +302,11 @@ MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m004_queues_deleted,
     _m005_worker_stats_and_pod_outcomes,
     _m006_samples_filtered,
-    _add_tracking_cursors,
-    _add_evals,
+    _m007_reward_failures_by_reason,
+    _m009_tracking_cursors,
+    _m008_evals,
+    _m010_pod_memory,
+    _m011_reward_url,
 )
 
 

@@ -18,7 +18,7 @@ write outside any transaction.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +35,8 @@ from services.backends.state_schema import (
     EvalRow,
     IterationRow,
     LeaseRow,
+    PodMemoryRow,
+    RewardFailureRow,
     RunRow,
     TrackingCursorRow,
     WorkerStatsRow,
@@ -93,6 +95,7 @@ class RunView:
     latest: list[IterationRow]
     iterations_total: int
     spent: float
+    reward_failures: dict[str, int]  # failed reward computations by ``<fn>:<kind>``
     evals: list[EvalRow] = field(default_factory=list)  # its latest recorded held-out evals, by policy version
 
 
@@ -174,8 +177,10 @@ class StateStore(LedgerQueries, EvalQueries):
             row = s.get(RunRow, run_id)
             if row is None:
                 raise RunNotFoundError(run_id)
-            return RunView(row, _latest_iterations(s, run_id, latest), _iteration_count(s, run_id), self._spent(s, [run_id], now)[run_id],
-                           evals=recorded_evals(s, run_id, latest))
+            return RunView(
+                row, _latest_iterations(s, run_id, latest), _iteration_count(s, run_id), self._spent(s, [run_id], now)[run_id],
+                _reward_failures(s, run_id), evals=recorded_evals(s, run_id, latest),
+            )
 
     def list_runs(
         self,
@@ -245,15 +250,42 @@ class StateStore(LedgerQueries, EvalQueries):
             reason = "cancelled before it started" if current == RunStatus.PENDING else "cancelled by the user"
             return _begin_ending(row, RunStatus.CANCELLED, reason)
 
-    def count_reward_failures(self, run_id: str, count: int, reason: str) -> None:
-        """Add ``count`` failed or timed-out reward computations to the run, with the latest reason."""
+    def count_reward_failures(self, run_id: str, by_reason: Mapping[str, int], latest: str) -> None:
+        """Add failed or timed-out reward computations to the run: ``by_reason`` counts them by
+        ``<fn>:<kind>``; ``latest`` says why the latest failed."""
         with self._write() as s:
             s.execute(
                 update(RunRow)
                 .where(RunRow.id == run_id)
-                .values(reward_failures=RunRow.reward_failures + count,
-                        last_reward_error=_clipped("last_reward_error", reason))
+                .values(reward_failures=RunRow.reward_failures + sum(by_reason.values()),
+                        last_reward_error=_clipped("last_reward_error", latest))
             )
+            insert = dialect_insert(s.get_bind().dialect.name)(RewardFailureRow)
+            for reason, count in by_reason.items():
+                upsert = insert.values(run_id=run_id, reason=reason[:64], count=count)
+                s.execute(upsert.on_conflict_do_update(
+                    index_elements=[RewardFailureRow.run_id, RewardFailureRow.reason],
+                    set_={"count": RewardFailureRow.count + upsert.excluded.count},
+                ))
+
+    def report_memory(self, run_id: str, pod: str, role: str, *, at: float, current: float, peak: float) -> None:
+        """Record a pod's memory (bytes) at ``at``: its GPU memory where it has a GPU, else its RSS."""
+        with self._write() as s:
+            s.add(PodMemoryRow(run_id=run_id, pod=pod[:128], role=role[:16], at=at, bytes=current, peak_bytes=peak))
+
+    def pod_memory(self, run_id: str, *, since: float = 0.0, until: float = float("inf")) -> list[PodMemoryRow]:
+        """The run's memory reports taken after ``since`` and up to ``until`` (unix seconds), in order."""
+        with self._session() as s:
+            return list(s.scalars(
+                select(PodMemoryRow)
+                .where(PodMemoryRow.run_id == run_id, PodMemoryRow.at > since, PodMemoryRow.at <= until)
+                .order_by(PodMemoryRow.at, PodMemoryRow.id)
+            ))
+
+    def reward_failures(self, run_id: str) -> dict[str, int]:
+        """The run's failed reward computations by ``<fn>:<kind>``."""
+        with self._session() as s:
+            return _reward_failures(s, run_id)
 
     def count_filtered_samples(self, run_id: str, count: int) -> None:
         """Add ``count`` samples a rollout worker dropped before queueing them (dynamic sampling) to
@@ -449,3 +481,8 @@ def _begin_ending(row: RunRow, status: RunStatus, reason: str) -> RunRow:
     row.ending_status = status.value
     row.ending_reason = _clipped("ending_reason", reason)
     return row
+
+
+def _reward_failures(s: Session, run_id: str) -> dict[str, int]:
+    rows = s.execute(select(RewardFailureRow.reason, RewardFailureRow.count).where(RewardFailureRow.run_id == run_id))
+    return {reason: count for reason, count in rows}

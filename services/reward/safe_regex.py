@@ -37,11 +37,21 @@ MAX_REPEAT_COUNT = 10_000
 
 
 class RewardError(Exception):
-    """A reward could not be computed for a response (its term then scores 0.0 for it)."""
+    """A reward could not be computed for a response (its term then scores 0.0 for it); `kind`
+    says why in one word, by which the run counts its failures: exception, timeout, crash,
+    memory, invalid (a score that is no finite number, or input the reward cannot read) or
+    unavailable (a reward service that does not answer)."""
+
+    def __init__(self, message: str, kind: str = "exception") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class RewardTimeoutError(RewardError):
     """A reward pattern did not decide a response within its time limit."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="timeout")
 
 
 def check_pattern(pattern: str) -> None:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from contracts.messages import PromptMessage
@@ -35,9 +35,10 @@ from services.backends.object_store import ObjectStore
 from services.backends.queue import CommitFailedError, Queue, Record, next_offsets
 from services.backends.reward_cache import RewardCache, reward_cache_key
 from services.backends.state_store import StateStore
+from services.errors import PermanentError
 from services.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.policy_store import load_version, policy_dir
-from services.reward.functions import RewardInput, score_batch, terms_fingerprint
+from services.reward.functions import RewardInput, close_pools, prepare_terms, reward_key, score_batch, terms_fingerprint
 from services.rollout.dynamic_sampling import informative_groups
 from services.rollout.vllm_engine import build_vllm_engine
 from services.runspec import RewardTerm, RunSpec
@@ -45,7 +46,7 @@ from trainer_core.engines import make_engine
 from trainer_core.models.lora import is_adapter_dir
 from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
 from trainer_core.memory import MemoryMonitor
-from trainer_core.models.loading import Policy, encode_prompt, load_policy
+from trainer_core.models.loading import NoChatTemplateError, Policy, encode_prompt, load_policy
 from trainer_core.engines.vllm import VLLMEngine
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def build_samples(
     completions: Sequence[Completion],
     rewards: Sequence[float],
     *,
+    reward_metrics: Sequence[dict[str, float]] | None = None,
     run_id: str,
     worker_id: str,
     policy_version: int,
@@ -78,7 +80,8 @@ def build_samples(
     generation_seconds: float,
 ) -> list[Sample]:
     """Samples of prompts sampled n times each: `groups` holds (prompt_id, group_id, prompt
-    token ids) per prompt, and `completions`/`rewards` hold its n completions, prompt by prompt."""
+    token ids) per prompt, and `completions`/`rewards` (and `reward_metrics`, what the reward
+    reported beside each score) hold its n completions, prompt by prompt."""
     n = len(completions) // len(groups)
     now = time.time()
     return [
@@ -91,6 +94,7 @@ def build_samples(
             response_ids=list(completions[k].token_ids),
             logprobs=list(completions[k].logprobs),
             reward=rewards[k],
+            reward_metrics=reward_metrics[k] or None if reward_metrics else None,
             reward_source=reward_source,
             policy_version=policy_version,
             worker_id=worker_id,
@@ -118,6 +122,10 @@ class StopSignal:
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, less when the stop comes; whether it came."""
+        return self._event.wait(seconds)
 
     def deadline_passed(self) -> bool:
         return time.monotonic() > self._deadline
@@ -151,8 +159,12 @@ class RolloutWorker:
         self.version = -1
         self.engine: HFEngine | VLLMEngine | None = None
         self._policy: Policy | None = None  # the one model this worker samples from
-        # Fixed for the worker's life, as its loaded reward model is (`load_reward_model`).
-        self._terms_key = terms_fingerprint(spec.reward)
+        # The reward terms as this worker runs them, and what their cached rewards depend on: fixed
+        # for the worker's life, as its loaded reward model is (`load_reward_model`), but for a
+        # reward server's term, which follows the server wherever it listens (`_reward_ready`).
+        self._reward_url: str | None = None
+        self._terms = spec.reward_terms(None)
+        self._terms_key = terms_fingerprint(self._terms)
         self._reward_errors_logged: set[str] = set()  # each reason is logged once; every failure is counted
         self.sampling = SamplingParams(
             temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
@@ -164,8 +176,12 @@ class RolloutWorker:
         )
         memory = MemoryMonitor()
         try:
+            prepare_terms(self._terms)
             while not self.stop.is_set():
                 memory.maybe_log(log)  # a line every 30 s: current and peak memory
+                if not self._reward_ready():
+                    self.stop.wait(1.0)  # no prompt taken meanwhile: others' are not held up
+                    continue
                 self._load_latest_policy()
                 records = consumer.poll(self.spec.rollout.prompts_per_batch, timeout_s=1.0)
                 if not records:
@@ -195,6 +211,22 @@ class RolloutWorker:
                 self._report(samples)
         finally:
             consumer.close()
+            close_pools()
+
+    def _reward_ready(self) -> bool:
+        """Whether the reward terms can run: always, but while the reward server the run asks
+        for has not said where it listens. Read again before each batch: a server started again
+        (its spot node taken back) listens elsewhere, and the worker follows it."""
+        if self.spec.reward_server is None:
+            return True
+        url = self.state.get_run(self.run_id).reward_url
+        if url is None:
+            return False
+        if url != self._reward_url:
+            self._reward_url, self._terms = url, self.spec.reward_terms(url)
+            self._terms_key = terms_fingerprint(self._terms)
+            log.info("worker %s scoring through the run's reward server at %s", self.worker_id, url)
+        return True
 
     def _report(self, samples: Sequence[Sample]) -> None:
         """Add this batch to the worker's counters in the state store (queued samples count, also
@@ -236,7 +268,10 @@ class RolloutWorker:
         n = self.spec.samples_per_prompt
         prompts = [PromptMessage.decode(r.value) for r in records]
         tokenizer = self.engine.tokenizer
-        prompt_ids = [encode_prompt(tokenizer, p.prompt) for p in prompts]
+        try:
+            prompt_ids = [encode_prompt(tokenizer, p.prompt) for p in prompts]
+        except NoChatTemplateError as e:
+            raise PermanentError(str(e)) from None
         started = time.monotonic()
         completions = self.engine.generate(
             [ids for ids in prompt_ids for _ in range(n)], self.sampling, should_stop=self.stop.deadline_passed
@@ -245,7 +280,7 @@ class RolloutWorker:
             return None
         seconds = (time.monotonic() - started) / len(completions)
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        rewards = self._score(prompts, texts, [len(c.token_ids) for c in completions])
+        rewards, reward_metrics = self._score(prompts, texts, [len(c.token_ids) for c in completions])
         baselines = None
         if self.spec.training.advantage_estimator == AdvantageEstimator.REMAX:
             baselines = self._greedy_rewards(prompts, prompt_ids)
@@ -255,6 +290,7 @@ class RolloutWorker:
             [(p.prompt_id, uuid.uuid4().hex, ids) for p, ids in zip(prompts, prompt_ids, strict=True)],
             completions,
             rewards,
+            reward_metrics=reward_metrics,
             run_id=self.run_id,
             worker_id=self.worker_id,
             policy_version=self.version,
@@ -274,37 +310,34 @@ class RolloutWorker:
         if completions is None:
             return None
         texts = self.engine.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        return self._score(prompts, texts, [len(c.token_ids) for c in completions], per_prompt=1)
+        return self._score(prompts, texts, [len(c.token_ids) for c in completions], per_prompt=1)[0]
 
     def _score(
         self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int], per_prompt: int | None = None
-    ) -> list[float]:
-        """Rewards through the shared cache of `per_prompt` (default samples_per_prompt) texts per
-        prompt: the same response to the same prompt is scored once. A reward that failed is not
-        cached (the failure may be transient) and is counted on the run."""
+    ) -> tuple[list[float], list[dict[str, float]]]:
+        """Rewards, and what the reward reported beside each, through the shared cache of
+        `per_prompt` (default samples_per_prompt) texts per prompt: the same response to the same
+        prompt is scored once (a cached reward keeps its score, not its figures). A reward that
+        failed is not cached (the failure may be transient) and is counted on the run."""
         n = per_prompt or self.spec.samples_per_prompt
-        terms_key = self._terms_key
-        keys = [
-            reward_cache_key(terms_key, prompts[k // n].prompt, prompts[k // n].answer or "", texts[k])
-            for k in range(len(texts))
-        ]
+        inputs = [RewardInput.of(prompts[k // n], texts[k], lengths[k]) for k in range(len(texts))]
+        keys = [reward_cache_key(self._terms_key, reward_key(i)) for i in inputs]
         cached = self.rewards.get_many(keys)
         missing = [k for k, key in enumerate(keys) if key not in cached]
-        # One call for the batch: a reward model term scores all the missing responses together.
-        scores = score_batch(
-            self.spec.reward,
-            [RewardInput(prompts[k // n].prompt, texts[k], lengths[k], prompts[k // n].answer) for k in missing],
-        )
+        # One call for the batch: a reward model or function term scores all the missing responses together.
+        scores = score_batch(self._terms, [inputs[k] for k in missing])
         if scores.failures:
             self._report_reward_failures(scores.failures, scores.reason or "unknown")
         fresh = dict(zip(missing, scores.totals, strict=True))
+        figures = dict(zip(missing, scores.metrics, strict=True))
         cacheable = {keys[k]: fresh[k] for k, failed in zip(missing, scores.failed, strict=True) if not failed}
         if cacheable:
             self.rewards.put_many(cacheable)
-        return [cached[key] if key in cached else fresh[k] for k, key in enumerate(keys)]
+        rewards = [cached[key] if key in cached else fresh[k] for k, key in enumerate(keys)]
+        return rewards, [figures.get(k, {}) for k in range(len(keys))]
 
-    def _report_reward_failures(self, count: int, reason: str) -> None:
-        self.state.count_reward_failures(self.run_id, count, reason)
+    def _report_reward_failures(self, by_reason: Mapping[str, int], reason: str) -> None:
+        self.state.count_reward_failures(self.run_id, by_reason, reason)
         if reason not in self._reward_errors_logged:
             self._reward_errors_logged.add(reason)
             log.warning("run %s: a reward failed, scoring 0.0 (logged once per reason, each counted on the run): %s", self.run_id, reason)

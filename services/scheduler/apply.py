@@ -14,10 +14,9 @@ import time
 
 from contracts.evaluation import EvalResult
 from contracts.job_result import JobResult
-from contracts.messages import PromptMessage
 from contracts.samples import decode_group
 from contracts.status import RunStatus
-from services.backends.launcher import PodSpec, cli_command, pod_outcome
+from services.backends.launcher import POD_NAME_ENV, POD_ROLE_ENV, PodSpec, cli_command, pod_outcome
 from services.backends.queue import next_offsets
 from services.backends.state_schema import IterationRow
 from services.config import Settings
@@ -32,6 +31,7 @@ from services.names import (
     prompts_key,
     prompts_topic,
     result_key,
+    reward_server_pod_name,
     rollout_pod_name,
     samples_topic,
     standby_pod_name,
@@ -97,6 +97,11 @@ class Applier:
                 self._launch(run_id, standby_pod_name(run_id, after), p.ROLE_STANDBY,
                              [sys.executable, "-m", "services.scheduler.standby"],
                              spec.training.instance_type, "on-demand", {"after_iteration": str(after)})
+            case p.LaunchRewardServer(run_id):
+                server = spec.reward_server
+                assert server is not None  # planned for a spec that asks for one
+                self._launch(run_id, reward_server_pod_name(run_id), p.ROLE_REWARD, cli_command(["reward-pod", run_id]),
+                             server.instance_type, "spot" if server.spot else "on-demand", {})
             case p.LaunchEval() | p.RecordEval() | p.RecordEvalFailure():
                 self._apply_eval(action, spec)
             case p.StopPod(name):
@@ -168,7 +173,7 @@ class Applier:
                     run_id=run_id,
                     role=role,
                     command=command,
-                    env=self.settings.pod_env(),
+                    env={**self.settings.pod_env(), POD_NAME_ENV: name, POD_ROLE_ENV: role},
                     instance_type=instance_type,
                     capacity_type=capacity_type,
                     labels=labels,
@@ -198,7 +203,7 @@ class Applier:
         messages = []
         for i in range(start, start + count):
             item = items[i % len(items)]  # epochs cycle over the prompt set
-            messages.append(PromptMessage(prompt_id=str(i % len(items)), prompt=item.prompt, answer=item.answer))
+            messages.append(item.message(str(i % len(items))))
         self.b.queue.produce(prompts_topic(run_id), [m.encode() for m in messages])
         self.b.state.update_run(run_id, prompts_published=start + count)
 

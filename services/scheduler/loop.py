@@ -30,6 +30,8 @@ from services.scheduler import plan as p
 from services.scheduler.apply import Applier
 from services.scheduler.lease import Leadership
 from services.scheduler.policies import Estimates, measured
+from services.tracking.sinks import SinkSet
+from services.tracking.sync import Tracker
 from services.wiring import Backends
 
 log = logging.getLogger(__name__)
@@ -38,11 +40,13 @@ log = logging.getLogger(__name__)
 QUEUE_DELETIONS_PER_TICK = 10
 # A run that keeps raising TemporaryError waits its delay doubled per failure, at most this long.
 TEMPORARY_RETRY_CAP_S = 120.0
+# Seconds between two sends of the runs' figures to their experiment trackers.
+TRACKING_SECONDS = 5.0
 
 
 def _decisions(actions: list[p.Action]) -> str:
     """The pods ``actions`` start or stop, in words ("" for none)."""
-    pods = p.LaunchWorker | p.LaunchTraining | p.LaunchStandby | p.LaunchEval | p.StopPod
+    pods = p.LaunchWorker | p.LaunchTraining | p.LaunchStandby | p.LaunchEval | p.LaunchRewardServer | p.StopPod
     decided = [a for a in actions if isinstance(a, pods)]
     return ", ".join(map(_describe, decided))
 
@@ -57,6 +61,8 @@ def _describe(action: p.Action) -> str:
             return f"launch training job {iteration}"
         case p.LaunchEval(_, version):
             return f"launch the eval of policy v{version}"
+        case p.LaunchRewardServer():
+            return "launch the reward server"
         case p.StopPod(name):
             return f"stop {name}"
     return type(action).__name__
@@ -85,13 +91,29 @@ class Scheduler:
 
     # --- the loop ---------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
-        """Tick until ``stop``; then give the lease up, so that a standby takes over at once."""
+        """Tick until ``stop``; then give the lease up, so that a standby takes over at once. The
+        runs' figures go to their experiment trackers from a thread of their own: a slow tracker
+        never holds a tick up."""
+        tracking = threading.Thread(target=self._track_forever, args=(stop,), name="tracking", daemon=True)
+        tracking.start()
         try:
             while not stop.is_set():
                 self.tick()
                 stop.wait(self.settings.tick_seconds)
         finally:
+            tracking.join(timeout=TRACKING_SECONDS)
             self.leadership.release()
+
+    def _track_forever(self, stop: threading.Event) -> None:
+        """Send the runs' new figures to their trackers every TRACKING_SECONDS while this scheduler
+        leads (the cursors in the state store say what each tracker has: nothing is sent twice)."""
+        tracker = Tracker(state=self.b.state, sinks=SinkSet(self.settings, self.b.objects), catalog=self.catalog)
+        try:
+            while not stop.wait(TRACKING_SECONDS):
+                if self.leadership.leads():
+                    tracker.sync(self.b.state.list_runs(active_only=True))
+        finally:
+            tracker.close()
 
     def tick(self) -> None:
         """Reconcile each active run once, if this scheduler leads. A run's error stays with that run."""

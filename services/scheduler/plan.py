@@ -71,6 +71,7 @@ from services.scheduler.evals import (
     reap_eval,
 )
 from services.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
+from services.scheduler.reward_server import ROLE_REWARD, LaunchRewardServer, reward_server_due, serving_evals
 from services.scheduler.policies import POLICIES, Estimates, PolicyInput
 
 ROLE_ROLLOUT = "rollout"
@@ -230,6 +231,7 @@ Action = (
     | LaunchTraining
     | LaunchStandby
     | LaunchEval
+    | LaunchRewardServer
     | StopPod
     | BillPod
     | DeferEntry
@@ -277,7 +279,7 @@ def _next_step(run: RunState, observed: Observed) -> list[Action]:
             actions.append(BeginEnding(run.run_id, status, reason))
         # A run that succeeded lets its evals on a node finish, and evaluates its last version; any other end stops them.
         kept, evals = evals_at_end(run, observed, alive, succeeded=status == RunStatus.SUCCEEDED)
-        stopped = [p for p in alive if p not in kept]
+        stopped = [p for p in alive if p not in kept and p not in serving_evals(alive, kept)]
         if stopped:
             return actions + [StopPod(p.name) for p in stopped] + evals
         if observed.sample_backlog > 0:
@@ -288,7 +290,7 @@ def _next_step(run: RunState, observed: Observed) -> list[Action]:
         return actions + [FinishRun(run.run_id, status, reason)]
 
     # Training's decisions first; the evals ride beside them.
-    return actions + _feed_and_scale(run, observed, alive) + evals_due(run, observed, final=False)
+    return actions + _feed_and_scale(run, observed, alive) + evals_due(run, observed, final=False) + reward_server_due(run, alive)
 
 
 def _reap(run: RunState, done: Sequence[PodStatus], observed: Observed) -> list[Action]:

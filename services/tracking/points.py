@@ -4,8 +4,9 @@ A training iteration's point holds what its job recorded (``contracts.job_result
 ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/kl_ref``, ``critic/vf_loss``,
 ``response_length/mean``, ``reward/mean``, ``perf/tokens_per_s``, ``data/staleness_mean``, ...)
 and what the control plane knows of it: ``timing_s/iteration`` (the job's wall time),
-``data/samples_trained``, ``data/samples_dropped`` and ``cost/dollars_so_far`` (the run's bill
-when the iteration ended, from its ledger). Its step is the iteration number, which is also the
+``data/samples_trained``, ``data/samples_dropped``, ``cost/dollars_so_far`` (the run's bill
+when the iteration ended, from its ledger) and ``memory/<role>/max_bytes`` (the most memory a
+pod of each role reported since the iteration before). Its step is the iteration number, which is also the
 policy version it published.
 
 A held-out evaluation's point is the caller's (``Point(step=policy_version, ...)``) with values
@@ -19,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.backends.state_schema import IterationRow
+from services.backends.state_schema import IterationRow, PodMemoryRow
 from services.backends.state_store import LedgerEntry
 from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog
@@ -49,9 +50,10 @@ def dollars_at(entries: Sequence[LedgerEntry], catalog: PriceCatalog, at: float)
     return sum(billed_dollars(ledger, catalog, at))
 
 
-def iteration_point(row: IterationRow, dollars_so_far: float) -> Point:
+def iteration_point(row: IterationRow, dollars_so_far: float, memory: dict[str, float] | None = None) -> Point:
     """The point of a finished iteration: its job's metrics (non-numbers and non-finite values,
-    stored as null, left out) and the control plane's figures of it."""
+    stored as null, left out), the control plane's figures of it, and ``memory``: the pods'
+    memory since the iteration before (``memory_figures``)."""
     values = {
         key: float(v)
         for key, v in (row.metrics or {}).items()
@@ -62,7 +64,18 @@ def iteration_point(row: IterationRow, dollars_so_far: float) -> Point:
     values["data/samples_trained"] = float(row.samples_trained)
     values["data/samples_dropped"] = float(row.samples_dropped)
     values["cost/dollars_so_far"] = dollars_so_far
+    values.update(memory or {})
     return Point(step=row.iteration, wall_time=row.ended_at, values=values)
+
+
+def memory_figures(reports: Sequence[PodMemoryRow]) -> dict[str, float]:
+    """``memory/<role>/max_bytes``: the most memory (GPU memory on a GPU, else RSS) any one pod of
+    each role reported among ``reports`` (the pods report every 30 s)."""
+    peaks: dict[str, float] = {}
+    for r in reports:
+        key = f"memory/{r.role or 'pod'}/max_bytes"
+        peaks[key] = max(peaks.get(key, 0.0), r.bytes)
+    return peaks
 
 
 def eval_point(policy_version: int, wall_time: float, scores: dict[str, float]) -> Point:

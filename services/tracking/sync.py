@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
-from services.backends.state_schema import RunRow, TrackingCursorRow
-from services.backends.state_store import StateStore
+from services.backends.state_schema import IterationRow, RunRow, TrackingCursorRow
+from services.backends.state_store import LedgerEntry, StateStore
 from services.cost.catalog import PriceCatalog
 from services.runspec import Tracking
-from services.tracking.points import Point, dollars_at, iteration_point
+from services.tracking.points import Point, dollars_at, eval_point, iteration_point, memory_figures
 from services.tracking.sinks import Sink, SinkSet, TrackingError
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def sync_run(
     rows = state.iterations(run.id, after=start, limit=limit)
     complete = len(rows) < limit  # every iteration after ``start`` is read
     entries = state.ledger(run.id) if rows else []
-    points = [iteration_point(r, dollars_at(entries, catalog, r.ended_at)) for r in rows]
+    points = _iteration_points(run, rows, state=state, entries=entries, catalog=catalog)
     failures = []
     for sink, cursor in todo:
         try:
@@ -79,6 +79,24 @@ def sync_run(
             failures.append(str(e))
     if failures:
         raise TrackingError(f"run {run.id}: " + "; ".join(failures))
+
+
+def _iteration_points(run: RunRow, rows: Sequence[IterationRow], *, state: StateStore, entries: Sequence[LedgerEntry],
+                      catalog: PriceCatalog) -> list[Point]:  # fmt: skip
+    """The points of iterations ``rows``, each with the run's bill then and its pods' memory since
+    the iteration before (the first: since the run started)."""
+    if not rows:
+        return []
+    first = rows[0].iteration
+    before = state.iterations(run.id, after=first - 2, limit=1) if first > 1 else []
+    start = before[0].ended_at if before else 0.0
+    reports = state.pod_memory(run.id, since=start, until=rows[-1].ended_at)
+    points = []
+    for r in rows:
+        mine = [m for m in reports if start < m.at <= r.ended_at]
+        points.append(iteration_point(r, dollars_at(entries, catalog, r.ended_at), memory_figures(mine)))
+        start = r.ended_at
+    return points
 
 
 def _sync_sink(run: RunRow, sink: Sink, cursor: TrackingCursorRow | None, *, state: StateStore, points: list[Point],
@@ -100,6 +118,18 @@ def _sync_sink(run: RunRow, sink: Sink, cursor: TrackingCursorRow | None, *, sta
         state.advance_tracking_cursor(run.id, sink.name, iteration=through, eval_version=version, ended=True)
 
 
+def eval_points(state: StateStore, run_id: str) -> list[Point]:
+    """The run's recorded held-out evals as points (``eval/mean_score``, ``eval/pass@k``), none at
+    or beyond an eval still open: they are sent in version order (see ``sync_run``)."""
+    horizon = min((e.policy_version for e in state.eval_progress(run_id).open), default=None)
+    return [
+        eval_point(r.policy_version, r.ended_at or 0.0, {"mean_score": r.mean_score or 0.0,
+                   **{k: v for k, v in (r.metrics or {}).items() if k != "mean"}})  # fmt: skip
+        for r in state.evals(run_id)
+        if horizon is None or r.policy_version < horizon
+    ]
+
+
 def tracking_of(run: RunRow) -> Tracking | None:
     """The run spec's ``tracking`` section (validated when the run was submitted)."""
     section = (run.spec or {}).get("tracking")
@@ -118,7 +148,7 @@ class Tracker:
     the trackers its spec names, then the end of runs that ended. A tracker's trouble is no run's:
     it is logged (once per distinct message) and retried later, and the run goes on.
 
-    ``evals(run_id)``: the run's recorded evaluations as points (see ``sync_run``); none by default.
+    ``evals(run_id)``: the run's recorded evaluations as points (see ``sync_run``); by default, ``eval_points``.
     """
 
     def __init__(self, *, state: StateStore, sinks: SinkSet, catalog: PriceCatalog,
@@ -126,7 +156,7 @@ class Tracker:
         self._state = state
         self._sinks = sinks
         self._catalog = catalog
-        self._evals = evals or (lambda run_id: ())
+        self._evals = evals or (lambda run_id: eval_points(state, run_id))
         self._trouble: dict[str, _Trouble] = {}
 
     def sync(self, runs: Iterable[RunRow]) -> None:

@@ -38,7 +38,7 @@ from services.policy_rotation import MIN_KEEP
 from services.policy_store import fetch_policy, publish_policy
 from services.runspec import RunSpec
 from services.training.backlog import read_backlog, take_batch, trainer_consumer
-from services.training.selection import Selection, even_shares, select_samples, selection_metrics
+from services.training.selection import Selection, even_shares, reward_metrics, select_samples, selection_metrics
 from trainer_core.algos import AdaptiveKLController
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models.loading import Policy, load_policy
@@ -217,6 +217,7 @@ def _train(
             policy.model, samples, cfg, strategy, ref_model=ref_model, value_head=value_head, kl_controller=controller
         )
     metrics.update(selection_metrics(selection, iteration - 1))  # staleness and drops, for the dashboards
+    metrics.update(reward_metrics(selection.kept))
     metrics.update(MemoryMonitor().sample())  # current and peak RSS (GPU memory on CUDA); the leader's is reported
     weights = strategy.full_state_dict()
     strategy.save_optimizer_state(scratch / "out")

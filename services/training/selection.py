@@ -65,3 +65,12 @@ def even_shares(samples: Sequence[Sample], world_size: int) -> tuple[list[Sample
             kept = [s for s in kept if s.group_id != last]
     kept_ids = {s.sample_id for s in kept}
     return kept, [s.sample_id for s in samples if s.sample_id not in kept_ids]
+
+
+def reward_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """`reward/<name>/mean` over the samples of each figure the reward reported beside its score."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        for name, value in (s.reward_metrics or {}).items():
+            values.setdefault(name, []).append(value)
+    return {f"reward/{name}/mean": sum(v) / len(v) for name, v in sorted(values.items())}

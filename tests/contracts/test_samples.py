@@ -88,3 +88,9 @@ def test_rejects_a_corrupt_group(mangle) -> None:
 def test_round_trip_keeps_remaxs_baseline_reward_and_its_absence() -> None:
     assert decode_sample(encode_sample(_sample(baseline_reward=0.25))).baseline_reward == 0.25
     assert decode_sample(encode_sample(_sample())).baseline_reward is None
+
+
+def test_round_trip_keeps_the_rewards_figures_and_their_absence() -> None:
+    figures = {"acc": 1.0, "format": 0.5}
+    assert decode_sample(encode_sample(_sample(reward_metrics=figures))).reward_metrics == figures
+    assert decode_sample(encode_sample(_sample())).reward_metrics is None

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,18 +88,27 @@ def load_weights(model: PreTrainedModel, model_dir: Path) -> None:
     model.load_state_dict(saved.state_dict())  # strict: the architectures must match exactly
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of `text` as a user turn awaiting the assistant's reply, or plain ids
-    when the tokenizer has no chat template."""
+class NoChatTemplateError(ValueError):
+    """Chat messages were given to a tokenizer that has no chat template to render them."""
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
+    """Token ids of `prompt` awaiting the assistant's reply: text as one user turn, or chat
+    messages ({"role", "content"}), rendered with the tokenizer's chat template. Text with no
+    chat template is encoded as it is; messages with none raise NoChatTemplateError."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if tokenizer.chat_template:
         # Render to text and encode, rather than tokenize=True, whose return type differs
         # between transformers 4 (a list) and 5 (a BatchEncoding).
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template already writes any BOS token it wants.
         return tokenizer.encode(rendered, add_special_tokens=False)
-    return tokenizer.encode(text)
+    if not isinstance(prompt, str):
+        raise NoChatTemplateError(
+            "the prompts are chat messages, and the model's tokenizer has no chat template to render them: "
+            "use a model whose tokenizer has one, or give the prompts as text"
+        )
+    return tokenizer.encode(prompt)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -238,3 +238,14 @@ async def test_a_bad_eval_section_is_422_naming_it(api: httpx.AsyncClient, chang
 async def test_an_eval_target_alone_is_a_goal(api: httpx.AsyncClient) -> None:
     r = await api.post("/v1/runs", json=spec(iterations=None, eval={"prompts": HELD_OUT, "target_score": 0.9}))
     assert r.status_code == 201, r.text
+
+
+async def test_a_run_whose_trackers_the_operator_has_not_configured_is_refused_naming_the_setting(api: httpx.AsyncClient) -> None:
+    spec = {"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "iterations": 1, "batch_samples": 4,
+            "tracking": {"tensorboard": True, "mlflow": {"experiment": "gsm8k"}}}  # fmt: skip
+    r = await api.post("/v1/runs", json=spec)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", "tracking"]
+    assert "SPOTRL_MLFLOW_TRACKING_URI" in r.json()["detail"][0]["msg"]
+    del spec["tracking"]["mlflow"]
+    assert (await api.post("/v1/runs", json=spec)).status_code == 201

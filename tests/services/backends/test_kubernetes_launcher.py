@@ -57,6 +57,11 @@ def rollout_spec(name: str = "run-1-rollout-0", *, command: list[str] | None = N
                    labels={"slot": "0"})  # fmt: skip
 
 
+def reward_spec() -> PodSpec:
+    return PodSpec(name="run-1-reward", run_id="run-1", role="reward", command=["python", "-m", "services.cli", "reward-pod", "run-1"],
+                   env={}, instance_type="g4dn.xlarge", capacity_type="on-demand")
+
+
 def python(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
@@ -76,7 +81,9 @@ def open_launcher_on(kube_cluster: Cluster, request: pytest.FixtureRequest) -> C
     pod_manifest(rollout_spec(spot=False), CFG, 1, {}),
     job_manifest(training_spec(), CHART_CFG, 8, CHART_ENV),
     pod_manifest(rollout_spec(), CHART_CFG, 1, CHART_ENV),
-], ids=["training-job", "spot-rollout-pod", "on-demand-rollout-pod", "chart-training-job", "chart-rollout-pod"])  # fmt: skip
+    pod_manifest(reward_spec(), CFG, 1, {}),
+], ids=["training-job", "spot-rollout-pod", "on-demand-rollout-pod", "chart-training-job", "chart-rollout-pod",
+        "reward-server-pod"])  # fmt: skip
 def test_every_manifest_is_strictly_valid_for_current_kubernetes(manifest: dict[str, Any], version: str) -> None:
     kubernetes_validate.validate(manifest, version, strict=True)  # raises ValidationError
 
@@ -143,6 +150,19 @@ def test_a_standby_holds_a_node_of_the_training_pool() -> None:
     assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "training", "node.kubernetes.io/instance-type": "p4d.24xlarge"}
     assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-training:2"
     assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8"}  # the node's GPUs, held
+
+
+def test_a_runs_reward_server_runs_on_the_reward_pool_and_says_its_address() -> None:
+    pod = pod_manifest(reward_spec(), KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2"}), 1, {})
+    assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "reward", "node.kubernetes.io/instance-type": "g4dn.xlarge"}
+    assert {"key": "spotrl.dev/pool", "operator": "Equal", "value": "reward", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+    [container] = pod["spec"]["containers"]
+    assert container["image"] == "r.example/spotrl-rollout:2"  # no reward image of its own: the rollout image
+    assert {"name": "SPOTRL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    assert {"name": "SPOTRL_REWARD_PORT", "value": "8100"} in container["env"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8100, "protocol": "TCP"}]
+    users = KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2", "reward": "users.example/rewards:7"})
+    assert pod_manifest(reward_spec(), users, 1, {})["spec"]["containers"][0]["image"] == "users.example/rewards:7"
 
 
 def test_an_eval_pod_runs_on_the_rollout_pool() -> None:

@@ -283,7 +283,7 @@ def test_version_1_store_is_brought_up_to_date(store_url: str) -> None:
             "running": ("RUNNING", None, None, None, "default", 0, 0),
         }
         assert s.acquire_lease("scheduler", "a", seconds=60)
-        s.count_reward_failures("running", 2, "timeout")
+        s.count_reward_failures("running", {"regex:timeout": 2}, "timeout")
         s.update_run("running", last_error="temporary")
         assert [r.id for r in s.list_runs(tenant="default")] == ["cancelled", "ending", "running"]
     with engine.connect() as conn:
@@ -303,7 +303,7 @@ def test_long_messages_are_clipped_to_their_columns(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
     store.set_status("r1", RunStatus.RUNNING)
     store.update_run("r1", last_error="e" * 2000)
-    store.count_reward_failures("r1", 1, "r" * 2000)
+    store.count_reward_failures("r1", {"r" * 100: 1}, "r" * 2000)
     store.begin_ending("r1", RunStatus.FAILED, "f" * 2000)
     row = store.get_run("r1")
     assert (row.status, row.ending_status) == ("ENDING", "FAILED")
@@ -311,6 +311,18 @@ def test_long_messages_are_clipped_to_their_columns(store: StateStore) -> None:
         ("e" * 500, "r" * 500, "f" * 500, "f" * 500)
     store.set_status("r1", RunStatus.FAILED, "g" * 2000)
     assert store.get_run("r1").status_reason == "g" * 500
+    assert store.reward_failures("r1") == {"r" * 64: 1}
+
+
+def test_reward_failures_add_up_by_reason(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    store.create_run("r2", name=None, spec={})
+    store.count_reward_failures("r1", {"function:timeout": 2, "function:crash": 1}, "function: timeout")
+    store.count_reward_failures("r1", {"function:timeout": 3}, "function: timeout")
+    store.count_reward_failures("r2", {"code:exception": 1}, "code: ValueError")
+    assert store.reward_failures("r1") == {"function:timeout": 5, "function:crash": 1}
+    assert store.get_run("r1").reward_failures == 6
+    assert store.run_view("r1", latest=1, now=0.0).reward_failures == {"function:timeout": 5, "function:crash": 1}
 
 
 def test_non_finite_numbers_in_json_are_stored_as_null(store: StateStore) -> None:
@@ -407,3 +419,16 @@ def test_an_eval_is_opened_once_recorded_once_and_failed_until_given_up(store: S
     # The run's view holds its latest recorded evals, read in the run's transaction.
     assert [e.policy_version for e in store.run_view("r1", latest=1, now=0.0).evals] == [4]
     assert [e.policy_version for e in store.run_view("r1", latest=10, now=0.0).evals] == [0, 4]
+
+
+def test_pod_memory_reports_are_read_back_in_order_within_a_window(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    store.create_run("r2", name=None, spec={})
+    store.report_memory("r1", "r1-rollout-0", "rollout", at=10.0, current=1e9, peak=1.5e9)
+    store.report_memory("r2", "r2-rollout-0", "rollout", at=11.0, current=3e9, peak=3e9)
+    store.report_memory("r1", "r1-train-1", "training", at=12.0, current=2e9, peak=2e9)
+    rows = store.pod_memory("r1")
+    assert [(r.pod, r.role, r.at, r.bytes, r.peak_bytes) for r in rows] == [
+        ("r1-rollout-0", "rollout", 10.0, 1e9, 1.5e9), ("r1-train-1", "training", 12.0, 2e9, 2e9)]
+    assert [r.pod for r in store.pod_memory("r1", since=10.0)] == ["r1-train-1"]
+    assert [r.pod for r in store.pod_memory("r1", until=11.9)] == ["r1-rollout-0"]

@@ -53,7 +53,7 @@ def test_a_regex_that_times_out_scores_0_for_that_response_only() -> None:
     # The first matches the pattern (1 + 2); the second keeps its exact_match point, the regex adds 0.
     assert scores.totals == [3.0, 1.0]
     assert scores.failed == [False, True]
-    assert scores.failures == 1
+    assert scores.failures == {"regex:timeout": 1}
     assert scores.reason is not None and scores.reason.startswith("regex: pattern ") and "did not decide" in scores.reason
 
 
@@ -76,7 +76,7 @@ def test_a_reward_model_that_raises_fails_its_term_for_the_batch(monkeypatch: py
 
     assert scores.totals == [0.0, -1.0]  # the length penalty still counts
     assert scores.failed == [True, True]
-    assert scores.failures == 2
+    assert scores.failures == {"reward_model:exception": 2}
     assert scores.reason == "reward_model: RuntimeError: CUDA error: out of memory"
 
 
@@ -106,4 +106,19 @@ def test_total_rewards_scores_a_failure_0_and_logs_it(caplog: pytest.LogCaptureF
 
 def test_no_failures_no_reason() -> None:
     scores = score_batch([RewardTerm(fn="regex", pattern="yes")], [RewardInput("", "yes", 1, None), RewardInput("", "no", 1, None)])
-    assert (scores.totals, scores.failed, scores.failures, scores.reason) == ([1.0, 0.0], [False, False], 0, None)
+    assert (scores.totals, scores.failed, scores.failures, scores.reason) == ([1.0, 0.0], [False, False], {}, None)
+
+
+def test_the_verifiers_score_through_the_run_spec_s_terms() -> None:
+    tests = {"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6\n"]}
+    program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    think = "<think>2 and 3 make 5</think>\n<answer>\\boxed{5}</answer>"
+    scores = score_batch(
+        [RewardTerm(fn="math"), RewardTerm(fn="format", weight=0.1)],
+        [RewardInput("2+3?", think, 9, "5"), RewardInput("2+3?", "\\boxed{\\frac{10}{2}}", 9, "5"), RewardInput("2+3?", "6", 1, "5")],
+    )
+    assert scores.totals == pytest.approx([1.1, 1.0, 0.0])
+    code = score_batch([RewardTerm(fn="code")], [RewardInput("add", program, 9, tests), RewardInput("add", "print(5)", 2, tests)])
+    assert code.totals == [1.0, 0.5]
+    missing = score_batch([RewardTerm(fn="code")], [RewardInput("add", program, 9, None)])
+    assert missing.failures == {"code:invalid": 1}

@@ -116,13 +116,13 @@ def test_rollout_worker_scores_a_batch_through_the_cache(
     prompts = [PromptMessage("p0", "cat?", None), PromptMessage("p1", "dog?", None)]
     texts = ["sun yes", "sun no", "red yes", "red no"]  # samples_per_prompt = 2 per prompt
 
-    rewards = worker._score(prompts, texts, [7, 6, 7, 6])
+    rewards, _ = worker._score(prompts, texts, [7, 6, 7, 6])
 
     rm_scores = RewardModel.load(rm_dir).score(["cat?", "cat?", "dog?", "dog?"], texts)
     assert rewards == pytest.approx([s + 0.25 * ("yes" in t) for s, t in zip(rm_scores, texts, strict=True)], abs=1e-6)
     # Scored once: the second time every reward comes from the cache, without the model.
     monkeypatch.setitem(REWARD_FUNCTIONS, "reward_model", lambda term, inputs: pytest.fail("scored again"))
-    assert worker._score(prompts, texts, [7, 6, 7, 6]) == rewards
+    assert worker._score(prompts, texts, [7, 6, 7, 6])[0] == rewards
 
 
 def test_the_cache_fingerprint_changes_when_the_reward_model_is_retrained(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if data_source == "memory-grow":
         held = []
         while True:
-            held.append(bytearray(64 << 20))
+            held.append(bytearray(128 << 20))
     if data_source == "exit-call":
         raise SystemExit(3)
     if data_source == "child-then-hang":

@@ -12,6 +12,7 @@ from contracts.samples import decode_group
 from services.backends.reward_cache import reward_cache_key
 from services.config import Settings
 from services.names import prompts_topic, samples_topic
+from services.reward.functions import RewardInput, reward_key
 from services.rollout.worker import RolloutWorker, StopSignal
 from services.runspec import RewardFn, RewardTerm, RunSpec
 from services.wiring import Backends, open_backends
@@ -48,15 +49,16 @@ def test_a_failed_reward_is_counted_on_the_run_logged_once_and_not_cached(
     texts = ["yes", "word" * 500 + "!"]  # samples_per_prompt = 2
 
     with caplog.at_level(logging.WARNING, logger="services.rollout.worker"):
-        first = worker._score(prompts, texts, [1, 8])
-        second = worker._score(prompts, texts, [1, 8])
+        first, _ = worker._score(prompts, texts, [1, 8])
+        second, _ = worker._score(prompts, texts, [1, 8])
 
     # "yes" matches (1.0); the other timed out (0.0 for the regex) and keeps its length penalty -(8-4)/4.
     assert first == second == [1.0, -1.0]
     row = b.state.get_run(RUN)
     assert row.reward_failures == 2  # scored again the second time: a failure is not cached
+    assert b.state.reward_failures(RUN) == {"regex:timeout": 2}
     assert row.last_reward_error.startswith("regex: pattern ") and "did not decide" in row.last_reward_error
-    keys = [reward_cache_key(worker._terms_key, "say yes", "", t) for t in texts]
+    keys = [reward_cache_key(worker._terms_key, reward_key(RewardInput.of(prompts[0], t, n))) for t, n in zip(texts, [1, 8])]
     assert set(b.rewards.get_many(keys)) == {keys[0]}
     warnings = [r for r in caplog.records if "a reward failed" in r.getMessage()]
     assert len(warnings) == 1, "one warning per distinct reason, not per batch"
@@ -72,7 +74,7 @@ def test_a_reward_model_that_has_gone_scores_0_and_is_reported(settings: Setting
     spec.reward.append(gone)
     worker = make_worker(b, settings, spec)
 
-    rewards = worker._score([PromptMessage("p0", "x", None)], ["yes", "no"], [1, 1])
+    rewards, _ = worker._score([PromptMessage("p0", "x", None)], ["yes", "no"], [1, 1])
 
     assert rewards == [1.0, 0.0]  # the regex term still counts
     row = b.state.get_run(RUN)
@@ -116,3 +118,40 @@ def test_a_worker_whose_regex_reward_times_out_still_produces_samples(settings: 
     assert row.reward_failures > 0
     assert "did not decide a response" in row.last_reward_error
     b.close()
+
+
+@pytest.mark.parametrize(
+    ("reward", "prompt", "said"),
+    [
+        ({"fn": "function", "path": "{data}/broken.py:compute_score"}, "x", "does not import"),
+        ({"fn": "exact_match"}, [{"role": "user", "content": "2+3?"}], "no chat template"),
+    ],
+)  # fmt: skip
+def test_a_run_its_worker_cannot_serve_fails_at_once_with_the_reason(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, reward: dict, prompt: object, said: str
+) -> None:
+    """The pod entry point fails the run (a reward file that does not import; chat prompts for a
+    model without a chat template), rather than the scheduler relaunching the worker forever."""
+    import typer
+
+    from services import cli_pods
+
+    data = settings.allowed_data_dirs()[0]
+    (data / "broken.py").write_text("import no_such_module_anywhere\nSECRET = 'SECRET-USER-TEXT'\n")
+    reward = {k: v.format(data=data) for k, v in reward.items()}
+    b = open_backends(settings)
+    spec = spec_with([reward], prompts=[{"prompt": prompt}])
+    b.state.create_run(RUN, name=None, spec=spec.model_dump(mode="json"))
+    b.queue.create_topic(prompts_topic(RUN), 1)
+    b.queue.create_topic(samples_topic(RUN), 1)
+    b.queue.produce(prompts_topic(RUN), [spec.prompts[0].message("0").encode()])
+    for name, value in settings.pod_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SPOTRL_SESSION_TIMEOUT_S", "3")
+
+    with pytest.raises(typer.Exit):
+        cli_pods.worker(RUN, worker_id="w0")
+
+    row = b.state.get_run(RUN)
+    assert (row.status, row.ending_status) == ("ENDING", "FAILED")
+    assert said in row.ending_reason and "SECRET-USER-TEXT" not in row.ending_reason

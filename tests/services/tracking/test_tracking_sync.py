@@ -156,3 +156,19 @@ def test_runs_without_tracking_are_left_alone(tmp_path: Path, store: StateStore,
     tracker.sync(store.list_runs())
     assert store.tracking_cursors("run-n") == {} and not (tmp_path / "objects" / "runs").exists()
 
+
+
+def test_the_pods_memory_reaches_each_iteration_as_the_peak_of_each_role_since_the_one_before(
+    tmp_path: Path, store: StateStore, catalog: PriceCatalog
+) -> None:
+    objects = LocalObjectStore(tmp_path / "objects")
+    make_run(store, "run-m", tracking={"tensorboard": True}, iterations=3)  # iterations end at T0 + 100 i
+    for at, pod, role, used in [(T0 + 30, "w0", "rollout", 1e9), (T0 + 60, "w0", "rollout", 1.5e9),
+                                (T0 + 90, "t1", "training", 4e9), (T0 + 130, "w0", "rollout", 1.2e9),
+                                (T0 + 260, "w1", "rollout", 2e9), (T0 + 290, "t3", "training", 5e9)]:  # fmt: skip
+        store.report_memory("run-m", pod, role, at=at, current=used, peak=used)
+    for _ in range(2):  # batches of 2: the second batch's first iteration reads from the end of the first's last
+        sync_run(store.get_run("run-m"), state=store, sinks=[TensorBoardSink(objects)], catalog=catalog, limit=2)
+    tb = scalars(objects.root / tensorboard_prefix("run-m"))
+    assert [(s, v) for s, v, _ in tb["memory/rollout/max_bytes"]] == [(1, 1.5e9), (2, 1.2e9), (3, 2e9)]
+    assert [(s, v) for s, v, _ in tb["memory/training/max_bytes"]] == [(1, 4e9), (3, 5e9)]

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import dataclasses
+
 from contracts.job_result import DroppedSamples
 from contracts.samples import Sample
-from services.training.selection import select_samples
+from services.training.selection import reward_metrics, select_samples
 
 
 def sample(sid: str, version: int) -> Sample:
@@ -21,3 +23,13 @@ def test_drops_duplicates_and_stale_samples() -> None:
 def test_bound_zero_keeps_only_on_policy() -> None:
     sel = select_samples([sample("a", 2), sample("b", 1)], seen=set(), policy_version=2, staleness_bound=0)
     assert [s.sample_id for s in sel.kept] == ["a"]
+
+
+def test_the_rewards_figures_are_averaged_over_the_samples_that_report_each() -> None:
+    samples = [
+        dataclasses.replace(sample("a", 1), reward_metrics={"acc": 1.0, "format": 1.0}),
+        dataclasses.replace(sample("b", 1), reward_metrics={"acc": 0.0}),
+        sample("c", 1),
+    ]
+    assert reward_metrics(samples) == {"reward/acc/mean": 0.5, "reward/format/mean": 1.0}
+    assert reward_metrics([sample("d", 1)]) == {}

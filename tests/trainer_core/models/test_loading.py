@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from contracts.model_sources import check_model_source
 from trainer_core.models import loading as models
 from trainer_core.models.loading import (
+    NoChatTemplateError,
     encode_prompt,
     load_policy,
     save_policy,
@@ -59,6 +61,16 @@ def test_tiny_tokenizer_is_character_level_and_exact(tiny_policy: models.Policy)
     assert tok.pad_token == "<pad>" and tok.eos_token == "<eos>"
     assert stop_token_ids(tok) == [tok.eos_token_id]
     assert tiny_policy.model.config.vocab_size == len(tok)
+
+
+def test_chat_messages_are_rendered_with_the_models_template_and_refused_without_one(tiny_policy: models.Policy) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    tok = copy.deepcopy(tiny_policy.tokenizer)
+    with pytest.raises(NoChatTemplateError, match="no chat template"):
+        encode_prompt(tok, messages)
+    tok.chat_template = "{% for m in messages %}[{{ m.role[0] }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[a]{% endif %}"
+    assert tok.decode(encode_prompt(tok, messages)) == "[s]Be brief.[u]2+3?[a]"
+    assert tok.decode(encode_prompt(tok, "2+3?")) == "[u]2+3?[a]"  # text is one user turn
 
 
 def test_save_policy_round_trips(tiny_policy: models.Policy, tmp_path: Path) -> None:
