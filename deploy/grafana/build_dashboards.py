@@ -155,6 +155,9 @@ def reward_cache() -> list[Panel]:
 def training() -> list[Panel]:
     return [
         Panel("Mean reward", (q(s("spotrl_training_mean_reward"), "mean reward"),)),
+        Panel("Held-out eval", (q(s("spotrl_eval_score"), "{{metric}}"),),
+              description="The latest eval of a policy version on the held-out prompts (runs with an `eval` section): "
+                          "mean score and each pass@k."),
         Panel("KL", (q(s("spotrl_training_kl"), "KL"),)),
         Panel("Clip fraction", (q(s("spotrl_training_clip_fraction"), "actor/pg_clipfrac"),), unit="percentunit"),
         Panel("Entropy", (q(s("spotrl_training_entropy"), "actor/entropy"),),

@@ -154,6 +154,9 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
             batch_samples=16,
             rollout={"min_workers": 2, "max_workers": 2, "prompts_per_batch": 1},
             training={"learning_rate": 1e-3, "micro_batch": 8, "entropy_coef": 0.01},  # entropy is reported when it is in the loss
+            # Held-out evals of v0 (the baseline) and v1 (the last): the eval panel's series, and the eval pods' path end to end.
+            eval={"prompts": [{"prompt": "5+5=", "answer": "10"}, {"prompt": "6+6=", "answer": "12"}], "samples_per_prompt": 2,
+                  "max_new_tokens": 4, "metrics": ["mean", "pass@2"]},
         )
         r = served.client.post("/v1/runs", json=spec)
         assert r.status_code == 201, r.text
@@ -197,6 +200,12 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
         assert last('count(count by (worker) (spotrl_worker_samples_produced_total{run="$run"}))') >= 2
         assert last('sum(spotrl_run_cost_dollars_total{run="$run"})') == pytest.approx(cost["total_dollars"], rel=0.05)
         assert last('spotrl_training_iteration{run="$run"}') == 1
+        # An eval per chosen version, each an eval pod billed like any, its latest figures those exported.
+        assert [(e["policy_version"], set(e["metrics"])) for e in run["evals"]] == [(0, {"mean", "pass@2"}), (1, {"mean", "pass@2"})]
+        assert sorted(e["pod"] for e in cost["entries"] if e["role"] == "eval") == [f"{run_id}-eval-0", f"{run_id}-eval-1"]
+        assert all(e["capacity_type"] == "spot" and e["ended_at"] is not None for e in cost["entries"] if e["role"] == "eval")
+        assert last('spotrl_eval_score{run="$run", metric="mean"}') == pytest.approx(run["evals"][-1]["mean_score"])
+        assert run["last_error"] is None
     finally:
         prom.close()
         dcgm.close()
