@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from services.backends.state_store import StateStore
     from services.config import Settings
-    from services.runspec import RunSpec
+    from services.runspec import RewardTerm, RunSpec
     from services.wiring import Backends
 
 
@@ -143,7 +143,22 @@ def eval_job(run_id: str, version: int) -> None:
     from services.rollout.evaluation import run_eval_job
 
     with _pod(run_id) as (settings, backends, spec):
-        run_eval_job(run_id=run_id, version=version, spec=spec, objects=backends.objects, model_cache=settings.resolved_model_cache())
+        terms = _reward_terms(backends.state, run_id, spec)
+        run_eval_job(run_id=run_id, version=version, spec=spec, terms=terms, objects=backends.objects,
+                     model_cache=settings.resolved_model_cache())  # fmt: skip
+
+
+def _reward_terms(state: StateStore, run_id: str, spec: RunSpec, wait_s: float = 600.0) -> list[RewardTerm]:
+    """The run's reward terms as its pods run them: with a reward server, its term scored where the
+    server listens, waited for up to ``wait_s`` (a pod that gives up fails, and is retried)."""
+    if spec.reward_server is None:
+        return list(spec.reward)
+    deadline = time.monotonic() + wait_s
+    while (url := state.get_run(run_id).reward_url) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the reward server of run {run_id} has not said where it listens in {wait_s:.0f} s")
+        time.sleep(1.0)
+    return spec.reward_terms(url)
 
 
 def reward_pod(run_id: str) -> None:

@@ -90,16 +90,20 @@ def run_id_of_pod(pod: str) -> str:
     for marker in ("-train-", "-rollout-", "-warm-", "-eval-"):
         if marker in pod:
             return pod.rsplit(marker, 1)[0]
+    if pod.endswith("-reward"):
+        return pod.removesuffix("-reward")
     raise ValueError(
-        f"{pod!r} is not a spotrl pod name (<run>-train-<N>, <run>-rollout-<slot>, <run>-warm-<N> or <run>-eval-<N>)"
+        f"{pod!r} is not a spotrl pod name (<run>-train-<N>, <run>-rollout-<slot>, <run>-warm-<N>, <run>-eval-<N> or <run>-reward)"
     )
 
 
 def role_of_pod(pod: str) -> str:
     """``run-ab12-train-3`` -> ``training``, ``run-ab12-rollout-0`` -> ``rollout``, ``run-ab12-warm-2`` -> ``standby``,
-    ``run-ab12-eval-2`` -> ``eval``."""
+    ``run-ab12-eval-2`` -> ``eval``, ``run-ab12-reward`` -> ``reward``."""
     if "-warm-" in pod:
         return "standby"
     if "-eval-" in pod:
         return "eval"
+    if pod.endswith("-reward"):
+        return "reward"
     return "training" if "-train-" in pod else "rollout"

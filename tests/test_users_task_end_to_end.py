@@ -88,6 +88,8 @@ def test_a_verl_reward_file_and_parquet_sets_train_evaluate_and_reach_tensorboar
         assert reward_entries and all(e["instance_type"] == "g4dn.xlarge" and e["ended_at"] for e in reward_entries)
         worker_log = served.client.get(f"/v1/runs/{run_id}/pods/{run_id}-rollout-0/logs").json()
         assert "scoring through the run's reward server at http://127.0.0.1:" in "\n".join(worker_log["lines"])
+        server_log = "\n".join(served.client.get(f"/v1/runs/{run_id}/pods/{run_id}-reward/logs").json()["lines"])
+        assert server_log.count("POST /v1/score") >= 3 + 1  # each eval's batch, and the workers' (some may hit the cache)
 
         # The scheduler's tracker sends what the state store recorded, a few seconds behind.
         logdir = tmp_path / "home" / "objects" / "runs" / run_id / "tensorboard"

@@ -147,8 +147,8 @@ class CostPublic(BaseModel):
 
 
 class PodPublic(BaseModel):
-    name: str = Field(description="The pod's deterministic name: `<run>-rollout-<slot>` or `<run>-train-<iteration>`.")
-    role: str = Field(description="`rollout` or `training`.")
+    name: str = Field(description="The pod's deterministic name: `<run>-rollout-<slot>`, `<run>-train-<iteration>`, `<run>-warm-<iteration>`, `<run>-eval-<version>` or `<run>-reward`.")
+    role: str = Field(description="`rollout`, `training`, `standby`, `eval` or `reward`.")
     running: bool = Field(description="Still known to the launcher (running, or ended and not yet reaped); false: ended, its log kept in the object store.")
     waiting_for_node: bool = Field(description="No node has taken it yet (on Kubernetes: no capacity of its kind, or its node still starting); no machine is billed for it meanwhile.")
 

@@ -274,12 +274,12 @@ def _m007_reward_failures_by_reason(conn: Connection) -> None:
     RewardFailureRow.__table__.create(conn, checkfirst=True)
 
 
-def _m009_tracking_cursors(conn: Connection) -> None:
+def _m008_tracking_cursors(conn: Connection) -> None:
     """The ``tracking_cursors`` table: what each experiment tracker has of each run."""
     TrackingCursorRow.__table__.create(conn, checkfirst=True)
 
 
-def _m008_evals(conn: Connection) -> None:
+def _m009_evals(conn: Connection) -> None:
     """The ``evals`` table: held-out evaluations of runs' policy versions."""
     EvalRow.__table__.create(conn, checkfirst=True)
 
@@ -303,8 +303,8 @@ MIGRATIONS: Sequence[Callable[[Connection], None]] = (
     _m005_worker_stats_and_pod_outcomes,
     _m006_samples_filtered,
     _m007_reward_failures_by_reason,
-    _m009_tracking_cursors,
-    _m008_evals,
+    _m008_tracking_cursors,
+    _m009_evals,
     _m010_pod_memory,
     _m011_reward_url,
 )

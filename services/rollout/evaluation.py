@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from contracts.evaluation import EvalResult
@@ -28,7 +29,7 @@ from services.prompts import parse_jsonl
 from services.reward.functions import RewardInput, score_batch
 from services.rollout.eval_metrics import eval_metrics
 from services.rollout.worker import rollout_engine
-from services.runspec import RunSpec
+from services.runspec import RewardTerm, RunSpec
 from trainer_core.engines.hf import HFEngine, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine
 from trainer_core.models.lora import is_adapter_dir
@@ -37,8 +38,12 @@ from trainer_core.models.loading import encode_prompt, load_policy
 log = logging.getLogger(__name__)
 
 
-def run_eval_job(*, run_id: str, version: int, spec: RunSpec, objects: ObjectStore, model_cache: Path) -> EvalResult:
-    """Evaluate policy ``version`` of ``run_id`` on its held-out prompts; returns the result written."""
+def run_eval_job(
+    *, run_id: str, version: int, spec: RunSpec, terms: Sequence[RewardTerm], objects: ObjectStore, model_cache: Path
+) -> EvalResult:
+    """Evaluate policy ``version`` of ``run_id`` on its held-out prompts, scored with the reward
+    ``terms`` (the spec's, its reward server's at its address: ``RunSpec.reward_terms``); returns
+    the result written."""
     if spec.eval is None:
         raise ValueError(f"run {run_id} has no eval section")
     key = eval_result_key(run_id, version)
@@ -59,7 +64,7 @@ def run_eval_job(*, run_id: str, version: int, spec: RunSpec, objects: ObjectSto
         completions = engine.generate([ids for ids in prompt_ids for _ in range(n)], sampling, seed=start)
         assert completions is not None  # never stopped: a SIGTERM ends the pod, and the scheduler retries it
         texts = engine.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        scored = score_batch(spec.reward, [RewardInput.of(messages[k // n], texts[k], len(c.token_ids))
+        scored = score_batch(terms, [RewardInput.of(messages[k // n], texts[k], len(c.token_ids))
                                            for k, c in enumerate(completions)])  # fmt: skip
         failures += sum(scored.failures.values())
         scores += [scored.totals[i * n:(i + 1) * n] for i in range(len(messages))]

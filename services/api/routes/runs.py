@@ -20,8 +20,9 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=errors(401))
 RunId = Annotated[str, Path(max_length=64, pattern=r"^run-[0-9a-f]{1,40}$", description="A run's id, `run-` and hex digits.")]
 PodName = Annotated[
     str,
-    Path(max_length=63, pattern=r"^run-[0-9a-f]{1,40}-(train|rollout)-[0-9]{1,9}$",
-         description="A pod of the run: `<run>-rollout-<slot>` or `<run>-train-<iteration>` (GET the run's pods for them)."),
+    Path(max_length=63, pattern=r"^run-[0-9a-f]{1,40}-((train|rollout|eval|warm)-[0-9]{1,9}|reward)$",
+         description="A pod of the run: `<run>-rollout-<slot>`, `<run>-train-<iteration>`, `<run>-eval-<version>`, "
+         "`<run>-warm-<iteration>` or `<run>-reward` (GET the run's pods for them)."),
 ]  # fmt: skip
 # A kept log holds the last 2000 lines (services.scheduler.apply.LOG_LINES_KEPT): more is never there.
 MAX_TAIL = 2000

@@ -31,12 +31,12 @@ def test_a_published_version_is_scored_on_the_held_out_set_once(tmp_path: Path) 
     try:
         b.objects.put_bytes(eval_prompts_key(RUN), to_jsonl(HELD_OUT))  # as the API stores it
         publish_policy(b.objects, RUN, 1, load_policy("tiny", cache_dir=settings.resolved_model_cache()), tmp_path)
-        result = run_eval_job(run_id=RUN, version=1, spec=spec, objects=b.objects, model_cache=settings.resolved_model_cache())
+        result = run_eval_job(run_id=RUN, version=1, spec=spec, terms=spec.reward, objects=b.objects, model_cache=settings.resolved_model_cache())
         assert (result.policy_version, result.prompts, result.samples, result.reward_failures) == (1, 3, 6, 0)
         assert result.metrics == {"mean": 0.5, "pass@2": 1.0} and result.mean_score == 0.5
         assert EvalResult.from_json(b.objects.get_bytes(eval_result_key(RUN, 1))) == result
 
         b.objects.delete_prefix(eval_prompts_key(RUN))  # a retried pod reads nothing: the result is there already
-        assert run_eval_job(run_id=RUN, version=1, spec=spec, objects=b.objects, model_cache=settings.resolved_model_cache()) == result
+        assert run_eval_job(run_id=RUN, version=1, spec=spec, terms=spec.reward, objects=b.objects, model_cache=settings.resolved_model_cache()) == result
     finally:
         b.close()
