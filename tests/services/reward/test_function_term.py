@@ -14,7 +14,7 @@ from services.reward.functions import RewardInput, close_pools, prepare_terms, s
 from services.reward.service import create_reward_app
 from services.reward.user_function import resolve
 from services.runspec import RewardTerm
-from tests.services.reward.test_reward_service_function import serve
+from tests.services.reward.reward_servers import serve
 from tests.services.reward.user_rewards import DICT, GSM8K, HOSTILE, write
 
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,27 +16,15 @@ from starlette.testclient import TestClient
 from services.reward.functions import RewardInput, load_reward_model, terms_fingerprint, total_rewards
 from services.reward.service import create_reward_app, model_fingerprint
 from services.runspec import RewardTerm
-from tests.servers.process import free_port
-from trainer_core.supervised.reward_model import RewardModel, RewardModelConfig, run_train_rm
+from tests.services.reward.reward_servers import reward_server, train_reward_model
+from trainer_core.supervised.reward_model import RewardModel
 
 PROMPTS, RESPONSES = ["cat?", "cat?", "sun?"], ["dog yes", "dog no", "red yes"]
 
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A reward model on the tiny backbone that prefers replies saying "yes" to "no"."""
-    tmp = tmp_path_factory.mktemp("rm")
-    rng = random.Random(0)
-    words = ["cat", "dog", "sun", "tree", "blue", "red"]
-    lines = []
-    for _ in range(32):
-        filler = rng.choice(words)
-        lines.append({"prompt": f"{rng.choice(words)}?", "chosen": f"{filler} yes", "rejected": f"{filler} no"})
-    data = tmp / "prefs.jsonl"
-    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    cfg = RewardModelConfig(learning_rate=1e-3, epochs=2, batch_size=8, max_len=64)
-    run_train_rm("tiny", data, tmp / "rm", cfg, cache_dir=tmp_path_factory.getbasetemp() / "models")
-    return tmp / "rm"
+    return train_reward_model(tmp_path_factory.mktemp("rm"), tmp_path_factory.getbasetemp() / "models")
 
 
 def test_quantize_is_for_a_reward_model_term_with_a_path() -> None:
@@ -82,23 +68,8 @@ def test_cached_rewards_of_the_int8_model_are_kept_apart(rm_dir: Path) -> None:
 
 
 def test_spotrl_reward_server_serves_the_int8_model(rm_dir: Path) -> None:
-    port = free_port()
-    command = [sys.executable, "-m", "services.cli", "reward-server", "--model", str(rm_dir), "--quantize", "8bit", "--port", str(port)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "spotrl reward-server did not start"
-            try:
-                health = httpx.get(f"{url}/healthz").json()
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    with reward_server("--model", str(rm_dir), "--quantize", "8bit") as (_, url, health):
         scored = httpx.post(f"{url}/v1/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES)]})
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
     assert health["fingerprint"].endswith(";quantize=8bit")
     assert scored.json()["scores"] == pytest.approx(RewardModel.load(rm_dir, quantize="8bit").score(PROMPTS, RESPONSES), abs=1e-6)
 

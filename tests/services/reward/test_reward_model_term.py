@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,25 +15,14 @@ from services.reward.functions import REWARD_FUNCTIONS, RewardInput, load_reward
 from contracts.messages import PromptMessage
 from services.rollout.worker import RolloutWorker, StopSignal
 from services.runspec import RewardTerm, RunSpec
-from trainer_core.supervised.reward_model import RewardModel, RewardModelConfig, run_train_rm
+from tests.services.reward.reward_servers import serve, train_reward_model
+from trainer_core.supervised.reward_model import RewardModel
 
 
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A reward model on the tiny backbone that prefers replies saying "yes" to "no"."""
-    tmp = tmp_path_factory.mktemp("rm")
-    rng = random.Random(0)
-    words = ["cat", "dog", "sun", "tree", "blue", "red"]
-    lines = []
-    for _ in range(32):
-        filler = rng.choice(words)
-        lines.append({"prompt": f"{rng.choice(words)}?", "chosen": f"{filler} yes", "rejected": f"{filler} no"})
-    data = tmp / "prefs.jsonl"
-    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    cfg = RewardModelConfig(learning_rate=1e-3, epochs=2, batch_size=8, max_len=64)
-    run_train_rm("tiny", data, tmp / "rm", cfg, cache_dir=tmp_path_factory.getbasetemp() / "models")
-    return tmp / "rm"
+    return train_reward_model(tmp_path_factory.mktemp("rm"), tmp_path_factory.getbasetemp() / "models")
 
 
 def test_reward_model_term_scores_with_the_saved_model(rm_dir: Path) -> None:
@@ -139,25 +127,9 @@ def test_the_cache_fingerprint_changes_when_the_reward_model_is_retrained(tmp_pa
 @pytest.fixture(scope="module")
 def reward_service(rm_dir: Path) -> Iterator[str]:
     """`spotrl reward-server`'s app on a free loopback port, serving the reward model of `rm_dir`."""
-    import threading
-    import time
-
-    import uvicorn
-
     from services.reward.service import create_reward_app
-    from tests.servers.process import free_port
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_reward_app(rm_dir), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the reward service did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    yield from serve(create_reward_app(rm_dir))
 
 
 def test_the_reward_service_scores_as_the_model_does(rm_dir: Path, reward_service: str) -> None:

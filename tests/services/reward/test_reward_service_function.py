@@ -3,40 +3,23 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from services.reward.function_pool import FunctionPool
 from services.reward.service import MAX_ITEMS, MAX_JSON_CHARS, create_reward_app, remote_fingerprint, score_remote
 from services.reward.user_function import resolve
 from tests.servers.process import free_port
+from tests.services.reward.reward_servers import reward_server, serve
 from tests.services.reward.user_rewards import GSM8K, HOSTILE, write
 
 SPOTRL = [sys.executable, "-m", "services.cli"]
-
-
-def serve(app) -> Iterator[str]:  # noqa: ANN001
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the reward service did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -103,26 +86,11 @@ def test_the_app_serves_a_model_or_a_function(hostile_path: Path) -> None:
 
 def test_spotrl_reward_server_serves_a_verl_reward_file(tmp_path: Path) -> None:
     path = write(tmp_path, "gsm8k.py", GSM8K)
-    port = free_port()
-    command = [*SPOTRL, "reward-server", "--function", f"{path}:compute_score", "--port", str(port), "--workers", "2", "--timeout-s", "2"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "spotrl reward-server did not start"
-            try:
-                health = httpx.get(f"{url}/healthz").json()
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    with reward_server("--function", f"{path}:compute_score", "--workers", "2", "--timeout-s", "2") as (proc, url, health):
         assert health == {"status": "ok", "fingerprint": resolve(f"{path}:compute_score").fingerprint}
         scores = score_remote(url, ["q"] * 3, ["#### 42", "#### 41", "42"], ground_truths=["42"] * 3)
         assert list(scores) == [1.0, 0.0, 0.0] and scores.failures == [None] * 3
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 0
 
 
 @pytest.mark.parametrize(
