@@ -193,8 +193,10 @@ def function_scores(term: Term, inputs: Sequence[RewardInput]) -> list[Scored | 
 
 def terms_fingerprint(terms: Sequence[Term]) -> str:
     """What a cached reward depends on besides the prompt and response: the terms, and for a
-    reward model its files, or those the reward service reports (a model retrained into the same
-    directory must not be served its predecessor's cached scores)."""
+    reward model or a user's function the fingerprint of its files, or the one the reward service
+    reports, in place of where it is (a model retrained into the same directory, or an edited
+    function file, must not be served its predecessor's cached scores; the same file, run in the
+    worker or served by a reward server, is the same reward)."""
     described = []
     for t in terms:
         d = {"fn": t.fn, "weight": t.weight, "pattern": t.pattern, "target_tokens": t.target_tokens, "path": t.path, "url": t.url}
@@ -206,6 +208,8 @@ def terms_fingerprint(terms: Sequence[Term]) -> str:
                     d["files"] = model_fingerprint(Path(t.path or "")) if t.fn == "reward_model" else resolve(t.path or "").fingerprint
             except (OSError, httpx.HTTPError, ValueError):
                 d["files"] = None  # gone or not answering: its term fails on every batch, reported there
+            if d["files"] is not None:  # the content decides, not where it is served from (a restarted server moves)
+                del d["path"], d["url"]
         if t.quantize:  # a quantized model's scores differ from the full one's (absent otherwise: fingerprints kept)
             d["quantize"] = t.quantize
         described.append(d)

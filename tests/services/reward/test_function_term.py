@@ -67,7 +67,8 @@ def test_the_same_file_served_by_a_reward_service_scores_alike(rewards_dir: Path
         scores = score_batch([term], inputs(("ok", "42", "42"), ("raise", "42", "42"), ("ok", "[1, 2]", [1, 2])))
         assert scores.totals == [1.0, 0.0, 1.0]
         assert scores.failures == {"function:exception": 1}
-        assert terms_fingerprint([term]) == terms_fingerprint([RewardTerm(fn="function", url=url)])
+        # The cache keys by the file's content: served or run in the worker, the same reward.
+        assert terms_fingerprint([term]) == terms_fingerprint([RewardTerm(fn="function", path=f"{rewards_dir}/hostile.py:compute_score")])
         assert resolve(f"{rewards_dir}/hostile.py:compute_score").fingerprint in terms_fingerprint([term])
     down = score_batch([RewardTerm(fn="function", url=url)], inputs(("ok", "42", "42")))
     assert down.failures == {"function:unavailable": 1}
