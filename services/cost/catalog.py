@@ -59,6 +59,10 @@ class InstancePrice:
     quoted: Mapping[str, QuotedRange] = field(default_factory=dict)  # capacity type -> its quoted range
     # Where the figures came from now: "catalog", or a live feed's description (live_prices).
     origin: str = "catalog"
+    # The machine's size as its provider publishes it (None where the catalog does not say): what
+    # the Kubernetes launcher sizes its pods' CPU and memory requests by.
+    vcpus: int | None = None
+    memory_gib: float | None = None
 
     def price(self, capacity_type: str) -> float:
         return self.spot if capacity_type == "spot" else self.on_demand
