@@ -124,7 +124,12 @@ def plan(
 
 
 @app.command("scheduler")
-def scheduler_command(home: HomeOption = None) -> None:
+def scheduler_command(
+    home: HomeOption = None,
+    health_port: Annotated[
+        int | None, typer.Option(help="Serve /healthz (the loop goes round) and /readyz (it has reached the state store) on this port, for Kubernetes' probes.")
+    ] = None,
+) -> None:
     """Run the scheduler's reconcile loop alone: one of several leads, the others stand by.
 
     The holder of the scheduler lease in the state store reconciles; a standby takes over within
@@ -132,6 +137,7 @@ def scheduler_command(home: HomeOption = None) -> None:
     """
     import threading
 
+    from services.scheduler.health import Heartbeat, serve_health
     from services.scheduler.loop import Scheduler
     from services.wiring import open_backends
 
@@ -140,11 +146,15 @@ def scheduler_command(home: HomeOption = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    heartbeat = Heartbeat()
+    health = serve_health(heartbeat, health_port) if health_port is not None else None
     backends = open_backends(settings)
     try:
-        Scheduler(backends, settings).run_forever(stop)  # releases the lease on the way out
+        Scheduler(backends, settings).run_forever(stop, heartbeat.beat)  # releases the lease on the way out
     finally:
         backends.close()
+        if health is not None:
+            health.shutdown()
 
 
 @app.command()

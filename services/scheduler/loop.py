@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
@@ -90,15 +91,16 @@ class Scheduler:
         self._standing: dict[str, str | None] = {}  # run -> the error a clean tick leaves on show (_recovered)
 
     # --- the loop ---------------------------------------------------------------------
-    def run_forever(self, stop: threading.Event) -> None:
+    def run_forever(self, stop: threading.Event, heartbeat: Callable[[], None] = lambda: None) -> None:
         """Tick until ``stop``; then give the lease up, so that a standby takes over at once. The
         runs' figures go to their experiment trackers from a thread of their own: a slow tracker
-        never holds a tick up."""
+        never holds a tick up. ``heartbeat`` is called after each tick (services.scheduler.health)."""
         tracking = threading.Thread(target=self._track_forever, args=(stop,), name="tracking", daemon=True)
         tracking.start()
         try:
             while not stop.is_set():
                 self.tick()
+                heartbeat()
                 stop.wait(self.settings.tick_seconds)
         finally:
             tracking.join(timeout=TRACKING_SECONDS)
