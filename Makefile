@@ -8,7 +8,7 @@ CHECKOV := $(VENV)/checkov/bin/checkov
 # much of what spotrl's venv holds, and spotrl talks to it over HTTP only, so it too gets a venv of its own.
 MLFLOW := $(VENV)/mlflow/bin/mlflow
 
-.PHONY: demo demo-tiny test setup bench kube-apiserver prometheus chromium image-control image-rollout image-training
+.PHONY: demo demo-tiny test setup bench kube-apiserver prometheus chromium images image-control image-rollout image-training push
 
 setup: $(STAMP)
 
@@ -73,17 +73,54 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/trainer_vs_trl.py --model both --json .spotrl/bench-trainer-vs-trl.json
 
-# Container images (docker/*.Dockerfile), built from the repository root. Override a base with
-# e.g. PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:... or CUDA_IMAGE=nvidia/cuda:...@sha256:...
-# The reward service (`spotrl reward-server`) runs from spotrl-rollout.
+# Container images (docker/*.Dockerfile), built from the repository root with Docker, or Podman
+# (DOCKER=podman). Override a base with e.g. PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:...
+# or CUDA_IMAGE=nvidia/cuda:...@sha256:... The reward service (`spotrl reward-server`) runs from
+# spotrl-rollout. The cluster's nodes are x86-64: PLATFORM=linux/amd64, whatever the builder's own.
+# The tag is the commit (suffixed -dirty with uncommitted changes): registries with immutable tags
+# (infra/terraform's ECR repositories) refuse a second, different image under a tag already pushed.
 DOCKER ?= docker
-IMAGE_TAG ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo dev)
+PLATFORM ?= linux/amd64
+IMAGE_TAG ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo dev)$(shell git diff --quiet HEAD -- 2>/dev/null || echo -dirty)
+IMAGES := control rollout training
+# `make push` writes the chart's values for the pushed images here: `helm install -f $(IMAGES_VALUES)`.
+IMAGES_VALUES ?= .spotrl/images-values.yaml
+
+images: image-control image-rollout image-training
 
 image-control:
-	$(DOCKER) build -f docker/control.Dockerfile -t spotrl-control:$(IMAGE_TAG) $(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)) .
+	$(DOCKER) build --platform $(PLATFORM) -f docker/control.Dockerfile -t spotrl-control:$(IMAGE_TAG) $(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)) .
 
 image-rollout:
-	$(DOCKER) build -f docker/rollout.Dockerfile -t spotrl-rollout:$(IMAGE_TAG) $(if $(CUDA_IMAGE),--build-arg CUDA_IMAGE=$(CUDA_IMAGE)) .
+	$(DOCKER) build --platform $(PLATFORM) -f docker/rollout.Dockerfile -t spotrl-rollout:$(IMAGE_TAG) $(if $(CUDA_IMAGE),--build-arg CUDA_IMAGE=$(CUDA_IMAGE)) .
 
 image-training:
-	$(DOCKER) build -f docker/training.Dockerfile -t spotrl-training:$(IMAGE_TAG) $(if $(CUDA_IMAGE),--build-arg CUDA_IMAGE=$(CUDA_IMAGE)) .
+	$(DOCKER) build --platform $(PLATFORM) -f docker/training.Dockerfile -t spotrl-training:$(IMAGE_TAG) $(if $(CUDA_IMAGE),--build-arg CUDA_IMAGE=$(CUDA_IMAGE)) .
+
+# Builds the three images, pushes each as $(REGISTRY)/spotrl-<image>:$(IMAGE_TAG) (REGISTRY: host and
+# path, e.g. `terraform output -raw image_registry`; log in first), and writes $(IMAGES_VALUES):
+# image.registry, image.tag and each image's digest as the registry has it, so that every pod runs
+# exactly what was pushed. Docker records the pushed digest among the image's RepoDigests; Podman
+# may recompress layers on push, so its digest is taken from `push --digestfile`.
+push:
+	@test -n "$(REGISTRY)" || { echo 'make push needs REGISTRY=<registry host>/<path> (infra/terraform: terraform output -raw image_registry)' >&2; exit 2; }
+	@$(MAKE) --no-print-directory images IMAGE_TAG=$(IMAGE_TAG)
+	@mkdir -p $(dir $(IMAGES_VALUES))
+	@printf '# make push: the images pushed to %s\nimage:\n  registry: "%s"\n  tag: "%s"\n' '$(REGISTRY)' '$(REGISTRY)' '$(IMAGE_TAG)' > $(IMAGES_VALUES).tmp
+	@set -e; for name in $(IMAGES); do \
+		ref=$(REGISTRY)/spotrl-$$name:$(IMAGE_TAG); \
+		$(DOCKER) tag spotrl-$$name:$(IMAGE_TAG) $$ref; \
+		if $(DOCKER) --version 2>/dev/null | grep -qi podman; then \
+			$(DOCKER) push --digestfile $(IMAGES_VALUES).digest $$ref; \
+			digest=$$(cat $(IMAGES_VALUES).digest); rm -f $(IMAGES_VALUES).digest; \
+		else \
+			$(DOCKER) push $$ref; \
+			digest=$$($(DOCKER) image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' $$ref \
+				| sed -n "s|^$(REGISTRY)/spotrl-$$name@||p" | head -n 1); \
+		fi; \
+		case "$$digest" in sha256:*) ;; *) echo "no digest for $$ref after its push" >&2; rm -f $(IMAGES_VALUES).tmp; exit 1;; esac; \
+		printf '  %s:\n    digest: "%s"\n' "$$name" "$$digest" >> $(IMAGES_VALUES).tmp; \
+		echo "pushed $$ref@$$digest"; \
+	done
+	@mv $(IMAGES_VALUES).tmp $(IMAGES_VALUES)
+	@echo "wrote $(IMAGES_VALUES)"

@@ -79,3 +79,20 @@ resource "aws_eks_pod_identity_association" "spotrl" {
 
   tags = local.tags
 }
+
+# The chart's namespace, which the associations above name; the backends' Secret (backends.tf) is
+# created in it before the chart is installed. `helm install --create-namespace` leaves it as it is.
+# `wait`: on destroy, Terraform waits until the namespace and everything left in it are gone.
+resource "kubectl_manifest" "namespace" {
+  yaml_body = yamlencode({
+    apiVersion = "v1"
+    kind       = "Namespace"
+    metadata = {
+      name   = var.spotrl_namespace
+      labels = { "app.kubernetes.io/part-of" = "spotrl" }
+    }
+  })
+  wait = true
+
+  depends_on = [module.eks]
+}

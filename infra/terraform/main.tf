@@ -12,6 +12,20 @@ locals {
   tags = merge(var.tags, {
     "spotrl.dev/cluster" = var.name
   })
+
+  # Tolerations of the DaemonSets that must run on every GPU node (device plugin, dcgm-exporter):
+  # the spotrl pools' taints, whatever the pool, and the usual `nvidia.com/gpu` taint.
+  gpu_daemonset_tolerations = [
+    { key = local.pool_label_key, operator = "Exists", effect = "NoSchedule" },
+    { key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" },
+  ]
+
+  # No nodeSelector and no affinity: the chart's default affinity (nvidia.com/gpu.present and NFD's
+  # labels) is what selects the GPU nodes. Replacing `tolerations` drops the chart's deprecated
+  # CriticalAddonsOnly one.
+  nvidia_device_plugin_values = {
+    tolerations = local.gpu_daemonset_tolerations
+  }
 }
 
 ################################################################################
@@ -119,7 +133,8 @@ resource "helm_release" "karpenter" {
 }
 
 # Exposes nvidia.com/gpu on the GPU nodes (the AL2023 NVIDIA AMI has the driver and container
-# toolkit, not the device plugin). It tolerates the spotrl pools' taints, or it could not run there.
+# toolkit, not the device plugin). The chart's own node affinity is kept: it admits nodes labelled
+# `nvidia.com/gpu.present=true`, which every GPU pool's nodes are (node_pools.tf, gpu_node_labels).
 resource "helm_release" "nvidia_device_plugin" {
   namespace  = "kube-system"
   name       = "nvidia-device-plugin"
@@ -127,23 +142,7 @@ resource "helm_release" "nvidia_device_plugin" {
   chart      = "nvidia-device-plugin"
   version    = var.nvidia_device_plugin_chart_version
 
-  values = [yamlencode({
-    nodeSelector = {
-      "karpenter.k8s.aws/instance-gpu-manufacturer" = "nvidia"
-    }
-    tolerations = [
-      {
-        key      = local.pool_label_key
-        operator = "Exists"
-        effect   = "NoSchedule"
-      },
-      {
-        key      = "nvidia.com/gpu"
-        operator = "Exists"
-        effect   = "NoSchedule"
-      },
-    ]
-  })]
+  values = [yamlencode(local.nvidia_device_plugin_values)]
 
   depends_on = [helm_release.karpenter]
 }

@@ -53,6 +53,16 @@ locals {
     }
   }
 
+  # Labels of every GPU node besides its pool's. NVIDIA's device plugin chart schedules its
+  # DaemonSet only onto nodes carrying one of three labels (its values.yaml `affinity`, 0.18.0):
+  # NFD's `feature.node.kubernetes.io/pci-10de.present` or `cpu-model.vendor_id`, or
+  # `nvidia.com/gpu.present=true`, the one meant to be set by hand. Node Feature Discovery is not
+  # installed here, so the GPU pools set the last themselves; dcgm-exporter selects it too.
+  gpu_node_labels = { "nvidia.com/gpu.present" = "true" }
+
+  # What Karpenter puts on each GPU pool's nodes: the pool's label and the GPU label.
+  node_pool_labels = { for name, pool in local.gpu_pools : name => merge(pool.labels, local.gpu_node_labels) }
+
   # Where each spotrl pool's pods go, in Kubernetes shape: the `node_pools` and `helm_values` outputs.
   pool_scheduling = merge(
     {
@@ -121,7 +131,7 @@ resource "kubectl_manifest" "gpu_node_pool" {
     spec = {
       template = {
         metadata = {
-          labels = each.value.labels
+          labels = local.node_pool_labels[each.key]
         }
         spec = {
           nodeClassRef = {

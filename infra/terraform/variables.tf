@@ -230,3 +230,171 @@ variable "helm_release_name" {
     error_message = "helm_release_name is a Helm release name: lowercase letters, digits and '-', at most 53 characters."
   }
 }
+
+################################################################################
+# Container images (ECR)
+################################################################################
+
+variable "ecr_force_delete" {
+  description = "Whether `terraform destroy` deletes the image repositories with their images in them (apply it as true before destroying)"
+  type        = bool
+  default     = false
+}
+
+variable "ecr_untagged_expiration_days" {
+  description = "Days after which an untagged image (one whose tag moved on or never had one) is removed from its repository"
+  type        = number
+  default     = 14
+}
+
+################################################################################
+# Production backends (opt-in): RDS PostgreSQL, MSK, ElastiCache Redis
+################################################################################
+
+variable "create_backends" {
+  description = "Whether to create the production backends (RDS PostgreSQL state store, MSK queue with SASL/SCRAM, ElastiCache Redis reward cache) and the Kubernetes Secret of their URLs that helm_values names as backends.existingSecret; false leaves the backends to you (or to the chart's trial ones)"
+  type        = bool
+  default     = false
+}
+
+variable "backend_subnet_ids" {
+  description = "Private subnets of the backends; empty means `subnet_ids`. MSK takes the first three (one broker zone each), so list subnets of distinct availability zones"
+  type        = list(string)
+  default     = []
+}
+
+variable "backends_deletion_protection" {
+  description = "Whether the state store refuses deletion and leaves a final snapshot when destroyed; apply it as false before `terraform destroy` to remove the database for good"
+  type        = bool
+  default     = true
+}
+
+variable "backends_log_retention_days" {
+  description = "Days the MSK broker logs are kept in CloudWatch Logs"
+  type        = number
+  default     = 365
+}
+
+variable "postgres_major_version" {
+  description = "Major version of RDS PostgreSQL (the parameter group's family is `postgres<version>`)"
+  type        = string
+  default     = "17"
+}
+
+variable "postgres_instance_class" {
+  description = "RDS instance class of the state store: the scheduler's ticks and the pods' reports are small transactions"
+  type        = string
+  default     = "db.t4g.medium"
+}
+
+variable "postgres_storage_gib" {
+  description = "Allocated storage of the state store in GiB"
+  type        = number
+  default     = 20
+}
+
+variable "postgres_max_storage_gib" {
+  description = "Ceiling of the state store's storage autoscaling in GiB"
+  type        = number
+  default     = 100
+}
+
+variable "postgres_multi_az" {
+  description = "Whether the state store has a standby in a second zone (about twice the instance's price); the scheduler and the API stop while it is down"
+  type        = bool
+  default     = true
+}
+
+variable "postgres_backup_retention_days" {
+  description = "Days of the state store's automated backups"
+  type        = number
+  default     = 7
+}
+
+variable "kafka_version" {
+  description = "Apache Kafka version of the MSK cluster"
+  type        = string
+  default     = "3.8.x"
+}
+
+variable "kafka_instance_type" {
+  description = "Instance type of each MSK broker"
+  type        = string
+  default     = "kafka.m7g.large"
+}
+
+variable "kafka_brokers_per_zone" {
+  description = "MSK brokers in each of the (up to three) backend zones"
+  type        = number
+  default     = 1
+}
+
+variable "kafka_volume_size_gib" {
+  description = "EBS volume of each MSK broker in GiB; topics hold a run's samples until it ends, then are deleted after the chart's settings.queueRetentionS"
+  type        = number
+  default     = 100
+}
+
+variable "redis_engine_version" {
+  description = "Redis engine version of the ElastiCache reward cache"
+  type        = string
+  default     = "7.1"
+}
+
+variable "redis_node_type" {
+  description = "ElastiCache node type of the reward cache"
+  type        = string
+  default     = "cache.t4g.medium"
+}
+
+variable "redis_num_cache_clusters" {
+  description = "Nodes of the reward cache: 1, or more for a failover replica in another zone (a lost cache costs misses, not runs)"
+  type        = number
+  default     = 1
+}
+
+################################################################################
+# Monitoring
+################################################################################
+
+variable "enable_dcgm_exporter" {
+  description = "Whether to install NVIDIA's dcgm-exporter on the GPU nodes: per-GPU utilization labelled with the pod using it, which the chart's Utilization dashboard joins to spotrl's pods"
+  type        = bool
+  default     = true
+}
+
+variable "dcgm_exporter_chart_version" {
+  description = "Version of NVIDIA's dcgm-exporter Helm chart (https://nvidia.github.io/dcgm-exporter/helm-charts)"
+  type        = string
+  default     = "4.8.2"
+}
+
+variable "dcgm_exporter_service_monitor" {
+  description = "Whether dcgm-exporter gets a ServiceMonitor without kube-prometheus-stack, for a Prometheus Operator of your own (its CRDs must be in the cluster); with kube-prometheus-stack it always gets one"
+  type        = bool
+  default     = false
+}
+
+variable "enable_kube_prometheus_stack" {
+  description = "Whether to install kube-prometheus-stack (Prometheus Operator, Prometheus, Grafana) set up for spotrl: every ServiceMonitor scraped, the chart's dashboards loaded into their Grafana folder; helm_values then turns on the chart's ServiceMonitor"
+  type        = bool
+  default     = false
+}
+
+variable "kube_prometheus_stack_chart_version" {
+  description = "Version of the kube-prometheus-stack Helm chart (https://prometheus-community.github.io/helm-charts)"
+  type        = string
+  default     = "67.8.0"
+}
+
+variable "monitoring_namespace" {
+  description = "Namespace of dcgm-exporter and kube-prometheus-stack"
+  type        = string
+  default     = "monitoring"
+}
+
+variable "prometheus_retention" {
+  description = "How long Prometheus keeps its series (kube-prometheus-stack), on the pod's own volume"
+  type        = string
+  default     = "15d"
+}

@@ -51,13 +51,14 @@ app.kubernetes.io/part-of: spotrl
 {{- end }}
 {{- end }}
 
-{{/* An image reference. Call with (list $ .Values.image.control). */}}
+{{/* An image reference, `<registry>/<repository>:<tag>[@<digest>]`. Call with (list $ .Values.image.control). */}}
 {{- define "spotrl.image" -}}
 {{- $ := index . 0 }}
 {{- $image := index . 1 }}
 {{- $registry := default $.Values.image.registry $image.registry }}
 {{- $tag := default $.Chart.AppVersion (default $.Values.image.tag $image.tag) }}
 {{- if $registry }}{{ printf "%s/%s:%s" $registry $image.repository $tag }}{{ else }}{{ printf "%s:%s" $image.repository $tag }}{{ end }}
+{{- with $image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
 {{- define "spotrl.imagePullSecrets" -}}

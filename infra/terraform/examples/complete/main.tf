@@ -46,6 +46,14 @@ module "spotrl" {
   spotrl_namespace  = var.spotrl_namespace
   helm_release_name = var.helm_release_name
 
+  create_backends              = var.create_backends
+  enable_kube_prometheus_stack = var.enable_kube_prometheus_stack
+
+  # What `terraform destroy` may delete with data in it (README.md, "Install on Kubernetes", teardown).
+  bucket_force_destroy         = var.bucket_force_destroy
+  ecr_force_delete             = var.ecr_force_delete
+  backends_deletion_protection = var.backends_deletion_protection
+
   tags = var.tags
 }
 

@@ -52,3 +52,34 @@ output "helm_values" {
   description = "Values for the Helm chart: `terraform output -json helm_values > terraform-values.yaml`"
   value       = module.spotrl.helm_values
 }
+
+output "image_registry" {
+  description = "Registry and path of the spotrl images: `make push REGISTRY=$(terraform output -raw image_registry)`"
+  value       = module.spotrl.image_registry
+}
+
+output "image_repository_urls" {
+  description = "URL of each image's ECR repository (control, rollout, training)"
+  value       = module.spotrl.image_repository_urls
+}
+
+output "backends_secret_name" {
+  description = "Kubernetes Secret holding the backends' URLs (the chart's backends.existingSecret); null without create_backends"
+  value       = module.spotrl.backends_secret_name
+}
+
+output "metrics_token_secret_name" {
+  description = "Secret the chart's ServiceMonitor reads an admin API token from, with kube-prometheus-stack"
+  value       = module.spotrl.metrics_token_secret_name
+}
+
+output "monitoring_namespace" {
+  description = "Namespace of dcgm-exporter and kube-prometheus-stack"
+  value       = module.spotrl.monitoring_namespace
+}
+
+output "grafana_admin_password" {
+  description = "Password of Grafana's admin user (kube-prometheus-stack)"
+  value       = module.spotrl.grafana_admin_password
+  sensitive   = true
+}

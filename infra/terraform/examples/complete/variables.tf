@@ -33,6 +33,36 @@ variable "endpoint_public_access_cidrs" {
   type        = list(string)
 }
 
+variable "create_backends" {
+  description = "Whether to create the production backends (RDS PostgreSQL, MSK with SASL/SCRAM, ElastiCache Redis) and the Kubernetes Secret of their URLs for the chart"
+  type        = bool
+  default     = false
+}
+
+variable "enable_kube_prometheus_stack" {
+  description = "Whether to install kube-prometheus-stack (Prometheus, Grafana with the chart's dashboards in their folder)"
+  type        = bool
+  default     = false
+}
+
+variable "bucket_force_destroy" {
+  description = "Whether `terraform destroy` deletes the checkpoint bucket with its objects (apply it as true before destroying)"
+  type        = bool
+  default     = false
+}
+
+variable "ecr_force_delete" {
+  description = "Whether `terraform destroy` deletes the image repositories with their images (apply it as true before destroying)"
+  type        = bool
+  default     = false
+}
+
+variable "backends_deletion_protection" {
+  description = "Whether the state store refuses deletion and leaves a final snapshot (apply it as false before destroying)"
+  type        = bool
+  default     = true
+}
+
 variable "tags" {
   description = "Tags added to every resource"
   type        = map(string)
