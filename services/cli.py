@@ -158,6 +158,55 @@ def scheduler_command(
 
 
 @app.command()
+def teardown(
+    grace_s: Annotated[float, typer.Option("--grace-s", min=0, help="Seconds each pod gets between SIGTERM and SIGKILL.")] = 30.0,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout-s", min=0, help="After this long, every pod still there is deleted at once (SIGKILL, its finalizer removed).")
+    ] = 240.0,
+    namespace: Annotated[str | None, typer.Option(help="Namespace of the pods; default: SPOTRL_KUBE_NAMESPACE.")] = None,
+    home: HomeOption = None,
+) -> None:
+    """Stop and delete every pod and Job the scheduler launched, and end every run in the state store
+    (cancelled, or with the end it was ending with): what an uninstall does first (the Helm chart's
+    pre-delete hook). Exits 1 if pods are left.
+
+    Run it where the scheduler runs (its settings: SPOTRL_LAUNCHER, SPOTRL_KUBE_*, SPOTRL_STATE_URL);
+    a state store it cannot reach is left as it is, and the pods still go.
+    """
+    from dataclasses import replace
+
+    from services.scheduler.teardown import open_state
+    from services.scheduler.teardown import teardown as tear_down
+    from services.wiring import kubernetes_config, open_launcher
+
+    start_logging()
+    settings = load_settings(home)
+    if namespace is not None:
+        settings = settings.model_copy(update={"kube_namespace": namespace})
+    if settings.launcher == "kubernetes":
+        from services.backends.kubernetes_launcher import KubernetesLauncher
+
+        # The teardown's identity needs no nodes: what each pod asked for stands.
+        cfg = replace(kubernetes_config(settings), read_nodes=False)
+        launcher = KubernetesLauncher.from_environment(cfg, str(settings.kube_config) if settings.kube_config else None)
+    else:
+        launcher = open_launcher(settings, settings.home.resolve())
+    state = open_state(settings.resolved_state_url())
+    try:
+        report = tear_down(launcher, state, grace_s=grace_s, timeout_s=timeout_s)
+    finally:
+        launcher.close()
+        if state is not None:
+            state.close()
+    deleted = ", ".join(f"{name} ({outcome.value})" for name, outcome in sorted(report.pods.items())) or "none"
+    typer.echo(f"pods deleted: {deleted}")
+    typer.echo(f"runs ended: {', '.join(report.ended_runs) or 'none'}")
+    if report.left:
+        typer.echo(f"pods left: {', '.join(report.left)}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
 def demo(
     model: Annotated[str, typer.Option(help="Base model: smollm2-135m, tiny, a HF directory or a .gguf file.")] = "smollm2-135m",
     summary_json: Annotated[Path | None, typer.Option("--summary-json", help="Write the run's summary here.")] = None,

@@ -91,6 +91,14 @@ class Settings(BaseSettings):
         default="karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true",
         description="Node labels of spot capacity (label=value, comma-separated; a node matching any one is spot): what spot rollout pods ask for, and how a node's capacity type is read.",
     )
+    kube_request_fraction: float = Field(
+        default=0.5, gt=0, le=1,
+        description="Share of its instance type's vCPUs and memory (the price catalog's vcpus and memory_gib) each launched pod requests, "
+        "so that the kubelet does not evict it first; the rest of the node stays for the kubelet's reservations and the DaemonSets.",
+    )
+    kube_shm_fraction: float = Field(default=0.25, gt=0, le=1, description="Share of its instance type's memory a launched pod's memory-backed /dev/shm may fill (NCCL, vLLM).")
+    kube_run_as_user: int = Field(default=10001, ge=1, description="The uid (and gid) the launched pods run as: the spotrl images' user.")
+    kube_read_only_root: bool = Field(default=True, description="Launched containers' root filesystem read-only (/tmp, the images' home and /dev/shm are writable volumes); false for an image that writes elsewhere.")
     # Experiment trackers (services.tracking): where they are and their credentials, never in a run spec.
     mlflow_tracking_uri: str | None = Field(default=None, repr=False, description="The MLflow tracking server runs with tracking.mlflow log to (http(s)://host:port); credentials in it become basic auth.")
     mlflow_tracking_token: SecretStr | None = Field(default=None, repr=False, description="Bearer token of the MLflow server.")

@@ -124,6 +124,10 @@ def kubernetes_config(settings: Settings) -> KubernetesConfig:
         tolerations=defaults.tolerations | {role: tolerations for role, tolerations in (
             ("rollout", settings.kube_rollout_tolerations), ("training", settings.kube_training_tolerations),
             ("reward", settings.kube_reward_tolerations)) if tolerations is not None},
+        request_fraction=settings.kube_request_fraction,
+        shm_fraction=settings.kube_shm_fraction,
+        run_as_user=settings.kube_run_as_user,
+        read_only_root=settings.kube_read_only_root,
     )  # fmt: skip
 
 

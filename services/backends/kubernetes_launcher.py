@@ -20,7 +20,18 @@ Kubernetes only signals a pod by deleting it, and then forgets it once it has en
 and all. So every pod carries the finalizer ``spotrl.dev/reap``: ``stop`` deletes the pod with
 its grace period (SIGTERM, SIGKILL after it), the ended pod stays readable, and ``delete``
 removes the finalizer. A training Job is stopped by setting its parallelism to 0 (the Job
-controller starts no new pod) and deleting its running pods the same way.
+controller starts no new pod) and deleting its running pods the same way. With no spotrl process
+left to remove it, the finalizer would hold the pods (and a namespace being deleted) forever: an
+uninstall first runs ``spotrl teardown`` (services/scheduler/teardown.py; the chart's pre-delete
+hook), which stops and deletes every pod and Job of the namespace that spotrl manages.
+
+Each pod is sized by its instance type (the price catalog's vCPUs and memory, ``Machine``): it
+requests all its GPUs and a share (``request_fraction``) of its CPU and memory, so that the
+kubelet does not evict it first, and gets a memory-backed ``/dev/shm`` (``shm_fraction`` of the
+memory) for NCCL between torchrun's ranks and for vLLM's workers. It runs as the Pod Security
+Standards' "restricted" profile asks: a non-root uid, no privilege escalation, no capabilities,
+the runtime's seccomp profile, and a read-only root filesystem with emptyDirs at ``/tmp`` and the
+images' home (the model cache).
 
 Each role (rollout, training) has its own image, node selector and tolerations (eval pods take the
 rollout pool's, standby pods the training pool's)
@@ -57,8 +68,8 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from services.backends.kubernetes_objects import (
-    CONTAINER, FINALIZER, POD_LABEL, SELECTOR, KubernetesConfig, gpus_from_catalog, inherited_env, job_manifest, pod_ended,
-    pod_manifest, status_of,
+    CONTAINER, FINALIZER, POD_LABEL, SELECTOR, KubernetesConfig, Machine, inherited_env, job_manifest, machine_from_catalog,
+    pod_ended, pod_manifest, status_of,
 )  # fmt: skip
 from services.backends.launcher import PodNotFoundError, PodSpec, PodStatus, check_pod_name
 
@@ -217,12 +228,12 @@ class KubernetesLauncher:
     """The Launcher port on a Kubernetes namespace (module docstring)."""
 
     def __init__(self, api: client.ApiClient, cfg: KubernetesConfig,
-                 gpus: Callable[[str], int] = gpus_from_catalog) -> None:  # fmt: skip
+                 machines: Callable[[str], Machine] = machine_from_catalog) -> None:  # fmt: skip
         self.cfg = cfg
         self._api = api
         self._core = client.CoreV1Api(api)
         self._batch = client.BatchV1Api(api)
-        self._gpus = gpus
+        self._machines = machines
         self._nodes: dict[str, dict[str, Any]] = {}  # node name -> metadata; a node's type and birth never change
         self.pods = Watched(self._core.list_namespaced_pod, cfg.namespace)
         self.jobs = Watched(self._batch.list_namespaced_job, cfg.namespace)
@@ -244,15 +255,15 @@ class KubernetesLauncher:
     def launch(self, spec: PodSpec) -> None:
         check_pod_name(spec.name)
         env = inherited_env() | spec.env
-        gpus = self._gpus(spec.instance_type)
+        machine = self._machines(spec.instance_type)
         try:
             if spec.role == "training":
                 created = self._read(self._batch.create_namespaced_job(
-                    self.cfg.namespace, job_manifest(spec, self.cfg, gpus, env), _preload_content=False))
+                    self.cfg.namespace, job_manifest(spec, self.cfg, machine, env), _preload_content=False))
                 self.jobs.put({"kind": "Job", **created})
             else:
                 created = self._read(self._core.create_namespaced_pod(
-                    self.cfg.namespace, pod_manifest(spec, self.cfg, gpus, env), _preload_content=False))
+                    self.cfg.namespace, pod_manifest(spec, self.cfg, machine, env), _preload_content=False))
                 self.pods.put({"kind": "Pod", **created})
         except ApiException as e:
             if e.status != 409:  # AlreadyExists: the pod of that name is this one
@@ -332,6 +343,8 @@ class KubernetesLauncher:
             response.release_conn()
 
     def _node_metadata(self, node: str) -> dict[str, Any]:
+        if not self.cfg.read_nodes:
+            return {}
         if node not in self._nodes:
             try:
                 found = self._read(self._core.read_node(node, _preload_content=False))

@@ -38,6 +38,26 @@ CATALOG_VOLUME = "price-catalog"
 ROLES = ("rollout", "training", "reward")  # each role's pods run on its own pool
 # The port a run's reward server (role reward) listens on, at its pod's address.
 REWARD_PORT = 8100
+# What a pod may write under its read-only root filesystem, each an emptyDir: scratch space
+# (/tmp: torch's compile caches), the images' home (HF_HOME's model cache, compiled kernels,
+# SPOTRL_HOME; docker/*.Dockerfile), and /dev/shm, in memory: NCCL's intra-node transport between
+# torchrun's ranks, vLLM's workers and DataLoader workers pass tensors there, and a container's
+# own /dev/shm is 64 MiB.
+HOME_DIR = "/home/spotrl"
+WRITABLE = {"tmp": "/tmp", "home": HOME_DIR, "dshm": "/dev/shm"}
+# The size of an instance type the price catalog gives none for: the smallest GPU machines'
+# (g4dn/g5/g6.xlarge, g2-standard-4). Name its vcpus and memory_gib in the catalog instead.
+DEFAULT_VCPUS, DEFAULT_MEMORY_GIB = 4, 16.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a pod is sized by: its instance type's GPUs (all of them: one pod per node), vCPUs
+    and memory, as the price catalog has them (None where it does not say)."""
+
+    gpus: int
+    vcpus: int | None = None
+    memory_gib: float | None = None
 
 
 def _pool_tolerations(pool: str, *extra: dict[str, str]) -> list[dict[str, Any]]:
@@ -76,12 +96,29 @@ class KubernetesConfig:
     # a failed job as a new Job after its own backoff, so none here.
     backoff_limit: int = 0
     ttl_after_finished_s: int = 24 * 3600
+    # Each pod requests this share of its instance type's vCPUs and memory (its GPUs: all of them,
+    # requested and limited). Requests make it Burstable, not BestEffort, which the kubelet evicts
+    # first under memory pressure, and rank it by its use above them; half the machine leaves room
+    # below the node's allocatable for the kubelet's and system's reservations and the DaemonSets
+    # (GPU device plugin, exporters, CNI), so that the pod still fits its node. No CPU or memory
+    # limit: the pod is the node's only workload and may use the rest.
+    request_fraction: float = 0.5
+    shm_fraction: float = 0.25  # of the instance type's memory: the size limit of the pod's /dev/shm
+    # Pod Security Standards' "restricted" profile: a non-root user (the images' 10001, its group
+    # the same number), no privilege escalation, no capabilities, the runtime's seccomp profile; and
+    # a read-only root filesystem (WRITABLE is what the pod may write), unless an image needs one.
+    run_as_user: int = 10001
+    read_only_root: bool = True
+    # Read each pod's node's labels (its instance type and capacity type); False: what the pod asked
+    # for stands, for an identity that may not read nodes (the chart's uninstall hook).
+    read_nodes: bool = True
 
 
-def gpus_from_catalog(instance_type: str) -> int:
+def machine_from_catalog(instance_type: str) -> Machine:
     from services.cost.catalog import load_catalog
 
-    return load_catalog().get(instance_type).gpus
+    price = load_catalog().get(instance_type)
+    return Machine(gpus=price.gpus, vcpus=price.vcpus, memory_gib=price.memory_gib)
 
 
 def inherited_env() -> dict[str, str]:
@@ -94,14 +131,14 @@ def inherited_env() -> dict[str, str]:
 # --- manifests: pure functions of the spec ----------------------------------------------------
 
 
-def pod_manifest(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, str]) -> dict[str, Any]:
+def pod_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[str, str]) -> dict[str, Any]:
     """A rollout pod: a bare Pod named after the spec, on the spot (or on-demand) rollout pool."""
-    return {"apiVersion": "v1", "kind": "Pod", **_template(spec, cfg, gpus, env)}
+    return {"apiVersion": "v1", "kind": "Pod", **_template(spec, cfg, machine, env)}
 
 
-def job_manifest(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, str]) -> dict[str, Any]:
+def job_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[str, str]) -> dict[str, Any]:
     """A training pod: a Job of one pod on the on-demand training pool."""
-    template = _template(spec, cfg, gpus, env)
+    template = _template(spec, cfg, machine, env)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -120,7 +157,7 @@ def job_manifest(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str,
     }
 
 
-def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, str]) -> dict[str, Any]:
+def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[str, str]) -> dict[str, Any]:
     training = spec.role == "training"
     # A standby (the scheduler's warm training node) holds a training node: the training pool's everything;
     # an eval pod (a held-out evaluation) runs on the rollout pool, as a bare Pod like a rollout worker.
@@ -136,14 +173,20 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, st
     # rollout pool's karpenter.sh/capacity-type=spot, would leave an on-demand rollout pod no node.
     # The instance type is the spec's: the one the scheduler bills.
     pool = {k: v for k, v in cfg.node_selectors.get(pool_role, {}).items() if k not in cfg.spot_labels}
-    gpu = {"nvidia.com/gpu": str(gpus)}
+    gpu = {"nvidia.com/gpu": str(machine.gpus)}
+    memory_mib = (machine.memory_gib or DEFAULT_MEMORY_GIB) * 1024
+    requests = {"cpu": f"{int((machine.vcpus or DEFAULT_VCPUS) * cfg.request_fraction * 1000)}m",
+                "memory": f"{int(memory_mib * cfg.request_fraction)}Mi"}  # fmt: skip
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": cfg.images.get(pool_role, cfg.images.get("rollout", cfg.image) if pool_role == "reward" else cfg.image),
         "command": command,
         "env": [{"name": k, "value": v} for k, v in sorted(env.items()) if not (cfg.env_secrets and _secret(k))],
-        "resources": {"requests": gpu, "limits": gpu},
-    }
+        "resources": {"requests": {**requests, **gpu}, "limits": gpu},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": cfg.read_only_root,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": name, "mountPath": path} for name, path in WRITABLE.items()],
+    }  # fmt: skip
     if spec.role == "reward":  # it tells the state store its address; rollout workers and eval pods reach it there
         container["env"] += [{"name": "SPOTRL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                              {"name": "SPOTRL_REWARD_PORT", "value": str(REWARD_PORT)}]  # fmt: skip
@@ -161,7 +204,11 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, st
         "tolerations": cfg.tolerations.get(pool_role, []),
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": cfg.run_as_user, "runAsGroup": cfg.run_as_user,
+                            "fsGroup": cfg.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{int(memory_mib * cfg.shm_fraction)}Mi"}}],
     }  # fmt: skip
     if cfg.service_account:
         pod["serviceAccountName"] = cfg.service_account
@@ -169,9 +216,9 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, gpus: int, env: dict[str, st
         pod["imagePullSecrets"] = [{"name": name} for name in cfg.image_pull_secrets]
     # The catalog file the pod's settings name (inherited from the launcher's) is where its own pod mounts it.
     if cfg.price_catalog_configmap and (catalog := env.get("SPOTRL_PRICE_CATALOG")):
-        pod["volumes"] = [{"name": CATALOG_VOLUME, "configMap": {"name": cfg.price_catalog_configmap}}]
-        container["volumeMounts"] = [{"name": CATALOG_VOLUME, "mountPath": str(PurePosixPath(catalog).parent),
-                                      "readOnly": True}]  # fmt: skip
+        pod["volumes"].append({"name": CATALOG_VOLUME, "configMap": {"name": cfg.price_catalog_configmap}})
+        container["volumeMounts"].append({"name": CATALOG_VOLUME, "mountPath": str(PurePosixPath(catalog).parent),
+                                          "readOnly": True})  # fmt: skip
     metadata = {"name": spec.name, "labels": labels, "finalizers": [FINALIZER],
                 "annotations": {SPEC_ANNOTATION: json.dumps(described, sort_keys=True)}}  # fmt: skip
     return {"metadata": metadata, "spec": pod}

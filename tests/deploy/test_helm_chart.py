@@ -16,11 +16,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.backends.kubernetes_objects import inherited_env, job_manifest, pod_manifest
+from services.backends.kubernetes_objects import Machine, inherited_env, job_manifest, pod_manifest
 from services.backends.launcher import PodSpec
 from services.config import Settings
 from services.cost.catalog import parse_catalog
 from services.wiring import kubernetes_config
+from tests.pod_security import restricted_violations
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/helm/spotrl"
@@ -31,6 +32,7 @@ RELEASE, NAMESPACE = "spotrl", "ml"
 # The Prometheus Operator's kind is a CRD: kubernetes-validate carries the built-in kinds only, so
 # its shape is asserted in test_service_monitor instead.
 CUSTOM_KINDS = {"ServiceMonitor"}
+G5, P4D = Machine(gpus=1, vcpus=4, memory_gib=16), Machine(gpus=8, vcpus=96, memory_gib=1152)
 
 
 def scenario(name: str) -> dict[str, Any]:
@@ -78,7 +80,11 @@ def test_every_manifest_validates_strictly(rendered) -> None:
 
 def test_pods_run_non_root_with_limits(rendered) -> None:
     _, docs = rendered
-    for name, deployment in by_kind(docs, "Deployment").items():
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "Job")}
+    assert "spotrl-teardown" in workloads  # the uninstall hook's Job
+    for name, deployment in workloads.items():
+        # Pod Security Standards, "restricted", field by field: the namespace may enforce it.
+        assert restricted_violations(deployment["spec"]["template"]) == [], name
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["runAsUser"] > 0, name
@@ -94,8 +100,8 @@ def test_pods_run_non_root_with_limits(rendered) -> None:
             assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"], name
             if c["image"].split("/")[-1].startswith("spotrl-"):
                 assert sc["readOnlyRootFilesystem"] is True, name
-        # Only the two control-plane components talk to the Kubernetes API.
-        if not name.endswith(("-api", "-scheduler")):
+        # Only the two control-plane components and the uninstall hook talk to the Kubernetes API.
+        if not name.endswith(("-api", "-scheduler", "-teardown")):
             assert pod.get("automountServiceAccountToken") is False, name
 
 
@@ -143,7 +149,11 @@ def test_rbac_scope(rendered) -> None:
     assert nodes["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
     bindings = list(by_kind(docs, "RoleBinding").values()) + list(by_kind(docs, "ClusterRoleBinding").values())
     subjects = {(b["roleRef"]["kind"], b["roleRef"]["name"]): [s["name"] for s in b["subjects"]] for b in bindings}
+    # The uninstall hook reads, stops and deletes the launched pods and Jobs: it creates none.
+    teardown = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-teardown"]["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert teardown == {("", "pods"): {"get", "list", "watch", "patch", "delete"}, ("batch", "jobs"): {"get", "list", "watch", "patch", "delete"}}
     assert subjects == {("Role", "spotrl-scheduler"): ["spotrl-scheduler"], ("Role", "spotrl-api"): ["spotrl-api"],
+                        ("Role", "spotrl-teardown"): ["spotrl-teardown"],
                         ("ClusterRole", nodes["metadata"]["name"]): ["spotrl-scheduler", "spotrl-api"]}  # fmt: skip
     for rule in [r for role in [*roles.values(), nodes] for r in role["rules"]]:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"] and "secrets" not in rule["resources"]
@@ -188,7 +198,11 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     deployments = by_kind(docs, "Deployment")
     (api,), (scheduler,) = containers(deployments["spotrl-api"]), containers(deployments["spotrl-scheduler"])
     assert api["args"][:1] == ["serve"] and "--no-scheduler" in api["args"] and "--insecure-no-auth" not in api["args"]
-    assert scheduler["args"] == ["scheduler"]
+    # The scheduler serves its health for its probes (services/scheduler/health.py), on the port they ask.
+    assert scheduler["args"] == ["scheduler", "--health-port", "8001"]
+    assert scheduler["ports"] == [{"name": "health", "containerPort": 8001, "protocol": "TCP"}]
+    assert (scheduler["livenessProbe"]["httpGet"], scheduler["readinessProbe"]["httpGet"]) == (
+        {"path": "/healthz", "port": "health"}, {"path": "/readyz", "port": "health"})
     assert deployments["spotrl-scheduler"]["spec"]["replicas"] == values.get("scheduler", {}).get("replicas", 2)
     env = settings_env(docs)
     # Every name is a setting spotrl reads.
@@ -249,8 +263,8 @@ def test_the_launcher_runs_pods_as_the_chart_means(rendered, monkeypatch) -> Non
     pinned = {role: values["pools"][role]["nodeSelector"].get("node.kubernetes.io/instance-type") for role in ("rollout", "training")}
     rollout = PodSpec("run-1-rollout-0", "run-1", "rollout", ["spotrl", "worker"], {}, pinned["rollout"] or "g5.xlarge", "on-demand")
     training = PodSpec("run-1-train-0", "run-1", "training", ["spotrl", "train-job"], {}, pinned["training"] or "p4d.24xlarge", "on-demand")
-    manifests = {"rollout": pod_manifest(rollout, cfg, 1, inherited),
-                 "training": job_manifest(training, cfg, 8, inherited)["spec"]["template"]}  # fmt: skip
+    manifests = {"rollout": pod_manifest(rollout, cfg, G5, inherited),
+                 "training": job_manifest(training, cfg, P4D, inherited)["spec"]["template"]}  # fmt: skip
     for role, manifest in manifests.items():
         pod, labels = manifest["spec"], manifest["metadata"]["labels"]
         (container,) = pod["containers"]
@@ -258,6 +272,9 @@ def test_the_launcher_runs_pods_as_the_chart_means(rendered, monkeypatch) -> Non
         assert container["imagePullPolicy"] == values["image"]["pullPolicy"]
         assert [s["name"] for s in pod.get("imagePullSecrets", [])] == values["image"]["pullSecrets"]
         assert pod["serviceAccountName"] == env["SPOTRL_KUBE_SERVICE_ACCOUNT"] and pod["automountServiceAccountToken"] is False
+        # They run as the chart's own pods do, and as Pod Security's restricted profile admits.
+        assert pod["securityContext"]["runAsUser"] == values["podSecurityContext"]["runAsUser"]
+        assert restricted_violations(manifest) == [], role
         # The secrets come from the chart's Secrets, by reference.
         assert [e["secretRef"]["name"] for e in container["envFrom"]] == env["SPOTRL_KUBE_ENV_SECRETS"].split(",")
         leaked = [k for k, v in secret_values.items() if v in json.dumps(manifest)]
@@ -316,14 +333,60 @@ def test_price_catalog_ships_spotrl_catalog_with_user_prices() -> None:
     assert checksum(render(cheaper)) != checksum(docs)
 
 
+def hooks(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})}
+
+
+def test_uninstall_first_runs_the_teardown_under_its_own_identity() -> None:
+    """A pre-delete hook Job runs `spotrl teardown` (services/scheduler/teardown.py) with the
+    scheduler's settings and Secrets, under a ServiceAccount and Role of its own created just before
+    it (hooks are not release objects); teardown.enabled false renders none."""
+    from typer.main import get_command
+
+    from services.cli import app
+
+    values = scenario("minimal-trial-values.yaml")
+    docs = render(_merge(values, {"teardown": {"graceSeconds": 20, "timeoutSeconds": 100}}))
+    found = hooks(docs)
+    assert set(found) == {(kind, "spotrl-teardown") for kind in ("ServiceAccount", "Role", "RoleBinding", "Job")}
+    for (kind, _), doc in found.items():
+        annotations = doc["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-delete"
+        # A failed Job stays for its logs; the next attempt replaces it.
+        assert annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        # Helm creates a phase's hooks by weight, and waits for a Job to end: its identity first.
+        assert (int(annotations["helm.sh/hook-weight"]) < 0) is (kind != "Job"), kind
+    job = found[("Job", "spotrl-teardown")]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"] == ["teardown", "--grace-s", "20", "--timeout-s", "100"]
+    get_command(app).commands["teardown"].make_context("teardown", container["args"][1:])  # options the command has
+    assert job["spec"]["activeDeadlineSeconds"] > 100 and pod["restartPolicy"] == "Never"
+    binding = found[("RoleBinding", "spotrl-teardown")]
+    assert binding["roleRef"]["name"] == pod["serviceAccountName"] == "spotrl-teardown"
+    assert [s["name"] for s in binding["subjects"]] == ["spotrl-teardown"]
+    # The scheduler's image, settings and Secrets: the launcher in this namespace, the state store.
+    (scheduler,) = containers(by_kind(docs, "Deployment")["spotrl-scheduler"])
+    assert (container["image"], container["envFrom"], container["env"]) == (scheduler["image"], scheduler["envFrom"], scheduler["env"])
+    # The trial PostgreSQL admits it (the release's pods only).
+    (rule,) = by_kind(docs, "NetworkPolicy")["spotrl-postgresql"]["spec"]["ingress"]
+    assert rule["from"][0]["podSelector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert hooks(render(_merge(values, {"teardown": {"enabled": False}}))) == {}
+    # The chart asks for the Kubernetes whose Job controller applies the training Jobs' podFailurePolicy by default.
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"] == ">=1.26.0-0"
+    assert "podFailurePolicy" in job_manifest(PodSpec("t", "r", "training", ["spotrl"], {}, "p4d.24xlarge", "on-demand"),
+                                              kubernetes_config(Settings()), P4D, {})["spec"]  # fmt: skip
+
+
 def test_production_ingress_service_monitor_and_identity() -> None:
     values = scenario("production-values.yaml")
     docs = render(values)
     (ingress,) = by_kind(docs, "Ingress").values()
     assert ingress["spec"]["tls"] == [{"hosts": ["spotrl.acme.example"], "secretName": "spotrl-acme-tls"}]
     assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] == {"name": "spotrl-api", "port": {"name": "http"}}
-    for account in by_kind(docs, "ServiceAccount").values():
-        assert account["metadata"]["annotations"] == values["serviceAccount"]["annotations"]
+    for name, account in by_kind(docs, "ServiceAccount").items():
+        if name != "spotrl-teardown":  # the uninstall hook's reaches no S3
+            assert account["metadata"]["annotations"] == values["serviceAccount"]["annotations"]
     # The chart makes no Secret of its own: backends and tokens are the operator's.
     assert by_kind(docs, "Secret") == {}
     (reward,) = containers(by_kind(docs, "Deployment")["spotrl-reward"])

@@ -1,5 +1,6 @@
 """KubernetesLauncher beyond the launcher contract: its manifests (strictly valid for current
-Kubernetes versions, which the v1.20 test server cannot check), training Jobs run by the test's
+Kubernetes versions, which the v1.20 test server cannot check, and admitted by the Pod Security
+Standards' restricted profile), each pod's requests and /dev/shm, training Jobs run by the test's
 Job controller, spot preemptions, the watches' resumption, secret settings kept out of the pod
 specs the server stores, the price catalog's mount, a Job's pod name in the metrics, and its
 selection and configuration by settings."""
@@ -21,13 +22,16 @@ from prometheus_client import CollectorRegistry
 
 from services.api.metrics import RunCollector
 from services.backends.kubernetes_launcher import KubernetesLauncher, Watched
-from services.backends.kubernetes_objects import FINALIZER, KubernetesConfig, job_manifest, pod_manifest, status_of
+from services.backends.kubernetes_objects import (
+    FINALIZER, KubernetesConfig, Machine, job_manifest, machine_from_catalog, pod_manifest, status_of,
+)  # fmt: skip
 from services.backends.launcher import PodPhase, PodSpec, cli_command
 from services.config import Settings, get_settings
 from services.cost.catalog import load_catalog
 from services.names import rollout_pod_name
 from services.wiring import open_backends, open_launcher
 from tests.app_client import app_client
+from tests.pod_security import restricted_violations
 from tests.servers.kube import Cluster, KubeServer
 from tests.services.backends.kube_support import launcher_factory
 from tests.services.backends.test_launcher_contract import SLEEPS, wait_for_log, wait_until_ended
@@ -41,6 +45,8 @@ CHART_CFG = KubernetesConfig(namespace="spotrl", images={"rollout": "r.example/s
                              image_pull_secrets=("pull",), service_account="spotrl-workload", env_secrets=("backends",),
                              price_catalog_configmap="prices", pod_labels={"app.kubernetes.io/instance": "spotrl"})  # fmt: skip
 CHART_ENV = {"SPOTRL_STATE_URL": "postgresql+psycopg://u:p@db/spotrl", "SPOTRL_PRICE_CATALOG": "/etc/spotrl/catalog/catalog.json"}
+G5 = Machine(gpus=1, vcpus=4, memory_gib=16)  # g5.xlarge
+P4D = Machine(gpus=8, vcpus=96, memory_gib=1152)  # p4d.24xlarge
 
 
 def training_spec(name: str = "run-1-train-3", *, command: list[str] | None = None, processes: int = 8) -> PodSpec:
@@ -74,22 +80,80 @@ def open_launcher_on(kube_cluster: Cluster, request: pytest.FixtureRequest) -> C
 # --- manifests ---------------------------------------------------------------------------------
 
 
+MANIFESTS = {
+    "training-job": job_manifest(training_spec(), CFG, P4D, {}),
+    "spot-rollout-pod": pod_manifest(rollout_spec(), CFG, G5, {"SPOTRL_QUEUE_URL": "kafka://kafka:9092"}),
+    "on-demand-rollout-pod": pod_manifest(rollout_spec(spot=False), CFG, G5, {}),
+    "chart-training-job": job_manifest(training_spec(), CHART_CFG, P4D, CHART_ENV),
+    "chart-rollout-pod": pod_manifest(rollout_spec(), CHART_CFG, G5, CHART_ENV),
+    "reward-server-pod": pod_manifest(reward_spec(), CFG, G5, {}),
+}
+
+
 @pytest.mark.parametrize("version", CURRENT_VERSIONS)
-@pytest.mark.parametrize("manifest", [
-    job_manifest(training_spec(), CFG, 8, {}),
-    pod_manifest(rollout_spec(), CFG, 1, {"SPOTRL_QUEUE_URL": "kafka://kafka:9092"}),
-    pod_manifest(rollout_spec(spot=False), CFG, 1, {}),
-    job_manifest(training_spec(), CHART_CFG, 8, CHART_ENV),
-    pod_manifest(rollout_spec(), CHART_CFG, 1, CHART_ENV),
-    pod_manifest(reward_spec(), CFG, 1, {}),
-], ids=["training-job", "spot-rollout-pod", "on-demand-rollout-pod", "chart-training-job", "chart-rollout-pod",
-        "reward-server-pod"])  # fmt: skip
+@pytest.mark.parametrize("manifest", MANIFESTS.values(), ids=MANIFESTS.keys())
 def test_every_manifest_is_strictly_valid_for_current_kubernetes(manifest: dict[str, Any], version: str) -> None:
     kubernetes_validate.validate(manifest, version, strict=True)  # raises ValidationError
 
 
+@pytest.mark.parametrize("manifest", MANIFESTS.values(), ids=MANIFESTS.keys())
+def test_every_pod_is_admitted_by_the_restricted_pod_security_standard(manifest: dict[str, Any]) -> None:
+    pod = manifest["spec"]["template"] if manifest["kind"] == "Job" else manifest
+    assert restricted_violations(pod) == []
+    (container,) = pod["spec"]["containers"]
+    assert pod["spec"]["securityContext"]["runAsUser"] == 10001  # the images' user: runAsNonRoot needs a uid to check
+    # A read-only root; what the pod writes goes to emptyDirs: scratch, the images' home (model cache), /dev/shm.
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+    assert all("emptyDir" in mounts[path] for path in ("/tmp", "/home/spotrl", "/dev/shm"))
+
+
+def test_the_restricted_check_finds_what_the_standard_forbids() -> None:
+    """The check above, on a pod that breaks each control of the profile once."""
+    pod = {"metadata": {"annotations": {"container.apparmor.security.beta.kubernetes.io/main": "unconfined"}},
+           "spec": {"hostNetwork": True, "hostPID": False,
+                    "securityContext": {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"},
+                                        "sysctls": [{"name": "kernel.msgmax", "value": "1"}, {"name": "net.ipv4.tcp_syncookies", "value": "1"}]},
+                    "volumes": [{"name": "host", "hostPath": {"path": "/"}}, {"name": "scratch", "emptyDir": {}}],
+                    "containers": [{"name": "main", "ports": [{"containerPort": 80, "hostPort": 80}],
+                                    "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN", "NET_BIND_SERVICE"]},
+                                                        "seLinuxOptions": {"type": "spc_t"}, "procMount": "Unmasked"}}],
+                    "initContainers": [{"name": "init", "securityContext": {
+                        "allowPrivilegeEscalation": False, "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
+                        "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}}]}}  # fmt: skip
+    # The init container sets each of its own right: none of its fields is named.
+    assert set(restricted_violations(pod)) == {
+        "metadata.annotations[container.apparmor.security.beta.kubernetes.io/main]", "spec.hostNetwork",
+        "spec.securityContext.runAsUser", "spec.securityContext.seccompProfile.type", "spec.securityContext.sysctls[kernel.msgmax]",
+        "spec.volumes[host].hostPath", "spec.containers[main].ports[0].hostPort", "spec.containers[main].securityContext.privileged",
+        "spec.containers[main].securityContext.capabilities.add", "spec.containers[main].securityContext.capabilities.drop",
+        "spec.containers[main].securityContext.seLinuxOptions.type", "spec.containers[main].securityContext.procMount",
+        "spec.containers[main].securityContext.allowPrivilegeEscalation", "spec.containers[main].securityContext.runAsNonRoot",
+        "spec.containers[main].securityContext.seccompProfile.type",
+    }  # fmt: skip
+
+
+def test_each_pod_requests_a_share_of_its_machine_and_gets_a_memory_backed_shm() -> None:
+    job = job_manifest(training_spec(), CFG, P4D, {})["spec"]["template"]["spec"]
+    (container,) = job["containers"]
+    # Half its 96 vCPUs and 1152 GiB: Burstable, not BestEffort; all 8 GPUs, requested and limited.
+    assert container["resources"] == {"requests": {"cpu": "48000m", "memory": "589824Mi", "nvidia.com/gpu": "8"},
+                                      "limits": {"nvidia.com/gpu": "8"}}  # fmt: skip
+    # torchrun's 8 ranks talk over NCCL's shared memory: /dev/shm in memory, up to a quarter of the machine's.
+    (shm,) = [v for v in job["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "294912Mi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # Where the catalog gives no size: the smallest GPU machine's, 4 vCPUs and 16 GiB; the fractions are settings.
+    pod = pod_manifest(rollout_spec(), KubernetesConfig(request_fraction=0.25, shm_fraction=0.5), Machine(gpus=1), {})["spec"]
+    assert pod["containers"][0]["resources"]["requests"] == {"cpu": "1000m", "memory": "4096Mi", "nvidia.com/gpu": "1"}
+    assert [v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if v["name"] == "dshm"] == ["8192Mi"]
+    # The launcher sizes a pod by the price catalog's entry of its instance type.
+    assert (machine_from_catalog("p4d.24xlarge"), machine_from_catalog("g5.xlarge")) == (P4D, G5)
+
+
 def test_a_training_job_manifest() -> None:
-    job = job_manifest(training_spec(), CFG, 8, {"SPOTRL_STATE_URL": "postgresql+psycopg://db/spotrl"})
+    job = job_manifest(training_spec(), CFG, P4D, {"SPOTRL_STATE_URL": "postgresql+psycopg://db/spotrl"})
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
 
     assert job["metadata"]["name"] == "run-1-train-3"  # deterministic: a retried launch finds it
@@ -111,7 +175,7 @@ def test_a_training_job_manifest() -> None:
 
 def test_a_spot_rollout_pod_manifest() -> None:
     cfg = KubernetesConfig(spot_labels={"karpenter.sh/capacity-type": "spot", "example.com/pool": "cheap"})
-    pod = pod_manifest(rollout_spec(), cfg, 1, {})
+    pod = pod_manifest(rollout_spec(), cfg, G5, {})
 
     assert pod["metadata"]["name"] == "run-1-rollout-0" and pod["metadata"]["finalizers"] == [FINALIZER]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 120  # the spot notice
@@ -120,7 +184,7 @@ def test_a_spot_rollout_pod_manifest() -> None:
         {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]},
         {"matchExpressions": [{"key": "example.com/pool", "operator": "In", "values": ["cheap"]}]},
     ]
-    assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "1"}
+    assert pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "1"
 
 
 def test_each_role_has_its_image_and_pool_and_the_pod_its_own_capacity_type() -> None:
@@ -128,16 +192,16 @@ def test_each_role_has_its_image_and_pool_and_the_pod_its_own_capacity_type() ->
                            node_selectors={"rollout": {"spotrl.dev/pool": "rollout", "karpenter.sh/capacity-type": "spot"}},
                            tolerations={"rollout": [{"key": "spot", "operator": "Exists"}]},
                            pod_labels={"app.kubernetes.io/instance": "spotrl", "spotrl.dev/run": "not-this"})  # fmt: skip
-    pod = pod_manifest(rollout_spec(spot=False), cfg, 1, {})
+    pod = pod_manifest(rollout_spec(spot=False), cfg, G5, {})
     # The pool's spot label would leave an on-demand pod no node: its capacity is its affinity's.
     assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "rollout", "node.kubernetes.io/instance-type": "g5.xlarge"}
     assert pod["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists"}]
     assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-rollout:2"
     assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "spotrl"
     assert pod["metadata"]["labels"]["spotrl.dev/run"] == "run-1"  # the launcher's own labels win
-    assert job_manifest(training_spec(), cfg, 8, {})["spec"]["template"]["spec"]["containers"][0]["image"] == cfg.image
+    assert job_manifest(training_spec(), cfg, P4D, {})["spec"]["template"]["spec"]["containers"][0]["image"] == cfg.image
     # No Secrets named: the values are the pod's (a development cluster).
-    (container,) = pod_manifest(rollout_spec(), cfg, 1, {"SPOTRL_QUEUE_URL": "kafka://k:9092"})["spec"]["containers"]
+    (container,) = pod_manifest(rollout_spec(), cfg, G5, {"SPOTRL_QUEUE_URL": "kafka://k:9092"})["spec"]["containers"]
     assert container["env"] == [{"name": "SPOTRL_QUEUE_URL", "value": "kafka://k:9092"}] and "envFrom" not in container
 
 
@@ -146,14 +210,14 @@ def test_a_standby_holds_a_node_of_the_training_pool() -> None:
                            node_selectors={"training": {"spotrl.dev/pool": "training"}})  # fmt: skip
     standby = PodSpec(name="run-1-warm-2", run_id="run-1", role="standby", command=["python", "-m", "services.scheduler.standby"],
                       env={}, instance_type="p4d.24xlarge", capacity_type="on-demand", labels={"after_iteration": "2"})
-    pod = pod_manifest(standby, cfg, 8, {})
+    pod = pod_manifest(standby, cfg, P4D, {})
     assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "training", "node.kubernetes.io/instance-type": "p4d.24xlarge"}
     assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-training:2"
-    assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8"}  # the node's GPUs, held
+    assert pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "8"  # the node's GPUs, held
 
 
 def test_a_runs_reward_server_runs_on_the_reward_pool_and_says_its_address() -> None:
-    pod = pod_manifest(reward_spec(), KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2"}), 1, {})
+    pod = pod_manifest(reward_spec(), KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2"}), G5, {})
     assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "reward", "node.kubernetes.io/instance-type": "g4dn.xlarge"}
     assert {"key": "spotrl.dev/pool", "operator": "Equal", "value": "reward", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
     [container] = pod["spec"]["containers"]
@@ -162,7 +226,7 @@ def test_a_runs_reward_server_runs_on_the_reward_pool_and_says_its_address() -> 
     assert {"name": "SPOTRL_REWARD_PORT", "value": "8100"} in container["env"]
     assert container["ports"] == [{"name": "http", "containerPort": 8100, "protocol": "TCP"}]
     users = KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2", "reward": "users.example/rewards:7"})
-    assert pod_manifest(reward_spec(), users, 1, {})["spec"]["containers"][0]["image"] == "users.example/rewards:7"
+    assert pod_manifest(reward_spec(), users, G5, {})["spec"]["containers"][0]["image"] == "users.example/rewards:7"
 
 
 def test_an_eval_pod_runs_on_the_rollout_pool() -> None:
@@ -171,7 +235,7 @@ def test_an_eval_pod_runs_on_the_rollout_pool() -> None:
                            tolerations={"rollout": [{"key": "spot", "operator": "Exists"}]})  # fmt: skip
     evaluation = PodSpec(name="run-1-eval-2", run_id="run-1", role="eval", command=["python", "-m", "services.cli", "eval-job"],
                          env={}, instance_type="g5.xlarge", capacity_type="spot", labels={"version": "2"})
-    pod = pod_manifest(evaluation, cfg, 1, {})
+    pod = pod_manifest(evaluation, cfg, G5, {})
     assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "rollout", "node.kubernetes.io/instance-type": "g5.xlarge"}
     assert pod["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists"}]
     assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-rollout:2"
@@ -179,7 +243,7 @@ def test_an_eval_pod_runs_on_the_rollout_pool() -> None:
 
 
 def node_status(node_labels: dict[str, str], pod_status: dict[str, Any], cfg: KubernetesConfig = CFG) -> Any:
-    pod = pod_manifest(rollout_spec(), cfg, 1, {})
+    pod = pod_manifest(rollout_spec(), cfg, G5, {})
     pod["metadata"] |= {"creationTimestamp": "2026-12-01T10:00:00Z", "uid": "u"}
     pod["spec"]["nodeName"] = "node-a"
     pod["status"] = pod_status
@@ -391,8 +455,8 @@ def test_secret_settings_reach_pods_only_from_secrets_and_the_price_catalog_is_m
         pod = stored["spec"]["template"]["spec"] if kind == "Job" else stored["spec"]
         (container,) = pod["containers"]
         assert container["envFrom"] == [{"secretRef": {"name": "backends"}}]
-        assert pod["volumes"] == [{"name": "price-catalog", "configMap": {"name": "prices", "defaultMode": 420}}]
-        assert container["volumeMounts"] == [{"name": "price-catalog", "mountPath": str(catalog.parent), "readOnly": True}]
+        assert {"name": "price-catalog", "configMap": {"name": "prices", "defaultMode": 420}} in pod["volumes"]
+        assert {"name": "price-catalog", "mountPath": str(catalog.parent), "readOnly": True} in container["volumeMounts"]
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["SPOTRL_PRICE_CATALOG"] == str(catalog)  # the same path as the scheduler's
 
@@ -434,6 +498,8 @@ def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespac
                        "KUBE_POD_LABELS": '{"app.kubernetes.io/instance": "spotrl"}',
                        "KUBE_ROLLOUT_NODE_SELECTOR": '{"example.com/pool": "gpu-spot"}',
                        "KUBE_TRAINING_TOLERATIONS": '[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]',
+                       "KUBE_REQUEST_FRACTION": "0.6", "KUBE_SHM_FRACTION": "0.1", "KUBE_RUN_AS_USER": "2000",
+                       "KUBE_READ_ONLY_ROOT": "false",
                        }.items():  # fmt: skip
         monkeypatch.setenv(f"SPOTRL_{key}", value)
     settings = Settings(home=tmp_path)
@@ -446,6 +512,7 @@ def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespac
         assert (cfg.image_pull_policy, cfg.image_pull_secrets, cfg.service_account) == ("Always", ("pull-a", "pull-b"), "spotrl-workload")
         assert (cfg.env_secrets, cfg.price_catalog_configmap) == (("backends", "s3-keys"), "spotrl-price-catalog")
         assert cfg.pod_labels == {"app.kubernetes.io/instance": "spotrl"}
+        assert (cfg.request_fraction, cfg.shm_fraction, cfg.run_as_user, cfg.read_only_root) == (0.6, 0.1, 2000, False)
         defaults = KubernetesConfig()
         assert cfg.node_selectors == {**defaults.node_selectors, "rollout": {"example.com/pool": "gpu-spot"}}
         assert cfg.tolerations == {**defaults.tolerations, "training": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]}
