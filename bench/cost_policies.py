@@ -9,7 +9,7 @@ of 5000 samples, 4 spot rollout workers at 3,000 samples/h each, 18 minutes of t
 batch, 90 s of node start plus model load per launch, staleness bound 1; 12 iterations.
 
 Prints one row per (trace, policy), money in the run's currency (the price catalog's for the
-rollout and training instance types: USD on AWS and GCP, CNY on Alibaba Cloud), then checks issue 13's targets for cost-aware on every
+rollout and training instance types: USD on AWS and GCP, CNY on Alibaba Cloud), then checks the targets set for cost-aware on every
 trace where the threshold run ends (<= 1.15x the lower bound; never dearer than threshold or
 always-on; wall time within 5% of threshold's or better) and on the mean (closes at least half
 of the gap threshold leaves to the bound), the saving against always-on, and a sweep over the

@@ -1,4 +1,4 @@
-"""spotrl's vLLM engine on a real GPU: the prepared check of issue 15 (NOT YET RUN: no GPU so far).
+"""spotrl's vLLM engine on a real GPU: a prepared check (NOT YET RUN: no GPU so far).
 
     python bench/vllm_gpu.py --json OUT [--models tiny,smollm2-135m]
                              [--sections push,lora,colocated,throughput] [--budget-s 540]

@@ -13,7 +13,7 @@ between scrapes, the counters of a worker that restarts under its name keep grow
 Helm chart needs one ServiceMonitor. The price is one small write per batch per worker.
 
 Every family is level-triggered: each scrape reads the current state, so an API restart loses
-nothing. Names and labels follow DESIGN.md ("Metrics"): ``spotrl_*`` with ``run``, and
+nothing. Names and labels follow docs/architecture.md ("Metrics and trackers"): ``spotrl_*`` with ``run``, and
 ``role``, ``capacity_type``, ``instance_type`` where they apply. GPU utilization is not here:
 DCGM exporter's ``DCGM_FI_DEV_GPU_UTIL{pod}`` joins to ``spotrl_pod_info{pod}`` in the dashboards.
 """

@@ -1,6 +1,6 @@
 """The rollout worker: prompts in, scored samples out.
 
-Delivery (DESIGN.md): the worker commits a batch's prompt offsets only after that batch's
+Delivery (docs/architecture.md): the worker commits a batch's prompt offsets only after that batch's
 samples are durably queued, so a worker killed at any point loses no prompt; another member
 of the "rollout" group receives the uncommitted prompts once this one's session lapses.
 

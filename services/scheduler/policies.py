@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from services.runspec import CostPolicy, RunSpec
 
-# Node start plus model load of a pod, when the run has no better figure (the issue's 60-90 s).
+# Node start plus model load of a pod, when the run has no better figure (60-90 s, the seed design's figure).
 DEFAULT_STARTUP_SECONDS = 90.0
 # The least a provider bills a launch (AWS's, GCP's and Alibaba's 60 s: services.cost.billing).
 MIN_BILLED_SECONDS = 60.0
@@ -67,7 +67,7 @@ Policy = Callable[[PolicyInput], Decision]
 
 
 def _demand_pool(x: PolicyInput, backlog: int, floor: int = 0) -> int:
-    """The design card's pool: the prompt backlog in worker batches, within the spec's bounds; none
+    """The threshold pool: the prompt backlog in worker batches, within the spec's bounds; none
     once nothing more is needed; never down while prompts are in workers' hands (a batch in
     progress would be thrown away)."""
     pool = x.spec.rollout

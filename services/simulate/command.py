@@ -15,7 +15,7 @@ from services.runspec import CostPolicy
 
 BatchSamples = Annotated[int, typer.Option(help="Samples per training batch.")]
 Iterations = Annotated[int, typer.Option(help="Training iterations of the run.")]
-Workers = Annotated[int, typer.Option(help="Spot rollout workers the design card's rule holds for one batch.")]
+Workers = Annotated[int, typer.Option(help="Spot rollout workers the threshold rule holds for one batch.")]
 MaxWorkers = Annotated[int, typer.Option(help="Most rollout workers a policy may hold.")]
 WorkerRate = Annotated[float, typer.Option(help="Samples per hour of one rollout worker.")]
 TrainingMinutes = Annotated[float, typer.Option(help="Minutes of training per batch on the training instance.")]

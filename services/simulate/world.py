@@ -47,12 +47,12 @@ HANDOVER_SECONDS = 30.0
 
 @dataclass(frozen=True)
 class Workload:
-    """The seed's workload by default (issue 13's benchmark)."""
+    """The seed's workload by default (the one bench/cost_policies.py measures)."""
 
     batch_samples: int = 5000
     samples_per_prompt: int = 4
     iterations: int = 12
-    workers: int = 4  # the pool the design card's rule holds for one batch of prompts
+    workers: int = 4  # the pool the threshold rule holds for one batch of prompts
     max_workers: int = 16  # the most a policy may hold
     worker_samples_per_hour: float = 3000.0
     training_minutes: float = 18.0

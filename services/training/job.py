@@ -3,7 +3,7 @@
 Iteration N takes the oldest ``batch_samples`` queued samples, in whole groups (the scheduler
 starts the job once that many are waiting), drops duplicates and samples beyond the staleness bound, runs one
 GRPO/PPO update of policy v(N-1) with ``trainer_core``, publishes v(N), and only then commits
-its sample offsets (DESIGN.md delivery rules). ``result.json`` is written last; a retried job
+its sample offsets (docs/architecture.md, delivery rules). ``result.json`` is written last; a retried job
 that finds it commits the offsets recorded there and exits, so a crash between publishing and
 committing trains nothing twice.
 

@@ -74,7 +74,7 @@ def job(backends: Backends, iteration: int):
 def test_cancel_while_the_last_job_finishes_records_its_iteration(
     scripted_backends: Backends, settings: Settings, submit, committed: bool
 ) -> None:
-    """The defect of issue 10: the last job had published v3 (and committed its samples, or not
+    """A defect once: the last job had published v3 (and committed its samples, or not
     yet) when the cancel's SIGTERM ended it. Its pod read Failed and was reaped unrecorded: the
     run reported v2, and 8 samples were neither trained nor dropped (produced 32, trained 16,
     dropped 8); or, not yet committed, counted dropped though v3 had trained them."""

@@ -143,7 +143,7 @@ CASES = [
      [RecordIteration("r", 1), ReapPod(T1_OK)]),
     ("cancelling: a stopped job is reaped, not counted as a failure", dataclasses.replace(CANCELLING, train_failures=1),
      seen([W0, T1_FAIL]), [ReapPod(T1_FAIL)]),
-    # The defect of issue 10: the last job had published v3 (and maybe committed) when the cancel's
+    # A defect once: the last job had published v3 (and maybe committed) when the cancel's
     # SIGTERM ended it; it was reaped unrecorded, so the run reported v2 and its samples vanished.
     ("cancelling: a job stopped after publishing its result is still an iteration",
      dataclasses.replace(CANCELLING, iterations_done=2), seen([T3_STOPPED], published=[3]),

@@ -169,7 +169,7 @@ def test_estimates_come_from_what_the_workers_and_jobs_measured() -> None:
 @pytest.mark.parametrize(("policy", "iterations_done", "kept"), [
     ("cost-aware", 1, True),  # the next batch's prompts come next tick: a tick idle, not a restart each
     ("cost-aware", 4, False),  # the last batch: nothing more to make
-    ("threshold", 1, False),  # the design card's pool follows the backlog, empty for that tick
+    ("threshold", 1, False),  # the threshold pool follows the backlog, empty for that tick
 ])
 def test_cost_aware_keeps_the_pool_up_as_the_batch_goes_to_its_job(policy: str, iterations_done: int, kept: bool) -> None:
     run = replace(state(policy), iterations_done=iterations_done)
@@ -182,7 +182,7 @@ def test_cost_aware_keeps_the_pool_up_as_the_batch_goes_to_its_job(policy: str, 
     ("cost-aware", 50.0, 1, True),  # the job ends in 40 s, under a worker's 90 s start-up: idle until then
     ("cost-aware", 500.0, 1, False),  # in 490 s: stopping and coming back costs less
     ("cost-aware", 50.0, 3, False),  # the complete batch is the run's last
-    ("threshold", 50.0, 1, False),  # the design card's pool follows the backlog, empty now
+    ("threshold", 50.0, 1, False),  # the threshold pool follows the backlog, empty now
 ])
 def test_cost_aware_keeps_a_pool_a_batch_ahead_while_the_job_ends_within_a_start_up(
     policy: str, training_seconds: float, iterations_done: int, kept: bool

@@ -208,7 +208,7 @@ def test_the_earlier_full_weight_push_did_not_cross_into_vllms_engine_process(
 
 def test_the_earlier_engine_slept_without_sleep_mode_unless_built_colocated(vllm: types.ModuleType, model: str) -> None:
     # Its sleep() called LLM.sleep whatever the engine was built with. No caller did so then:
-    # colocated runs did not use vLLM before issue 15.
+    # colocated runs once did not use vLLM.
     with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
         _earlier_engine_llm(vllm, model).sleep(level=2)
     _earlier_engine_llm(vllm, model, colocated=True).sleep(level=2)
