@@ -6,15 +6,17 @@ secret), hashed, never in clear:
     {"tokens": [{"sha256": "<hex>", "tenant": "acme", "admin": false, "label": "ci"}]}
 
 ``spotrl token add --tenant acme`` makes a token, prints it once and appends its hash. The file
-is read again when it changes, so a token is added or revoked without a restart. Without a
-file there is no auth: every caller is the admin of the one default tenant, and ``spotrl serve``
-listens on loopback only.
+is read again when it changes, so a token is added or revoked without a restart. While the file
+is missing or invalid no token is valid (a deleted file revokes every token) and ``/readyz``
+fails, until a valid file is back. Without a file configured there is no auth: every caller is
+the admin of the one default tenant, and ``spotrl serve`` listens on loopback only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -23,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.backends.state_schema import DEFAULT_TENANT
+
+log = logging.getLogger(__name__)
+_UNREAD = object()  # the stamp of a file not read yet
 
 TOKEN_PREFIX = "srl_"
 TENANT_PATTERN = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62})$")
@@ -79,32 +84,49 @@ def _read(path: Path) -> dict[str, Principal]:
 
 
 class TokenBook:
-    """The tokens file, read again whenever its modification time or size changes."""
+    """The tokens file, read again whenever its modification time or size changes. It fails
+    closed: while the file cannot be read or is not valid, no token is valid."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int] | None | object = _UNREAD  # None: the file is missing
         self._book: dict[str, Principal] = {}
+        self._problem: str | None = None
         self._refresh()
+        if self._problem is not None:  # at start, a bad file stops the server with what to fix
+            raise TokensFileError(self._problem)
 
     def _refresh(self) -> None:
         try:
             st = os.stat(self.path)
-        except OSError as e:
-            raise TokensFileError(f"cannot read the tokens file {self.path}: {e.strerror}") from None
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp != self._stamp:
-            with self._lock:
-                self._book = _read(self.path)
-                self._stamp = stamp
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp == self._stamp:
+            return
+        with self._lock:
+            if stamp == self._stamp:
+                return
+            try:
+                book, problem = _read(self.path), None
+            except TokensFileError as e:
+                book, problem = {}, str(e)
+            if problem is not None and self._stamp is not _UNREAD:  # once per change: the next requests find the same stamp
+                log.error("%s; every token is refused until it is fixed", problem)
+            elif self._problem is not None:
+                log.warning("the tokens file %s is valid again; its tokens are accepted", self.path)
+            self._book, self._stamp, self._problem = book, stamp, problem
+
+    def problem(self) -> str | None:
+        """What is wrong with the tokens file now (its name, never its content); None when valid."""
+        self._refresh()
+        return self._problem
 
     def principal(self, token: str) -> Principal | None:
-        """Whose token this is; None for a token the file does not hold."""
-        try:
-            self._refresh()
-        except TokensFileError:
-            pass  # a file being rewritten, or removed: keep the tokens last read
+        """Whose token this is; None for a token the file does not hold, and for every token
+        while the file is missing or invalid."""
+        self._refresh()
         return self._book.get(hash_token(token))
 
 

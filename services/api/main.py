@@ -14,7 +14,7 @@ from services.api.auth import TokenBook
 from services.api.body_limit import BodyLimit
 from services.api.error_handlers import add_error_handlers
 from services.api.metrics import RunCollector
-from services.api.routes import datasets, health, plan, runs
+from services.api.routes import datasets, docs, health, plan, runs
 from services.config import Settings, get_settings
 from services.cost.catalog import load_prices
 from services.scheduler.loop import Scheduler
@@ -58,6 +58,12 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
         version="0.1.0",
         summary="RL post-training on spot rollout GPUs and just-in-time training GPUs, with per-run cost.",
         lifespan=lifespan,
+        # No redirect to the path with or without a trailing slash: Starlette builds its URL from the
+        # client's Host header. `/v1/runs/` is a 404.
+        redirect_slashes=False,
+        # /docs is routes/docs.py's, its assets served from here; ReDoc's page would load a CDN's script.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.tokens = tokens
     app.state.settings = settings
@@ -65,6 +71,7 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
     app.include_router(runs.router)
     app.include_router(datasets.router)
     app.include_router(plan.router)
+    app.include_router(docs.router)
     app.add_middleware(
         BodyLimit,
         limit_for=lambda path: settings.max_dataset_bytes if path == "/v1/datasets" else settings.max_body_bytes,

@@ -33,6 +33,9 @@ async def readyz(backends: BackendsDep, request: Request) -> PlainTextResponse:
             backends.state.list_runs(active_only=True, limit=1)
         except Exception as e:  # readiness reports any backend failure instead of raising it
             problems.append(f"state store: {type(e).__name__}")  # not the message: it may hold a URL with a password
+        tokens = request.app.state.tokens
+        if tokens is not None and tokens.problem() is not None:
+            problems.append("tokens file is missing or invalid (the server's log says why)")  # not its path: /readyz is open
         scheduler = request.app.state.scheduler_thread
         if scheduler is not None and not scheduler.is_alive():
             problems.append("scheduler loop is not running")

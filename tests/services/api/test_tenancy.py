@@ -163,3 +163,57 @@ def test_token_add_prints_the_token_once(tmp_path: Path) -> None:
     token = result.output.strip()
     assert TokenBook(path).principal(token).tenant == "acme"
     assert token not in path.read_text()
+
+
+async def _refused_everywhere(client: httpx.AsyncClient, tokens) -> None:
+    for who in ("acme", "admin"):
+        for method, path in (("GET", "/v1/runs"), ("GET", "/metrics"), ("POST", "/v1/plan")):
+            r = await client.request(method, path, headers=auth(tokens[who]), json={})
+            assert r.status_code == 401, (who, method, path, r.text)
+            assert r.headers["www-authenticate"] == 'Bearer realm="spotrl"'
+    r = await client.get("/readyz")
+    assert r.status_code == 503 and "tokens file" in r.text
+    assert tokens["file"] not in r.text  # /readyz is open: it does not name the file
+
+
+@pytest.mark.parametrize("damage", ["delete", "not json", "plaintext token"])
+async def test_a_missing_or_invalid_tokens_file_refuses_every_token_until_it_is_back(
+    client: httpx.AsyncClient, tokens, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    path = Path(tokens["file"])
+    good = path.read_bytes()
+    assert (await client.get("/v1/runs", headers=auth(tokens["acme"]))).status_code == 200
+    assert (await client.get("/readyz")).status_code == 200
+    caplog.set_level(logging.INFO, logger="services.api.auth")
+
+    secret = "srl_plaintext_token_by_mistake"
+    if damage == "delete":
+        path.unlink()
+    elif damage == "not json":
+        path.write_text('{"tokens": [' + secret)
+    else:
+        path.write_text(json.dumps({"tokens": [{"sha256": secret, "tenant": "acme"}]}))
+    await _refused_everywhere(client, tokens)
+    await _refused_everywhere(client, tokens)  # still refused, and logged once, not per request
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert tokens["file"] in errors[0].getMessage()
+    assert secret not in caplog.text and hash_token(tokens["acme"]) not in caplog.text
+
+    path.write_bytes(good)  # a valid file again: no restart needed
+    r = await client.get("/v1/runs", headers=auth(tokens["acme"]))
+    assert r.status_code == 200, r.text
+    assert (await client.get("/metrics", headers=auth(tokens["admin"]))).status_code == 200
+    assert (await client.get("/readyz")).status_code == 200
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+
+
+async def test_each_change_to_a_still_invalid_file_is_logged_once(client: httpx.AsyncClient, tokens, caplog: pytest.LogCaptureFixture) -> None:
+    path = Path(tokens["file"])
+    caplog.set_level(logging.ERROR, logger="services.api.auth")
+    path.unlink()
+    await _refused_everywhere(client, tokens)
+    path.write_text("not json")
+    await _refused_everywhere(client, tokens)
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(messages) == 2 and "cannot read" in messages[0] and "not JSON" in messages[1], messages
