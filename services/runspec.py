@@ -12,7 +12,10 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, ValidatorFunctionWrapHandler, WrapValidator, field_validator,
+    model_validator,
+)
 
 from contracts.messages import PromptMessage
 from contracts.model_sources import BUILTIN_MODELS
@@ -539,3 +542,17 @@ class RunSpec(BaseModel):
                 f"({self.samples_per_prompt}) so that a batch holds whole groups"
             )
         return self
+
+
+def _strictly_as_json(value: Any, handler: ValidatorFunctionWrapHandler) -> RunSpec:
+    """Validate a spec parsed from a client's JSON body as that JSON, in pydantic's strict mode:
+    a boolean or a string is no number, a number no string, an enum is its JSON string, and an
+    integer stands for a float. (Python-mode strictness would refuse an enum's string.)"""
+    if not isinstance(value, dict):
+        return handler(value)  # not an object: the model's own error
+    return RunSpec.model_validate_json(json.dumps(value), strict=True)
+
+
+# The run spec as a client sends it (``POST /v1/runs``), validated strictly. Specs read back from
+# the state store and the YAML of ``spotrl train --colocated`` are validated as ``RunSpec``.
+SubmittedRunSpec = Annotated[RunSpec, WrapValidator(_strictly_as_json)]

@@ -8,6 +8,7 @@ Server and token are taken from flags, then the environment (``SPOTRL_SERVER``,
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,6 +211,18 @@ class ApiClient:
 # --- run specs ----------------------------------------------------------------------------------
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """YAML with YAML 1.2's floats: PyYAML (YAML 1.1) reads ``1e-5`` and ``3E2`` as strings, which
+    the API, reading a spec strictly, would refuse where a number belongs."""
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 def read_spec_file(path: Path) -> dict[str, Any]:
     """A run spec file (YAML, or JSON, which YAML reads too) as a mapping. Not validated here:
     the API does that, and its 422 names each field."""
@@ -218,7 +231,7 @@ def read_spec_file(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise ClientError(f"cannot read the run spec {path}: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_SpecLoader)  # a SafeLoader: no Python objects
     except yaml.YAMLError as e:
         raise ClientError(f"{path} is neither YAML nor JSON: {e}") from None
     if not isinstance(data, dict):

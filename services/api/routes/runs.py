@@ -13,7 +13,7 @@ from services.api.responses import errors, json_errors
 from services.api.deps import BackendsDep, CatalogDep, PrincipalDep, SettingsDep
 from services.api.schemas import CostPublic, PodLogPublic, PodsPublic, RunPublic, RunsPublic
 from services.cost.report_page import CSP
-from services.runspec import RunSpec
+from services.runspec import SubmittedRunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=errors(401))
 
@@ -29,7 +29,7 @@ MAX_TAIL = 2000
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic, responses=errors(400, 413))
-async def create_run(spec: RunSpec, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep) -> RunPublic:
+async def create_run(spec: SubmittedRunSpec, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep) -> RunPublic:
     return await run_in_threadpool(service.create_run, backends=backends, settings=settings, principal=principal, spec=spec)
 
 

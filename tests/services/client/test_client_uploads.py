@@ -76,3 +76,16 @@ def test_the_specs_field_mapping_goes_with_each_upload(client_and_app, tmp_path:
     held_out = parse_jsonl(objects.get_bytes(eval_prompts_key(run["id"])), "the held-out set")
     assert [(p.prompt, p.answer) for p in prompts] == [(f"{i} + 1?", str(i + 1)) for i in range(4)]
     assert [(h.prompt, h.answer) for h in held_out] == [("0 + 1?", "1"), ("1 + 1?", "2")]
+
+
+def test_a_yaml_spec_reads_exponent_numbers_as_numbers_and_is_accepted(client_and_app, tmp_path: Path) -> None:
+    client, _ = client_and_app
+    (tmp_path / "run.yaml").write_text(
+        "model: tiny\nbatch_samples: 8\niterations: 2\nprompts: [{prompt: a, answer: '1'}]\n"
+        "training: {learning_rate: 1e-5, max_grad_norm: 1E3, clip_ratio: 2.5e-1}\nname: 1e-5x\n"
+    )
+    spec = read_spec_file(tmp_path / "run.yaml")
+    assert spec["training"] == {"learning_rate": 1e-5, "max_grad_norm": 1000.0, "clip_ratio": 0.25}
+    assert (spec["iterations"], spec["name"]) == (2, "1e-5x")  # integers stay integers, text text
+    run = client.submit(spec)  # the API reads it strictly: a string would be refused where a number belongs
+    assert run["spec"]["training"]["learning_rate"] == 1e-5
