@@ -47,6 +47,7 @@ def serve(
     import uvicorn
 
     from services.api.auth import TokensFileError
+    from services.api.http_server import uvicorn_options
     from services.api.main import create_app
 
     settings = load_settings(home)
@@ -63,7 +64,7 @@ def serve(
         app = create_app(settings, with_scheduler=scheduler)
     except TokensFileError as e:
         raise typer.BadParameter(str(e), param_hint="SPOTRL_TOKENS_FILE") from None
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", **uvicorn_options(settings))  # type: ignore[arg-type]
 
 
 def _is_loopback(host: str) -> bool:

@@ -61,6 +61,19 @@ class Settings(BaseSettings):
     api_threads: int = Field(default=4, ge=1, le=256, description="Threads of the API's blocking work (state store reads and writes); raise it for a state store far away on the network.")
     max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body the API reads (a run spec); larger ones get 413 unread.")
     max_dataset_bytes: int = Field(default=64 << 20, ge=1024, description="Largest prompt set a client may upload (POST /v1/datasets) or a spec may name.")
+    max_concurrent_uploads: int = Field(default=4, ge=1, description="Most dataset uploads (POST /v1/datasets) one API process reads at once; one more is answered 429 with Retry-After, unread.")
+    max_concurrent_uploads_per_tenant: int = Field(default=2, ge=1, description="Most dataset uploads of one tenant an API process reads at once (429 beyond), so one tenant cannot take every upload slot.")
+    api_request_head_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="A connection to `spotrl serve` that has not sent a whole request head (request line and headers) this long after it opened, "
+        "or after its last response, is closed: a silent or trickling client holds no connection longer.",
+    )
+    api_keep_alive_s: int = Field(default=5, ge=1, description="How long `spotrl serve` keeps an idle connection open between requests (uvicorn's timeout_keep_alive).")
+    api_max_connections: int = Field(
+        default=1000, ge=1,
+        description="Most connections and requests `spotrl serve` serves at once (uvicorn's limit_concurrency); a request beyond gets 503 until some end.",
+    )
+    api_shutdown_grace_s: float = Field(default=30.0, gt=0, description="How long `spotrl serve` waits, when told to stop, for the requests in flight (an upload) before it closes their connections.")
     max_rollout_workers: int = Field(default=64, ge=1, description="Most rollout workers one run may ask for (rollout.max_workers).")
     max_training_processes: int = Field(default=8, ge=1, description="Most processes one training job may ask for (training.processes).")
     pod_threads: int = Field(default=1, ge=1, description="torch threads per local pod: local pods share this machine's cores, and oversubscribed threads slow every pod down.")

@@ -17,7 +17,7 @@ import codecs
 import itertools
 import json
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -125,7 +125,8 @@ def _default_answer_path(row: dict[str, Any]) -> list[str] | None:
 class JsonlParser:
     r"""The prompt items of JSONL fed in pieces as it arrives (an upload): each line is parsed as
     soon as it is whole, and only the partial last line is held, so the raw set is never held.
-    Errors name the line and the field, not the content.
+    Errors name the line and the field, not the content. Given ``on_item``, each item is handed to
+    it as it is read and not kept (an upload written out as it arrives): ``count`` counts them.
 
     Each line is a row mapped by ``fields`` (``to_item``). Lines end at "\n" only, as JSONL says:
     a prompt may hold U+2028 or a form feed, which ``str.splitlines`` would cut it at. A piece's
@@ -139,10 +140,14 @@ class JsonlParser:
     ['a', 'b']
     """
 
-    def __init__(self, origin: str, fields: DatasetFields = DEFAULT_FIELDS) -> None:
+    def __init__(
+        self, origin: str, fields: DatasetFields = DEFAULT_FIELDS, on_item: Callable[[PromptItem], object] | None = None
+    ) -> None:
         self.origin = origin
         self.fields = fields
         self.items: list[PromptItem] = []
+        self.count = 0  # items read
+        self._take: Callable[[PromptItem], object] = on_item or self.items.append
         self.bytes_read = 0
         self._lines = 0  # lines read, blank ones included
         # Decoded piece by piece: a character's bytes may be cut between two pieces.
@@ -165,14 +170,15 @@ class JsonlParser:
             raise self._too_long(self._lines + 1)
 
     def finish(self) -> list[PromptItem]:
-        """Every prompt item, once the last piece is fed; InvalidPromptsError if there is none."""
+        """Every prompt item (none kept when ``on_item`` took them), once the last piece is fed;
+        InvalidPromptsError if there is none."""
         self._decode(b"", final=True)  # a character cut short at the end
         if self._partial_chars:
             if self._lines + 1 > MAX_PROMPTS:
                 raise self._too_many_lines()
             self._line("".join(self._partial))
             self._partial, self._partial_chars = [], 0
-        if not self.items:
+        if not self.count:
             raise InvalidPromptsError(f"{self.origin} holds no prompts")
         return self.items
 
@@ -192,16 +198,22 @@ class JsonlParser:
             return
         if self.fields == DEFAULT_FIELDS:
             try:  # a line of a prompt item's own fields (a stored set, {"prompt", "answer"}): read as it is, fast
-                self.items.append(PromptItem.model_validate_json(line))
-                return
+                item = PromptItem.model_validate_json(line)
             except ValidationError:
                 pass  # verl's layout, or a bad line: mapped, and the mapping names what is wrong
+            else:
+                self._add(item)
+                return
         where = f"{self.origin} line {self._lines}"
         try:
             row = pydantic_core.from_json(line, allow_inf_nan=False)
         except ValueError:
             raise InvalidPromptsError(f"{where} is not a JSON object (one prompt row a line)") from None
-        self.items.append(to_item(row, self.fields, where))
+        self._add(to_item(row, self.fields, where))
+
+    def _add(self, item: PromptItem) -> None:
+        self.count += 1
+        self._take(item)
 
     def _too_many_lines(self) -> InvalidPromptsError:
         return InvalidPromptsError(f"{self.origin} holds more than {MAX_PROMPTS} lines (at most one prompt a line)")
@@ -281,12 +293,14 @@ def _read_bounded(path: Path, max_bytes: int) -> bytes:
 
 
 def read_parquet(
-    source: bytes | IO[bytes], origin: str, *, fields: DatasetFields = DEFAULT_FIELDS, max_bytes: int = DEFAULT_MAX_BYTES
+    source: bytes | IO[bytes], origin: str, *, fields: DatasetFields = DEFAULT_FIELDS, max_bytes: int = DEFAULT_MAX_BYTES,
+    on_item: Callable[[PromptItem], object] | None = None,
 ) -> list[PromptItem]:
     """The prompt items of a Parquet file (its bytes, or a file object such as a spooled upload),
     decoded PARQUET_BATCH_ROWS rows at a time, row group by row group. Its metadata is checked
     first (rows, declared sizes); then the rows decoded so far are counted against MAX_PROMPTS
-    and their bytes against ``max_bytes``, so a small file that inflates is refused as it does."""
+    and their bytes against ``max_bytes``, so a small file that inflates is refused as it does.
+    Given ``on_item``, each item goes to it as it is read and none is kept (the list is empty)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -300,7 +314,7 @@ def read_parquet(
         raise InvalidPromptsError(f"{origin} holds more than {MAX_PROMPTS} rows (one prompt a row)")
     if declared > max_bytes:
         raise InvalidPromptsError(f"{origin} is larger than the {max_bytes}-byte limit once decoded")
-    rows = _Rows(origin, fields, max_bytes)
+    rows = _Rows(origin, fields, max_bytes, on_item)
     rows.read(file.iter_batches(batch_size=PARQUET_BATCH_ROWS))
     return rows.finish()
 
@@ -364,9 +378,13 @@ class _Rows:
     """The prompt items of Arrow record batches, read one batch at a time, each row mapped by
     ``fields``; the rows and the bytes decoded are counted as they come, over every batch read."""
 
-    def __init__(self, origin: str, fields: DatasetFields, max_bytes: int) -> None:
+    def __init__(
+        self, origin: str, fields: DatasetFields, max_bytes: int, on_item: Callable[[PromptItem], object] | None = None
+    ) -> None:
         self.origin, self.fields, self.max_bytes = origin, fields, max_bytes
         self.items: list[PromptItem] = []
+        self.count = 0  # items read, kept or handed to on_item
+        self._take: Callable[[PromptItem], object] = on_item or self.items.append
         self.decoded = 0
 
     def read(self, batches: Iterable[Any]) -> None:
@@ -381,15 +399,16 @@ class _Rows:
                 if isinstance(e, InvalidPromptsError):
                     raise
                 raise InvalidPromptsError(
-                    f"{self.origin} cannot be read after row {len(self.items)}: its data is damaged or of a type not supported"
+                    f"{self.origin} cannot be read after row {self.count}: its data is damaged or of a type not supported"
                 ) from None
             if batch is None:
                 return
             for row in rows:
-                self.items.append(to_item(row, self.fields, f"{self.origin} row {len(self.items) + 1}"))
+                self.count += 1
+                self._take(to_item(row, self.fields, f"{self.origin} row {self.count}"))
 
     def finish(self) -> list[PromptItem]:
-        if not self.items:
+        if not self.count:
             raise InvalidPromptsError(f"{self.origin} holds no prompts")
         return self.items
 
@@ -397,7 +416,7 @@ class _Rows:
         self.decoded += batch.nbytes
         if self.decoded > self.max_bytes:
             raise InvalidPromptsError(f"{self.origin} is larger than the {self.max_bytes}-byte limit once decoded")
-        if len(self.items) + batch.num_rows > MAX_PROMPTS:
+        if self.count + batch.num_rows > MAX_PROMPTS:
             raise InvalidPromptsError(f"{self.origin} holds more than {MAX_PROMPTS} rows (one prompt a row)")
         return batch
 

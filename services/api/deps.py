@@ -8,6 +8,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.api.auth import NO_AUTH, Principal, TokenBook
+from services.api.upload_slots import UploadSlots
 from services.config import Settings
 from services.cost.catalog import PriceCatalog
 from services.wiring import Backends
@@ -31,6 +32,16 @@ async def get_catalog(request: Request) -> PriceCatalog:
 
 async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
+
+
+async def get_upload_slots(request: Request) -> UploadSlots:
+    """The app's upload slots, made from its settings at the first upload (on the event loop: no race)."""
+    slots: UploadSlots | None = getattr(request.app.state, "upload_slots", None)
+    if slots is None:
+        settings: Settings = request.app.state.settings
+        slots = UploadSlots(per_server=settings.max_concurrent_uploads, per_tenant=settings.max_concurrent_uploads_per_tenant)
+        request.app.state.upload_slots = slots
+    return slots
 
 
 async def get_principal(
@@ -60,3 +71,4 @@ BackendsDep = Annotated[Backends, Depends(get_backends)]
 CatalogDep = Annotated[PriceCatalog, Depends(get_catalog)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+UploadSlotsDep = Annotated[UploadSlots, Depends(get_upload_slots)]

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from services.api.service import BodyTooLargeError, InvalidCursorError, PodNotOfRunError, SpecFieldError
+from services.api.upload_slots import TooManyUploadsError
 from services.backends.state_store import IllegalTransitionError, RunNotFoundError
 from services.cost.planner import PlanError
 from services.prompts import InvalidPromptsError
@@ -75,6 +76,11 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BodyTooLargeError)
     async def _too_large(_: Request, exc: BodyTooLargeError) -> JSONResponse:
         return JSONResponse(status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, content={"detail": str(exc)})
+
+    @app.exception_handler(TooManyUploadsError)
+    async def _too_many_uploads(_: Request, exc: TooManyUploadsError) -> JSONResponse:
+        return JSONResponse(status_code=status.HTTP_429_TOO_MANY_REQUESTS, content={"detail": str(exc)},
+                            headers={"Retry-After": str(exc.retry_after_s)})  # fmt: skip
 
     @app.exception_handler(SpecFieldError)
     async def _bad_field(_: Request, exc: SpecFieldError) -> JSONResponse:

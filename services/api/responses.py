@@ -15,6 +15,7 @@ _MEANINGS = {
     409: "The run's status does not allow it (e.g. cancelling an ended run).",
     413: "The request body is larger than this server accepts; nothing of it was read.",
     422: "The request breaks a rule: each field and the rule it breaks.",
+    429: "The server is reading as many uploads as it allows (of this tenant, or in all); try again after `Retry-After` seconds.",
 }
 
 

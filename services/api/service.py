@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import math
 import tempfile
@@ -16,6 +17,8 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import asdict
 from itertools import islice
+from pathlib import Path
+from typing import BinaryIO
 
 import anyio.to_thread
 
@@ -35,6 +38,7 @@ from services.api.schemas import (
     RunSummaryPublic,
     SampleCounts,
 )
+from services.api.upload_slots import UploadSlots
 from services.backends.launcher import PodNotFoundError
 from services.backends.object_store import ObjectNotFoundError
 from services.backends.state_schema import RunRow
@@ -65,7 +69,7 @@ from services.prompts import (
     read_parquet,
     to_jsonl,
 )
-from services.runspec import DatasetFields, RewardFn, RunSpec
+from services.runspec import DatasetFields, PromptItem, RewardFn, RunSpec
 from services.server_paths import ServerPathError, check_server_path, url_is_allowed
 from services.tracking.sinks import missing_settings
 from services.wiring import Backends
@@ -181,16 +185,28 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
 
 async def create_dataset(
     *, backends: Backends, principal: Principal, body: AsyncIterable[bytes], max_bytes: int,
-    media_type: str | None = None, fields: DatasetFields = DEFAULT_FIELDS,
+    media_type: str | None = None, fields: DatasetFields = DEFAULT_FIELDS, slots: UploadSlots | None = None,
 ) -> DatasetPublic:
     """Store an uploaded prompt set among the caller's objects as normalised JSONL, its rows
-    mapped by ``fields``. JSONL is parsed line by line as ``body`` arrives: what is held is the
-    prompts parsed so far, one partial line and one piece, and the upload is refused at its first
-    bad or overlong line, past MAX_PROMPTS lines, or past ``max_bytes``, without reading the rest.
-    Parquet (``media_type`` PARQUET_MEDIA_TYPE, or a body that starts with its magic) cannot be
-    read before its footer, at the end: it is spooled to a temporary file, refused as soon as it
-    passes ``max_bytes``, then read row group by row group. Parsing, spooling and storing run in
-    worker threads."""
+    mapped by ``fields``. JSONL is parsed line by line as ``body`` arrives, and each prompt is
+    written to a temporary file as it is parsed: what is held is one partial line and one piece,
+    whatever the set's size, and the upload is refused at its first bad or overlong line, past
+    MAX_PROMPTS lines, or past ``max_bytes``, without reading the rest. Parquet (``media_type``
+    PARQUET_MEDIA_TYPE, or a body that starts with its magic) cannot be read before its footer,
+    at the end: it is spooled to a temporary file, refused as soon as it passes ``max_bytes``,
+    then read row group by row group into the JSONL file. The file is then stored from disk
+    (``ObjectStore.put_file``). Parsing, writing and storing run in worker threads. Given
+    ``slots``, the upload takes one of them before reading anything (TooManyUploadsError when
+    none is free)."""
+    with slots.hold(principal.tenant) if slots is not None else contextlib.nullcontext():
+        return await _create_dataset(backends=backends, principal=principal, body=body, max_bytes=max_bytes,
+                                     media_type=media_type, fields=fields)  # fmt: skip
+
+
+async def _create_dataset(
+    *, backends: Backends, principal: Principal, body: AsyncIterable[bytes], max_bytes: int,
+    media_type: str | None, fields: DatasetFields,
+) -> DatasetPublic:
     received = 0
 
     async def pieces() -> AsyncIterator[bytes]:  # of UPLOAD_PIECE_BYTES or more, the last one shorter
@@ -208,29 +224,51 @@ async def create_dataset(
 
     stream = pieces()
     first = await anext(stream)  # the whole body when shorter than a piece: JSONL or Parquet, by its start
+    fd, name = await anyio.to_thread.run_sync(lambda: tempfile.mkstemp(prefix="spotrl-upload-", suffix=".jsonl"))
+    path = Path(name)
     try:
-        if media_type == PARQUET_MEDIA_TYPE or first.startswith(PARQUET_MAGIC):
-            spool = await anyio.to_thread.run_sync(tempfile.TemporaryFile)
+        with open(fd, "wb") as out:
+            write = _JsonlWriter(out)
             try:
-                await anyio.to_thread.run_sync(spool.write, first)
-                async for piece in stream:
-                    await anyio.to_thread.run_sync(spool.write, piece)
-                items = await anyio.to_thread.run_sync(lambda: read_parquet(spool, "the upload", fields=fields, max_bytes=max_bytes))
-            finally:
-                await anyio.to_thread.run_sync(spool.close)
-        else:
-            parser = JsonlParser("the upload", fields)
-            await anyio.to_thread.run_sync(parser.feed, first)
-            async for piece in stream:
-                await anyio.to_thread.run_sync(parser.feed, piece)
-            items = await anyio.to_thread.run_sync(parser.finish)
-    except InvalidPromptsError as e:
-        raise SpecFieldError(("body",), str(e)) from None
-    dataset_id = uuid.uuid4().hex[:16]
-    key = f"datasets/{dataset_id}.jsonl"
-    data = await anyio.to_thread.run_sync(to_jsonl, items)
-    await anyio.to_thread.run_sync(backends.objects.put_bytes, tenant_object_key(principal.tenant, key), data)
-    return DatasetPublic(id=dataset_id, uri=STORE_SCHEME + key, prompts=len(items), bytes=received)
+                if media_type == PARQUET_MEDIA_TYPE or first.startswith(PARQUET_MAGIC):
+                    spool = await anyio.to_thread.run_sync(tempfile.TemporaryFile)
+                    try:
+                        await anyio.to_thread.run_sync(spool.write, first)
+                        async for piece in stream:
+                            await anyio.to_thread.run_sync(spool.write, piece)
+                        await anyio.to_thread.run_sync(
+                            lambda: read_parquet(spool, "the upload", fields=fields, max_bytes=max_bytes, on_item=write)
+                        )
+                    finally:
+                        await anyio.to_thread.run_sync(spool.close)
+                else:
+                    parser = JsonlParser("the upload", fields, on_item=write)
+                    await anyio.to_thread.run_sync(parser.feed, first)
+                    async for piece in stream:
+                        await anyio.to_thread.run_sync(parser.feed, piece)
+                    await anyio.to_thread.run_sync(parser.finish)
+            except InvalidPromptsError as e:
+                raise SpecFieldError(("body",), str(e)) from None
+            await anyio.to_thread.run_sync(out.flush)
+        dataset_id = uuid.uuid4().hex[:16]
+        key = f"datasets/{dataset_id}.jsonl"
+        await anyio.to_thread.run_sync(backends.objects.put_file, tenant_object_key(principal.tenant, key), path)
+    finally:
+        await anyio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
+    return DatasetPublic(id=dataset_id, uri=STORE_SCHEME + key, prompts=write.count, bytes=received)
+
+
+class _JsonlWriter:
+    """Writes each prompt item it is given to ``out`` as a line of normalised JSONL (``to_jsonl``'s), and counts them."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self.count = 0
+
+    def __call__(self, item: PromptItem) -> None:
+        self.out.write(item.model_dump_json().encode())
+        self.out.write(b"\n")
+        self.count += 1
 
 
 def _summary_fields(row: RunRow, spent: float) -> dict:

@@ -40,6 +40,11 @@ class ObjectStore(Protocol):
         """Store ``data`` at ``key``; readers see the old object or the whole new one, never a part."""
         ...
 
+    def put_file(self, key: str, path: Path) -> None:
+        """Store the file at ``path`` as ``key``, read in parts, never held whole; readers see the
+        old object or the whole new one."""
+        ...
+
     def get_bytes(self, key: str) -> bytes:
         """The object at ``key``; ObjectNotFoundError if there is none."""
         ...
@@ -103,6 +108,10 @@ class LocalObjectStore:
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._put(key, lambda out: out.write(data))
+
+    def put_file(self, key: str, path: Path) -> None:
+        with path.open("rb") as src:
+            self._put(key, lambda out: shutil.copyfileobj(src, out))
 
     def get_bytes(self, key: str) -> bytes:
         try:

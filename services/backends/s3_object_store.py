@@ -175,6 +175,10 @@ class S3ObjectStore:
         else:
             self._call("PutObject", key, lambda: self._client.put_object(Bucket=self.bucket, Key=name, Body=data))
 
+    def put_file(self, key: str, path: Path) -> None:
+        # From the file, in parts once it is MULTIPART_THRESHOLD or larger, each read when it is sent.
+        self._upload(str(path), self._name(key), key)
+
     def get_bytes(self, key: str) -> bytes:
         name = self._name(key)
 

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, status
 
 from services.api import service
-from services.api.deps import BackendsDep, PrincipalDep, SettingsDep
+from services.api.deps import BackendsDep, PrincipalDep, SettingsDep, UploadSlotsDep
 from services.api.responses import errors
 from services.api.schemas import DatasetPublic
 from services.prompts import PARQUET_MEDIA_TYPE
@@ -33,21 +33,23 @@ DATASET_BODY = {
 
 
 @router.post(
-    "", status_code=status.HTTP_201_CREATED, response_model=DatasetPublic, responses=errors(413, 422),
+    "", status_code=status.HTTP_201_CREATED, response_model=DatasetPublic, responses=errors(413, 422, 429),
     openapi_extra={"requestBody": DATASET_BODY},
 )  # fmt: skip
 async def upload_dataset(
     request: Request, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep,
-    fields: Annotated[DatasetFields, Query()],
+    fields: Annotated[DatasetFields, Query()], slots: UploadSlotsDep,
 ) -> DatasetPublic:  # fmt: skip
     """Store a prompt set (at most SPOTRL_MAX_DATASET_BYTES, refused unread when it says it is
     larger, and as soon as it grows larger) as normalised JSONL, its rows mapped by `prompt_key`
     and `answer_key` as a run spec's `dataset` maps them. JSONL is parsed line by line as it
     arrives; Parquet (Content-Type application/vnd.apache.parquet, or a body starting with its
     magic bytes) is spooled to a temporary file, then read. A run names the set with the
-    returned `uri` as its `prompts`."""
+    returned `uri` as its `prompts`. A server reads at most SPOTRL_MAX_CONCURRENT_UPLOADS uploads at
+    once, and SPOTRL_MAX_CONCURRENT_UPLOADS_PER_TENANT of one tenant: one more gets 429 with
+    Retry-After, unread."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     return await service.create_dataset(
         backends=backends, principal=principal, body=request.stream(), max_bytes=settings.max_dataset_bytes,
-        media_type=media_type, fields=fields,
+        media_type=media_type, fields=fields, slots=slots,
     )  # fmt: skip

@@ -43,6 +43,20 @@ def test_put_then_get(store: ObjectStore) -> None:
     assert store.get_bytes("runs/r1/a.bin") == b""
 
 
+def test_put_file_stores_the_file_as_it_is(store: ObjectStore, tmp_path: Path) -> None:
+    source = tmp_path / "set.jsonl"
+    data = bytes(range(256)) * 4096 + b"end"  # 1 MiB and a tail
+    source.write_bytes(data)
+    store.put_file("datasets/d.jsonl", source)
+    assert store.get_bytes("datasets/d.jsonl") == data
+    source.write_bytes(b"")
+    store.put_file("datasets/d.jsonl", source)
+    assert store.get_bytes("datasets/d.jsonl") == b""
+    assert store.list("") == ["datasets/d.jsonl"]
+    with pytest.raises(ValueError):
+        store.put_file("../escape", source)
+
+
 def test_a_missing_object_is_an_error_naming_the_key(store: ObjectStore) -> None:
     assert not store.exists("runs/none")
     with pytest.raises(ObjectNotFoundError, match="runs/none") as caught:
