@@ -6,15 +6,16 @@ password that never reaches a log line or an error."""
 from __future__ import annotations
 
 import logging
-import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
 from prometheus_client import REGISTRY, generate_latest
 
+from services.backends import redis_reward_cache
 from services.backends.redis_reward_cache import KEY_PREFIX, RedisRewardCache
 from services.backends.reward_cache import SqliteRewardCache, reward_cache_key
 from services.wiring import open_reward_cache
@@ -38,6 +39,42 @@ def _command_calls(raw: redis.Redis) -> dict[str, int]:
     stats = raw.info("commandstats")
     calls = {name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in stats.items()}
     return {name: n for name, n in calls.items() if name not in ("info", "config")}
+
+
+class Clock:
+    """The circuit breaker's clock, moved by the test: it stands still unless told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The adapter's ``time.monotonic`` (its breaker's only clock), held by the test; redis-py's own
+    timeouts run on the real clock."""
+    fake = Clock()
+    monkeypatch.setattr(redis_reward_cache, "time", SimpleNamespace(monotonic=fake.monotonic))
+    return fake
+
+
+@pytest.fixture
+def connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """One entry per socket connection redis-py attempts (refused ones too)."""
+    attempts: list[str] = []
+    original = redis.connection.Connection._connect
+
+    def counting(self: redis.connection.Connection) -> object:
+        attempts.append(f"{self.host}:{self.port}")
+        return original(self)
+
+    monkeypatch.setattr(redis.connection.Connection, "_connect", counting)
+    return attempts
 
 
 @pytest.fixture
@@ -107,32 +144,38 @@ def test_counters_count_hits_misses_and_errors(cache: RedisRewardCache) -> None:
     assert b'spotrl_reward_cache_requests_total{result="hit"}' in generate_latest(REGISTRY)
 
 
-def test_redis_unreachable_a_while_then_back(redis_url: str, redis_server, sends: list[int], caplog, wait_for) -> None:
+def test_redis_unreachable_a_while_then_back(redis_url: str, redis_server, sends: list[int], caplog, wait_for, clock) -> None:
     """A hung Redis (SIGSTOP: connections accepted, nothing answers): worker-style calls miss and
-    drop their writes, neither raising nor taking long, with one warning; Redis is left alone
-    between tries; once it answers again the cache works without anyone reopening it."""
+    drop their writes, neither raising nor trying more than once (one timeout at most), with one
+    warning; Redis is left alone until retry_after_s has passed, then tried once again; once it
+    answers again the cache works without anyone reopening it."""
     caplog.set_level(logging.INFO, logger=LOGGER)
-    cache = RedisRewardCache(redis_url, connect_timeout_s=0.5, timeout_s=0.5, retry_after_s=1.0)
+    cache = RedisRewardCache(redis_url, connect_timeout_s=0.5, timeout_s=0.5, retry_after_s=60.0)
     cache.put_many({"before": 0.25})
     errors = _count("error")
     with redis_server.paused():
         sends.clear()
-        started = time.monotonic()
+        tries = []  # the writes (round trips tried) of each call
         for i in range(20):
-            t0 = time.monotonic()
-            assert cache.get_many(["before", f"k{i}"]) == {}
-            cache.put_many({f"k{i}": 1.0})
-            # One timeout at most per call, far under a batch's generation time; generous for a busy machine.
-            assert time.monotonic() - t0 < 5.0
-            time.sleep(0.05)
-        elapsed = time.monotonic() - started
-        # The breaker: at most one try per retry_after_s, not two per batch (40 calls).
-        assert 1 <= len(sends) <= 2 + elapsed / 1.0
-    assert _count("error") - errors == 20 * 2 + 20
+            for call in (lambda: cache.get_many(["before", f"k{i}"]), lambda: cache.put_many({f"k{i}": 1.0})):
+                before = len(sends)
+                assert call() in ({}, None)
+                tries.append(len(sends) - before)
+            clock.advance(2.0)  # 40 s in all: within retry_after_s
+        # The breaker: the first call tried once (one timeout), the other 39 left Redis alone.
+        assert tries == [1] + [0] * 39
+        clock.advance(20.0)  # past retry_after_s: the next call tries again, once, and the breaker opens anew
+        assert cache.get_many(["before"]) == {} and cache.get_many(["before"]) == {}
+        assert len(sends) == 2
+    assert _count("error") - errors == 20 * 2 + 20 + 2
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "carrying on without the cache" in warnings[0].getMessage()
 
-    wait_for(lambda: cache.get_many(["before"]) == {"before": 0.25}, timeout_s=30, message="the cache answered again")
+    def answers() -> bool:
+        clock.advance(60.0)  # each poll a period later, so the breaker lets it try
+        return cache.get_many(["before"]) == {"before": 0.25}
+
+    wait_for(answers, timeout_s=30, message="the cache answered again")
     cache.put_many({"after": 0.5})
     assert cache.get_many(["after"]) == {"after": 0.5}
     assert any("answers again" in r.getMessage() for r in caplog.records)
@@ -153,13 +196,20 @@ def test_a_restarted_redis_is_used_again_without_an_error(start_redis) -> None:
     cache.close()
 
 
-def test_nothing_listening_costs_little_and_raises_nothing(caplog) -> None:
-    cache = RedisRewardCache("redis://127.0.0.1:1/0")
-    t0 = time.monotonic()
+def test_nothing_listening_costs_little_and_raises_nothing(caplog, clock, connects: list[str]) -> None:
+    cache = RedisRewardCache("redis://127.0.0.1:1/0", retry_after_s=5.0)
     for _ in range(50):
         assert cache.get_many(["a"]) == {}
         cache.put_many({"a": 1.0})
-    assert time.monotonic() - t0 < 5.0  # a refused connection fails at once, and the breaker skips the rest
+        clock.advance(0.01)
+    # One try, refused (with redis-py's one immediate retry of a refused connection); the breaker
+    # skips the other 99 calls.
+    assert 1 <= len(connects) <= 2
+    tried = len(connects)
+    clock.advance(5.0)  # a period later: one call tries again, the next is skipped
+    assert cache.get_many(["a"]) == {} and cache.get_many(["a"]) == {}
+    assert len(connects) == 2 * tried
+    assert cache.requests.take() == {"hit": 0, "miss": 0, "error": 50 * 2 + 2}
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     with pytest.raises(ValueError, match="finite"):  # a bad reward is still the caller's error
         cache.put_many({"a": float("nan")})
