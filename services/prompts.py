@@ -257,7 +257,7 @@ def load_prompts(
             try:
                 data = objects.get_bytes(tenant_object_key(tenant, key))
             except ObjectNotFoundError:
-                raise InvalidPromptsError(f"no object {key!r} among this tenant's objects (upload it with POST /v1/datasets)") from None
+                raise InvalidPromptsError("no such object among this tenant's objects (upload it with POST /v1/datasets)") from None
             return parse_jsonl(data, "the prompt set")
         path = check_server_path(source, allowed_dirs)
         if _is_dir(path):

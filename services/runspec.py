@@ -321,10 +321,10 @@ class EvalSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_metrics(self) -> EvalSpec:
-        for name in self.metrics:
+        for i, name in enumerate(self.metrics):
             m = _EVAL_METRIC.fullmatch(name)
             if m is None:
-                raise ValueError(f"eval metrics are `mean` and `pass@k` (k a positive integer), not {name[:40]!r}")
+                raise ValueError(f"eval metrics are `mean` and `pass@k` (k a positive integer): metrics[{i}] is neither")
             if m.group(1) is not None and int(m.group(1)) > self.samples_per_prompt:
                 raise ValueError(f"{name} needs k <= samples_per_prompt ({self.samples_per_prompt})")
         if len(set(self.metrics)) != len(self.metrics):

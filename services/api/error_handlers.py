@@ -20,8 +20,17 @@ from services.prompts import InvalidPromptsError
 
 
 def _short(part: object) -> object:
-    """A location part as it goes back to the client: an unknown field's name, cut short."""
+    """A location part as it goes back to the client, cut short."""
     return part[:100] if isinstance(part, str) else part
+
+
+def _rendered(error: dict) -> dict:
+    """One validation error as it goes back: the field and the rule. An unknown field's name is
+    the client's text, so its error names the model that holds it and says "unknown field"."""
+    loc = list(error["loc"])
+    if error["type"] == "extra_forbidden":
+        return {"loc": [_short(part) for part in loc[:-1]], "msg": "unknown field", "type": error["type"]}
+    return {"loc": [_short(part) for part in loc], "msg": error["msg"], "type": error["type"]}
 
 
 _METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
@@ -54,7 +63,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        detail = [{"loc": [_short(part) for part in e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        detail = [_rendered(e) for e in exc.errors()]
         return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.exception_handler(RunNotFoundError)

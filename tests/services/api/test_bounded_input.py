@@ -94,7 +94,7 @@ async def test_object_keys_that_escape_are_422(api: httpx.AsyncClient, uri: str)
 async def test_another_runs_prompts_are_not_reachable_through_store(api: httpx.AsyncClient) -> None:
     secret_prompts = [{"prompt": f"private {SECRET}", "answer": "1"}]
     other = (await api.post("/v1/runs", json=spec(prompts=secret_prompts))).json()["id"]
-    body = await refused(api, spec(prompts=f"store://runs/{other}/prompts.jsonl"), "prompts", "no object")
+    body = await refused(api, spec(prompts=f"store://runs/{other}/prompts.jsonl"), "prompts", "no such object")
     assert SECRET not in json.dumps(body)
 
 

@@ -67,8 +67,8 @@ async def test_the_plan_needs_a_token(client) -> None:
 
 
 async def test_every_input_is_bounded_finite_and_known(client) -> None:
-    await refused(client, {**SEED, "surprise": MARKER}, "surprise", "Extra inputs")
-    await refused(client, {**SEED, "rollout": [{**SEED["rollout"][0], "colour": MARKER}]}, "colour", "Extra inputs")
+    await refused(client, {**SEED, "surprise": MARKER}, "body", "unknown field")
+    await refused(client, {**SEED, "rollout": [{**SEED["rollout"][0], "colour": MARKER}]}, "rollout", "unknown field")
     await refused(client, json.dumps(SEED).replace('"samples_per_update": 12000', '"samples_per_update": 1e400'), "samples_per_update", "")
     await refused(client, json.dumps(SEED).replace('"price_per_hour": 10', '"price_per_hour": NaN'), "price_per_hour", "finite")
     await refused(client, {**SEED, "model_params": -1}, "model_params", "greater than or equal")

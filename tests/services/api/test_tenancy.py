@@ -107,7 +107,7 @@ async def test_a_tenant_reaches_its_own_datasets_only(client: httpx.AsyncClient,
     mine = await client.post("/v1/runs", json={**SPEC, "prompts": uri}, headers=auth(tokens["acme"]))
     theirs = await client.post("/v1/runs", json={**SPEC, "prompts": uri}, headers=auth(tokens["globex"]))
     assert (mine.status_code, theirs.status_code) == (201, 422)
-    assert "no object" in theirs.json()["detail"][0]["msg"]
+    assert "no such object" in theirs.json()["detail"][0]["msg"]
 
 
 async def test_metrics_are_for_admins_and_carry_no_prompts(client: httpx.AsyncClient, tokens) -> None:
