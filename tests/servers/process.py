@@ -47,6 +47,15 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in {low}-{high} after 1000 tries")
 
 
+def half_closed(port: int) -> int:
+    """Connections to 127.0.0.1:``port`` that their client has closed and the server has not yet
+    (TCP CLOSE_WAIT, from /proc/net/tcp): requests a resumed server has still to read and answer;
+    0 once it has handled every one that waited while it was paused."""
+    local = f"0100007F:{port:04X}"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1] == local and row.split()[3] == "08")  # 08: CLOSE_WAIT
+
+
 @contextlib.contextmanager
 def paused(pid: int) -> Iterator[None]:
     """The server unresponsive while the block runs: connections are accepted by the kernel but

@@ -24,6 +24,7 @@ from services.backends.s3_object_store import S3ObjectStore
 from services.errors import PermanentError, TemporaryError
 from services.names import policy_prefix, result_key
 from services.wiring import open_object_store
+from tests.servers.process import half_closed
 from tests.servers.s3 import S3Bucket
 
 MiB = 1 << 20
@@ -164,6 +165,8 @@ def test_publishing_fails_cleanly_when_s3_stays_unreachable(
 ) -> None:
     store = _small_parts(s3_bucket, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=2)
     source, files = _policy_dir(tmp_path)
+    asked: list[str] = []  # the key of every request the store sent
+    store._client.meta.events.register("before-parameter-build.s3", lambda params, **_: asked.append(params.get("Key", "")))
     resumed = unreachable_for(8.0)
     with pytest.raises(ObjectStoreUnavailableError) as caught:
         _publish(store, source)
@@ -173,12 +176,17 @@ def test_publishing_fails_cleanly_when_s3_stays_unreachable(
     assert s3_bucket.server.endpoint_url in message and "2 attempts" in message and "AWS_ENDPOINT_URL_S3" in message
     assert_no_secret(s3_bucket, caught.value)
 
+    # Not published: the marker was never even sent, so no request that waited can land it.
+    assert asked and ROOT + result_key("r", 1) not in asked
+
     resumed.wait()
     store = S3ObjectStore.from_url(s3_bucket.url)
     wait_for(lambda: store.list("") is not None, message="S3 answers again")
-    time.sleep(1.0)  # requests that waited in the stopped server's socket are answered now: let them land
-    # Not published, so no reader loads it; and whatever did land is whole (no object of a
-    # multipart upload shows before its last part).
+    # The requests that waited in the stopped server's socket (their client gave up on them) are
+    # answered now: once the server has closed each of those connections, all of them have landed.
+    wait_for(lambda: half_closed(s3_bucket.server.port) == 0, timeout_s=60, message="the waiting requests handled")
+    # So no reader loads the version; and whatever did land is whole (no object of a multipart
+    # upload shows before its last part).
     assert not store.exists(result_key("r", 1))
     for key in store.list(""):
         assert store.get_bytes(key) == files[key.removeprefix(policy_prefix("r", 1))]
