@@ -154,7 +154,7 @@ def _reward_terms(state: StateStore, run_id: str, spec: RunSpec, wait_s: float =
     if spec.reward_server is None:
         return list(spec.reward)
     deadline = time.monotonic() + wait_s
-    while (url := state.get_run(run_id).reward_url) is None:
+    while (url := state.reward_url(run_id)) is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the reward server of run {run_id} has not said where it listens in {wait_s:.0f} s")
         time.sleep(1.0)

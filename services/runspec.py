@@ -85,6 +85,15 @@ MAX_REWARD_DATA_CHARS = 200_000
 MAX_PROMPT_CHARS = 100_000
 
 
+def check_prompt_source(v: list[PromptItem] | str, what: str) -> list[PromptItem] | str:
+    """A spec's prompt set as given: a non-empty inline list, or a path or store:// URI."""
+    if isinstance(v, list) and not v:
+        raise ValueError(f"at least one {what} is needed")
+    if isinstance(v, str) and not v.strip():
+        raise ValueError("give a JSONL path, a store:// URI or an inline list")
+    return v
+
+
 class ChatMessage(BaseModel):
     """One turn of a chat prompt, as verl's datasets and OpenAI's API write it."""
 
@@ -173,6 +182,10 @@ class RewardTerm(BaseModel):
         "API, one the operator allows (SPOTRL_REWARD_SERVICE_URLS) (reward_model and function).",
     )
     quantize: Literal["4bit", "8bit"] | None = Field(default=None, description="reward_model with `path`: load its backbone's Linear layers in 8 bits to use less memory (4bit, for CUDA, is refused: rollout workers load reward models on the CPU).")
+
+    def servable(self) -> bool:
+        """Whether a run's reward server can serve this term: a function or reward model at a `path`."""
+        return self.path is not None and self.fn in (RewardFn.FUNCTION, RewardFn.REWARD_MODEL)
 
     @model_validator(mode="after")
     def _check_args(self) -> RewardTerm:
@@ -313,11 +326,7 @@ class EvalSpec(BaseModel):
     @field_validator("prompts")
     @classmethod
     def _check_prompts(cls, v: list[PromptItem] | str) -> list[PromptItem] | str:
-        if isinstance(v, list) and not v:
-            raise ValueError("at least one held-out prompt is needed")
-        if isinstance(v, str) and not v.strip():
-            raise ValueError("give a JSONL path, a store:// URI or an inline list")
-        return v
+        return check_prompt_source(v, "held-out prompt")
 
     @model_validator(mode="after")
     def _check_metrics(self) -> EvalSpec:
@@ -407,7 +416,7 @@ class RunSpec(BaseModel):
         """The index of the reward term the run's reward server serves; None without one."""
         if self.reward_server is None:
             return None
-        return next(i for i, t in enumerate(self.reward) if t.path is not None and t.fn in (RewardFn.FUNCTION, RewardFn.REWARD_MODEL))
+        return next(i for i, t in enumerate(self.reward) if t.servable())
 
     def reward_terms(self, reward_url: str | None) -> list[RewardTerm]:
         """The reward terms as the rollout workers and eval pods run them: the term the reward
@@ -439,11 +448,7 @@ class RunSpec(BaseModel):
     @field_validator("prompts")
     @classmethod
     def _check_prompts(cls, v: list[PromptItem] | str) -> list[PromptItem] | str:
-        if isinstance(v, list) and not v:
-            raise ValueError("at least one prompt is needed")
-        if isinstance(v, str) and not v.strip():
-            raise ValueError("give a JSONL path, a store:// URI or an inline list")
-        return v
+        return check_prompt_source(v, "prompt")
 
     @model_validator(mode="before")
     @classmethod
@@ -495,7 +500,7 @@ class RunSpec(BaseModel):
     @model_validator(mode="after")
     def _check_reward_server(self) -> RunSpec:
         if self.reward_server is not None:
-            served = [t for t in self.reward if t.path is not None and t.fn in (RewardFn.FUNCTION, RewardFn.REWARD_MODEL)]
+            served = [t for t in self.reward if t.servable()]
             if len(served) != 1:
                 raise ValueError(
                     f"reward_server serves one reward term with a `path` (a function or a reward model); this spec has "

@@ -189,7 +189,7 @@ class RunCollector(Collector):
 
     def _evals(self, f: _Families, r: RunRow) -> None:
         """The latest recorded held-out eval (the highest policy version evaluated)."""
-        evals = self.b.state.evals(r.id)
+        evals = self.b.state.evals(r.id, latest=1)
         if not evals:
             return
         last = evals[-1]

@@ -175,7 +175,7 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
     stored = spec.model_dump(mode="json")
     if isinstance(spec.prompts, list):
         stored["prompts"] = INLINE  # kept beside the run (prompts_key), not in every read of it
-    if spec.eval is not None and eval_prompts is not None:
+    if eval_prompts is not None:
         backends.objects.put_bytes(eval_prompts_key(run_id), to_jsonl(eval_prompts))
         if isinstance(spec.eval.prompts, list):
             stored["eval"]["prompts"] = INLINE  # kept beside the run (eval_prompts_key)

@@ -99,7 +99,7 @@ class EvalQueries:
                                  .order_by(EvalRow.policy_version.desc()).limit(1)).first()  # fmt: skip
             return EvalProgress(-1 if through is None else through, list(pending), best, given_up)
 
-    def evals(self, run_id: str) -> list[EvalRow]:
-        """The run's recorded evals by policy version."""
+    def evals(self, run_id: str, latest: int | None = None) -> list[EvalRow]:
+        """The run's recorded evals by policy version; only the last ``latest`` of them when given."""
         with self._session() as s:
-            return recorded_evals(s, run_id)
+            return recorded_evals(s, run_id, latest)

@@ -333,6 +333,12 @@ class StateStore(LedgerQueries, EvalQueries):
             query = select(IterationRow).where(IterationRow.run_id == run_id, IterationRow.iteration > after)
             return list(s.scalars(query.order_by(IterationRow.iteration).limit(limit)))
 
+    def reward_url(self, run_id: str) -> str | None:
+        """Where the run's reward server listens now, as it last said; None before it has (a
+        column alone: rollout workers ask before every batch)."""
+        with self._session() as s:
+            return s.scalar(select(RunRow.reward_url).where(RunRow.id == run_id))
+
     def policy_version(self, run_id: str) -> int:
         with self._session() as s:
             version = s.scalar(select(RunRow.policy_version).where(RunRow.id == run_id))

@@ -26,10 +26,10 @@ from services.backends.object_store import ObjectStore
 from services.names import eval_prompts_key, eval_result_key
 from services.policy_store import load_version, policy_dir
 from services.prompts import parse_jsonl
-from services.reward.functions import RewardInput, score_batch
+from services.reward.functions import RewardInput, close_pools, prepare_terms, score_batch
 from services.rollout.eval_metrics import eval_metrics
 from services.rollout.worker import rollout_engine
-from services.runspec import RewardTerm, RunSpec
+from services.runspec import PromptItem, RewardTerm, RunSpec
 from trainer_core.engines.hf import HFEngine, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine
 from trainer_core.models.lora import is_adapter_dir
@@ -55,20 +55,11 @@ def run_eval_job(
     engine = _engine_serving(spec, objects, run_id, version, model_cache)
     sampling = SamplingParams(temperature=spec.eval.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.eval.max_new_tokens)
     n = spec.eval.samples_per_prompt
-    scores: list[list[float]] = []
-    failures = 0
-    step = spec.rollout.prompts_per_batch
-    for start in range(0, len(items), step):
-        messages = [item.message(str(start + i)) for i, item in enumerate(items[start:start + step])]
-        prompt_ids = [encode_prompt(engine.tokenizer, m.prompt) for m in messages]
-        completions = engine.generate([ids for ids in prompt_ids for _ in range(n)], sampling, seed=start)
-        assert completions is not None  # never stopped: a SIGTERM ends the pod, and the scheduler retries it
-        texts = engine.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        scored = score_batch(terms, [RewardInput.of(messages[k // n], texts[k], len(c.token_ids))
-                                           for k, c in enumerate(completions)])  # fmt: skip
-        failures += sum(scored.failures.values())
-        scores += [scored.totals[i * n:(i + 1) * n] for i in range(len(messages))]
-        log.info("eval of policy v%d: %d of %d prompts scored", version, len(scores), len(items))
+    prepare_terms(terms)  # a reward that cannot load fails the pod with the reason, not every score
+    try:
+        scores, failures = _scored(engine, items, terms, sampling, n, spec.rollout.prompts_per_batch, version)
+    finally:
+        close_pools()
     metrics = eval_metrics(scores, spec.eval.metrics)
     result = EvalResult(
         policy_version=version, mean_score=metrics["mean"], metrics=metrics, prompts=len(items), samples=len(items) * n,
@@ -97,3 +88,23 @@ def _engine_serving(spec: RunSpec, objects: ObjectStore, run_id: str, version: i
         policy.model = load_version(policy.model, local).eval()
         engine.set_model(policy.model)
     return engine
+
+
+def _scored(engine: HFEngine | VLLMEngine, items: Sequence[PromptItem], terms: Sequence[RewardTerm], sampling: SamplingParams,
+            n: int, step: int, version: int) -> tuple[list[list[float]], int]:  # fmt: skip
+    """Each held-out prompt's ``n`` scores, generated and scored ``step`` prompts at a time, and
+    the reward computations that failed."""
+    scores: list[list[float]] = []
+    failures = 0
+    for start in range(0, len(items), step):
+        messages = [item.message(str(start + i)) for i, item in enumerate(items[start:start + step])]
+        prompt_ids = [encode_prompt(engine.tokenizer, m.prompt) for m in messages]
+        completions = engine.generate([ids for ids in prompt_ids for _ in range(n)], sampling, seed=start)
+        assert completions is not None  # never stopped: a SIGTERM ends the pod, and the scheduler retries it
+        texts = engine.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        scored = score_batch(terms, [RewardInput.of(messages[k // n], texts[k], len(c.token_ids))
+                                     for k, c in enumerate(completions)])  # fmt: skip
+        failures += sum(scored.failures.values())
+        scores += [scored.totals[i * n:(i + 1) * n] for i in range(len(messages))]
+        log.info("eval of policy v%d: %d of %d prompts scored", version, len(scores), len(items))
+    return scores, failures

@@ -219,7 +219,7 @@ class RolloutWorker:
         (its spot node taken back) listens elsewhere, and the worker follows it."""
         if self.spec.reward_server is None:
             return True
-        url = self.state.get_run(self.run_id).reward_url
+        url = self.state.reward_url(self.run_id)
         if url is None:
             return False
         if url != self._reward_url:

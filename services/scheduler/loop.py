@@ -213,6 +213,8 @@ class Scheduler:
         self._log_decisions(row.id, actions, observed)
         for action in actions:
             self.applier.apply(action, spec)
+            if isinstance(action, p.RecordEvalFailure) and action.gave_up is not None:
+                self._standing[row.id] = action.gave_up  # what this tick's clean end leaves on show
         return actions
 
     def _eval_state(self, row: RunRow, spec: RunSpec) -> dict:

@@ -279,7 +279,8 @@ def _next_step(run: RunState, observed: Observed) -> list[Action]:
             actions.append(BeginEnding(run.run_id, status, reason))
         # A run that succeeded lets its evals on a node finish, and evaluates its last version; any other end stops them.
         kept, evals = evals_at_end(run, observed, alive, succeeded=status == RunStatus.SUCCEEDED)
-        stopped = [p for p in alive if p not in kept and p not in serving_evals(alive, kept)]
+        keep = [*kept, *serving_evals(alive, kept)]
+        stopped = [p for p in alive if p not in keep]
         if stopped:
             return actions + [StopPod(p.name) for p in stopped] + evals
         if observed.sample_backlog > 0:
