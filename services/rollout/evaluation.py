@@ -24,15 +24,14 @@ from pathlib import Path
 from contracts.evaluation import EvalResult
 from services.backends.object_store import ObjectStore
 from services.names import eval_prompts_key, eval_result_key
-from services.policy_store import load_version, policy_dir
+from services.policy_store import policy_dir
 from services.prompts import parse_jsonl
 from services.reward.functions import RewardInput, close_pools, prepare_terms, score_batch
 from services.rollout.eval_metrics import eval_metrics
-from services.rollout.worker import rollout_engine
+from services.rollout.worker import rollout_engine, serve_version
 from services.runspec import PromptItem, RewardTerm, RunSpec
 from trainer_core.engines.hf import HFEngine, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine
-from trainer_core.models.lora import is_adapter_dir
 from trainer_core.models.loading import encode_prompt, load_policy
 
 log = logging.getLogger(__name__)
@@ -78,15 +77,7 @@ def _engine_serving(spec: RunSpec, objects: ObjectStore, run_id: str, version: i
     engine = rollout_engine(spec, policy)
     if version == 0:
         return engine
-    local = policy_dir(objects, run_id, version, model_cache)
-    if isinstance(engine, VLLMEngine):
-        if is_adapter_dir(local):
-            engine.set_lora(local)
-        else:
-            engine.load_weights_from(local)
-    else:
-        policy.model = load_version(policy.model, local).eval()
-        engine.set_model(policy.model)
+    serve_version(engine, policy, policy_dir(objects, run_id, version, model_cache))
     return engine
 
 

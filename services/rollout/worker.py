@@ -62,6 +62,20 @@ def rollout_engine(spec: RunSpec, policy: Policy) -> HFEngine | VLLMEngine:
     return build_vllm_engine(spec, policy)
 
 
+def serve_version(engine: HFEngine | VLLMEngine, policy: Policy, local: Path) -> None:
+    """Make ``engine`` sample from the policy version saved at ``local``. vLLM reads it from disk
+    itself: adapters swapped per request, full weights reloaded in its engine process; hf loads
+    it into the one model ``policy`` holds: a new version never costs a second copy."""
+    if isinstance(engine, VLLMEngine):
+        if is_adapter_dir(local):
+            engine.set_lora(local)
+        else:
+            engine.load_weights_from(local)
+    else:
+        policy.model = load_version(policy.model, local).eval()
+        engine.set_model(policy.model)
+
+
 def reward_source(terms: Sequence[RewardTerm]) -> str:
     """What scored a sample: "model" when a reward model is among the terms, else "rule"."""
     return "model" if any(t.fn == "reward_model" for t in terms) else "rule"
@@ -248,18 +262,7 @@ class RolloutWorker:
             self._policy.model.eval()
             self.engine = rollout_engine(self.spec, self._policy)
         if version > 0:
-            local = policy_dir(self.objects, self.run_id, version, self.model_cache)
-            if isinstance(self.engine, VLLMEngine):
-                # vLLM reads the version from disk itself: adapters swapped per request, full
-                # weights reloaded in its engine process.
-                if is_adapter_dir(local):
-                    self.engine.set_lora(local)
-                else:
-                    self.engine.load_weights_from(local)
-            else:
-                # Into the one model this worker holds: a new version never costs a second copy.
-                self._policy.model = load_version(self._policy.model, local).eval()
-                self.engine.set_model(self._policy.model)
+            serve_version(self.engine, self._policy, policy_dir(self.objects, self.run_id, version, self.model_cache))
         self.version = version
         log.info("worker %s serving policy v%d", self.worker_id, version)
 
