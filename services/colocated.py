@@ -42,7 +42,7 @@ from services.prompts import load_prompts
 from services.reward.functions import RewardInput, prepare_terms, total_rewards
 from services.rollout.vllm_engine import build_vllm_engine
 from services.rollout.worker import build_samples, reward_source
-from services.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec
+from services.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec, run_end
 from services.training.job import build_value_head, kl_controller, reference_model, with_adapter
 from trainer_core.engines.hf import Completion, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine
@@ -177,14 +177,13 @@ class VLLMSampler:
 
 
 def stop_reason(spec: RunSpec, history: Sequence[IterationRecord], dollars: float = 0.0) -> str | None:
-    """Why the run is done after `history`, having spent `dollars`, or None while it is not."""
-    if spec.budget_dollars is not None and dollars >= spec.budget_dollars:
-        return "budget_dollars"
-    if history and spec.target_mean_reward is not None and history[-1].mean_reward >= spec.target_mean_reward:
-        return "target_mean_reward"
-    if spec.iterations is not None and len(history) >= spec.iterations:
-        return "iterations"
-    return None
+    """The spec field that ends the run after `history`, having spent `dollars` (``run_end``,
+    as the scheduler decides), or None while it goes on."""
+    end = run_end(
+        spec, iterations_done=len(history), last_mean_reward=history[-1].mean_reward if history else None,
+        spent_dollars=dollars,
+    )
+    return None if end is None else end.goal
 
 
 def iteration_prompts(items: Sequence[PromptItem], iteration: int, per_iteration: int) -> list[tuple[str, PromptItem]]:

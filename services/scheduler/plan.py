@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
 from services.backends.launcher import PodPhase, PodStatus
-from services.runspec import RunSpec
+from services.runspec import RunSpec, run_end
 from services.scheduler.evals import (
     ROLE_EVAL,
     EvalState,
@@ -71,7 +71,7 @@ from services.scheduler.evals import (
     reap_eval,
 )
 from services.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
-from services.scheduler.reward_server import ROLE_REWARD, LaunchRewardServer, reward_server_due, serving_evals
+from services.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
 from services.scheduler.policies import POLICIES, Estimates, PolicyInput
 
 ROLE_ROLLOUT = "rollout"
@@ -324,28 +324,14 @@ def _reap(run: RunState, done: Sequence[PodStatus], observed: Observed) -> list[
 
 
 def _end_condition(run: RunState, observed: Observed) -> tuple[RunStatus, str] | None:
-    spec = run.spec
+    """The end the run is stopping with (a cancel, or one begun on an earlier tick), else the end it has reached."""
     if run.status.is_stopping() and run.ending_status is not None:
         return run.ending_status, run.ending_reason or ""
-    if spec.iterations is not None and run.iterations_done >= spec.iterations:
-        return RunStatus.SUCCEEDED, f"trained {run.iterations_done} iterations"
-    if (
-        spec.target_mean_reward is not None
-        and run.last_mean_reward is not None
-        and run.last_mean_reward >= spec.target_mean_reward
-    ):
-        return RunStatus.SUCCEEDED, f"mean reward {run.last_mean_reward:.3f} reached the target {spec.target_mean_reward}"
-    target = spec.eval.target_score if spec.eval is not None else None
-    if target is not None and run.best_eval is not None and run.best_eval[1] >= target:
-        version, score = run.best_eval
-        return RunStatus.SUCCEEDED, f"eval mean score {score:.3f} of policy v{version} reached the target {target}"
-    if spec.budget_dollars is not None and observed.spent_dollars >= spec.budget_dollars:
-        return (
-            RunStatus.FAILED,
-            f"budget exhausted: spent ${observed.spent_dollars:.2f} of ${spec.budget_dollars:.2f} "
-            f"after {run.iterations_done} iterations (policy v{run.iterations_done} is published)",
-        )
-    return None
+    end = run_end(
+        run.spec, iterations_done=run.iterations_done, last_mean_reward=run.last_mean_reward,
+        spent_dollars=observed.spent_dollars, best_eval=run.best_eval,
+    )
+    return None if end is None else (end.status, end.reason)
 
 
 def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus]) -> list[Action]:
