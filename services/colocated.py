@@ -42,7 +42,7 @@ from services.prompts import load_prompts
 from services.reward.functions import RewardInput, prepare_terms, total_rewards
 from services.rollout.vllm_engine import build_vllm_engine
 from services.rollout.worker import build_samples, reward_source
-from services.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec, run_end
+from services.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec, cycled_messages, run_end
 from services.training.job import build_value_head, kl_controller, reference_model, with_adapter
 from trainer_core.engines.hf import Completion, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine
@@ -186,12 +186,6 @@ def stop_reason(spec: RunSpec, history: Sequence[IterationRecord], dollars: floa
     return None if end is None else end.goal
 
 
-def iteration_prompts(items: Sequence[PromptItem], iteration: int, per_iteration: int) -> list[tuple[str, PromptItem]]:
-    """(prompt_id, item) of iteration `iteration` (from 1): the scheduler's order, cycling the set."""
-    first = (iteration - 1) * per_iteration
-    return [(str(i % len(items)), items[i % len(items)]) for i in range(first, first + per_iteration)]
-
-
 def run_colocated(
     spec: RunSpec,
     *,
@@ -328,13 +322,13 @@ def _iteration(
 ) -> IterationRecord:
     """Sample (with `sampler`, or the hybrid engine itself), score and train the batch of
     iteration `iteration` (from 1) of the prompt set `items`."""
-    prompts = iteration_prompts(items, iteration, spec.batch_samples // spec.samples_per_prompt)
+    per_iteration = spec.batch_samples // spec.samples_per_prompt
+    messages = cycled_messages(items, (iteration - 1) * per_iteration, per_iteration)
     sampling = SamplingParams(
         temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
     )
     n = spec.samples_per_prompt
     tokenizer = engine.policy.tokenizer
-    messages = [item.message(prompt_id) for prompt_id, item in prompts]
     prompt_ids = [encode_prompt(tokenizer, m.prompt) for m in messages]
     started = time.monotonic()
     completions: list[Completion] = []
@@ -357,8 +351,8 @@ def _iteration(
     )
     samples = build_samples(
         [
-            (prompt_id, uuid.uuid5(_GROUP_NAMESPACE, f"{run_id}/{iteration}/{i}").hex, prompt_ids[i])
-            for i, (prompt_id, _) in enumerate(prompts)
+            (m.prompt_id, uuid.uuid5(_GROUP_NAMESPACE, f"{run_id}/{iteration}/{i}").hex, prompt_ids[i])
+            for i, m in enumerate(messages)
         ],
         completions,
         rewards,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -151,6 +152,14 @@ class PromptItem(BaseModel):
     def _check_extra_info(cls, v: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
         return _bounded_json(v, "extra_info")  # type: ignore[return-value]
 
+
+def cycled_messages(items: Sequence[PromptItem], start: int, count: int) -> list[PromptMessage]:
+    """Prompts ``start`` to ``start + count`` of a run, as queued for rollout: a run goes over its
+    prompt set again and again (epochs) until it ends, so prompt ``i`` is item ``i % len(items)``,
+    with that index as its prompt id (the same prompt has the same id in every epoch). The
+    scheduler publishes them so and a colocated run takes its batches so, so that both train on
+    the same prompts in the same order."""
+    return [items[i % len(items)].message(str(i % len(items))) for i in range(start, start + count)]
 
 
 class RewardTerm(BaseModel):

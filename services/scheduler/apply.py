@@ -39,7 +39,7 @@ from services.names import (
 )
 from services.policy_rotation import rotate
 from services.prompts import InvalidPromptsError, parse_jsonl
-from services.runspec import PromptItem, RunSpec
+from services.runspec import PromptItem, RunSpec, cycled_messages
 from services.scheduler import plan as p
 from services.scheduler.evals import EvalAction
 from services.training.backlog import trainer_consumer
@@ -199,11 +199,7 @@ class Applier:
     def _publish_prompts(self, run_id: str, start: int, count: int) -> None:
         if run_id not in self._prompt_sets:
             self._prompt_sets[run_id] = self._stored_prompts(run_id)
-        items = self._prompt_sets[run_id]
-        messages = []
-        for i in range(start, start + count):
-            item = items[i % len(items)]  # epochs cycle over the prompt set
-            messages.append(item.message(str(i % len(items))))
+        messages = cycled_messages(self._prompt_sets[run_id], start, count)
         self.b.queue.produce(prompts_topic(run_id), [m.encode() for m in messages])
         self.b.state.update_run(run_id, prompts_published=start + count)
 

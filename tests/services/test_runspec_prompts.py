@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from contracts.messages import PromptMessage, answer_text, prompt_text
-from services.runspec import MAX_REWARD_DATA_CHARS, PromptItem, RewardTerm
+from services.runspec import MAX_REWARD_DATA_CHARS, PromptItem, RewardTerm, cycled_messages
 
 VERL_ROW = {
     "prompt": [{"role": "system", "content": "Think step by step."}, {"role": "user", "content": "What is 2 + 3?"}],
@@ -83,3 +83,11 @@ def test_a_reward_server_serves_exactly_one_term_with_a_path_and_the_rest_stay_i
             RunSpec.model_validate({**base, "reward": reward})
     with pytest.raises(ValidationError, match="instance_type"):
         RunSpec.model_validate({**base, "reward": [{"fn": "function", "path": "/d/r.py:f"}], "reward_server": {"instance_type": "t9.huge"}})
+
+
+def test_a_run_cycles_over_its_prompt_set_keeping_each_prompt_id() -> None:
+    items = [PromptItem(prompt=f"{i}+1", answer=str(i + 1)) for i in range(3)]
+    messages = cycled_messages(items, 2, 5)  # the last of epoch 1, all of epoch 2, the first of epoch 3
+    assert [(m.prompt_id, m.prompt) for m in messages] == [
+        ("2", "2+1"), ("0", "0+1"), ("1", "1+1"), ("2", "2+1"), ("0", "0+1"),
+    ]
