@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.abstract import AbstractPartitionAssignor
 from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment, ConsumerProtocolSubscription
 
-if TYPE_CHECKING:
-    from services.backends.kafka_consumer import KafkaGroupConsumer
+
+
+class GroupMember(Protocol):
+    """What the hooks forward to: the consumer that joined the group (``KafkaGroupConsumer``)."""
+
+    def subscription_data(self) -> bytes: ...
+
+    def on_assignment(self, assignment: Any, generation: int) -> None: ...
+
+    def on_revoked(self, *, lost: bool) -> None: ...
+
+    def on_assigned(self) -> None: ...
 
 # The assignor's name: every member of a group must offer it (they all run this adapter).
 ASSIGNOR = "spotrl-v1"
@@ -44,7 +54,7 @@ class SpotrlAssignor(AbstractPartitionAssignor):
     name = ASSIGNOR
     version = 0
 
-    def __init__(self, consumer: KafkaGroupConsumer) -> None:
+    def __init__(self, consumer: GroupMember) -> None:
         self._consumer = consumer
 
     def metadata(self, topics):  # noqa: ANN001, ANN201 - kafka-python's signature
@@ -94,7 +104,7 @@ class SpotrlAssignor(AbstractPartitionAssignor):
 class RebalanceListener(ConsumerRebalanceListener):
     """Forwards kafka-python's rebalance callbacks (run on its IO thread) to the consumer."""
 
-    def __init__(self, consumer: KafkaGroupConsumer) -> None:
+    def __init__(self, consumer: GroupMember) -> None:
         self._consumer = consumer
 
     def on_partitions_revoked(self, revoked):  # noqa: ANN001, ANN201

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from services.tracking.points import Point
-from services.tracking.sinks import TrackingError
+from services.tracking.sink import TrackingError
 
 API = "/api/2.0/mlflow"
 RUN_TAG = "spotrl.run_id"

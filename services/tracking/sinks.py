@@ -1,5 +1,4 @@
-"""The sink port: where a run's points go (TensorBoard, MLflow, Weights & Biases), and which sinks
-a run gets.
+"""Which sinks a run gets: where its points go (TensorBoard, MLflow, Weights & Biases).
 
 A run asks for trackers in its spec (``RunSpec.tracking``: which ones, the experiment or project
 to log under); where they are and the credentials to reach them are the operator's
@@ -12,45 +11,17 @@ read when a sink is opened. No credential ever appears in an error message or a 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
 from services.backends.object_store import ObjectStore
 from services.config import Settings
-from services.tracking.points import Point
+from services.tracking.sink import Sink, TrackingError
 
 if TYPE_CHECKING:
     from services.runspec import Tracking
-
-
-class TrackingError(Exception):
-    """A tracker refused or could not be reached; the sync is retried later. The message names the
-    tracker and what failed, never a credential."""
-
-
-class Sink(Protocol):
-    """One tracker. ``name`` keys the run's cursor of this sink in the state store."""
-
-    name: str
-
-    def write(self, run_id: str, points: Sequence[Point]) -> None:
-        """Send ``points`` (in step order, iterations and evaluations mixed) to the run's record
-        in the tracker, creating it on first use. A write repeated after a crash (the same points
-        from the same first step, perhaps with more) logs no point twice where the tracker allows
-        it. ``TrackingError`` when the tracker fails."""
-        ...
-
-    def end_run(self, run_id: str, status: str, ended_at: float) -> None:
-        """Mark the run's record ended with spotrl's terminal ``status`` (SUCCEEDED, FAILED,
-        CANCELLED) at unix time ``ended_at``, and let go of what was held open for it."""
-        ...
-
-    def close(self) -> None:
-        """Let go of connections and open runs (the process is stopping; runs go on)."""
-        ...
 
 
 def read_secret(value: SecretStr | None, file: Path | None, what: str) -> str | None:

@@ -29,7 +29,8 @@ from services.backends.state_store import LedgerEntry, StateStore
 from services.cost.catalog import PriceCatalog
 from services.runspec import Tracking
 from services.tracking.points import Point, dollars_at, eval_point, iteration_point, memory_figures
-from services.tracking.sinks import Sink, SinkSet, TrackingError
+from services.tracking.sink import Sink, TrackingError
+from services.tracking.sinks import SinkSet
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import wandb
 from wandb.proto import wandb_internal_pb2
 
 from services.tracking.points import Point
-from services.tracking.sinks import TrackingError
+from services.tracking.sink import TrackingError
 
 EVAL_STEP = "eval/step"
 # The transaction log (``run-<id>.wandb``): a 7-byte header (":W&B", magic 0xBEE1, version 0),

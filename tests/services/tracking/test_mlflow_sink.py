@@ -9,7 +9,7 @@ import pytest
 
 from services.tracking.mlflow_sink import MlflowServer, MlflowSink, metric_key, shown_url
 from services.tracking.points import Point
-from services.tracking.sinks import TrackingError
+from services.tracking.sink import TrackingError
 from tests.servers.mlflow import MlflowTestServer
 from tests.servers.process import free_port
 

@@ -16,7 +16,8 @@ from services.config import Settings
 from services.cost.catalog import PriceCatalog
 from services.runspec import Tracking
 from services.tracking.points import dollars_at, eval_point, iteration_point
-from services.tracking.sinks import SinkSet, TrackingError, missing_settings
+from services.tracking.sink import TrackingError
+from services.tracking.sinks import SinkSet, missing_settings
 from services.tracking.sync import Tracker, sync_run
 from services.tracking.tensorboard_sink import TensorBoardSink, tensorboard_prefix
 from services.tracking.wandb_sink import EVAL_STEP, history_rows, offline_logs
