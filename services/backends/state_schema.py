@@ -1,7 +1,9 @@
-"""The state store's tables and their numbered migrations (SQLAlchemy, for SQLite and PostgreSQL).
+"""The state store's tables (SQLAlchemy models, for SQLite and PostgreSQL).
 
-A store opened on an older file or database brings it up to date before use (``migrate``);
-migrations are append-only, one schema version each, and each runs on SQLite and PostgreSQL alike.
+The schema in the databases is made by the Alembic revisions in
+``services.backends.state_migrations``: a change here needs a new revision doing it, and a test
+holds the head revision's schema equal to these models. A column's default is declared here once
+(``default=``); the store's inserts leave such columns to it.
 
 Types as each adapter stores them: ``Float`` is a double on both (PostgreSQL ``double precision``:
 wall-clock seconds keep their microseconds); ``JSON`` is text on SQLite and ``json`` on
@@ -12,11 +14,9 @@ it keeps to their width.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, inspect, text
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -105,7 +105,7 @@ class LedgerRow(Base):
     started_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
     # How the pod ended (``services.backends.launcher.pod_outcome``: succeeded, failed, killed),
-    # set when its entry is closed; None while it runs, and for entries closed before version 5.
+    # set when its entry is closed; None while it runs, and for entries closed before revision 0005.
     outcome: Mapped[str | None] = mapped_column(String(16))
 
 
@@ -198,138 +198,3 @@ class TrackingCursorRow(Base):
     iteration: Mapped[int] = mapped_column(Integer, default=0)
     eval_version: Mapped[int] = mapped_column(Integer, default=-1)
     ended: Mapped[bool] = mapped_column(Boolean, default=False)
-
-
-# --- migrations ---------------------------------------------------------------------------
-# Append only: each entry upgrades the schema by one version. Version 1 is the initial schema.
-def _m001_initial(conn: Connection) -> None:
-    Base.metadata.create_all(conn)
-
-
-def _m002_leases_and_stopping_statuses(conn: Connection) -> None:
-    """The scheduler's leader lease, ``runs.last_error``, and CANCELLING/ENDING as statuses.
-
-    Runs that were stopping under version 1 (status RUNNING beside ``cancel_requested`` or
-    ``ending_status``) get the stopping status, and the flag goes. A file created fresh already
-    has the current tables from version 1 (it creates the models' tables), hence the checks.
-    """
-    LeaseRow.__table__.create(conn, checkfirst=True)
-    columns = {c["name"] for c in inspect(conn).get_columns("runs")}
-    if "last_error" not in columns:
-        conn.execute(text("ALTER TABLE runs ADD COLUMN last_error VARCHAR(500)"))
-    if "cancel_requested" in columns:
-        conn.execute(
-            text(
-                "UPDATE runs SET"
-                " status = CASE WHEN COALESCE(ending_status, 'CANCELLED') = 'CANCELLED' THEN 'CANCELLING' ELSE 'ENDING' END,"
-                " ending_status = COALESCE(ending_status, 'CANCELLED'),"
-                " ending_reason = COALESCE(ending_reason, 'cancelled by the user'),"
-                " status_reason = COALESCE(ending_reason, 'cancelled by the user')"
-                " WHERE status IN ('PENDING', 'RUNNING') AND (ending_status IS NOT NULL OR cancel_requested)"
-            )
-        )
-        conn.execute(text("ALTER TABLE runs DROP COLUMN cancel_requested"))
-
-
-def _m003_tenants_prompt_counts_reward_failures(conn: Connection) -> None:
-    """``runs.tenant`` (existing runs belong to the default tenant), ``runs.prompt_count``,
-    ``runs.reward_failures`` and ``runs.last_reward_error``. A file created fresh already has
-    them (version 1 creates the models' tables)."""
-    columns = {c["name"] for c in inspect(conn).get_columns("runs")}
-    if "tenant" not in columns:
-        conn.execute(text(f"ALTER TABLE runs ADD COLUMN tenant VARCHAR(64) NOT NULL DEFAULT '{DEFAULT_TENANT}'"))
-        conn.execute(text("CREATE INDEX ix_runs_tenant ON runs (tenant)"))
-    if "prompt_count" not in columns:
-        conn.execute(text("ALTER TABLE runs ADD COLUMN prompt_count INTEGER NOT NULL DEFAULT 0"))
-    if "reward_failures" not in columns:
-        conn.execute(text("ALTER TABLE runs ADD COLUMN reward_failures INTEGER NOT NULL DEFAULT 0"))
-    if "last_reward_error" not in columns:
-        conn.execute(text("ALTER TABLE runs ADD COLUMN last_reward_error VARCHAR(500)"))
-
-
-def _m004_queues_deleted(conn: Connection) -> None:
-    """``runs.queues_deleted``: runs ended before it keep their topics until the retention sweep."""
-    if "queues_deleted" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
-        conn.execute(text("ALTER TABLE runs ADD COLUMN queues_deleted BOOLEAN NOT NULL DEFAULT FALSE"))
-
-
-def _m005_worker_stats_and_pod_outcomes(conn: Connection) -> None:
-    """``worker_stats`` (rollout workers' counters, exported by the API's /metrics) and
-    ``ledger.outcome``; entries closed before it keep no outcome."""
-    WorkerStatsRow.__table__.create(conn, checkfirst=True)
-    if "outcome" not in {c["name"] for c in inspect(conn).get_columns("ledger")}:
-        conn.execute(text("ALTER TABLE ledger ADD COLUMN outcome VARCHAR(16)"))
-
-
-def _m006_samples_filtered(conn: Connection) -> None:
-    """``runs.samples_filtered``: dynamic sampling's drops, counted apart from the queued samples'.
-    Runs before it counted them in ``samples_dropped`` until they ended (then lost them): 0."""
-    if "samples_filtered" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
-        conn.execute(text("ALTER TABLE runs ADD COLUMN samples_filtered INTEGER NOT NULL DEFAULT 0"))
-
-
-def _m007_reward_failures_by_reason(conn: Connection) -> None:
-    """The ``reward_failures`` table: a run's failed reward computations by reason. Runs before it
-    keep their total in ``runs.reward_failures`` only."""
-    RewardFailureRow.__table__.create(conn, checkfirst=True)
-
-
-def _m008_tracking_cursors(conn: Connection) -> None:
-    """The ``tracking_cursors`` table: what each experiment tracker has of each run."""
-    TrackingCursorRow.__table__.create(conn, checkfirst=True)
-
-
-def _m009_evals(conn: Connection) -> None:
-    """The ``evals`` table: held-out evaluations of runs' policy versions."""
-    EvalRow.__table__.create(conn, checkfirst=True)
-
-
-def _m010_pod_memory(conn: Connection) -> None:
-    """The ``pod_memory`` table: each pod's memory over time."""
-    PodMemoryRow.__table__.create(conn, checkfirst=True)
-
-
-def _m011_reward_url(conn: Connection) -> None:
-    """``runs.reward_url``: where a run's reward server listens. A file created fresh already has it."""
-    if "reward_url" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
-        conn.execute(text("ALTER TABLE runs ADD COLUMN reward_url VARCHAR(256)"))
-
-
-MIGRATIONS: Sequence[Callable[[Connection], None]] = (
-    _m001_initial,
-    _m002_leases_and_stopping_statuses,
-    _m003_tenants_prompt_counts_reward_failures,
-    _m004_queues_deleted,
-    _m005_worker_stats_and_pod_outcomes,
-    _m006_samples_filtered,
-    _m007_reward_failures_by_reason,
-    _m008_tracking_cursors,
-    _m009_evals,
-    _m010_pod_memory,
-    _m011_reward_url,
-)
-
-
-# Held while migrating a PostgreSQL database (a transaction-level advisory lock): the key is
-# arbitrary, fixed, and spotrl's own ("spotrl" in ASCII).
-MIGRATION_LOCK_KEY = 0x73706F74726C
-
-
-def migrate(engine: Engine) -> int:
-    """Bring the schema to the latest version; returns it. Safe to run from several processes.
-
-    One transaction, which processes opening the store at once take in turn: on PostgreSQL it
-    first takes an advisory lock (two concurrent CREATE TABLE IF NOT EXISTS of one table can
-    both try to create it, and one then fails), on SQLite the engine begins writing transactions
-    with the file's write lock (``StateStore``). DDL is transactional on both: a migration that
-    fails leaves the schema at the version before it.
-    """
-    with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
-        conn.execute(text("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"))
-        current = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0
-        for version, step in enumerate(MIGRATIONS[current:], start=current + 1):
-            step(conn)
-            conn.execute(text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": version})
-    return len(MIGRATIONS)

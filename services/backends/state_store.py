@@ -2,7 +2,8 @@
 
 One code path for both adapters: SQLite (embedded default, a file shared by the API,
 scheduler and pods on one machine) and PostgreSQL (production, ``postgresql+psycopg://...``),
-chosen by the URL. Tables and migrations are in ``services.backends.state_schema``, the cost
+chosen by the URL. Tables are in ``services.backends.state_schema``, their migrations (Alembic
+revisions, applied when a store opens) in ``services.backends.state_migrations``, the cost
 ledger's queries in ``services.backends.state_ledger``.
 
 Concurrency: any number of processes (API replicas, schedulers, pods) share one store. Every
@@ -30,6 +31,7 @@ from contracts.status import RunStatus
 from services.backends.state_engine import WRITE_OPTION, create_state_engine, dialect_insert
 from services.backends.state_evals import EvalProgress, EvalQueries, recorded_evals
 from services.backends.state_ledger import LedgerEntry, LedgerQueries
+from services.backends.state_migrations import migrate
 from services.backends.state_schema import (
     DEFAULT_TENANT,
     EvalRow,
@@ -40,7 +42,6 @@ from services.backends.state_schema import (
     RunRow,
     TrackingCursorRow,
     WorkerStatsRow,
-    migrate,
 )
 
 # Re-exported: the cost engine, the API and the simulator import LedgerEntry from here.
@@ -137,6 +138,7 @@ class StateStore(LedgerQueries, EvalQueries):
     def create_run(
         self, run_id: str, *, name: str | None, spec: dict[str, Any], tenant: str = DEFAULT_TENANT, prompt_count: int = 0
     ) -> RunRow:
+        # Every other column starts at its model default (state_schema), set at the INSERT.
         row = RunRow(
             id=run_id,
             tenant=tenant,
@@ -145,19 +147,6 @@ class StateStore(LedgerQueries, EvalQueries):
             spec=spec,
             status=RunStatus.PENDING.value,
             created_at=time.time(),
-            policy_version=0,
-            iterations_done=0,
-            prompts_published=0,
-            samples_produced=0,
-            samples_trained=0,
-            samples_dropped=0,
-            samples_filtered=0,
-            train_failures=0,
-            next_train_at=0.0,
-            worker_slots_used=0,
-            train_launch_committed=0,
-            queues_deleted=False,
-            reward_failures=0,
         )
         with self._write() as s:
             s.add(row)

@@ -10,11 +10,10 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect, text
 
 from contracts.evaluation import EvalResult
 from contracts.status import TRANSITIONS, RunStatus
-from services.backends.state_schema import MIGRATIONS, IterationRow
+from services.backends.state_schema import IterationRow
 from services.backends.state_store import EvalProgress, IllegalTransitionError, RunNotFoundError, StateStore
 
 
@@ -31,14 +30,6 @@ def store(store_url: str) -> Iterator[StateStore]:
     s = StateStore(store_url)
     yield s
     s.close()
-
-
-def test_migrations_recorded_and_idempotent(store_url: str) -> None:
-    url = store_url  # a new store of each adapter
-    StateStore(url).close()
-    StateStore(url).close()  # a second open applies nothing twice
-    with create_engine(url).connect() as conn:
-        assert conn.execute(text("SELECT version FROM schema_version")).scalars().all() == list(range(1, len(MIGRATIONS) + 1))
 
 
 def test_status_transitions(store: StateStore) -> None:
@@ -218,83 +209,6 @@ def test_lease_contenders_racing_get_one_winner(store_url: str, expired_lease_ex
     finally:
         for s in stores:
             s.close()
-
-
-def test_version_1_file_is_upgraded_with_stopping_runs_kept_stopping(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'state.db'}"
-    with closing(StateStore(url)) as s:
-        for run_id in ("cancelled", "ending", "running"):
-            s.create_run(run_id, name=None, spec={})
-            s.set_status(run_id, RunStatus.RUNNING)
-    with create_engine(url).begin() as conn:  # back to version 1: the flag beside RUNNING, no leases
-        conn.execute(text("DROP TABLE leases"))
-        conn.execute(text("DROP TABLE worker_stats"))
-        conn.execute(text("ALTER TABLE ledger DROP COLUMN outcome"))
-        conn.execute(text("ALTER TABLE runs DROP COLUMN last_error"))
-        conn.execute(text("ALTER TABLE runs ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT 0"))
-        conn.execute(text("UPDATE runs SET cancel_requested = 1 WHERE id = 'cancelled'"))
-        conn.execute(text("UPDATE runs SET ending_status = 'FAILED', ending_reason = 'budget' WHERE id = 'ending'"))
-        conn.execute(text("DELETE FROM schema_version WHERE version > 1"))
-    with closing(StateStore(url)) as s:
-        got = {r.id: (r.status, r.ending_status, r.ending_reason, r.last_error) for r in s.list_runs()}
-        assert got == {
-            "cancelled": ("CANCELLING", "CANCELLED", "cancelled by the user", None),
-            "ending": ("ENDING", "FAILED", "budget", None),
-            "running": ("RUNNING", None, None, None),
-        }
-        assert s.acquire_lease("scheduler", "a", seconds=60)
-
-
-def _back_to_version_1(url: str) -> None:
-    """Turn a current store into what version 1 left: no leases, no v2/v3 columns, and a stopping
-    run's flag ``cancel_requested`` beside RUNNING. In SQL that SQLite and PostgreSQL both run."""
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        conn.execute(text("DROP TABLE leases"))
-        conn.execute(text("DROP TABLE worker_stats"))
-        conn.execute(text("ALTER TABLE ledger DROP COLUMN outcome"))
-        conn.execute(text("DROP INDEX ix_runs_tenant"))  # SQLite drops no indexed column
-        for column in ("tenant", "prompt_count", "reward_failures", "last_reward_error", "last_error"):
-            conn.execute(text(f"ALTER TABLE runs DROP COLUMN {column}"))
-        conn.execute(text("ALTER TABLE runs ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT FALSE"))
-        conn.execute(text("UPDATE runs SET cancel_requested = TRUE WHERE id = 'cancelled'"))
-        conn.execute(text("UPDATE runs SET ending_status = 'FAILED', ending_reason = 'budget' WHERE id = 'ending'"))
-        conn.execute(text("DELETE FROM schema_version WHERE version > 1"))
-    engine.dispose()
-
-
-def test_version_1_store_is_brought_up_to_date(store_url: str) -> None:
-    """The whole migration chain from version 1, on each adapter (PostgreSQL included)."""
-    with closing(StateStore(store_url)) as s:
-        for run_id in ("cancelled", "ending", "running"):
-            s.create_run(run_id, name=None, spec={"model": "tiny"})
-            s.set_status(run_id, RunStatus.RUNNING)
-    _back_to_version_1(store_url)
-    engine = create_engine(store_url)
-    with engine.connect() as conn:
-        assert "tenant" not in {c["name"] for c in inspect(conn).get_columns("runs")}  # it is version 1 now
-
-    with closing(StateStore(store_url)) as s:
-        got = {r.id: (r.status, r.ending_status, r.ending_reason, r.last_error, r.tenant, r.prompt_count,
-                      r.reward_failures) for r in s.list_runs()}
-        assert got == {
-            "cancelled": ("CANCELLING", "CANCELLED", "cancelled by the user", None, "default", 0, 0),
-            "ending": ("ENDING", "FAILED", "budget", None, "default", 0, 0),
-            "running": ("RUNNING", None, None, None, "default", 0, 0),
-        }
-        assert s.acquire_lease("scheduler", "a", seconds=60)
-        s.count_reward_failures("running", {"regex:timeout": 2}, "timeout")
-        s.update_run("running", last_error="temporary")
-        assert [r.id for r in s.list_runs(tenant="default")] == ["cancelled", "ending", "running"]
-    with engine.connect() as conn:
-        columns = {c["name"] for c in inspect(conn).get_columns("runs")}
-        assert "cancel_requested" not in columns and {"tenant", "last_error", "last_reward_error"} <= columns
-        assert "ix_runs_tenant" in {i["name"] for i in inspect(conn).get_indexes("runs")}
-        assert "worker_stats" in inspect(conn).get_table_names()
-        assert "outcome" in {c["name"] for c in inspect(conn).get_columns("ledger")}
-        assert conn.execute(text("SELECT version FROM schema_version ORDER BY version")).scalars().all() == \
-            list(range(1, len(MIGRATIONS) + 1))
-    engine.dispose()
 
 
 def test_long_messages_are_clipped_to_their_columns(store: StateStore) -> None:
