@@ -7,10 +7,10 @@ in eval mode under no_grad with a KV cache; training switches it to train mode a
 exactly on-policy, and the device holds the weights once, plus the optimizer state.
 
 One iteration is what the disaggregated run does across pods, in one place: take the next
-``batch_samples / samples_per_prompt`` prompts of the cycled prompt set (as the scheduler
-publishes them), sample ``samples_per_prompt`` completions of each (as a rollout worker
-does), score them with the spec's reward terms, update the policy once (as a training job
-does), and write a checkpoint. ``resume=True`` continues after the latest checkpoint in the
+``groups_per_batch`` (``batch_samples / samples_per_prompt``) prompts of the cycled prompt set
+(as the scheduler publishes them), sample ``samples_per_prompt`` completions of each (as a
+rollout worker does), score them with the spec's reward terms, update the policy once (as a
+training job does), and write a checkpoint. ``resume=True`` continues after the latest checkpoint in the
 output directory, RNG states included, so a resumed run trains to the same weights as an
 uninterrupted one with the same seed.
 
@@ -322,8 +322,7 @@ def _iteration(
 ) -> IterationRecord:
     """Sample (with `sampler`, or the hybrid engine itself), score and train the batch of
     iteration `iteration` (from 1) of the prompt set `items`."""
-    per_iteration = spec.batch_samples // spec.samples_per_prompt
-    messages = cycled_messages(items, (iteration - 1) * per_iteration, per_iteration)
+    messages = cycled_messages(items, (iteration - 1) * spec.groups_per_batch, spec.groups_per_batch)
     sampling = SamplingParams(
         temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
     )

@@ -423,6 +423,12 @@ class RunSpec(BaseModel):
         "none: each rollout worker runs its reward terms itself.",
     )
 
+    @property
+    def groups_per_batch(self) -> int:
+        """Prompts in one training batch, each a group of ``samples_per_prompt`` samples (a whole
+        number: the spec's validation refuses a batch of partial groups)."""
+        return self.batch_samples // self.samples_per_prompt
+
     def served_term(self) -> int | None:
         """The index of the reward term the run's reward server serves; None without one."""
         if self.reward_server is None:

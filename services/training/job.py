@@ -266,8 +266,7 @@ def _read_batch(
 ) -> tuple[int, dict, Selection]:
     """The leader's batch: how many samples it read, their end offsets, and which of them are
     trained (no duplicates of `previous`'s, none too stale, as many per rank in whole groups)."""
-    groups = spec.batch_samples // spec.samples_per_prompt  # the run spec makes it a whole number
-    records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], groups)
+    records, offsets = take_batch(read_backlog(queue, consumer, run_id)[0], spec.groups_per_batch)
     samples = [s for r in records for s in decode_group(r.value)]
     selection = select_samples(
         samples,
