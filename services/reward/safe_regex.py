@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import functools
 import re
-import re._constants as sre_constants
-import re._parser as sre_parse
 
 import regex
 
@@ -61,10 +59,10 @@ def check_pattern(pattern: str) -> None:
     if len(pattern) > MAX_PATTERN_CHARS:
         raise ValueError(f"`pattern` is {len(pattern)} characters long; at most {MAX_PATTERN_CHARS} are accepted")
     try:
-        parsed = sre_parse.parse(pattern)
+        re.compile(pattern)  # `re` keeps counted repeats as loops: no memory spent on `a{999999999}`
     except re.error as e:
         raise ValueError(f"`pattern` is not a valid regular expression: {e}") from e
-    if (count := _repeat_count(parsed)) > MAX_REPEAT_COUNT:
+    if (count := _repeat_count(pattern)) > MAX_REPEAT_COUNT:
         raise ValueError(
             f"`pattern` unrolls to {count} items (its counted repeats `{{n}}` multiplied out); at most {MAX_REPEAT_COUNT} are accepted"
         )
@@ -74,29 +72,163 @@ def check_pattern(pattern: str) -> None:
         raise ValueError(f"`pattern` is valid for Python's re but not for the reward's regex engine: {e}") from e
 
 
-def _repeat_count(pattern: sre_parse.SubPattern) -> int:
-    """How many items a pattern parsed by `re` unrolls to: its items summed, a repeat counting
-    its body times its upper bound (its lower one when unbounded: `*`, `+`, `{n,}`), at least 1."""
-    total = 0
-    for op, av in pattern.data:
-        if op in _REPEATS:
-            low, high, body = av
-            total += max(low if high == sre_constants.MAXREPEAT else high, 1) * _repeat_count(body)
+def _repeat_count(pattern: str) -> int:
+    """How many items `pattern` (valid for `re`) unrolls to: its items summed, a repeat counting
+    its body times its upper bound (its lower one when unbounded: `*`, `+`, `{n,}`), at least 1.
+
+    Counted by a scan of the pattern's text, as `re`'s parser reads it, because the standard
+    library publishes no parse tree; where `re` would merge items (`a|b` read as `[ab]`) the scan
+    counts each, so it never counts fewer than `re`'s parse tree would."""
+    return _RepeatScan(pattern).count()
+
+
+class _RepeatScan:
+    """One left-to-right read of a pattern `re` has already accepted, so it needs no error paths."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.pos = 0
+
+    def count(self) -> int:
+        return self._sequence(verbose=False)
+
+    def _sequence(self, verbose: bool) -> int:
+        """The items up to the closing `)` (or the end), its branches summed; the `)` is left."""
+        text = self.pattern
+        branches: list[int] = []
+        items: list[int] = []
+        while self.pos < len(text) and text[self.pos] != ")":
+            char = text[self.pos]
+            if verbose and char.isspace():
+                self.pos += 1
+            elif verbose and char == "#":
+                self.pos = _past(text, self.pos, "\n")
+            elif char == "|":
+                branches.append(sum(items))
+                items = []
+                self.pos += 1
+            elif (bounds := self._quantifier()) is not None:
+                # `re` refuses a quantifier with nothing before it, so an item is there to repeat.
+                items.append(max(bounds, 1) * items.pop())
+            else:
+                item, verbose = self._item(verbose)
+                if item:
+                    items.append(item)
+        return max(sum(branches) + sum(items), 1) if branches else sum(items)
+
+    def _quantifier(self) -> int | None:
+        """The repeat bound of a quantifier at the cursor (its upper one, or its lower when
+        unbounded), moving past it and a lazy `?` or possessive `+`; None if there is none."""
+        text = self.pattern
+        if text[self.pos] in "*+?":
+            bound = 1  # `?` at most once; `*` and `+` are unbounded, so counted at their lower bound
+            self.pos += 1
+        elif (found := _BRACES.match(text, self.pos)) and found.group() != "{}":
+            low, comma, high = found.groups()
+            bound = int(high) if high else int(low or 0) if comma else int(low)
+            self.pos = found.end()
         else:
-            total += max(sum(_repeat_count(child) for child in _subpatterns(av)), 1)
-    return total
+            return None
+        if self.pos < len(text) and text[self.pos] in "?+":
+            self.pos += 1
+        return bound
+
+    def _item(self, verbose: bool) -> tuple[int, bool]:
+        """The count of the item at the cursor (0 for one that matches nothing: a comment, a
+        flag setting), moving past it, and whether verbose mode holds after it."""
+        text = self.pattern
+        char = text[self.pos]
+        if char == "\\":
+            self.pos = _escape_end(text, self.pos)
+        elif char == "[":
+            self.pos = _set_end(text, self.pos)
+        elif char == "(":
+            return self._group(verbose)
+        else:
+            self.pos += 1
+        return 1, verbose
+
+    def _group(self, verbose: bool) -> tuple[int, bool]:
+        """As `_item`, for the `(` at the cursor: a group counts what it holds, at least 1."""
+        text = self.pattern
+        self.pos += 1
+        inner_verbose = verbose
+        if text.startswith("?", self.pos):
+            self.pos += 1
+            kind = text[self.pos]
+            if kind == "#" or text.startswith("P=", self.pos):  # a comment, a named backreference
+                self.pos = _past(text, self.pos, ")")
+                return (0 if kind == "#" else 1), verbose
+            if kind == "(":  # a condition `(?(group)yes|no)`: both branches counted
+                self.pos = text.index(")", self.pos) + 1
+            elif text.startswith("P<", self.pos):
+                self.pos = text.index(">", self.pos) + 1
+            elif text.startswith(("<=", "<!"), self.pos):
+                self.pos += 2
+            elif kind in ":=!>":
+                self.pos += 1
+            else:  # flags: `(?x)` for the rest of the pattern, `(?x-i:...)` for the group alone
+                flags = _FLAGS.match(text, self.pos)
+                self.pos = flags.end()
+                on, off = flags.group(1), flags.group(2) or ""
+                switched = (verbose or "x" in on) and "x" not in off
+                if flags.group(3) == ")":
+                    return 0, switched
+                inner_verbose = switched
+        inner = self._sequence(inner_verbose)
+        self.pos += 1  # the closing `)`
+        return max(inner, 1), verbose
 
 
-def _subpatterns(av: object) -> list[sre_parse.SubPattern]:
-    """The parsed sub-patterns inside an operation's argument (a group, a branch, a lookaround)."""
-    if isinstance(av, sre_parse.SubPattern):
-        return [av]
-    if isinstance(av, list | tuple):
-        return [sub for item in av for sub in _subpatterns(item)]
-    return []
+def _past(text: str, pos: int, stop: str) -> int:
+    """Where the first `stop` from `pos` on ends (or the pattern's end), a backslash escaping the
+    character after it: `re` reads `(?#a\\)b)` as one comment."""
+    while pos < len(text):
+        if text[pos] == stop:
+            return pos + 1
+        pos += 2 if text[pos] == "\\" else 1
+    return len(text)
 
 
-_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
+def _escape_end(text: str, pos: int) -> int:
+    """Where the escape starting at `pos` (a backslash) ends, as `re` reads escapes."""
+    char = text[pos + 1]
+    if char in _HEX_DIGITS:
+        return pos + 2 + _HEX_DIGITS[char]
+    if char == "N" and text.startswith("{", pos + 2):
+        return text.index("}", pos) + 1
+    if char == "0":  # a character in octal: up to two more digits
+        end = pos + 2
+        while end < min(pos + 4, len(text)) and text[end] in _OCTAL:
+            end += 1
+        return end
+    if char in _DIGITS:  # a group's number, one or two digits, unless three octal digits make a character
+        end = pos + 2
+        if end < len(text) and text[end] in _DIGITS:
+            end += 1
+            if text[pos + 1] in _OCTAL and text[pos + 2] in _OCTAL and end < len(text) and text[end] in _OCTAL:
+                end += 1
+        return end
+    return pos + 2
+
+
+def _set_end(text: str, pos: int) -> int:
+    """Where the set `[...]` starting at `pos` ends: a `]` first (after an optional `^`) is a member."""
+    pos += 1
+    if text.startswith("^", pos):
+        pos += 1
+    if text.startswith("]", pos):
+        pos += 1
+    while text[pos] != "]":
+        pos += 2 if text[pos] == "\\" else 1
+    return pos + 1
+
+
+_BRACES = re.compile(r"\{(\d*)(,?)(\d*)\}")
+_FLAGS = re.compile(r"([aiLmsux]*)(?:-([imsx]*))?([:)])")
+_HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
+_DIGITS = "0123456789"
+_OCTAL = "01234567"
 
 
 @functools.lru_cache(maxsize=64)
