@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from services.backends.object_store import ObjectNotFoundError, ObjectStore
 from services.backends.state_schema import DEFAULT_TENANT
 from services.names import tenant_object_key
-from services.runspec import DatasetFields, PromptItem
+from services.runspec import ChatMessage, DatasetFields, PromptItem
 from services.server_paths import ServerPathError, check_object_key, check_server_path
 
 STORE_SCHEME = "store://"
@@ -112,7 +112,32 @@ def to_item(row: Any, fields: DatasetFields, where: str) -> PromptItem:
             loc = loc[1:]  # a top-level field of the row, passed on in extra_info
         elif loc:
             loc = [*named.get(loc[0], loc[0]).split("."), *loc[1:]]
-        raise InvalidPromptsError(f"{where} is not a prompt row: {'.'.join(loc) or 'the row'}: {first['msg']}") from None
+        known = {*_ITEM_FIELDS, *(part for name in named.values() for part in name.split("."))}
+        # pydantic's message for an unknown field is "Extra inputs are not permitted"; say which kind of input.
+        message = "unknown field; remove it from the file" if first["type"] == "extra_forbidden" else first["msg"]
+        raise InvalidPromptsError(f"{where} is not a prompt row: {_shown_location(loc, row, known)}: {message}") from None
+
+
+# Names of a row's fields the server itself gives (the prompt item's, a chat message's, verl's layout):
+# an error may repeat these, while any other name in a row is the file's content.
+_ITEM_FIELDS = frozenset({*PromptItem.model_fields, *ChatMessage.model_fields, "reward_model", "ground_truth"})
+
+
+def _shown_location(loc: list[str], row: dict[str, Any], known: set[str]) -> str:
+    """Where in ``row`` an error lies, as an error may say it: a field the server names by its
+    name, an item of a list by its index, and any other field by its position in its object
+    ("(field 3)"), because a name the file chose is the file's content (``<script>`` in an
+    error page, or a secret a column was named after)."""
+    shown = []
+    value: Any = row
+    for part in loc:
+        position = list(value).index(part) + 1 if isinstance(value, dict) and part in value else None
+        if part in known or (isinstance(value, list) and part.isdigit()):
+            shown.append(part)
+        else:
+            shown.append(f"(field {position})" if position else "(a field)")
+        value = value[part] if position else value[int(part)] if isinstance(value, list) and part.isdigit() else None
+    return ".".join(shown) or "the row"
 
 
 def _default_answer_path(row: dict[str, Any]) -> list[str] | None:
