@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any, Self
+
 from pydantic import BaseModel, Field
 
 from contracts.status import RunStatus
+from services.backends.state_schema import RunRow
 from services.runspec import RunSpec
 
 
@@ -57,6 +60,20 @@ class RunSummaryPublic(BaseModel):
     last_mean_reward: float | None = Field(description="Mean reward of the latest iteration.")
     samples: SampleCounts
     spent_dollars: float
+
+    @classmethod
+    def of(cls, row: RunRow, spent: float, **shown: Any) -> Self:
+        """The run stored as `row`, having spent `spent`, as this schema shows it: each field named
+        as a column of the row is that column (so the list, the run and every answer that shows a
+        run map the row alike, and a column added to a schema is shown without another line);
+        `shown` gives the fields the row does not hold, or shows otherwise."""
+        columns = RunRow.__table__.columns.keys()
+        same = {name: getattr(row, name) for name in cls.model_fields if name in columns and name not in shown}
+        samples = SampleCounts(
+            produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped,
+            filtered=row.samples_filtered,
+        )
+        return cls(**same, samples=samples, spent_dollars=spent, **shown)
 
 
 class RunPublic(RunSummaryPublic):

@@ -36,7 +36,6 @@ from services.api.schemas import (
     RunPublic,
     RunsPublic,
     RunSummaryPublic,
-    SampleCounts,
 )
 from services.api.upload_slots import UploadSlots
 from services.backends.launcher import PodNotFoundError
@@ -271,40 +270,16 @@ class _JsonlWriter:
         self.count += 1
 
 
-def _summary_fields(row: RunRow, spent: float) -> dict:
-    return dict(
-        id=row.id,
-        tenant=row.tenant,
-        name=row.name,
-        status=row.status,
-        status_reason=row.status_reason,
-        created_at=row.created_at,
-        started_at=row.started_at,
-        ended_at=row.ended_at,
-        policy_version=row.policy_version,
-        iterations_done=row.iterations_done,
-        last_mean_reward=row.last_mean_reward,
-        samples=SampleCounts(
-            produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped,
-            filtered=row.samples_filtered,
-        ),  # fmt: skip
-        spent_dollars=spent,
-    )
-
-
 def run_public(view: RunView) -> RunPublic:
     row = view.run
-    return RunPublic(
-        **_summary_fields(row, view.spent),
+    return RunPublic.of(
+        row,
+        view.spent,
         iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in view.latest],
         iterations_total=view.iterations_total,
-        prompt_count=row.prompt_count,
         spec=RunSpec.from_stored(row.spec),
-        last_error=row.last_error,
-        reward_failures=row.reward_failures,
         reward_failures_by_reason=view.reward_failures,
         evals=[EvalPublic.model_validate(e, from_attributes=True) for e in view.evals],
-        last_reward_error=row.last_reward_error,
         report_url=f"/v1/runs/{row.id}/report",
     )
 
@@ -355,7 +330,7 @@ def list_runs(*, backends: Backends, principal: Principal, limit: int, cursor: s
     rows = backends.state.runs_page(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after, now=time.time())
     page = rows[:limit]
     return RunsPublic(
-        runs=[RunSummaryPublic(**_summary_fields(r, spent)) for r, spent in page],
+        runs=[RunSummaryPublic.of(r, spent) for r, spent in page],
         next_cursor=_encode_cursor(page[-1][0].created_at, page[-1][0].id) if len(rows) > limit else None,
     )
 

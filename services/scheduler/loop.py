@@ -191,23 +191,7 @@ class Scheduler:
 
     def reconcile(self, row: RunRow, pods: list) -> list[p.Action]:
         spec = RunSpec.from_stored(row.spec)
-        state = p.RunState(
-            run_id=row.id,
-            status=RunStatus(row.status),
-            spec=spec,
-            iterations_done=row.iterations_done,
-            last_mean_reward=row.last_mean_reward,
-            prompts_published=row.prompts_published,
-            ending_status=RunStatus(row.ending_status) if row.ending_status else None,
-            ending_reason=row.ending_reason,
-            train_failures=row.train_failures,
-            next_train_at=row.next_train_at,
-            worker_slots_used=row.worker_slots_used,
-            samples_produced=row.samples_produced,
-            train_launch_committed=row.train_launch_committed,
-            started_at=row.started_at,
-            **self._eval_state(row, spec),
-        )
+        state = p.RunState.of(row, spec, **self._eval_state(row, spec))
         observed = self.observe(row, pods, spec.samples_per_prompt, measure=spec.cost_policy == CostPolicy.COST_AWARE)
         actions = p.plan(state, observed)
         self._log_decisions(row.id, actions, observed)

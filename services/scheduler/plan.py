@@ -55,10 +55,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from contracts.status import RunStatus
 from services.backends.launcher import PodPhase, PodStatus
+from services.backends.state_schema import RunRow
 from services.runspec import RunSpec, run_end
 from services.scheduler.evals import (
     ROLE_EVAL,
@@ -94,25 +95,40 @@ def retry_delay(failures: int) -> float:
 
 @dataclass(frozen=True)
 class RunState:
-    """Desired and recorded state of one run, as the state store holds it."""
+    """Desired and recorded state of one run, as the state store holds it; the defaults are a new run's."""
 
     run_id: str
     status: RunStatus
     spec: RunSpec
-    iterations_done: int
-    last_mean_reward: float | None
-    prompts_published: int
-    ending_status: RunStatus | None  # while CANCELLING or ENDING: the terminal status to end with
-    ending_reason: str | None
-    train_failures: int
-    next_train_at: float
-    worker_slots_used: int
-    samples_produced: int
+    iterations_done: int = 0
+    last_mean_reward: float | None = None
+    prompts_published: int = 0
+    ending_status: RunStatus | None = None  # while CANCELLING or ENDING: the terminal status to end with
+    ending_reason: str | None = None
+    train_failures: int = 0
+    next_train_at: float = 0.0
+    worker_slots_used: int = 0
+    samples_produced: int = 0
     train_launch_committed: int = 0  # trainer offsets (summed) when the running job started
     started_at: float | None = None  # when the run started (its deadline counts from there)
     eval_launched_through: int = -1  # the highest policy version an eval was launched for (-1: none yet)
     evals_open: Mapping[int, EvalState] = field(default_factory=dict)  # by policy version
     best_eval: tuple[int, float] | None = None  # (policy version, mean score) of the best recorded eval
+
+    @classmethod
+    def of(cls, row: RunRow, spec: RunSpec, **evals: object) -> RunState:
+        """The state of the run stored as `row` (its spec parsed as `spec`): each field named as a
+        column of the row is that column, so a field added to both is carried without another line
+        here; `evals` are the eval fields, which the store keeps in rows of their own."""
+        converted = dict(
+            run_id=row.id,
+            status=RunStatus(row.status),
+            spec=spec,
+            ending_status=RunStatus(row.ending_status) if row.ending_status else None,
+        )
+        columns = RunRow.__table__.columns.keys()
+        same = {f.name: getattr(row, f.name) for f in fields(cls) if f.name in columns and f.name not in converted}
+        return cls(**converted, **same, **evals)
 
 
 @dataclass(frozen=True)

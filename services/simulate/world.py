@@ -340,9 +340,7 @@ def simulate(trace: SpotTrace, policy: CostPolicy, workload: Workload = Workload
     catalog.currency_of([workload.rollout_instance_type, workload.training_instance_type])
     spec = workload.spec(policy)
     world = _World(spec=spec, workload=workload, trace=trace, catalog=catalog)
-    world.run = p.RunState(run_id=RUN_ID, status=RunStatus.PENDING, spec=spec, iterations_done=0, last_mean_reward=None,
-                           prompts_published=0, ending_status=None, ending_reason=None, train_failures=0,
-                           next_train_at=0.0, worker_slots_used=0, samples_produced=0)
+    world.run = p.RunState(run_id=RUN_ID, status=RunStatus.PENDING, spec=spec)
     while not world.run.status.is_terminal() and world.now < workload.horizon_days * 86400.0:
         for action in p.plan(world.run, world.observed()):
             world.apply(action)

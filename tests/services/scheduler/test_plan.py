@@ -8,6 +8,7 @@ import pytest
 
 from contracts.status import RunStatus
 from services.backends.launcher import PodOutcome, PodPhase, PodStatus
+from services.backends.state_schema import RunRow
 from services.cost.billing import NODE_BOOT_SECONDS
 from services.runspec import RunSpec
 from services.scheduler.ledger_match import DEFER_STEP_SECONDS
@@ -51,12 +52,7 @@ SPEC = RunSpec.model_validate(
 
 
 def run(**changes) -> RunState:
-    base = RunState(
-        run_id="r", status=RunStatus.RUNNING, spec=SPEC, iterations_done=0, last_mean_reward=None,
-        prompts_published=0, ending_status=None, ending_reason=None,
-        train_failures=0, next_train_at=0.0, worker_slots_used=0, samples_produced=0,
-    )
-    return dataclasses.replace(base, **changes)
+    return RunState(**{"run_id": "r", "status": RunStatus.RUNNING, "spec": SPEC, **changes})
 
 
 def pod(name: str, role: str, phase: PodPhase = PodPhase.RUNNING, exit_code: int | None = None, **labels: str) -> PodStatus:
@@ -242,3 +238,17 @@ def test_a_pod_waiting_for_a_node_is_billed_from_a_boot_before_its_node_joined()
     assert not [a for a in plan(state, seen([older_node], prompts=2, entries={W0.name: NOW - 300}))
                 if isinstance(a, DeferEntry)]
 
+
+
+def test_the_state_of_a_stored_run_reads_every_column_it_names() -> None:
+    row = RunRow(
+        id="r", status="ENDING", spec=SPEC.model_dump(mode="json"), iterations_done=2, last_mean_reward=0.5,
+        prompts_published=6, ending_status="FAILED", ending_reason="budget exhausted", train_failures=1,
+        next_train_at=12.0, worker_slots_used=3, samples_produced=24, train_launch_committed=5, started_at=7.0,
+    )
+    state = RunState.of(row, SPEC, best_eval=(1, 0.25))
+    assert state == run(
+        status=RunStatus.ENDING, iterations_done=2, last_mean_reward=0.5, prompts_published=6,
+        ending_status=RunStatus.FAILED, ending_reason="budget exhausted", train_failures=1, next_train_at=12.0,
+        worker_slots_used=3, samples_produced=24, train_launch_committed=5, started_at=7.0, best_eval=(1, 0.25),
+    )

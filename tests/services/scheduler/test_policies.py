@@ -27,9 +27,8 @@ def spec(policy: str, **changes) -> RunSpec:
 
 def state(policy: str, worker_slots_used: int = 2, **changes) -> RunState:
     return RunState(
-        run_id="r", status=RunStatus.RUNNING, spec=spec(policy, **changes), iterations_done=1,
-        last_mean_reward=None, prompts_published=50, ending_status=None, ending_reason=None, train_failures=0,
-        next_train_at=0.0, worker_slots_used=worker_slots_used, samples_produced=200, started_at=NOW - 1000,
+        run_id="r", status=RunStatus.RUNNING, spec=spec(policy, **changes), iterations_done=1, prompts_published=50,
+        worker_slots_used=worker_slots_used, samples_produced=200, started_at=NOW - 1000,
     )
 
 
