@@ -128,7 +128,7 @@ def test_bad_rows_are_named_by_row_and_field_never_by_content(data_dir: Path) ->
     # A column of a type JSON has no value for, a column of the wrong type, a chat message short of its content.
     when = pa.table({"prompt": [SECRET, "b"], "created": pa.array([1, 2], pa.timestamp("s"))})
     pq.write_table(when, data_dir / "when.parquet")
-    assert "row 1 is not a prompt row: created: input was not a valid JSON value" in refusal(data_dir / "when.parquet", data_dir)
+    assert "row 1 is not a prompt row: (field 2): input was not a valid JSON value" in refusal(data_dir / "when.parquet", data_dir)
     pq.write_table(pa.table({"prompt": [1, 2]}), data_dir / "number.parquet")
     assert "row 1 is not a prompt row: prompt: Input should be a valid" in refusal(data_dir / "number.parquet", data_dir)
     rows = gsm8k_rows(2)
