@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -25,9 +25,26 @@ from trainer_core.algos import entropy_from_logits
 from trainer_core.engines.hf import cache_kwarg, distinct_prompts, left_pad
 from trainer_core.models.lora import causal_lm
 
-if TYPE_CHECKING:
-    from trainer_core.rl.critic import ValueHead
-    from trainer_core.rl.strategy import Strategy
+
+class ValueHeadLike(Protocol):
+    """What `response_scores` needs of a value head (`rl.critic.ValueHead`): hidden states
+    `(n_tokens, hidden)` to values `(n_tokens,)`, and the backbone whose hidden states it reads
+    (None: the policy's)."""
+
+    @property
+    def backbone(self) -> PreTrainedModel | None: ...
+
+    def __call__(self, hidden_states: Tensor) -> Tensor: ...
+
+
+class RanksLike(Protocol):
+    """What `response_scores` needs of a training strategy (`rl.strategy.Strategy`): how many
+    data-parallel ranks there are, and a reduction over them."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce(self, value: Tensor, op: str = "sum") -> Tensor: ...
 
 
 class TokenScores(NamedTuple):
@@ -43,8 +60,8 @@ def response_scores(
     samples: Sequence[Sample],
     response_len: int,
     cfg: TrainConfig,
-    value_head: ValueHead | None = None,
-    strategy: Strategy | None = None,
+    value_head: ValueHeadLike | None = None,
+    strategy: RanksLike | None = None,
     *,
     with_entropy: bool = False,
 ) -> TokenScores:

@@ -48,11 +48,11 @@ from trainer_core.rl.distributed import (
     DistEnv,
     all_reduce,
     broadcast_object,
-    build_strategy,
     init_distributed,
     shard_samples,
 )
 from trainer_core.rl.micro_batches import with_auto_micro_batch
+from trainer_core.rl.strategies import build_strategy
 from trainer_core.rl.strategy import OPTIMIZER_FILE, LocalStrategy, Strategy
 from trainer_core.rl.update import train_on_batch
 

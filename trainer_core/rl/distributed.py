@@ -1,6 +1,6 @@
 """Data-parallel plumbing for `train_on_batch`: joining the process group, sharing out the
-batch, collectives, and building a data-parallel `Strategy` by name (`FSDP2Strategy` in
-`rl.fsdp2`, `DeepSpeedStrategy` in `rl.zero`).
+batch, and the collectives and pieces that the data-parallel strategies share (`FSDP2Strategy` in
+`rl.fsdp2`, `DeepSpeedStrategy` in `rl.zero`; `rl.strategies.build_strategy` builds one by name).
 
 Every rank runs `train_on_batch` on its own share of the batch (`shard_samples`: whole GRPO
 groups, as many samples on each rank), with the strategy built over the same policy weights on
@@ -39,19 +39,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from contracts.samples import Sample
-from contracts.training import TrainConfig
 from trainer_core.rl.strategy import ADAM_BETAS, ADAM_EPS
-
-if TYPE_CHECKING:
-    from trainer_core.rl.fsdp2 import FSDP2Strategy
-    from trainer_core.rl.zero import DeepSpeedStrategy
 
 _T = TypeVar("_T")
 
@@ -193,37 +188,6 @@ class ReplicatedCritic:
         nn.utils.clip_grad_norm_(self._params, self._max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-
-STRATEGIES = ("fsdp2", "zero1", "zero2", "zero3")
-
-
-def build_strategy(
-    name: str,
-    model: nn.Module,
-    cfg: TrainConfig,
-    *,
-    value_head: nn.Module | None = None,
-    ref_model: nn.Module | None = None,
-    offload_optimizer: bool = False,
-) -> FSDP2Strategy | DeepSpeedStrategy:
-    """The data-parallel strategy called `name` (one of `STRATEGIES`) over `model`, already on
-    this rank's device. FSDP2 and ZeRO-3 shard `ref_model` too.
-    `offload_optimizer` keeps ZeRO's optimizer state and step on the CPU."""
-    # Imported here: the strategies' modules import this one.
-    from trainer_core.rl.fsdp2 import FSDP2Strategy
-    from trainer_core.rl.zero import DeepSpeedStrategy
-
-    if name == "fsdp2":
-        if offload_optimizer:
-            raise ValueError("offload_optimizer is a ZeRO option: use strategy zero1, zero2 or zero3")
-        return FSDP2Strategy(model, cfg, value_head=value_head, ref_model=ref_model)
-    if name in STRATEGIES:
-        return DeepSpeedStrategy(
-            model, cfg, zero_stage=int(name[-1]), offload_optimizer=offload_optimizer, value_head=value_head,
-            ref_model=ref_model,
-        )
-    raise ValueError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
 
 
 def broadcast_object(obj: _T | None) -> _T:
