@@ -19,20 +19,19 @@ training minutes per batch on the sweep trace.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from services.runspec import CostPolicy
-from services.simulate.command import (
-    BatchSamples, DeadlineHours, Iterations, MaxWorkers, Notice, RolloutType, Staleness, Startup, TrainingMinutes,
-    TrainingType, WorkerRate, Workers, workload,
-)
 from services.cost.catalog import load_catalog
+from services.runspec import CostPolicy
+from services.simulate.command import workload_options
 from services.simulate.gap import PARTS, forced_training_startups
 from services.simulate.traces import SpotTrace, load_trace, traces_in
-from services.simulate.world import SimResult, Workload, simulate
+from services.simulate.workload import Workload
+from services.simulate.world import SimResult, simulate
 
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SWEEP_MINUTES = (2, 5, 10, 18, 30, 40)
@@ -81,38 +80,24 @@ def header(currency: str) -> str:
             "stale | pre. | busy  |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
+@workload_options
 def main(
     traces: Annotated[Path, typer.Option(help="Directory of SkyPilot spot-traces JSON files (searched recursively).")] = SHARED_TRACES,
     sweep_trace: Annotated[str, typer.Option(help="Trace (file stem) of the training-minutes sweep.")] = "g4dn_nodes_60s",
-    batch_samples: BatchSamples = 5000,
-    iterations: Iterations = 12,
-    workers: Workers = 4,
-    max_workers: MaxWorkers = 16,
-    worker_samples_per_hour: WorkerRate = 3000.0,
-    training_minutes: TrainingMinutes = 18.0,
-    startup_seconds: Startup = 90.0,
-    spot_notice_seconds: Notice = 120.0,
-    staleness_bound: Staleness = 1,
-    deadline_hours: DeadlineHours = None,
-    rollout_instance_type: RolloutType = "g6.xlarge",
-    training_instance_type: TrainingType = "p4d.24xlarge",
     explain: Annotated[bool, typer.Option(help="Also print where each run's dollars above the bound go.")] = False,
+    *,
+    workload: Workload,
 ) -> None:
-    def work(minutes: float):
-        return workload(batch_samples, iterations, workers, max_workers, worker_samples_per_hour, minutes,
-                        startup_seconds, spot_notice_seconds, staleness_bound, deadline_hours,
-                        rollout_instance_type, training_instance_type)
-
     loaded = [load_trace(path) for path in traces_in(traces)]
-    results = {t.name: {pol: simulate(t, pol, work(training_minutes)) for pol in CostPolicy} for t in loaded}
-    currency = load_catalog().currency_of([rollout_instance_type, training_instance_type])  # every run's
+    results = {t.name: {pol: simulate(t, pol, workload) for pol in CostPolicy} for t in loaded}
+    currency = load_catalog().currency_of([workload.rollout_instance_type, workload.training_instance_type])  # every run's
     typer.echo(header(currency))
     for name, by_policy in results.items():
         for r in by_policy.values():
             typer.echo(_row(name, r))
 
     if explain:
-        _explain(results, loaded, work(training_minutes))
+        _explain(results, loaded, workload)
 
     failures: list[str] = []
     closed: list[float] = []
@@ -148,7 +133,7 @@ def main(
     for minutes in SWEEP_MINUTES:
         cells = []
         for pol in CostPolicy:
-            r = simulate(sweep, pol, work(minutes))
+            r = simulate(sweep, pol, replace(workload, training_minutes=minutes))
             cells.append(f"{r.dollars:.2f} ({r.dollars / r.lower_bound_dollars:.3f}x, {r.wall_seconds / 3600:.1f} h)")
         typer.echo(f"| {minutes} | " + " | ".join(cells) + " |")
 

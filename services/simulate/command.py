@@ -1,62 +1,58 @@
 """``spotrl simulate``: one run on a spot trace under one cost policy (``services.simulate.world``).
 
-The workload options are shared with ``bench/cost_policies.py``.
+Its workload options are the ``Workload`` fields with a help text (``workload_options``), which
+``bench/cost_policies.py`` takes too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import json
+import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from services.runspec import CostPolicy
-
-BatchSamples = Annotated[int, typer.Option(help="Samples per training batch.")]
-Iterations = Annotated[int, typer.Option(help="Training iterations of the run.")]
-Workers = Annotated[int, typer.Option(help="Spot rollout workers the threshold rule holds for one batch.")]
-MaxWorkers = Annotated[int, typer.Option(help="Most rollout workers a policy may hold.")]
-WorkerRate = Annotated[float, typer.Option(help="Samples per hour of one rollout worker.")]
-TrainingMinutes = Annotated[float, typer.Option(help="Minutes of training per batch on the training instance.")]
-Startup = Annotated[float, typer.Option(help="Node start plus model load per launch, seconds.")]
-Notice = Annotated[float, typer.Option(help="Seconds of notice before a spot preemption (AWS 120, GCP 30).")]
-Staleness = Annotated[int, typer.Option(help="Policy versions a sample may lag before it is dropped.")]
-DeadlineHours = Annotated[float | None, typer.Option(help="Deadline of the run, hours (cost-aware may then use on-demand rollout).")]
-RolloutType = Annotated[str, typer.Option(help="Catalog instance type of the rollout workers.")]
-TrainingType = Annotated[str, typer.Option(help="Catalog instance type of the training job (on-demand).")]
+from services.simulate.workload import Workload
 
 
-def workload(batch_samples: int, iterations: int, workers: int, max_workers: int, worker_samples_per_hour: float,
-             training_minutes: float, startup_seconds: float, spot_notice_seconds: float, staleness_bound: int,
-             deadline_hours: float | None, rollout_instance_type: str, training_instance_type: str):
-    from services.simulate.world import Workload
+def workload_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with one typer option for each ``Workload`` field that has a help text, its
+    default the field's, in place of its parameter ``workload``, which it is called with, built
+    from them: so the simulator and the bench read their workload options from one declaration."""
+    hints = typing.get_type_hints(Workload)
+    fields = [f for f in dataclasses.fields(Workload) if "help" in f.metadata]
+    options = [
+        inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+            annotation=Annotated[hints[f.name], typer.Option(help=f.metadata["help"])],
+        )
+        for f in fields
+    ]
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "workload"]
 
-    return Workload(
-        batch_samples=batch_samples, iterations=iterations, workers=workers, max_workers=max_workers,
-        worker_samples_per_hour=worker_samples_per_hour, training_minutes=training_minutes,
-        startup_seconds=startup_seconds, spot_notice_seconds=spot_notice_seconds, staleness_bound=staleness_bound,
-        deadline_seconds=None if deadline_hours is None else deadline_hours * 3600.0,
-        rollout_instance_type=rollout_instance_type, training_instance_type=training_instance_type,
-    )
+    @functools.wraps(command)
+    def with_workload(**kwargs: Any) -> Any:
+        work = Workload(**{f.name: kwargs.pop(f.name) for f in fields})
+        return command(workload=work, **kwargs)
+
+    with_workload.__signature__ = inspect.Signature([*own, *options])  # type: ignore[attr-defined]
+    with_workload.__annotations__ = {p.name: p.annotation for p in [*own, *options]}
+    return with_workload
 
 
+@workload_options
 def simulate_command(
     trace: Annotated[Path, typer.Option(help="SkyPilot spot-traces JSON: spot instances available per tick.", exists=True, dir_okay=False)],
     policy: Annotated[CostPolicy, typer.Option(help="Cost policy to run.")] = CostPolicy.COST_AWARE,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures to this JSON file.")] = None,
-    batch_samples: BatchSamples = 5000,
-    iterations: Iterations = 12,
-    workers: Workers = 4,
-    max_workers: MaxWorkers = 16,
-    worker_samples_per_hour: WorkerRate = 3000.0,
-    training_minutes: TrainingMinutes = 18.0,
-    startup_seconds: Startup = 90.0,
-    spot_notice_seconds: Notice = 120.0,
-    staleness_bound: Staleness = 1,
-    deadline_hours: DeadlineHours = None,
-    rollout_instance_type: RolloutType = "g6.xlarge",
-    training_instance_type: TrainingType = "p4d.24xlarge",
+    *,
+    workload: Workload,
 ) -> None:
     """Simulate a run on a spot trace: the real scheduler's plan() every tick, with a simulated
     launcher, queue, clock and ledger; print (and with --json write) its bill and figures, money in
@@ -66,10 +62,7 @@ def simulate_command(
     from services.simulate.world import simulate
 
     try:
-        work = workload(batch_samples, iterations, workers, max_workers, worker_samples_per_hour, training_minutes,
-                        startup_seconds, spot_notice_seconds, staleness_bound, deadline_hours,
-                        rollout_instance_type, training_instance_type)
-        result = simulate(load_trace(trace), policy, work)
+        result = simulate(load_trace(trace), policy, workload)
     except ValueError as e:  # a bad trace, an unknown instance type, an impossible run spec
         raise typer.BadParameter(str(e)) from None
     figures = result.to_json()
@@ -77,4 +70,4 @@ def simulate_command(
         json_out.write_text(json.dumps(figures, indent=2) + "\n")
     typer.echo(json.dumps(figures, indent=2))
     if not result.finished:
-        typer.echo(f"the run had not ended after {work.horizon_days:g} simulated days (too little spot capacity in the trace?)", err=True)
+        typer.echo(f"the run had not ended after {workload.horizon_days:g} simulated days (too little spot capacity in the trace?)", err=True)

@@ -38,48 +38,12 @@ from services.scheduler import plan as p
 from services.scheduler.policies import measured
 from services.simulate.gap import PodSpan, gap
 from services.simulate.traces import SpotTrace
+from services.simulate.workload import Workload
 
 RUN_ID = "sim"
 # A training node whose pod ended this long ago is still up (Kubernetes' cluster autoscaler waits
 # 10 minutes by default before removing an empty node; this is far less, and unbilled).
 HANDOVER_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The seed's workload by default (the one bench/cost_policies.py measures)."""
-
-    batch_samples: int = 5000
-    samples_per_prompt: int = 4
-    iterations: int = 12
-    workers: int = 4  # the pool the threshold rule holds for one batch of prompts
-    max_workers: int = 16  # the most a policy may hold
-    worker_samples_per_hour: float = 3000.0
-    training_minutes: float = 18.0
-    startup_seconds: float = 90.0  # node start plus model load, per launch
-    spot_notice_seconds: float = 120.0  # AWS's; GCP gives 30
-    staleness_bound: int = 1
-    deadline_seconds: float | None = None
-    rollout_instance_type: str = "g6.xlarge"
-    training_instance_type: str = "p4d.24xlarge"
-    tick_seconds: float = 10.0
-    horizon_days: float = 7.0  # a run still going then stops there, unfinished (a trace without spot capacity)
-
-    def spec(self, policy: CostPolicy) -> RunSpec:
-        prompts_per_batch = math.ceil(self.batch_samples / self.samples_per_prompt / self.workers)
-        return RunSpec.model_validate({
-            "model": "tiny",
-            "prompts": [{"prompt": "simulated"}],
-            "samples_per_prompt": self.samples_per_prompt,
-            "batch_samples": self.batch_samples,
-            "iterations": self.iterations,
-            "staleness_bound": self.staleness_bound,
-            "cost_policy": policy,
-            "deadline_seconds": self.deadline_seconds,
-            "rollout": {"instance_type": self.rollout_instance_type, "min_workers": 0,
-                        "max_workers": max(self.max_workers, self.workers), "prompts_per_batch": prompts_per_batch},
-            "training": {"instance_type": self.training_instance_type},
-        })
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def test_cost_aware_is_cheaper_than_the_rules(results) -> None:
 
 def test_a_deadline_is_met_with_on_demand_rollout_where_spot_alone_misses_it() -> None:
     scarce = parse_trace("scarce", {"metadata": {"gap_seconds": 60}, "data": [1]})
-    deadline = Workload(**{**SMALL.__dict__, "deadline_seconds": 1700.0})
+    deadline = Workload(**{**SMALL.__dict__, "deadline_hours": 1700.0 / 3600.0})
     assert simulate(scarce, CostPolicy.THRESHOLD, deadline).deadline_met is False
     assert simulate(scarce, CostPolicy.COST_AWARE, deadline).deadline_met is True
 
@@ -61,7 +61,7 @@ def test_a_zone_without_spot_capacity_turns_to_on_demand_in_time_for_the_deadlin
     """No sample ever comes from spot, so there is no pace to project: cost-aware waits a quarter
     of the deadline for capacity, then starts its workers on-demand. Without a deadline it waits."""
     none = parse_trace("none", {"metadata": {"gap_seconds": 60}, "data": [0]})
-    deadline = Workload(**{**SMALL.__dict__, "deadline_seconds": 7200.0, "horizon_days": 0.5})
+    deadline = Workload(**{**SMALL.__dict__, "deadline_hours": 2.0, "horizon_days": 0.5})
     met = simulate(none, CostPolicy.COST_AWARE, deadline)
     assert met.deadline_met is True and met.samples_trained == 3 * 400
     assert met.wall_seconds >= 0.25 * 7200  # it gave spot its quarter first
