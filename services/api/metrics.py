@@ -35,8 +35,9 @@ from services.backends.state_store import LedgerEntry
 from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog, load_catalog
 from services.cost.report import cost_report
-from services.names import ROLLOUT_GROUP, TRAINER_GROUP, prompts_topic, samples_topic
+from services.names import ROLLOUT_GROUP, prompts_topic
 from services.runspec import RunSpec
+from services.training.backlog import sample_backlog
 from services.wiring import Backends
 
 GROUP_SIZE_DEFAULT = RunSpec.model_fields["samples_per_prompt"].default
@@ -117,7 +118,7 @@ class RunCollector(Collector):
         f.version.add_metric([run], r.policy_version)
         if not RunStatus(r.status).is_terminal() and r.started_at is not None:
             group_size = r.spec.get("samples_per_prompt", GROUP_SIZE_DEFAULT)  # a sample record is a group
-            f.backlog.add_metric([run], group_size * self.b.queue.backlog(samples_topic(run), TRAINER_GROUP))
+            f.backlog.add_metric([run], sample_backlog(self.b.queue, run, group_size).queued)
             f.prompt_backlog.add_metric([run], self.b.queue.backlog(prompts_topic(run), ROLLOUT_GROUP))
         f.produced.add_metric([run], r.samples_produced)
         f.trained.add_metric([run], r.samples_trained)

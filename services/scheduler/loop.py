@@ -25,13 +25,14 @@ from services.config import Settings
 from services.cost.billing import billed_dollars
 from services.cost.catalog import PriceCatalog, load_prices
 from services.errors import PermanentError, TemporaryError
-from services.names import ROLLOUT_GROUP, TRAINER_GROUP, eval_result_key, prompts_topic, result_key, samples_topic
+from services.names import ROLLOUT_GROUP, eval_result_key, prompts_topic, result_key, samples_topic
 from services.runspec import CostPolicy, RunSpec
 from services.scheduler import plan as p
 from services.scheduler.apply import Applier
 from services.scheduler.lease import Leadership
 from services.scheduler.policies import Estimates, measured
 from services.tracking.sinks import SinkSet
+from services.training.backlog import SampleBacklog, sample_backlog
 from services.tracking.sync import Tracker
 from services.wiring import Backends
 
@@ -236,21 +237,16 @@ class Scheduler:
         which only the cost-aware policy reads."""
         now = time.time()
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
-        samples = samples_topic(row.id)
         ledger = self.b.state.ledger(row.id)
         ended_jobs = [int(pod.labels["iteration"]) for pod in pods if pod.role == p.ROLE_TRAINING and pod.phase.is_terminal()]
         ended_evals = [int(pod.labels["version"]) for pod in pods if pod.role == p.ROLE_EVAL and pod.phase.is_terminal()]
-        # The sample backlog and the trainer's commits from one read of each, the commits first: a job
-        # committing between two reads made the backlog lack its batch while the commits still showed
-        # the job holding it (plan then counted that batch twice, and stopped a pool the run needed).
-        committed = self.b.queue.committed(samples, TRAINER_GROUP) if started else {}
-        end = self.b.queue.end_offsets(samples) if started else {}
+        backlog = sample_backlog(self.b.queue, row.id, group_size) if started else SampleBacklog(0, 0, 0)
         return p.Observed(
             pods=pods,
             prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
-            sample_backlog=group_size * sum(offset - committed.get(partition, 0) for partition, offset in end.items()),
-            samples_produced=group_size * sum(end.values()),
-            trainer_committed=sum(committed.values()),
+            sample_backlog=backlog.queued,
+            samples_produced=backlog.produced,
+            trainer_committed=backlog.committed,
             spent_dollars=sum(billed_dollars(ledger, self.catalog, now)),  # the cost report's figure
             billed=frozenset(e.pod for e in ledger),
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},

@@ -1,5 +1,6 @@
-"""Reading the trainer group's sample backlog: what a training job takes as its batch, and what
-the scheduler counts as dropped when a run ends. No torch: the scheduler imports this."""
+"""Reading the trainer group's sample backlog: how many samples wait (the scheduler's trigger and
+``/metrics``), what a training job takes as its batch, and what the scheduler counts as dropped
+when a run ends. No torch: the scheduler and the API import this."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.backends.queue import Consumer, Queue, Record, next_offsets
 from services.names import TRAINER_GROUP, TRAINER_MEMBER, samples_topic
@@ -15,6 +17,32 @@ from services.names import TRAINER_GROUP, TRAINER_MEMBER, samples_topic
 TRAINER_SESSION_S = 24 * 3600.0
 # How long reading the backlog may go without a record before the job gives up (and is retried).
 READ_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class SampleBacklog:
+    """A run's sample topic as the trainer group stands on it."""
+
+    queued: int  # samples queued and not yet committed by the trainer group
+    produced: int  # every sample ever queued
+    committed: int  # the trainer group's committed offsets, summed over partitions (records, not samples)
+
+
+def sample_backlog(queue: Queue, run_id: str, group_size: int) -> SampleBacklog:
+    """The run's sample backlog now; each record of its topic is a group of ``group_size`` samples.
+
+    One read of the commits, then one of the end offsets: a job committing between two reads of
+    the backlog made it lack the job's batch while the commits still showed the job holding it (the
+    scheduler then counted that batch twice, and stopped a pool the run needed).
+    """
+    topic = samples_topic(run_id)
+    committed = queue.committed(topic, TRAINER_GROUP)
+    end = queue.end_offsets(topic)
+    return SampleBacklog(
+        queued=group_size * sum(offset - committed.get(partition, 0) for partition, offset in end.items()),
+        produced=group_size * sum(end.values()),
+        committed=sum(committed.values()),
+    )
 
 
 def take_batch(records: Sequence[Record], groups: int) -> tuple[list[Record], dict[int, int]]:

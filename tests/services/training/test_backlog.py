@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 from services.backends.queue import Record
-from services.training.backlog import take_batch
+from services.backends.sqlite_queue import SqliteQueue
+from services.names import samples_topic
+from services.training.backlog import SampleBacklog, read_backlog, sample_backlog, take_batch, trainer_consumer
 
 
 def test_take_batch_takes_the_oldest_groups_as_partition_prefixes() -> None:
@@ -19,3 +23,16 @@ def test_take_batch_keeps_partition_prefixes_when_producers_clocks_disagree() ->
     taken, offsets = take_batch(records, groups=2)
     assert [(r.partition, r.offset) for r in taken] == [(1, 0), (0, 0)]
     assert offsets == {0: 1, 1: 1}
+
+
+def test_the_sample_backlog_counts_samples_and_the_trainer_commits_records(tmp_path: Path) -> None:
+    queue = SqliteQueue(tmp_path / "queue.db")
+    queue.create_topic(samples_topic("r"), 2)
+    queue.produce(samples_topic("r"), [b"g1", b"g2", b"g3"])  # three groups of 4 samples
+    assert sample_backlog(queue, "r", group_size=4) == SampleBacklog(queued=12, produced=12, committed=0)
+
+    consumer = trainer_consumer(queue, "r")
+    _, offsets = take_batch(read_backlog(queue, consumer, "r")[0], groups=2)
+    consumer.commit(offsets)
+    assert sample_backlog(queue, "r", group_size=4) == SampleBacklog(queued=4, produced=12, committed=2)
+    queue.close()
