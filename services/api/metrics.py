@@ -125,7 +125,6 @@ class RunCollector(Collector):
         f.dropped.add_metric([run], r.samples_dropped)
         f.iterations.add_metric([run], r.iterations_done)
         if r.last_mean_reward is not None:
-            f.reward.add_metric([run], r.last_mean_reward)
             f.training_reward.add_metric([run], r.last_mean_reward)
         entries = self.b.state.ledger(r.id)
         self._ledger(f, r, entries, now)
@@ -255,7 +254,6 @@ class _Families:
             labels=[*run, "reason"],
         )
         self.iterations = CounterMetricFamily("spotrl_training_iterations", "Training iterations finished.", labels=run)
-        self.reward = GaugeMetricFamily("spotrl_mean_reward", "Mean reward of the last iteration.", labels=run)
         self.training_reward = GaugeMetricFamily(
             "spotrl_training_mean_reward", "Mean reward of the trained samples of the latest iteration.", labels=run
         )

@@ -26,6 +26,7 @@ def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: S
     for topic in (prompts_topic("r1"), samples_topic("r1")):
         b.queue.create_topic(topic, 1)
     b.state.set_status("r1", RunStatus.RUNNING)
+    b.queue.produce(samples_topic("r1"), [b"one group"])  # of samples_per_prompt (4 by default) samples
     now = time.time()
     bill = dict(run_id="r1", role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=0.5,
                 price_source="test")  # fmt: skip
@@ -59,6 +60,9 @@ def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: S
     assert value("spotrl_sample_staleness_mean") == 0.5
     assert value("spotrl_samples_dropped_by_reason_total", reason="stale") == 2
     assert value("spotrl_prompt_backlog") == 0
+    assert value("spotrl_sample_backlog") == 4
+    assert value("spotrl_training_mean_reward") == 0.25
+    assert value("spotrl_mean_reward") is None  # one family for the latest iteration's mean reward
     # Savings and efficiency are the cost report's, not computed twice.
     report = cost_report(b.state.ledger("r1"), catalog=load_catalog(), training_instance_type="p4d.24xlarge",
                          run_started_at=b.state.get_run("r1").started_at, run_ended_at=None, now=time.time())  # fmt: skip
