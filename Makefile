@@ -47,7 +47,7 @@ kube-apiserver:
 prometheus: $(STAMP)
 	$(PY) -m tests.servers.prometheus
 
-# Debian's Chromium for the report page's test (tests/services/cost/test_report_page.py): the one on
+# Debian's Chromium for the report page's test (tests/services/control/cost/test_report_page.py): the one on
 # PATH, or else `apt-get download` of chromium and of those of its dependencies the machine lacks,
 # unpacked with `dpkg-deb -x` into ~/.cache/spotrl/chromium (no root); a second run does nothing.
 chromium: $(STAMP)

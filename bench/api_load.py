@@ -40,7 +40,7 @@ Little's law makes mean latency = 50 / throughput: a p99 under 50 ms needs more 
 req/s; ``--rate`` asks what latency a given rate gets.
 
 ``--token`` sends ``Authorization: Bearer <token>`` and makes the started server require it:
-through a tokens file of its hash (SPOTRL_TOKENS_FILE, ``services.api.auth``) when the
+through a tokens file of its hash (SPOTRL_TOKENS_FILE, ``services.control.api.auth``) when the
 checkout has one, else through ``--token-env`` (SPOTRL_API_TOKEN). ``--server-env`` passes any
 other setting. ``--root`` serves another checkout with this interpreter (e.g. ``git archive
 HEAD`` unpacked: a snapshot that others' edits do not change mid-run). ``--url`` loads a
@@ -110,11 +110,11 @@ class Server:
 
     @classmethod
     def start(cls, home: Path, *, scheduler: bool, env: dict[str, str]) -> Server:
-        """`spotrl serve` of the ``ROOT`` checkout (``python -m services.cli``, which is what the
+        """`spotrl serve` of the ``ROOT`` checkout (``python -m services.cli.main``, which is what the
         ``spotrl`` script runs; ROOT on PYTHONPATH, so the pods it launches run ROOT's code too)."""
         port = free_port()
         log_path = home / f"server-{port}.log"
-        command = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--home", str(home)]
+        command = [sys.executable, "-m", "services.cli.main", "serve", "--port", str(port), "--home", str(home)]
         if not scheduler:
             command.append("--no-scheduler")
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -168,7 +168,7 @@ def auth_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
         mode = "file" if (ROOT / "services" / "api" / "auth.py").exists() else "env"
     if mode == "env":
         return {args.token_env: args.token}
-    # The tokens file of services.api.auth: hashes only, each with its tenant.
+    # The tokens file of services.control.api.auth: hashes only, each with its tenant.
     path = home / "tokens.json"
     entry = {"sha256": hashlib.sha256(args.token.encode()).hexdigest(), "tenant": args.tenant, "admin": False, "label": "api_load"}
     path.write_text(json.dumps({"tokens": [entry]}))
@@ -204,9 +204,9 @@ def give_history(home: Path, run_ids: list[str], iterations: int) -> None:
     two rollout workers."""
     sys.path.insert(0, str(ROOT))
     from contracts.status import RunStatus
-    from services.backends.state_schema import IterationRow
-    from services.backends.state_store import StateStore
-    from services.config import Settings
+    from services.ports.state.state_schema import IterationRow
+    from services.ports.state.state_store import StateStore
+    from services.core.config import Settings
 
     os.environ["SPOTRL_HOME"] = str(home)
     state = StateStore(Settings().resolved_state_url())
@@ -283,7 +283,7 @@ def end_active_run(url: str, token: str | None, run_id: str, home: Path | None) 
 
 def stop_pods(home: Path) -> None:
     sys.path.insert(0, str(ROOT))
-    from services.backends.launcher import LocalLauncher
+    from services.ports.launcher.local_launcher import LocalLauncher
 
     launcher = LocalLauncher(home / "pods")
     for pod in launcher.list():
@@ -788,7 +788,7 @@ def main() -> None:
     parser.add_argument(
         "--auth", choices=["auto", "env", "file", "none"], default="auto",
         help="How the started server learns --token: env (SPOTRL_API_TOKEN, or --token-env), file (a tokens file of its "
-        "sha256 for --tenant, SPOTRL_TOKENS_FILE), none; auto: file when the checkout has services/api/auth.py.",
+        "sha256 for --tenant, SPOTRL_TOKENS_FILE), none; auto: file when the checkout has services/control/api/auth.py.",
     )
     parser.add_argument("--token-env", default="SPOTRL_API_TOKEN", help="The setting that holds the token, with --auth env.")
     parser.add_argument("--tenant", default="load", help="The token's tenant, with --auth file.")

@@ -17,7 +17,7 @@ import sys
 PROBE = """
 import resource, sys, time
 started = time.perf_counter()
-import services.api.main, services.scheduler.loop
+import services.control.api.main, services.control.scheduler.loop
 seconds = time.perf_counter() - started
 print(__import__("json").dumps({
     "seconds": seconds,

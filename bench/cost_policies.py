@@ -25,13 +25,13 @@ from typing import Annotated
 
 import typer
 
-from services.cost.catalog import load_catalog
-from services.runspec import CostPolicy
-from services.simulate.command import workload_options
-from services.simulate.gap import PARTS, forced_training_startups
-from services.simulate.traces import SpotTrace, load_trace, traces_in
-from services.simulate.workload import Workload
-from services.simulate.world import SimResult, simulate
+from services.ports.prices.catalog import load_catalog
+from services.domain.runspec import CostPolicy
+from services.control.simulate.command import workload_options
+from services.control.simulate.gap import PARTS, forced_training_startups
+from services.control.simulate.traces import SpotTrace, load_trace, traces_in
+from services.control.simulate.workload import Workload
+from services.control.simulate.world import SimResult, simulate
 
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SWEEP_MINUTES = (2, 5, 10, 18, 30, 40)
@@ -46,10 +46,10 @@ def _row(trace: str, r: SimResult) -> str:
 
 
 def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotTrace], w: Workload) -> None:
-    """One line per (trace, policy): its dollars above the bound, by part (services.simulate.gap);
+    """One line per (trace, policy): its dollars above the bound, by part (services.control.simulate.gap);
     then, per trace, the most of threshold's gap a policy can close, the training start-ups it
     cannot avoid (``forced_training_startups``) left."""
-    typer.echo("\ndollars above the bound, by part (services.simulate.gap):")
+    typer.echo("\ndollars above the bound, by part (services.control.simulate.gap):")
     typer.echo("| trace | policy | gap | " + " | ".join(PARTS) + " |\n|---|---|" + "---:|" * (len(PARTS) + 1))
     for name, by_policy in results.items():
         for r in by_policy.values():

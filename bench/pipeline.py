@@ -11,7 +11,7 @@ Each round, in alternating order:
   token ids, float32 log-probs) keyed by the group, with ``KafkaQueue.produce`` in calls of
   ``--batch`` samples, each call returning once every record is acknowledged (acks=all,
   idempotent); the training consumer
-  (``KafkaQueue.consumer`` in the trainer group, as ``services.training.backlog`` opens it) polls
+  (``KafkaQueue.consumer`` in the trainer group, as ``services.domain.backlog`` opens it) polls
   them concurrently, and commits at the end.
 - **raw**: kafka-python's ``KafkaProducer`` sends the same bytes with the same keys (its defaults:
   idempotent, acks=all, flushed once at the end) while a ``KafkaConsumer`` in a group polls them.
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kafka import KafkaConsumer, KafkaProducer  # noqa: E402
 
 from contracts.samples import Sample, decode_group, encode_group  # noqa: E402
-from services.backends.kafka_queue import KafkaQueue  # noqa: E402
-from services.names import TRAINER_GROUP, TRAINER_MEMBER  # noqa: E402
+from services.ports.queue.kafka_queue import KafkaQueue  # noqa: E402
+from services.domain.names import TRAINER_GROUP, TRAINER_MEMBER  # noqa: E402
 
 
 def make_groups(n: int, group_size: int, prompt_tokens: int, response_tokens: int) -> list[tuple[bytes, bytes]]:

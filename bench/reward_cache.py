@@ -30,8 +30,8 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from services.backends.redis_reward_cache import DEFAULT_TTL_S, KEY_PREFIX, RedisRewardCache  # noqa: E402
-from services.backends.reward_cache import reward_cache_key  # noqa: E402
+from services.ports.reward_cache.redis_reward_cache import DEFAULT_TTL_S, KEY_PREFIX, RedisRewardCache  # noqa: E402
+from services.ports.reward_cache.reward_cache import reward_cache_key  # noqa: E402
 
 
 @contextlib.contextmanager

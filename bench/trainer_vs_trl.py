@@ -135,14 +135,14 @@ class StepRecord:
 
 def arithmetic_prompts(count: int, seed: int) -> list[tuple[str, str]]:
     """`count` (prompt, answer) pairs "What is a + b?", the demo's prompts."""
-    from services.arithmetic import arithmetic_prompts as demo_prompts
+    from services.tooling.arithmetic import arithmetic_prompts as demo_prompts
 
     return [(item["prompt"], item["answer"]) for item in demo_prompts(count, seed)]
 
 
 def exact_match(text: str, answer: str) -> float:
     """1.0 when the last number in `text` equals `answer` (the run reward of the same name)."""
-    from services.reward.functions import last_number
+    from services.data.reward.functions import last_number
 
     got = last_number(text)
     return float(got is not None and abs(got - float(answer)) < 1e-9)

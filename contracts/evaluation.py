@@ -1,7 +1,7 @@
 """An eval job's result: how policy version N scored on the run's held-out prompts, written by
 the eval pod, read by the scheduler.
 
-Stored as JSON at ``runs/<run>/evals/v<N>.json`` (``services.names.eval_result_key``), written
+Stored as JSON at ``runs/<run>/evals/v<N>.json`` (``services.domain.names.eval_result_key``), written
 last: its presence means the eval of vN is done (a retried eval pod that finds it exits).
 """
 

@@ -1,5 +1,5 @@
 """Render the README's run-spec and settings tables from the models' own field descriptions
-(`services.runspec.RunSpec`, `services.config.Settings`), so that what the README says a field
+(`services.domain.runspec.RunSpec`, `services.core.config.Settings`), so that what the README says a field
 means is what the API's OpenAPI document and `--help` say, and a new field cannot be forgotten.
 
     .venv/bin/python scripts/readme_tables.py          # exit 1, saying so, when the README's tables are stale
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT))  # run as a script, the repository's packages are importable too
 
-from services.config import Settings  # noqa: E402
-from services.runspec import PromptItem, RunSpec  # noqa: E402
+from services.core.config import Settings  # noqa: E402
+from services.domain.runspec import PromptItem, RunSpec  # noqa: E402
 
 # The README's tables, each between `<!-- <name>:start -->` and `<!-- <name>:end -->`.
 RUN_SPEC_TABLE = "run-spec-table"

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from services.api.main import create_app
-from services.config import Settings
+from services.control.api.main import create_app
+from services.core.config import Settings
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from services.config import Settings
+from services.core.config import Settings
 from tests.app_client import app_client
 
 # Real servers for the production adapters' tests, each started once per session on free

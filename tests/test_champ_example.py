@@ -11,8 +11,8 @@ import httpx
 import pyarrow.parquet as pq
 import yaml
 
-from services.prompts import load_prompts
-from services.runspec import RunSpec
+from services.domain.prompts import load_prompts
+from services.domain.runspec import RunSpec
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "champ"
 

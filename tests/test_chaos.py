@@ -1,5 +1,5 @@
 """Chaos during a real run: the tiny model, real pods, the scheduler as its own process, and
-``services.chaos.Chaos`` SIGKILLing rollout workers, a training job between publishing and
+``services.tooling.chaos.Chaos`` SIGKILLing rollout workers, a training job between publishing and
 committing, and the scheduler (restarted each time). Then ``audit_run``, the same audit as
 `spotrl demo --chaos`, must find every guarantee kept.
 
@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.backends.launcher import PodPhase
-from services.chaos import Chaos
-from services.chaos_plan import ChaosPlan, ChaosTally
-from services.run_audit import audit_run
-from services.config import Settings
-from services.wiring import open_backends
+from services.ports.launcher.launcher import PodPhase
+from services.tooling.chaos import Chaos
+from services.tooling.chaos_plan import ChaosPlan, ChaosTally
+from services.tooling.run_audit import audit_run
+from services.core.config import Settings
+from services.ports.wiring import open_backends
 
 pytestmark = pytest.mark.slow
 

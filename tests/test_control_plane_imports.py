@@ -16,8 +16,8 @@ HEAVY = ("torch", "transformers", "peft", "deepspeed", "vllm", "trainer_core")
 def test_api_and_scheduler_load_no_torch() -> None:
     probe = (
         "import json, sys\n"
-        "from services.api.main import create_app\n"
-        "from services.scheduler.loop import Scheduler\n"
+        "from services.control.api.main import create_app\n"
+        "from services.control.scheduler.loop import Scheduler\n"
         "create_app()\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )

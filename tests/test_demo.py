@@ -20,7 +20,7 @@ def test_the_demo_trains_bills_and_exits_0(tmp_path: Path, tmp_path_factory: pyt
     summary = tmp_path / "summary.json"
     env = {**os.environ, "SPOTRL_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models")}
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "demo", "--model", "tiny", "--home", str(tmp_path / "home"),
+        [sys.executable, "-m", "services.cli.main", "demo", "--model", "tiny", "--home", str(tmp_path / "home"),
          "--summary-json", str(summary), "--iterations", "2"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -30,7 +30,7 @@ def test_the_demo_trains_bills_and_exits_0(tmp_path: Path, tmp_path_factory: pyt
     assert [it["iteration"] for it in result["iterations"]] == [1, 2]  # as many as asked, in order
     assert all(it["samples"] > 0 for it in result["iterations"]) and result["iterations"]
     # Not "cheaper than always-on": the tiny model's training jobs are shorter than AWS's 60 s
-    # minimum per launch (services/cost/billing.py), so a job per batch can cost more than an
+    # minimum per launch (services/control/cost/billing.py), so a job per batch can cost more than an
     # instance held throughout.
     assert result["cost"]["total_dollars"] > 0 and result["cost"]["always_on_dollars"] > 0
     assert "always-on" in done.stdout  # the bill is printed

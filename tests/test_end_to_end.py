@@ -17,12 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.backends.launcher import LocalLauncher, PodPhase
-from services.backends.sqlite_queue import SqliteQueue
-from services.run_audit import Audit, audit_run
-from services.config import Settings
-from services.names import samples_topic
-from services.wiring import open_backends
+from services.ports.launcher.launcher import PodPhase
+
+from services.ports.launcher.local_launcher import LocalLauncher
+from services.ports.queue.sqlite_queue import SqliteQueue
+from services.tooling.run_audit import Audit, audit_run
+from services.core.config import Settings
+from services.domain.names import samples_topic
+from services.ports.wiring import open_backends
 from tests.servers.process import free_port
 
 pytestmark = pytest.mark.slow
@@ -60,7 +62,7 @@ def serving(tmp_path: Path, model_cache: Path, **env: str) -> Iterator[Served]:
         **env,
     }
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--port", str(port)], env=env,
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
     s = Served(home, port)
     try:
@@ -119,7 +121,7 @@ def tiny_spec(**changes) -> dict:
 
 
 def assert_guarantees_held(home: Path, run: dict) -> Audit:
-    """The run's audit (services.run_audit.audit_run) finds nothing wrong: every queued sample trained
+    """The run's audit (services.tooling.run_audit.audit_run) finds nothing wrong: every queued sample trained
     exactly once or counted as dropped, every committed prompt generated, no ledger entry open;
     and the API reports the counts the stores hold."""
     backends = open_backends(Settings(home=home))
@@ -148,7 +150,7 @@ def test_run_end_to_end_over_http(served: Served) -> None:
     assert cost["by_capacity_type"]["spot"] > 0 and cost["by_capacity_type"]["on-demand"] > 0
     assert all(e["ended_at"] is not None for e in cost["entries"])
     # Every entry billed by its provider's rule, the total their sum; no saving is asserted (the
-    # tiny model's jobs are shorter than AWS's 60 s minimum per launch: services/cost/billing.py).
+    # tiny model's jobs are shorter than AWS's 60 s minimum per launch: services/control/cost/billing.py).
     assert cost["total_dollars"] == pytest.approx(sum(e["dollars"] for e in cost["entries"]))
     assert cost["total_dollars"] >= cost["lower_bound_dollars"] > 0 and cost["always_on_dollars"] > 0
     metrics = served.client.get("/metrics").text
@@ -157,7 +159,7 @@ def test_run_end_to_end_over_http(served: Served) -> None:
     # Ended pods are gone, their logs are kept: `spotrl logs` still shows the training job's.
     from typer.testing import CliRunner
 
-    from services.cli import app
+    from services.cli.main import app
 
     shown = CliRunner().invoke(app, ["logs", f"{run['id']}-train-2", "--home", str(served.home)])
     assert shown.exit_code == 0, shown.output

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.backends.kubernetes_launcher import KubernetesLauncher
-from services.backends.kubernetes_objects import KubernetesConfig
+from services.ports.launcher.kubernetes_launcher import KubernetesLauncher
+from services.ports.launcher.kubernetes_objects import KubernetesConfig
 from tests.servers.kube import Cluster
 from tests.test_end_to_end import Served, assert_guarantees_held, serving, tiny_spec
 

@@ -1,9 +1,9 @@
 """Real runs of the tiny model on every production adapter at once: the Kafka queue, the Redis
 reward cache, the S3 object store and the PostgreSQL state store (tests/servers/), with pods as
-local processes and the scheduler as its own process (``services.chaos.Chaos``).
+local processes and the scheduler as its own process (``services.tooling.chaos.Chaos``).
 
 One run undisturbed, with evidence that each server was used; then two runs under faults, each
-counted by the driver as it happened, and the same audit (``services.run_audit.audit_run``):
+counted by the driver as it happened, and the same audit (``services.tooling.run_audit.audit_run``):
 
 - run A: rollout workers SIGKILLed mid-batch, the scheduler killed and restarted, Redis
   unresponsive for ``OUTAGE_S`` (6 s);
@@ -14,7 +14,7 @@ A worker is killed at any point of its batch, queueing it included: each GRPO gr
 record (``contracts.samples.encode_group``), which the broker appends whole or not at all, so no
 part of a group is ever left behind.
 
-Levers on the servers (``services.chaos_plan.Levers``): Redis, moto and the broker are paused by
+Levers on the servers (``services.tooling.chaos_plan.Levers``): Redis, moto and the broker are paused by
 SIGSTOP/SIGCONT (``paused()``), which looks like a hung or partitioned server: the kernel accepts
 connections, nothing answers. Withholding a commit on Kafka needs more than a paused broker: a
 request written before the pause sits in the broker's socket buffer and is applied once it runs
@@ -47,17 +47,17 @@ import pytest
 from kafka.admin import KafkaAdminClient
 from sqlalchemy.engine import make_url
 
-from services.backends.kafka_queue import KafkaQueue
-from services.backends.launcher import PodPhase
-from services.backends.redis_reward_cache import KEY_PREFIX, RedisRewardCache
-from services.backends.s3_object_store import S3ObjectStore
-from services.backends.state_ledger import LedgerEntry
-from services.chaos import Chaos
-from services.chaos_plan import ChaosPlan, ChaosTally, Levers
-from services.run_audit import Audit, audit_run
-from services.config import Settings
-from services.names import pod_log_key, policy_prefix, prompts_topic, samples_topic
-from services.wiring import Backends, open_backends
+from services.ports.queue.kafka_queue import KafkaQueue
+from services.ports.launcher.launcher import PodPhase
+from services.ports.reward_cache.redis_reward_cache import KEY_PREFIX, RedisRewardCache
+from services.ports.objects.s3_object_store import S3ObjectStore
+from services.ports.state.state_ledger import LedgerEntry
+from services.tooling.chaos import Chaos
+from services.tooling.chaos_plan import ChaosPlan, ChaosTally, Levers
+from services.tooling.run_audit import Audit, audit_run
+from services.core.config import Settings
+from services.domain.names import pod_log_key, policy_prefix, prompts_topic, samples_topic
+from services.ports.wiring import Backends, open_backends
 from tests.servers.kafka import TEST_SESSION_RANGE, KafkaBroker, tansu_binary
 from tests.servers.postgres import PostgresServer
 from tests.servers.process import free_port, wait_until_it_answers

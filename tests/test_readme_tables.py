@@ -25,7 +25,7 @@ def test_the_readme_tables_are_the_rendered_ones(readme_tables) -> None:
 
 
 def test_every_run_spec_field_and_setting_has_a_row(readme_tables) -> None:
-    from services.config import Settings
+    from services.core.config import Settings
 
     spec_table, settings = readme_tables.run_spec_table(), readme_tables.settings_table()
     for row in (

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.config import Settings
-from services.wiring import open_backends
-from tests.services.tracking.test_tensorboard_sink import scalars
+from services.core.config import Settings
+from services.ports.wiring import open_backends
+from tests.services.control.tracking.test_tensorboard_sink import scalars
 from tests.test_end_to_end import assert_guarantees_held, serving
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@
 
 The chart globs that folder into ConfigMaps for Grafana's dashboard sidecar. Each dashboard has
 a ``datasource`` variable (any Prometheus) and a ``run`` variable (the runs the API's /metrics
-lists). Every query reads one scrape job, the API's /metrics (services/api/metrics.py), except
+lists). Every query reads one scrape job, the API's /metrics (services/control/api/metrics.py), except
 GPU utilization, which joins NVIDIA DCGM exporter's ``DCGM_FI_DEV_GPU_UTIL{pod}`` to
 ``spotrl_pod_info{pod}``: if your Prometheus renames dcgm-exporter's ``pod`` label to
 ``exported_pod`` (a ServiceMonitor without ``honorLabels: true``), relabel it back.

@@ -29,8 +29,8 @@ locals {
   postgres_username    = "spotrl"
   kafka_username       = "spotrl"
 
-  # The Secret's keys: the environment every spotrl process reads (services/config.py). The queue
-  # URL names the protocol and mechanism (services/backends/kafka_settings.py); the SCRAM user and
+  # The Secret's keys: the environment every spotrl process reads (services/core/config.py). The queue
+  # URL names the protocol and mechanism (services/ports/queue/kafka_settings.py); the SCRAM user and
   # password come as SPOTRL_KAFKA_SASL_PLAIN_*, kafka-python's names for SCRAM's credentials too.
   # sslmode=require: TLS to RDS (the parameter group refuses plain connections) without the RDS
   # CA bundle in the images. Passwords are alphanumeric, so they need no escaping in a URL.

@@ -21,10 +21,10 @@ import yaml
 DEFAULT_PAGE_SIZE = 50
 # Ledger entries asked per page of GET /v1/runs/{id}/cost (the API allows up to 1000).
 LEDGER_PAGE_SIZE = 1000
-# A spec's `prompts` naming an uploaded prompt set (services.prompts.STORE_SCHEME, not imported:
+# A spec's `prompts` naming an uploaded prompt set (services.domain.prompts.STORE_SCHEME, not imported:
 # that module brings the server's backends).
 STORE_SCHEME = "store://"
-# A Parquet file's first bytes, and its media type for POST /v1/datasets (services.prompts).
+# A Parquet file's first bytes, and its media type for POST /v1/datasets (services.domain.prompts).
 PARQUET_MAGIC = b"PAR1"
 PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
 

@@ -33,7 +33,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.backends.launcher import LocalLauncher, PodPhase
+from services.ports.launcher.launcher import PodPhase
+
+from services.ports.launcher.local_launcher import LocalLauncher
 from tests.servers.process import free_port
 from tests.servers.prometheus import Prometheus, ensure_prometheus
 from tests.test_end_to_end import Served, served, tiny_spec  # noqa: F401 (served: the fixture)

@@ -16,11 +16,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.backends.kubernetes_objects import Machine, inherited_env, job_manifest, pod_manifest
-from services.backends.launcher import PodSpec
-from services.config import Settings
-from services.cost.catalog import parse_catalog
-from services.wiring import kubernetes_config
+from services.ports.launcher.kubernetes_objects import Machine, inherited_env, job_manifest, pod_manifest
+from services.ports.launcher.launcher import PodSpec
+from services.core.config import Settings
+from services.ports.prices.catalog import parse_catalog
+from services.ports.wiring import kubernetes_config
 from tests.pod_security import restricted_violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +198,7 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     deployments = by_kind(docs, "Deployment")
     (api,), (scheduler,) = containers(deployments["spotrl-api"]), containers(deployments["spotrl-scheduler"])
     assert api["args"][:1] == ["serve"] and "--no-scheduler" in api["args"] and "--insecure-no-auth" not in api["args"]
-    # The scheduler serves its health for its probes (services/scheduler/health.py), on the port they ask.
+    # The scheduler serves its health for its probes (services/control/scheduler/health.py), on the port they ask.
     assert scheduler["args"] == ["scheduler", "--health-port", "8001"]
     assert scheduler["ports"] == [{"name": "health", "containerPort": 8001, "protocol": "TCP"}]
     assert (scheduler["livenessProbe"]["httpGet"], scheduler["readinessProbe"]["httpGet"]) == (
@@ -316,9 +316,9 @@ def test_minimal_trial_wires_the_in_chart_backends() -> None:
 
 
 def test_price_catalog_ships_spotrl_catalog_with_user_prices() -> None:
-    assert (CHART / "files/catalog.json").read_text() == (ROOT / "services/cost/catalog.json").read_text(), \
-        "copy services/cost/catalog.json to the chart's files/ when prices change"
-    shipped = json.loads((ROOT / "services/cost/catalog.json").read_text())
+    assert (CHART / "files/catalog.json").read_text() == (ROOT / "services/ports/prices/catalog.json").read_text(), \
+        "copy services/ports/prices/catalog.json to the chart's files/ when prices change"
+    shipped = json.loads((ROOT / "services/ports/prices/catalog.json").read_text())
     values = scenario("production-values.yaml")
     docs = render(values)
     catalog = parse_catalog(json.loads(by_kind(docs, "ConfigMap")["spotrl-price-catalog"]["data"]["catalog.json"]))
@@ -338,12 +338,12 @@ def hooks(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def test_uninstall_first_runs_the_teardown_under_its_own_identity() -> None:
-    """A pre-delete hook Job runs `spotrl teardown` (services/scheduler/teardown.py) with the
+    """A pre-delete hook Job runs `spotrl teardown` (services/control/scheduler/teardown.py) with the
     scheduler's settings and Secrets, under a ServiceAccount and Role of its own created just before
     it (hooks are not release objects); teardown.enabled false renders none."""
     from typer.main import get_command
 
-    from services.cli import app
+    from services.cli.main import app
 
     values = scenario("minimal-trial-values.yaml")
     docs = render(_merge(values, {"teardown": {"graceSeconds": 20, "timeoutSeconds": 100}}))
@@ -427,7 +427,7 @@ def reward_server_options(args: list[str]) -> dict[str, Any]:
     """What `spotrl reward-server` makes of ``args``: parsed by the CLI itself, nothing started."""
     import typer
 
-    from services.cli import app
+    from services.cli.main import app
 
     assert args[0] == "reward-server"
     return typer.main.get_command(app).commands["reward-server"].make_context("reward-server", args[1:]).params

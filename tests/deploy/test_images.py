@@ -196,9 +196,9 @@ def test_control_plane_dependencies_leave_out_the_trainer() -> None:
         "        if name.split('.')[0] in blocked:\n"
         "            raise ImportError(f'{name} is not in the control image')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from services.api.main import create_app\n"
-        "from services.scheduler.loop import Scheduler\n"
-        "from services.cli import app\n"
+        "from services.control.api.main import create_app\n"
+        "from services.control.scheduler.loop import Scheduler\n"
+        "from services.cli.main import app\n"
         "create_app()\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -35,9 +35,9 @@ import yaml
 from kafka.net.sasl import get_sasl_mechanism
 from sqlalchemy import make_url
 
-from services.backends.kafka_settings import KafkaSettings
-from services.backends.redis_reward_cache import SCHEMES as REDIS_SCHEMES
-from services.backends.state_engine import create_state_engine
+from services.ports.queue.kafka_settings import KafkaSettings
+from services.ports.reward_cache.redis_reward_cache import SCHEMES as REDIS_SCHEMES
+from services.ports.state.state_engine import create_state_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 TF = ROOT / "infra" / "terraform"

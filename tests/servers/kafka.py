@@ -80,7 +80,7 @@ class KafkaBroker:
     def open_queue(self, query: str = "", **options: Any):  # noqa: ANN201 - a KafkaQueue
         """A KafkaQueue on this broker, with the test broker's workarounds (module docstring);
         ``query`` adds URL settings, ``options`` KafkaQueue arguments."""
-        from services.backends.kafka_queue import KafkaQueue
+        from services.ports.queue.kafka_queue import KafkaQueue
 
         producer_config = {"batch_size": 1, **options.pop("producer_config", {})}
         url = f"{self.url}?{TEST_SESSION_RANGE}" + (f"&{query}" if query else "")

@@ -10,7 +10,7 @@ from rich.console import Console
 from starlette.testclient import TestClient
 
 from contracts.status import RunStatus
-from services.api.main import create_app
+from services.control.api.main import create_app
 from services.client.api import ApiClient, Target
 from services.client.view import run_details, run_progress
 

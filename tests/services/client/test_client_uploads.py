@@ -11,11 +11,11 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from services.api.main import create_app
+from services.control.api.main import create_app
 from services.client.api import ApiClient, ApiError, Target, read_spec_file, upload_local_prompts
-from services.names import eval_prompts_key, prompts_key
-from services.prompts import parse_jsonl
-from tests.services.verl_rows import gsm8k_rows, jsonl, parquet
+from services.domain.names import eval_prompts_key, prompts_key
+from services.domain.prompts import parse_jsonl
+from tests.services.domain.verl_rows import gsm8k_rows, jsonl, parquet
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The command line: `spotrl` and its subcommands, the pods' entry points, and the remote client."""

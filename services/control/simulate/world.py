@@ -1,0 +1,360 @@
+"""A discrete-event simulation of one run that drives the real scheduler's ``plan``.
+
+Every tick the simulated world (clock, launcher, queue, ledger) is shown to
+``services.control.scheduler.plan.plan`` as the real loop shows the real one, and its actions are
+applied here: a policy decision is therefore tested once and used in both.
+
+The world: spot rollout workers that start ``startup_seconds`` after launch, then turn prompts
+into groups of samples at ``worker_samples_per_hour``. As on Kubernetes, a spot worker launched
+while the trace has no capacity left waits for a node (``PodStatus.waiting_for_node``), oldest
+first, and takes one when capacity returns: its node joins ``NODE_BOOT_SECONDS`` (or its start-up,
+if shorter) after the capacity came, and its start-up counts from then. When the trace's capacity
+drops below the workers on a node, the newest are preempted after the provider's notice (their
+group in progress is lost). Training jobs start
+after the start-up (at once on a warm node: a standby's, or the one a training or standby pod
+left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down yet), run ``training_minutes`` and train one batch,
+dropping the samples older than the staleness bound. Each pod is billed from launch to its end
+(a waiting worker's bill starts later, as the real ledger's ``DeferEntry`` moves it),
+at the catalog's price of its capacity, except spot rollout workers on a trace that carries
+prices: those pay each tick's seconds at the trace's price for that tick (taken to be in the
+catalog's currency of the rollout instance type). The bill is ``services.control.cost.report``'s, in the
+run's currency (the catalog's for its instance types; ``SimResult.currency``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from contracts.status import RunStatus
+from services.ports.launcher.launcher import PodPhase, PodStatus, pod_outcome
+from services.ports.state.state_store import LedgerEntry
+from services.control.cost.billing import NODE_BOOT_SECONDS, billed_dollars
+from services.ports.prices.catalog import PriceCatalog, load_catalog
+from services.control.cost.report import cost_report
+from services.domain.runspec import CostPolicy, RunSpec
+from services.control.scheduler import plan as p
+from services.control.scheduler.run_state import Observed, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING, RunState
+from services.control.scheduler.policies import measured
+from services.control.simulate.gap import PodSpan, gap
+from services.control.simulate.traces import SpotTrace
+from services.control.simulate.workload import Workload
+
+RUN_ID = "sim"
+# A training node whose pod ended this long ago is still up (Kubernetes' cluster autoscaler waits
+# 10 minutes by default before removing an empty node; this is far less, and unbilled).
+HANDOVER_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """A run's figures; ``dollars`` and the other money figures are in ``currency``."""
+
+    policy: str
+    currency: str  # the run's instance types' currency in the catalog, e.g. USD or CNY
+    dollars: float
+    wall_seconds: float
+    lower_bound_dollars: float
+    always_on_dollars: float
+    samples_trained: int
+    samples_dropped_stale: int
+    preemptions: int
+    training_busy_fraction: float
+    deadline_met: bool | None
+    finished: bool = True  # False: still running at the horizon (not in the JSON)
+    gap: dict[str, float] = field(default_factory=dict)  # dollars above the bound, by part (services.control.simulate.gap)
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("finished", "gap")}
+
+
+@dataclass
+class _Pod:
+    status: PodStatus
+    ready_at: float  # start-up done (math.inf while a spot worker waits for a node)
+    done_at: float | None = None  # a training job's end
+    preempt_at: float | None = None
+    holding: int | None = None  # a worker's prompt in hand: the policy version it started with
+    progress: float = 0.0  # samples of its group done
+    generated: int = 0
+    generation_seconds: float = 0.0
+
+
+@dataclass
+class _World:
+    spec: RunSpec
+    workload: Workload
+    trace: SpotTrace
+    catalog: PriceCatalog
+    now: float = 0.0
+    run: RunState | None = None
+    pods: dict[str, _Pod] = field(default_factory=dict)
+    prompts_pending: int = 0  # published, not yet turned into samples
+    groups: deque = field(default_factory=deque)  # (policy version, samples) queued for the trainer
+    produced: int = 0
+    trainer_committed: int = 0
+    ledger: dict[str, LedgerEntry] = field(default_factory=dict)
+    job_seconds: list[float] = field(default_factory=list)
+    trained: int = 0
+    stale: int = 0
+    preemptions: int = 0
+    node_released_at: float = -math.inf  # when the last training or standby pod ended
+    _all_pods: list[_Pod] = field(default_factory=list)  # every pod ever started: the estimates, the gap
+
+    def _all_workers(self) -> list[_Pod]:
+        return [pod for pod in self._all_pods if pod.status.role == ROLE_ROLLOUT]
+
+    # --- the world moving on ----------------------------------------------------------
+    def advance(self, dt: float) -> None:
+        end = self.now + dt
+        self._place_waiting_workers()
+        self._preempt_beyond_capacity()
+        for pod in list(self.pods.values()):
+            if pod.status.phase != PodPhase.RUNNING:
+                continue
+            if pod.status.role == ROLE_ROLLOUT:
+                stop = min(end, pod.preempt_at if pod.preempt_at is not None else end)
+                self._generate(pod, max(self.now, pod.ready_at), stop)
+                if pod.preempt_at is not None and pod.preempt_at <= end:
+                    self.preemptions += 1
+                    self._end(pod, pod.preempt_at, PodPhase.FAILED, -15, preempted=True)
+            elif pod.status.role == ROLE_TRAINING and pod.done_at is not None and pod.done_at <= end:
+                self._end(pod, pod.done_at, PodPhase.SUCCEEDED, 0)
+        self.now = end
+
+    def _place_waiting_workers(self) -> None:
+        """Spot workers waiting for a node take the trace's free capacity, oldest first."""
+        free = self.trace.at(self.now) - len(self._spot_workers())
+        for pod in sorted(self._spot_workers(waiting=True), key=lambda w: w.status.started_at)[:max(0, free)]:
+            joined = self.now + min(NODE_BOOT_SECONDS, self.workload.startup_seconds)
+            pod.status = replace(pod.status, waiting_for_node=False, node_joined_at=joined)
+            pod.ready_at = self.now + self.workload.startup_seconds
+
+    def _preempt_beyond_capacity(self) -> None:
+        held = [w for w in self._spot_workers() if w.preempt_at is None]
+        excess = len(held) - self.trace.at(self.now)
+        for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[:max(0, excess)]:
+            pod.preempt_at = self.now + self.workload.spot_notice_seconds
+
+    def _spot_workers(self, waiting: bool = False) -> list[_Pod]:
+        """The running spot workers on a node (``waiting``: those waiting for one)."""
+        return [w for w in self.pods.values() if w.status.role == ROLE_ROLLOUT and w.status.capacity_type == "spot"
+                and w.status.phase == PodPhase.RUNNING and w.status.waiting_for_node == waiting]
+
+    def _generate(self, pod: _Pod, t: float, end: float) -> None:
+        n = self.spec.samples_per_prompt
+        rate = self.workload.worker_samples_per_hour / 3600.0
+        while t < end:
+            if pod.holding is None:
+                if self.prompts_pending - self._held() <= 0:
+                    return
+                pod.holding = self.run.iterations_done
+            step = min((n - pod.progress) / rate, end - t)
+            pod.progress += step * rate
+            pod.generation_seconds += step
+            t += step
+            if pod.progress >= n - 1e-9:
+                self.groups.append((pod.holding, n))
+                self.produced += n
+                pod.generated += n
+                self.prompts_pending -= 1
+                pod.holding, pod.progress = None, 0.0
+
+    def _held(self) -> int:
+        return sum(1 for w in self.pods.values() if w.holding is not None)
+
+    def _end(self, pod: _Pod, at: float, phase: PodPhase, exit_code: int, preempted: bool = False) -> None:
+        if pod.status.role != ROLE_ROLLOUT:
+            self.node_released_at = max(self.node_released_at, at)
+        pod.status = replace(pod.status, phase=phase, exit_code=exit_code, ended_at=at, preempted=preempted)
+        pod.holding, pod.progress = None, 0.0  # a prompt in hand goes back to the queue
+
+    # --- what plan sees -------------------------------------------------------------------
+    def observed(self) -> Observed:
+        return Observed(
+            pods=[pod.status for pod in self.pods.values()],
+            prompt_backlog=self.prompts_pending,
+            sample_backlog=sum(s for _, s in self.groups),
+            samples_produced=self.produced,
+            spent_dollars=sum(billed_dollars(self.billed_ledger(self.now), self.catalog, self.now)),  # as the real loop counts it
+            billed=frozenset(self.ledger),
+            open_entries={e.pod: e.started_at for e in self.ledger.values() if e.ended_at is None},
+            now=self.now,
+            trainer_committed=self.trainer_committed,
+            published=frozenset(int(pod.status.labels["iteration"]) for pod in self.pods.values()
+                                if pod.status.role == ROLE_TRAINING and pod.status.phase == PodPhase.SUCCEEDED),
+            estimates=measured([(w.generated, w.generation_seconds) for w in self._all_workers()],
+                               self.job_seconds, self.workload.startup_seconds),
+        )
+
+    def billed_ledger(self, now: float) -> list[LedgerEntry]:
+        """The ledger as billed up to ``now``: a spot rollout worker on a priced trace at the mean of the
+        trace's prices over its life (each tick's seconds at that tick's price; the provider's
+        minimum, if it ran less, at that mean too); every other entry at the price it was opened with."""
+        if self.trace.prices is None:
+            return list(self.ledger.values())
+        billed = []
+        for e in self.ledger.values():
+            seconds = e.seconds(now)
+            if e.role == ROLE_ROLLOUT and e.capacity_type == "spot" and seconds > 0:
+                mean = self.trace.spot_cost(e.started_at, e.started_at + seconds) * 3600.0 / seconds
+                e = replace(e, price_per_hour=mean)
+            billed.append(e)
+        return billed
+
+    # --- applying plan's actions -------------------------------------------------------------
+    def apply(self, action: p.Action) -> None:
+        run = self.run
+        match action:
+            case p.StartRun():
+                self.run = replace(run, status=RunStatus.RUNNING, started_at=self.now)
+            case p.PublishPrompts(_, start, count):
+                self.prompts_pending += count
+                self.run = replace(run, prompts_published=start + count)
+            case p.LaunchWorker(_, slot, on_demand):
+                self.run = replace(run, worker_slots_used=slot + 1)
+                spot = self.spec.rollout.spot and not on_demand
+                no_capacity = spot and len(self._spot_workers()) >= self.trace.at(self.now)
+                pod = self._launch(f"{RUN_ID}-rollout-{slot}", ROLE_ROLLOUT, self.spec.rollout.instance_type,
+                                   "spot" if spot else "on-demand", {"slot": str(slot)})
+                if no_capacity:  # it waits for a node (_place_waiting_workers)
+                    pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
+            case p.LaunchStandby(_, after):
+                ready = self._node_ready_at()
+                pod = self._launch(f"{RUN_ID}-warm-{after}", ROLE_STANDBY, self.spec.training.instance_type,
+                                   "on-demand", {"after_iteration": str(after)})
+                pod.ready_at = ready
+            case p.LaunchTraining(_, iteration):
+                self.run = replace(run, train_launch_committed=self.trainer_committed)
+                ready = self._node_ready_at()
+                pod = self._launch(f"{RUN_ID}-train-{iteration}", ROLE_TRAINING, self.spec.training.instance_type,
+                                   "on-demand", {"iteration": str(iteration)})
+                pod.ready_at = ready
+                pod.done_at = pod.ready_at + self.workload.training_minutes * 60.0
+            case p.StopPod(name):
+                pod = self.pods[name]
+                if pod.status.phase == PodPhase.RUNNING:
+                    self._end(pod, self.now, PodPhase.SUCCEEDED if pod.status.role != ROLE_TRAINING else PodPhase.FAILED,
+                              0 if pod.status.role != ROLE_TRAINING else -15)
+            case p.DeferEntry(name, started_at):  # a worker waited for a node
+                self.ledger[name] = replace(self.ledger[name], started_at=started_at)
+            case p.CloseEntry(name, ended_at, outcome) if outcome is not None:  # an ended pod, reaped this same tick
+                self.ledger[name] = replace(self.ledger[name], ended_at=ended_at, outcome=outcome.value)
+            case p.ReapPod(status):
+                entry = self.ledger[status.name]
+                self.ledger[status.name] = replace(entry, ended_at=status.ended_at, outcome=pod_outcome(status).value)
+                del self.pods[status.name]
+            case p.RecordIteration(_, iteration):
+                self._train_batch()
+                self.job_seconds.append(self.workload.training_minutes * 60.0)
+                self.run = replace(run, iterations_done=iteration)
+            case p.RecordProgress(_, produced):
+                self.run = replace(run, samples_produced=produced)
+            case p.BeginEnding(_, status, reason):
+                self.run = replace(run, status=RunStatus.ENDING, ending_status=status, ending_reason=reason)
+            case p.DropLeftovers(_, limit):
+                for _ in range(min(limit, len(self.groups))):
+                    self.trainer_committed += self.groups.popleft()[1]
+            case p.FinishRun(_, status, reason):
+                self.run = replace(run, status=status, ending_reason=reason)
+            case _:  # BillPod, CloseEntry of a pod never launched, RecordTrainingFailure: the simulated world never needs them
+                raise AssertionError(f"the simulated world does not expect {action}")
+
+    def _node_ready_at(self) -> float:
+        """When a training or standby pod launched now can start work: at once on a warm node."""
+        standby = [s.ready_at for s in self.pods.values() if s.status.role == ROLE_STANDBY
+                   and s.status.phase == PodPhase.RUNNING]
+        if self.now - self.node_released_at <= HANDOVER_SECONDS:
+            standby.append(self.now)
+        return max(self.now, min(standby, default=self.now + self.workload.startup_seconds))
+
+    def _launch(self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str]) -> _Pod:
+        status = PodStatus(name=name, run_id=RUN_ID, role=role, instance_type=instance_type, capacity_type=capacity,
+                           labels=labels, phase=PodPhase.RUNNING, exit_code=None, started_at=self.now, ended_at=None, pid=None)
+        price = self.catalog.get(instance_type)
+        per_hour, source = price.price(capacity), price.source
+        if role == ROLE_ROLLOUT and capacity == "spot" and self.trace.prices is not None:
+            per_hour, source = self.trace.price_at(self.now), f"trace {self.trace.name}'s prices (billed tick by tick)"
+        self.ledger[name] = LedgerEntry(id=len(self.ledger), run_id=RUN_ID, role=role, pod=name, instance_type=instance_type,
+                                        capacity_type=capacity, price_per_hour=per_hour,
+                                        price_source=source, started_at=self.now, ended_at=None)
+        pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds)
+        self.pods[name] = pod
+        self._all_pods.append(pod)
+        return pod
+
+    def _train_batch(self) -> None:
+        """The job's batch: the first ``batch_samples`` queued, less those beyond the staleness bound."""
+        version, taken = self.run.iterations_done, 0
+        while self.groups and taken < self.spec.batch_samples:
+            made_by, samples = self.groups.popleft()
+            taken += samples
+            if version - made_by > self.spec.staleness_bound:
+                self.stale += samples
+            else:
+                self.trained += samples
+        self.trainer_committed += taken
+
+
+def simulate(trace: SpotTrace, policy: CostPolicy, workload: Workload = Workload(),
+             catalog: PriceCatalog | None = None) -> SimResult:
+    """Run ``workload`` under ``policy`` on ``trace`` until the run ends; its bill and figures."""
+    catalog = catalog or load_catalog()
+    # Refuses instance types priced in two currencies before simulating (a MixedCurrencyError).
+    catalog.currency_of([workload.rollout_instance_type, workload.training_instance_type])
+    spec = workload.spec(policy)
+    world = _World(spec=spec, workload=workload, trace=trace, catalog=catalog)
+    world.run = RunState(run_id=RUN_ID, status=RunStatus.PENDING, spec=spec)
+    while not world.run.status.is_terminal() and world.now < workload.horizon_days * 86400.0:
+        for action in p.plan(world.run, world.observed()):
+            world.apply(action)
+        world.advance(workload.tick_seconds)
+    return _result(world, policy)
+
+
+def _result(world: _World, policy: CostPolicy) -> SimResult:
+    w, spec, catalog = world.workload, world.spec, world.catalog
+    started, ended = world.run.started_at or 0.0, world.now
+    entries = world.billed_ledger(ended)
+    report = cost_report(entries, catalog=catalog, training_instance_type=spec.training.instance_type,
+                         run_started_at=started, run_ended_at=ended, now=ended)
+    trained_batches = world.run.iterations_done
+    rollout_busy = trained_batches * spec.batch_samples / (w.worker_samples_per_hour / 3600.0)
+    training_busy = trained_batches * w.training_minutes * 60.0
+    # With trace prices, the cheapest spot tick's: no schedule pays less for a busy second.
+    spot = catalog.get(spec.rollout.instance_type).spot if world.trace.prices is None else world.trace.cheapest_price()
+    rollout_bound = rollout_busy * spot / 3600.0
+    training_bound = training_busy * catalog.get(spec.training.instance_type).on_demand / 3600.0
+    lower_bound = rollout_bound + training_bound
+    billed = {e.pod: e for e in entries}
+    node_seconds = sum(e.seconds(ended) for e in entries if e.role != ROLE_ROLLOUT)
+    wall = ended - started
+    return SimResult(
+        policy=policy.value,
+        currency=report.currency,
+        dollars=round(report.total_dollars, 4),
+        wall_seconds=round(wall, 1),
+        lower_bound_dollars=round(lower_bound, 4),
+        always_on_dollars=round(report.always_on_dollars, 4),
+        samples_trained=world.trained,
+        samples_dropped_stale=world.stale,
+        preemptions=world.preemptions,
+        training_busy_fraction=round(training_busy / node_seconds, 4) if node_seconds else 0.0,
+        deadline_met=None if w.deadline_seconds is None else world.run.status.is_terminal() and wall <= w.deadline_seconds,
+        finished=world.run.status.is_terminal(),
+        gap=gap([_span(pod, billed[pod.status.name], ended) for pod in world._all_pods],
+                report.total_dollars, rollout_bound, training_bound),
+    )
+
+
+def _span(pod: _Pod, entry: LedgerEntry, now: float) -> PodSpan:
+    end = entry.ended_at if entry.ended_at is not None else now
+    if pod.status.role == ROLE_ROLLOUT:
+        busy = pod.generation_seconds
+    elif pod.status.role == ROLE_TRAINING and pod.done_at is not None:
+        busy = max(0.0, min(pod.done_at, end) - pod.ready_at)
+    else:  # a standby holds the node and runs nothing
+        busy = 0.0
+    return PodSpan(rollout=pod.status.role == ROLE_ROLLOUT, started_at=entry.started_at, ready_at=pod.ready_at,
+                   ended_at=end, busy_seconds=busy, price_per_hour=entry.price_per_hour)

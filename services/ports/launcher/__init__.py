@@ -1,0 +1,1 @@
+"""The pod launcher: the interface, local processes (embedded) and Kubernetes (production)."""

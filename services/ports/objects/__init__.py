@@ -1,0 +1,1 @@
+"""The object store: the interface, local files (embedded) and S3 (production)."""

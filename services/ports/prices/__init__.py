@@ -1,0 +1,1 @@
+"""Instance prices: the catalog file (embedded) and AWS spot prices (production)."""

@@ -1,0 +1,1 @@
+"""The sample and prompt queue: the interface, SQLite (embedded) and Kafka (production)."""

@@ -1,0 +1,1 @@
+"""The shared reward cache: the interface, SQLite (embedded) and Redis (production)."""

@@ -1,0 +1,1 @@
+"""The state store: runs, iterations, pods' ledger, evals; SQLAlchemy on SQLite or PostgreSQL."""

@@ -1,0 +1,142 @@
+"""The state store's cost ledger: who ran on what, for how long, at what price.
+
+``LedgerQueries`` is a part of ``StateStore`` (``services.ports.state.state_store``), whose
+transactions and run lock it uses; the concurrency notes there hold here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from sqlalchemy import case, func, select, update
+from sqlalchemy.orm import Session
+
+from services.ports.state.state_schema import LedgerRow, RunRow
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """Who ran on what, for how long, at what price. Open entries are billed up to ``now``."""
+
+    id: int
+    run_id: str
+    role: str
+    pod: str
+    instance_type: str
+    capacity_type: str
+    price_per_hour: float
+    price_source: str
+    started_at: float
+    ended_at: float | None
+    outcome: str | None = None  # how the pod ended (``launcher.pod_outcome``); None while open or unknown
+
+    def seconds(self, now: float) -> float:
+        return max(0.0, (self.ended_at if self.ended_at is not None else now) - self.started_at)
+
+    def dollars(self, now: float) -> float:
+        return self.seconds(now) * self.price_per_hour / 3600.0
+
+
+class LedgerQueries:
+    """The ledger's queries, mixed into ``StateStore``."""
+
+    # StateStore's: a read-only transaction, a writing one, and the lock of a run's row.
+    _session: Callable[[], AbstractContextManager[Session]]
+    _write: Callable[[], AbstractContextManager[Session]]
+    _locked_run: Callable[[Session, str], RunRow]
+
+    @staticmethod
+    def _spent(s: Session, run_ids: Sequence[str], now: float) -> dict[str, float]:
+        """Dollars each run's ledger has billed up to ``now`` (open entries up to ``now``), in one
+        query for a page of runs, in the transaction ``s``; a run without entries is 0."""
+        seconds = func.coalesce(LedgerRow.ended_at, now) - LedgerRow.started_at
+        dollars = case((seconds > 0, seconds), else_=0.0) * LedgerRow.price_per_hour / 3600.0
+        rows = s.execute(select(LedgerRow.run_id, func.sum(dollars)).where(LedgerRow.run_id.in_(run_ids)).group_by(LedgerRow.run_id))
+        spent = {run_id: float(total or 0.0) for run_id, total in rows}
+        return {run_id: spent.get(run_id, 0.0) for run_id in run_ids}
+
+    def open_ledger(
+        self,
+        *,
+        run_id: str,
+        role: str,
+        pod: str,
+        instance_type: str,
+        capacity_type: str,
+        price_per_hour: float,
+        price_source: str,
+        started_at: float,
+    ) -> None:
+        """Start billing a pod. A pod that already has an open entry keeps it (idempotent); the
+        run's row is locked first, so two schedulers opening the same pod at once open one entry."""
+        with self._write() as s:
+            self._locked_run(s, run_id)
+            open_entry = s.scalar(select(LedgerRow).where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None)))
+            if open_entry is not None:
+                return
+            s.add(
+                LedgerRow(
+                    run_id=run_id,
+                    role=role,
+                    pod=pod,
+                    instance_type=instance_type,
+                    capacity_type=capacity_type,
+                    price_per_hour=price_per_hour,
+                    price_source=price_source,
+                    started_at=started_at,
+                )
+            )
+
+    def close_ledger(self, pod: str, *, ended_at: float, outcome: str | None = None) -> None:
+        """Stop billing a pod at ``ended_at``, recording how it ended (``outcome``, see
+        ``launcher.pod_outcome``; None: unknown); closing an already closed pod changes nothing.
+
+        One UPDATE of the open entries only: of two closes at once, the second finds none open.
+        """
+        with self._write() as s:
+            s.execute(
+                update(LedgerRow)
+                .where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None))
+                .values(
+                    ended_at=case((LedgerRow.started_at > ended_at, LedgerRow.started_at), else_=ended_at),
+                    outcome=outcome,
+                )
+            )
+
+    def defer_ledger(self, pod: str, *, started_at: float) -> None:
+        """Start the pod's open entry at ``started_at`` if that is later: it had no machine before
+        (``services.control.scheduler.ledger_match.DeferEntry``). A closed entry, or one starting later, is kept."""
+        with self._write() as s:
+            s.execute(
+                update(LedgerRow)
+                .where(LedgerRow.pod == pod, LedgerRow.ended_at.is_(None), LedgerRow.started_at < started_at)
+                .values(started_at=started_at)
+            )
+
+    def ledger(self, run_id: str) -> list[LedgerEntry]:
+        with self._session() as s:
+            rows = s.scalars(select(LedgerRow).where(LedgerRow.run_id == run_id).order_by(LedgerRow.id))
+            return [
+                LedgerEntry(
+                    id=r.id,
+                    run_id=r.run_id,
+                    role=r.role,
+                    pod=r.pod,
+                    instance_type=r.instance_type,
+                    capacity_type=r.capacity_type,
+                    price_per_hour=r.price_per_hour,
+                    price_source=r.price_source,
+                    started_at=r.started_at,
+                    ended_at=r.ended_at,
+                    outcome=r.outcome,
+                )
+                for r in rows
+            ]
+
+    def open_ledger_count(self, run_id: str) -> int:
+        with self._session() as s:
+            return s.scalar(
+                select(func.count()).select_from(LedgerRow).where(LedgerRow.run_id == run_id, LedgerRow.ended_at.is_(None))
+            ) or 0

@@ -1,0 +1,1 @@
+"""Tools around the service: the demo, the chaos run and its audit."""

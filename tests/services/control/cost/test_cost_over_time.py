@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+
+from services.control.cost.cost_over_time import MAX_INSTANTS, cost_over_time
+from services.control.cost.report import cost_report
+from tests.services.control.cost.test_report import catalog, entry  # noqa: F401  (catalog is a fixture)
+
+
+def test_the_curves_bend_where_pods_start_and_end_and_end_at_the_bill(catalog) -> None:  # noqa: F811
+    entries = [
+        entry(catalog, "rollout", "small", "spot", 0, 3600),  # $0.80/h spot, $2.00/h on-demand
+        entry(catalog, "training", "big", "on-demand", 600, 900),  # $12.00/h on-demand, $6.00/h spot
+    ]
+    kw = dict(catalog=catalog, training_instance_type="big", run_started_at=0, run_ended_at=3600, now=9999)
+    curve = cost_over_time(entries, **kw)
+    assert [c.at for c in curve] == [0, 600, 900, 3600]
+    at_900 = curve[2]
+    assert at_900.by_role_and_capacity == pytest.approx({("rollout", "spot"): 0.20, ("training", "on-demand"): 1.00})
+    assert at_900.report.total_dollars == pytest.approx(1.20)
+    assert at_900.report.always_on_dollars == pytest.approx(3.00 + 0.50)  # 900 s of big and of small, on-demand
+    assert at_900.report.lower_bound_dollars == pytest.approx(0.20 + 0.50)  # the busy seconds at spot prices
+    assert curve[-1].report == cost_report(entries, **kw)  # the curve ends at the run's bill
+    for earlier, later in zip(curve, curve[1:]):
+        assert later.report.total_dollars >= earlier.report.total_dollars
+        assert later.report.always_on_dollars >= earlier.report.always_on_dollars
+
+
+def test_an_open_entry_accrues_up_to_now_and_a_long_ledger_is_sampled(catalog) -> None:  # noqa: F811
+    curve = cost_over_time([entry(catalog, "rollout", "small", "spot", 100, None)], catalog=catalog,
+                           training_instance_type="big", run_started_at=0, run_ended_at=None, now=3700)  # fmt: skip
+    assert [c.at for c in curve] == [0, 100, 3700]
+    assert curve[-1].report.total_dollars == pytest.approx(0.80)  # 1 h of spot so far
+    many = [entry(catalog, "rollout", "small", "spot", i, i + 0.5) for i in range(MAX_INSTANTS)]  # 2 instants each
+    curve = cost_over_time(many, catalog=catalog, training_instance_type="big", run_started_at=0,
+                           run_ended_at=MAX_INSTANTS, now=MAX_INSTANTS)  # fmt: skip
+    assert len(curve) == MAX_INSTANTS
+    assert (curve[0].at, curve[-1].at) == (0, MAX_INSTANTS)
+    # each half-second pod is billed AWS's 60 s minimum (services/control/cost/billing.py)
+    assert curve[-1].report.total_dollars == pytest.approx(MAX_INSTANTS * 60 * 0.80 / 3600)
