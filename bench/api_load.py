@@ -75,12 +75,20 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent  # the checkout whose server is measured (--root changes it)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
-STORED_SPEC = {"model": "tiny", "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}], "batch_samples": 8, "iterations": 2}
+STORED_SPEC = {
+    "model": "tiny",
+    "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}],
+    "batch_samples": 8,
+    "iterations": 2,
+}
 # The one run going: long enough to outlast the measurement (cancelled after it), one or two workers.
 ACTIVE_SPEC = {
     "name": "api-load-active",
     "model": "tiny",
-    "prompts": [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(2, 3), (4, 5), (7, 1), (6, 6), (3, 9), (8, 2), (5, 4), (1, 7)]],
+    "prompts": [
+        {"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
+        for a, b in [(2, 3), (4, 5), (7, 1), (6, 6), (3, 9), (8, 2), (5, 4), (1, 7)]
+    ],
     "batch_samples": 32,
     "iterations": 100000,
     "rollout": {"min_workers": 1, "max_workers": 2},
@@ -89,9 +97,22 @@ READS = {"get": 0.5, "cost": 0.3, "list": 0.2, "health": 0.0}  # --mix changes t
 LIST_LIMIT = 20
 # A trainer's metric keys, so stored iterations weigh what real ones do.
 METRIC_KEYS = [
-    "actor/loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/approx_kl", "actor/kl_ref", "actor/kl_coef",
-    "actor/entropy", "actor/grad_norm", "actor/lr", "reward/mean", "reward/std", "response/length_mean",
-    "perf/tokens", "perf/seconds", "perf/tokens_per_s", "perf/peak_memory_mb",
+    "actor/loss",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/approx_kl",
+    "actor/kl_ref",
+    "actor/kl_coef",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "reward/mean",
+    "reward/std",
+    "response/length_mean",
+    "perf/tokens",
+    "perf/seconds",
+    "perf/tokens_per_s",
+    "perf/peak_memory_mb",
 ]
 
 
@@ -120,13 +141,19 @@ class Server:
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                command, cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath, **env}, stdout=log, stderr=subprocess.STDOUT
+                command,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": pythonpath, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         server = cls(proc, f"http://127.0.0.1:{port}", log_path)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise SystemExit(f"spotrl serve exited with {proc.returncode}; see {log_path}:\n{log_path.read_text()[-2000:]}")
+                raise SystemExit(
+                    f"spotrl serve exited with {proc.returncode}; see {log_path}:\n{log_path.read_text()[-2000:]}"
+                )
             try:
                 if httpx.get(f"{server.url}/healthz", timeout=1, trust_env=False).status_code == 200:
                     return server
@@ -155,7 +182,9 @@ def proc_cpu_seconds(pid: int) -> float:
 def machine_busy_seconds() -> float:
     """CPU seconds all cores spent not idle (every process on the machine)."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return sum(values[i] for i in (0, 1, 2, 5, 6, 7)) / CLOCK_TICKS  # user nice system irq softirq steal (not idle, iowait)
+    return (
+        sum(values[i] for i in (0, 1, 2, 5, 6, 7)) / CLOCK_TICKS
+    )  # user nice system irq softirq steal (not idle, iowait)
 
 
 # --- setup ----------------------------------------------------------------------------------
@@ -170,7 +199,12 @@ def auth_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
         return {args.token_env: args.token}
     # The tokens file of services.control.api.auth: hashes only, each with its tenant.
     path = home / "tokens.json"
-    entry = {"sha256": hashlib.sha256(args.token.encode()).hexdigest(), "tenant": args.tenant, "admin": False, "label": "api_load"}
+    entry = {
+        "sha256": hashlib.sha256(args.token.encode()).hexdigest(),
+        "tenant": args.tenant,
+        "admin": False,
+        "label": "api_load",
+    }
     path.write_text(json.dumps({"tokens": [entry]}))
     return {"SPOTRL_TOKENS_FILE": str(path)}
 
@@ -204,9 +238,9 @@ def give_history(home: Path, run_ids: list[str], iterations: int) -> None:
     two rollout workers."""
     sys.path.insert(0, str(ROOT))
     from contracts.status import RunStatus
+    from services.core.config import Settings
     from services.ports.state.state_schema import IterationRow
     from services.ports.state.state_store import StateStore
-    from services.core.config import Settings
 
     os.environ["SPOTRL_HOME"] = str(home)
     state = StateStore(Settings().resolved_state_url())
@@ -218,21 +252,41 @@ def give_history(home: Path, run_ids: list[str], iterations: int) -> None:
             t = now - 40.0 * iterations - 60.0
             for slot in range(2):
                 state.open_ledger(
-                    run_id=run_id, role="rollout", pod=f"{run_id}-rollout-{slot}", instance_type="g6.xlarge",
-                    capacity_type="spot", price_per_hour=0.35, price_source="api_load (seeded)", started_at=t,
+                    run_id=run_id,
+                    role="rollout",
+                    pod=f"{run_id}-rollout-{slot}",
+                    instance_type="g6.xlarge",
+                    capacity_type="spot",
+                    price_per_hour=0.35,
+                    price_source="api_load (seeded)",
+                    started_at=t,
                 )
             for i in range(1, iterations + 1):
                 pod = f"{run_id}-train-{i}"
                 state.open_ledger(
-                    run_id=run_id, role="training", pod=pod, instance_type="p4d.24xlarge", capacity_type="on-demand",
-                    price_per_hour=21.96, price_source="api_load (seeded)", started_at=t + 30.0,
+                    run_id=run_id,
+                    role="training",
+                    pod=pod,
+                    instance_type="p4d.24xlarge",
+                    capacity_type="on-demand",
+                    price_per_hour=21.96,
+                    price_source="api_load (seeded)",
+                    started_at=t + 30.0,
                 )
                 state.close_ledger(pod, ended_at=t + 40.0)
                 state.record_iteration(
                     IterationRow(
-                        run_id=run_id, iteration=i, policy_version=i, mean_reward=rng.random(), kl=rng.random() / 10,
-                        loss=rng.random(), seconds=10.0, samples_trained=8, samples_dropped=0,
-                        metrics={k: rng.random() for k in METRIC_KEYS}, ended_at=t + 40.0,
+                        run_id=run_id,
+                        iteration=i,
+                        policy_version=i,
+                        mean_reward=rng.random(),
+                        kl=rng.random() / 10,
+                        loss=rng.random(),
+                        seconds=10.0,
+                        samples_trained=8,
+                        samples_dropped=0,
+                        metrics={k: rng.random() for k in METRIC_KEYS},
+                        ended_at=t + 40.0,
                     )
                 )
                 t += 40.0
@@ -262,7 +316,9 @@ def start_active_run(url: str, token: str | None, timeout_s: float) -> str:
             if run["iterations"]:
                 return run_id
             if run["status"] not in ("PENDING", "RUNNING"):
-                raise SystemExit(f"the active run {run_id} is {run['status']}: {run.get('status_reason')} {run.get('last_error')}")
+                raise SystemExit(
+                    f"the active run {run_id} is {run['status']}: {run.get('status_reason')} {run.get('last_error')}"
+                )
             time.sleep(1.0)
         raise SystemExit(f"the active run {run_id} recorded no iteration within {timeout_s:.0f} s")
 
@@ -368,7 +424,9 @@ class RawHTTP:
         self.head = f"host: {self.host}:{self.port}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in extra_headers.items())
         self.timeout = timeout
         # (reader, writer, last used); LIFO, so that few connections stay hot at a low rate
-        self.free: asyncio.LifoQueue[tuple[asyncio.StreamReader, asyncio.StreamWriter, float] | None] = asyncio.LifoQueue()
+        self.free: asyncio.LifoQueue[tuple[asyncio.StreamReader, asyncio.StreamWriter, float] | None] = (
+            asyncio.LifoQueue()
+        )
         for _ in range(size):
             self.free.put_nowait(None)  # connected on first use
 
@@ -426,7 +484,9 @@ class HttpxHTTP:
 
     def __init__(self, url: str, size: int, extra_headers: dict[str, str], timeout: float) -> None:
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        self.client = httpx.AsyncClient(base_url=url, headers=extra_headers, limits=limits, timeout=timeout, trust_env=False)
+        self.client = httpx.AsyncClient(
+            base_url=url, headers=extra_headers, limits=limits, timeout=timeout, trust_env=False
+        )
 
     async def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         extra = {"content": body, "headers": {"content-type": "application/json"}} if body is not None else {}
@@ -439,7 +499,15 @@ class HttpxHTTP:
 
 CLIENTS = {"raw": RawHTTP, "httpx": HttpxHTTP}
 KEEPALIVE_REUSE_S = 2.0  # reconnect rather than reuse a connection idle longer (uvicorn's keep-alive timeout is 5 s)
-TRANSPORT_ERRORS = (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError, httpx.HTTPError)
+TRANSPORT_ERRORS = (
+    OSError,
+    EOFError,
+    asyncio.IncompleteReadError,
+    asyncio.LimitOverrunError,
+    TimeoutError,
+    ValueError,
+    httpx.HTTPError,
+)
 
 
 async def run_load(load: Load) -> Result:
@@ -459,7 +527,9 @@ async def run_load(load: Load) -> Result:
                 counts = result.statuses.setdefault(op, {})
                 counts[status] = counts.get(status, 0) + 1
 
-        async def request(op: str, method: str, path: str, scheduled: float | None = None, body: bytes | None = None) -> tuple[int, bytes] | None:
+        async def request(
+            op: str, method: str, path: str, scheduled: float | None = None, body: bytes | None = None
+        ) -> tuple[int, bytes] | None:
             started = time.perf_counter() if scheduled is None else scheduled
             try:
                 status, data = await http.request(method, path, body)
@@ -521,7 +591,9 @@ async def run_load(load: Load) -> Result:
         usage_after = resource.getrusage(resource.RUSAGE_SELF)
         await window
         assert usage_before is not None
-        result.cpu_seconds = (usage_after.ru_utime + usage_after.ru_stime) - (usage_before.ru_utime + usage_before.ru_stime)
+        result.cpu_seconds = (usage_after.ru_utime + usage_after.ru_stime) - (
+            usage_before.ru_utime + usage_before.ru_stime
+        )
     finally:
         await http.close()
     return result
@@ -595,8 +667,10 @@ def figures(result: Result, *, seconds: float) -> dict:
 def fmt_latency(name: str, s: dict) -> str:
     if not s["count"]:
         return f"  {name:<7} (none)"
-    return (f"  {name:<7} {s['count']:>7}  p50 {s['p50_ms']:8.1f} ms  p90 {s['p90_ms']:8.1f} ms  "
-            f"p99 {s['p99_ms']:8.1f} ms  max {s['max_ms']:8.1f} ms")
+    return (
+        f"  {name:<7} {s['count']:>7}  p50 {s['p50_ms']:8.1f} ms  p90 {s['p90_ms']:8.1f} ms  "
+        f"p99 {s['p99_ms']:8.1f} ms  max {s['max_ms']:8.1f} ms"
+    )
 
 
 def print_report(fig: dict) -> None:
@@ -604,27 +678,38 @@ def print_report(fig: dict) -> None:
     if fig["rate"] is None:
         print(f"  {fig['requests']} requests in {fig['seconds']:.0f} s = {fig['requests_per_s']} req/s")
     else:
-        print(f"  open loop, {fig['rate']:g} operations/s: {fig['requests']} requests scheduled in {fig['seconds']:.0f} s "
-              f"({fig['requests_per_s']} req/s offered), {fig['completed_per_s']} req/s answered within it")
+        print(
+            f"  open loop, {fig['rate']:g} operations/s: {fig['requests']} requests scheduled in {fig['seconds']:.0f} s "
+            f"({fig['requests_per_s']} req/s offered), {fig['completed_per_s']} req/s answered within it"
+        )
     print(fmt_latency("reads", fig["reads"]))
     print(fmt_latency("writes", fig["writes"]))
     for op, s in fig["by_op"].items():
         if s["count"]:
             print(fmt_latency(op, s))
-    print(f"  errors: {fig['errors']}" + (f" {fig['errors_by_kind']}" if fig["errors"] else "")
-          + (f"  (expected: {fig['expected_non_2xx']})" if fig["expected_non_2xx"] else ""))
+    print(
+        f"  errors: {fig['errors']}"
+        + (f" {fig['errors_by_kind']}" if fig["errors"] else "")
+        + (f"  (expected: {fig['expected_non_2xx']})" if fig["expected_non_2xx"] else "")
+    )
     cpu = fig["cpu_seconds"]
     cores = os.cpu_count() or 1
     span = fig["seconds"]
     share = lambda s: "n/a" if s is None else f"{s:.1f} s ({100 * s / span:.0f}% of a core)"  # noqa: E731
-    print(f"  CPU over {span:.0f} s on {cores} cores ({cores * span:.0f} core-s): server {share(cpu['server'])}, "
-          f"load generator {share(cpu['load_generator'])} ({fig['client']} client, {fig['procs']} process(es)), "
-          f"everything else {share(cpu['other'])} (machine busy {cpu['machine']:.1f} s)")
+    print(
+        f"  CPU over {span:.0f} s on {cores} cores ({cores * span:.0f} core-s): server {share(cpu['server'])}, "
+        f"load generator {share(cpu['load_generator'])} ({fig['client']} client, {fig['procs']} process(es)), "
+        f"everything else {share(cpu['other'])} (machine busy {cpu['machine']:.1f} s)"
+    )
     if cpu["other"] is not None and cpu["other"] > 0.1 * span and fig["scenario"] != "one-run":
-        print(f"  warning: other processes took {cpu['other']:.1f} CPU seconds during the window (pods, or someone else's work "
-              "on this machine): the server had less than the machine")
-    print(f"  list ?limit={LIST_LIMIT} honoured: {fig['list_limit_honoured']}; runs in the store at the end: {fig['runs_at_end']}; "
-          f"written runs that got pods: {fig['written_runs_with_pods']}")
+        print(
+            f"  warning: other processes took {cpu['other']:.1f} CPU seconds during the window (pods, or someone else's work "
+            "on this machine): the server had less than the machine"
+        )
+    print(
+        f"  list ?limit={LIST_LIMIT} honoured: {fig['list_limit_honoured']}; runs in the store at the end: {fig['runs_at_end']}; "
+        f"written runs that got pods: {fig['written_runs_with_pods']}"
+    )
 
 
 # --- scenarios ------------------------------------------------------------------------------
@@ -651,7 +736,9 @@ def probe(url: str, token: str | None, run_ids: list[str]) -> tuple[bool | None,
 PROFILE_MODES = {"gil": ["--gil"], "active": [], "all": ["--idle"]}
 
 
-def run_scenario(name: str, args: argparse.Namespace, home: Path | None, run_ids: list[str], server_env: dict[str, str]) -> dict:
+def run_scenario(
+    name: str, args: argparse.Namespace, home: Path | None, run_ids: list[str], server_env: dict[str, str]
+) -> dict:
     scheduler, active, description = SCENARIOS[name]
     server = None
     active_id = None
@@ -673,9 +760,20 @@ def run_scenario(name: str, args: argparse.Namespace, home: Path | None, run_ids
         start_at = time.time() + 1.0 + args.warmup
         per_proc_clients = [args.clients // args.procs + (i < args.clients % args.procs) for i in range(args.procs)]
         loads = [
-            Load(url=url, token=args.token, clients=c, start_at=start_at, warmup=args.warmup, seconds=args.seconds,
-                 writes=args.writes, rate=None if args.rate is None else args.rate / args.procs,
-                 run_ids=targets, seed=args.seed + i, mix=args.mix, client=args.client)
+            Load(
+                url=url,
+                token=args.token,
+                clients=c,
+                start_at=start_at,
+                warmup=args.warmup,
+                seconds=args.seconds,
+                writes=args.writes,
+                rate=None if args.rate is None else args.rate / args.procs,
+                run_ids=targets,
+                seed=args.seed + i,
+                mix=args.mix,
+                client=args.client,
+            )
             for i, c in enumerate(per_proc_clients)
         ]
         profile_command = None
@@ -685,8 +783,21 @@ def run_scenario(name: str, args: argparse.Namespace, home: Path | None, run_ids
                 profile_path = profile_path.with_name(f"{profile_path.stem}-{name}{profile_path.suffix}")
             fmt = {".svg": "flamegraph", ".json": "speedscope", ".txt": "raw"}.get(profile_path.suffix, "flamegraph")
             py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
-            profile_command = [py_spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--format", fmt,
-                               "--output", str(profile_path), "--nonblocking", "--threads", *PROFILE_MODES[args.profile_mode]]
+            profile_command = [
+                py_spy,
+                "record",
+                "--pid",
+                str(pid),
+                "--duration",
+                str(int(args.seconds)),
+                "--format",
+                fmt,
+                "--output",
+                str(profile_path),
+                "--nonblocking",
+                "--threads",
+                *PROFILE_MODES[args.profile_mode],
+            ]
         cpu_before = cpu_after = None
 
         def sample_cpu() -> tuple[float | None, float]:
@@ -734,7 +845,9 @@ def run_scenario(name: str, args: argparse.Namespace, home: Path | None, run_ids
                 "load_generator": round(result.cpu_seconds, 2),
                 "machine": round(cpu_after[1] - cpu_before[1], 2),
                 # pods and anything else running on the machine
-                "other": None if server_cpu is None else round(cpu_after[1] - cpu_before[1] - server_cpu - result.cpu_seconds, 2),
+                "other": None
+                if server_cpu is None
+                else round(cpu_after[1] - cpu_before[1] - server_cpu - result.cpu_seconds, 2),
             },
             cores=os.cpu_count(),
             list_limit_honoured=honoured,
@@ -765,41 +878,82 @@ def parse_mix(text: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="idle")
-    parser.add_argument("--clients", type=int, default=50, help="Concurrent clients (closed loop), or the most in flight with --rate.")
+    parser.add_argument(
+        "--clients", type=int, default=50, help="Concurrent clients (closed loop), or the most in flight with --rate."
+    )
     parser.add_argument("--seconds", type=float, default=60.0, help="Measured seconds.")
     parser.add_argument("--warmup", type=float, default=3.0, help="Seconds of load before the measured window.")
     parser.add_argument("--runs", type=int, default=100, help="Runs stored before the load.")
-    parser.add_argument("--history", type=int, default=5, help="Iterations of each stored run (0: stored runs are cancelled, never ran).")
-    parser.add_argument("--writes", type=float, default=0.05, help="Fraction of operations that are writes (POST a run, then cancel it).")
     parser.add_argument(
-        "--mix", type=parse_mix, default=dict(READS), metavar="OP=W,...",
+        "--history",
+        type=int,
+        default=5,
+        help="Iterations of each stored run (0: stored runs are cancelled, never ran).",
+    )
+    parser.add_argument(
+        "--writes",
+        type=float,
+        default=0.05,
+        help="Fraction of operations that are writes (POST a run, then cancel it).",
+    )
+    parser.add_argument(
+        "--mix",
+        type=parse_mix,
+        default=dict(READS),
+        metavar="OP=W,...",
         help="Weights of the reads: get, cost, list, health (GET /healthz); default get=0.5,cost=0.3,list=0.2.",
     )
-    parser.add_argument("--rate", type=float, default=None, help="Open loop: operations per second on a fixed schedule.")
     parser.add_argument(
-        "--client", choices=["raw", "httpx"], default="raw",
+        "--rate", type=float, default=None, help="Open loop: operations per second on a fixed schedule."
+    )
+    parser.add_argument(
+        "--client",
+        choices=["raw", "httpx"],
+        default="raw",
         help="raw: a minimal keep-alive HTTP/1.1 client (~60 us CPU a request); httpx: one httpx.AsyncClient (~1-3 ms a request).",
     )
     parser.add_argument("--procs", type=int, default=1, help="Load generator processes (the clients split among them).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token", default=None, help="Send `Authorization: Bearer <token>`.")
     parser.add_argument(
-        "--auth", choices=["auto", "env", "file", "none"], default="auto",
+        "--auth",
+        choices=["auto", "env", "file", "none"],
+        default="auto",
         help="How the started server learns --token: env (SPOTRL_API_TOKEN, or --token-env), file (a tokens file of its "
         "sha256 for --tenant, SPOTRL_TOKENS_FILE), none; auto: file when the checkout has services/control/api/auth.py.",
     )
-    parser.add_argument("--token-env", default="SPOTRL_API_TOKEN", help="The setting that holds the token, with --auth env.")
-    parser.add_argument("--tenant", default="load", help="The token's tenant, with --auth file.")
-    parser.add_argument("--root", default=None, help="Serve another checkout (e.g. `git archive HEAD` unpacked) with this venv.")
-    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE", help="Environment of the server (repeatable).")
-    parser.add_argument("--active-timeout", type=float, default=300.0, help="Seconds to wait for the active run's first iteration.")
-    parser.add_argument("--url", default=None, help="Load a running server instead of starting one (no history, one scenario).")
-    parser.add_argument("--server-pid", type=int, default=None, help="With --url: the server's pid, for its CPU seconds.")
-    parser.add_argument("--profile", default=None, help="py-spy record the server over the window: .svg flamegraph, .json speedscope, .txt collapsed stacks.")
     parser.add_argument(
-        "--profile-mode", choices=list(PROFILE_MODES), default="gil",
+        "--token-env", default="SPOTRL_API_TOKEN", help="The setting that holds the token, with --auth env."
+    )
+    parser.add_argument("--tenant", default="load", help="The token's tenant, with --auth file.")
+    parser.add_argument(
+        "--root", default=None, help="Serve another checkout (e.g. `git archive HEAD` unpacked) with this venv."
+    )
+    parser.add_argument(
+        "--server-env", action="append", default=[], metavar="KEY=VALUE", help="Environment of the server (repeatable)."
+    )
+    parser.add_argument(
+        "--active-timeout", type=float, default=300.0, help="Seconds to wait for the active run's first iteration."
+    )
+    parser.add_argument(
+        "--url", default=None, help="Load a running server instead of starting one (no history, one scenario)."
+    )
+    parser.add_argument(
+        "--server-pid", type=int, default=None, help="With --url: the server's pid, for its CPU seconds."
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="py-spy record the server over the window: .svg flamegraph, .json speedscope, .txt collapsed stacks.",
+    )
+    parser.add_argument(
+        "--profile-mode",
+        choices=list(PROFILE_MODES),
+        default="gil",
         help="gil: samples of the thread holding the GIL only (where the server's Python CPU goes); active: every thread "
         "not idle (also threads waiting for the GIL or a lock: where requests wait); all: idle threads too.",
     )

@@ -25,13 +25,13 @@ from typing import Annotated
 
 import typer
 
-from services.ports.prices.catalog import load_catalog
-from services.domain.runspec import CostPolicy
 from services.control.simulate.command import workload_options
 from services.control.simulate.gap import PARTS, forced_training_startups
 from services.control.simulate.traces import SpotTrace, load_trace, traces_in
 from services.control.simulate.workload import Workload
 from services.control.simulate.world import SimResult, simulate
+from services.domain.runspec import CostPolicy
+from services.ports.prices.catalog import load_catalog
 
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SWEEP_MINUTES = (2, 5, 10, 18, 30, 40)
@@ -40,9 +40,11 @@ SWEEP_MINUTES = (2, 5, 10, 18, 30, 40)
 def _row(trace: str, r: SimResult) -> str:
     ratio = r.dollars / r.lower_bound_dollars if r.lower_bound_dollars else float("nan")
     end = "" if r.finished else "  (not ended)"
-    return (f"| {trace:<34} | {r.policy:<10} | {r.dollars:>8.2f} | {ratio:>5.3f} | {r.lower_bound_dollars:>7.2f} | "
-            f"{r.always_on_dollars:>8.2f} | {r.wall_seconds / 3600:>6.2f} | {r.samples_trained:>6} | {r.samples_dropped_stale:>5} | "
-            f"{r.preemptions:>4} | {r.training_busy_fraction:>5.3f} |{end}")
+    return (
+        f"| {trace:<34} | {r.policy:<10} | {r.dollars:>8.2f} | {ratio:>5.3f} | {r.lower_bound_dollars:>7.2f} | "
+        f"{r.always_on_dollars:>8.2f} | {r.wall_seconds / 3600:>6.2f} | {r.samples_trained:>6} | {r.samples_dropped_stale:>5} | "
+        f"{r.preemptions:>4} | {r.training_busy_fraction:>5.3f} |{end}"
+    )
 
 
 def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotTrace], w: Workload) -> None:
@@ -54,8 +56,11 @@ def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotT
     for name, by_policy in results.items():
         for r in by_policy.values():
             if r.finished:
-                typer.echo(f"| {name} | {r.policy} | {r.dollars - r.lower_bound_dollars:.2f} | "
-                           + " | ".join(f"{r.gap[k]:.2f}" for k in PARTS) + " |")
+                typer.echo(
+                    f"| {name} | {r.policy} | {r.dollars - r.lower_bound_dollars:.2f} | "
+                    + " | ".join(f"{r.gap[k]:.2f}" for k in PARTS)
+                    + " |"
+                )
     training = load_catalog().get(w.training_instance_type)
     startup_dollars, cur = w.startup_seconds * training.on_demand / 3600.0, training.currency
     typer.echo("\nthe most of threshold's gap a policy closes, the training start-ups it must pay left:")
@@ -65,32 +70,48 @@ def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotT
         if not th.finished:
             continue
         spot = min(max(trace.available), w.max_workers)
-        forced = forced_training_startups(th.samples_trained // w.batch_samples, w.batch_samples, spot,
-                                          w.worker_samples_per_hour / 3600.0, w.training_minutes * 60.0, w.startup_seconds)
+        forced = forced_training_startups(
+            th.samples_trained // w.batch_samples,
+            w.batch_samples,
+            spot,
+            w.worker_samples_per_hour / 3600.0,
+            w.training_minutes * 60.0,
+            w.startup_seconds,
+        )
         gap = th.dollars - th.lower_bound_dollars
         most.append(1 - forced * startup_dollars / gap)
-        typer.echo(f"  {trace.name}: at most {spot} spot workers, {forced} forced start-ups ({cur} {forced * startup_dollars:.2f} "
-                   f"of {cur} {gap:.2f}): at most {most[-1]:.0%} closable")
+        typer.echo(
+            f"  {trace.name}: at most {spot} spot workers, {forced} forced start-ups ({cur} {forced * startup_dollars:.2f} "
+            f"of {cur} {gap:.2f}): at most {most[-1]:.0%} closable"
+        )
     typer.echo(f"  mean: at most {statistics.mean(most):.0%} closable" if most else "  no run ended")
 
 
 def header(currency: str) -> str:
     """The table's header, its money columns in ``currency``."""
-    return (f"| trace                              | policy     | {currency:>8} | x bnd |   bound | always-on |  wall h | trained | "
-            "stale | pre. | busy  |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    return (
+        f"| trace                              | policy     | {currency:>8} | x bnd |   bound | always-on |  wall h | trained | "
+        "stale | pre. | busy  |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
 
 
 @workload_options
 def main(
-    traces: Annotated[Path, typer.Option(help="Directory of SkyPilot spot-traces JSON files (searched recursively).")] = SHARED_TRACES,
-    sweep_trace: Annotated[str, typer.Option(help="Trace (file stem) of the training-minutes sweep.")] = "g4dn_nodes_60s",
+    traces: Annotated[
+        Path, typer.Option(help="Directory of SkyPilot spot-traces JSON files (searched recursively).")
+    ] = SHARED_TRACES,
+    sweep_trace: Annotated[
+        str, typer.Option(help="Trace (file stem) of the training-minutes sweep.")
+    ] = "g4dn_nodes_60s",
     explain: Annotated[bool, typer.Option(help="Also print where each run's dollars above the bound go.")] = False,
     *,
     workload: Workload,
 ) -> None:
     loaded = [load_trace(path) for path in traces_in(traces)]
     results = {t.name: {pol: simulate(t, pol, workload) for pol in CostPolicy} for t in loaded}
-    currency = load_catalog().currency_of([workload.rollout_instance_type, workload.training_instance_type])  # every run's
+    currency = load_catalog().currency_of(
+        [workload.rollout_instance_type, workload.training_instance_type]
+    )  # every run's
     typer.echo(header(currency))
     for name, by_policy in results.items():
         for r in by_policy.values():
@@ -117,11 +138,13 @@ def main(
             "wall <= 1.05x threshold": ca.wall_seconds <= 1.05 * th.wall_seconds,
         }
         failures += [f"{name}: {k}" for k, ok in checks.items() if not ok]
-        typer.echo(f"  {name}: {ca.dollars / bound:.3f}x bound (threshold {th.dollars / bound:.3f}x), "
-                   f"wall {ca.wall_seconds / th.wall_seconds:.3f}x threshold's, gap closed {closed[-1]:+.0%}, "
-                   f"saves {1 - ca.dollars / ao.dollars:.0%} against the always-on policy and "
-                   f"{1 - ca.dollars / ca.always_on_dollars:.0%} against its always-on cluster; "
-                   + ", ".join(f"{k} {'ok' if ok else 'MISSED'}" for k, ok in checks.items()))
+        typer.echo(
+            f"  {name}: {ca.dollars / bound:.3f}x bound (threshold {th.dollars / bound:.3f}x), "
+            f"wall {ca.wall_seconds / th.wall_seconds:.3f}x threshold's, gap closed {closed[-1]:+.0%}, "
+            f"saves {1 - ca.dollars / ao.dollars:.0%} against the always-on policy and "
+            f"{1 - ca.dollars / ca.always_on_dollars:.0%} against its always-on cluster; "
+            + ", ".join(f"{k} {'ok' if ok else 'MISSED'}" for k, ok in checks.items())
+        )
     mean_closed = statistics.mean(closed) if closed else 0.0
     if mean_closed < 0.5:
         failures.append(f"mean gap closed {mean_closed:.0%} < 50%")

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kafka import KafkaConsumer, KafkaProducer  # noqa: E402
 
 from contracts.samples import Sample, decode_group, encode_group  # noqa: E402
-from services.ports.queue.kafka_queue import KafkaQueue  # noqa: E402
 from services.domain.names import TRAINER_GROUP, TRAINER_MEMBER  # noqa: E402
+from services.ports.queue.kafka_queue import KafkaQueue  # noqa: E402
 
 
 def make_groups(n: int, group_size: int, prompt_tokens: int, response_tokens: int) -> list[tuple[bytes, bytes]]:
@@ -47,24 +47,34 @@ def make_groups(n: int, group_size: int, prompt_tokens: int, response_tokens: in
     out = []
     for start in range(0, n, group_size):
         group = uuid.uuid4().hex
-        samples = [_sample(i, group, group_size, prompt_tokens, response_tokens) for i in range(start, start + group_size)]
+        samples = [
+            _sample(i, group, group_size, prompt_tokens, response_tokens) for i in range(start, start + group_size)
+        ]
         out.append((group.encode(), encode_group(samples)))
     return out
 
 
 def _sample(i: int, group: str, group_size: int, prompt_tokens: int, response_tokens: int) -> Sample:
     return Sample(
-        sample_id=uuid.uuid4().hex, run_id="bench", prompt_id=f"p{i // group_size}", group_id=group,
+        sample_id=uuid.uuid4().hex,
+        run_id="bench",
+        prompt_id=f"p{i // group_size}",
+        group_id=group,
         prompt_ids=[(7 * i + t) % 49152 for t in range(prompt_tokens)],
         response_ids=[(13 * i + t) % 49152 for t in range(response_tokens)],
         logprobs=[-0.01 * ((i + t) % 300) for t in range(response_tokens)],
-        reward=float(i % 2), reward_source="regex", policy_version=3, worker_id="bench-rollout-0",
-        generation_seconds=2.5, created_at=time.time(),
-    )  # fmt: skip
+        reward=float(i % 2),
+        reward_source="regex",
+        policy_version=3,
+        worker_id="bench-rollout-0",
+        generation_seconds=2.5,
+        created_at=time.time(),
+    )
 
 
-def spotrl_round(queue: KafkaQueue, records: list[tuple[bytes, bytes]], batch: int, partitions: int,
-                 group_size: int) -> float:
+def spotrl_round(
+    queue: KafkaQueue, records: list[tuple[bytes, bytes]], batch: int, partitions: int, group_size: int
+) -> float:
     topic = f"bench-spotrl-{uuid.uuid4().hex[:8]}.samples"
     queue.create_topic(topic, partitions)
     consumer = queue.consumer(topic, TRAINER_GROUP, member_id=TRAINER_MEMBER, session_timeout_s=60.0)
@@ -94,14 +104,20 @@ def spotrl_round(queue: KafkaQueue, records: list[tuple[bytes, bytes]], batch: i
     return len(records) * group_size / elapsed
 
 
-def raw_round(bootstrap: str, records: list[tuple[bytes, bytes]], partitions: int, queue: KafkaQueue,
-              group_size: int) -> float:
+def raw_round(
+    bootstrap: str, records: list[tuple[bytes, bytes]], partitions: int, queue: KafkaQueue, group_size: int
+) -> float:
     topic = f"bench-raw-{uuid.uuid4().hex[:8]}"
     queue.create_topic(topic, partitions)  # the same topic settings; everything else is plain kafka-python
     consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap, group_id=f"{topic}-raw", enable_auto_commit=False, auto_offset_reset="earliest",
-        session_timeout_ms=6000, heartbeat_interval_ms=1000, max_poll_interval_ms=60000,
-    )  # fmt: skip
+        bootstrap_servers=bootstrap,
+        group_id=f"{topic}-raw",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=1000,
+        max_poll_interval_ms=60000,
+    )
     consumer.subscribe([topic])
     while not consumer.assignment():
         consumer.poll(timeout_ms=100)
@@ -152,10 +168,12 @@ def main() -> None:
     try:
         records = make_groups(args.samples, args.group_size, args.prompt_tokens, args.response_tokens)
         size = statistics.mean(len(v) for _, v in records) / args.group_size
-        print(f"broker {bootstrap}; {args.samples} samples per round in groups of {args.group_size} (a record each), "
-              f"{size / 1024:.1f} KiB a sample "
-              f"({args.prompt_tokens} prompt + {args.response_tokens} response tokens), "
-              f"{args.partitions} partitions, produce calls of {args.batch}")
+        print(
+            f"broker {bootstrap}; {args.samples} samples per round in groups of {args.group_size} (a record each), "
+            f"{size / 1024:.1f} KiB a sample "
+            f"({args.prompt_tokens} prompt + {args.response_tokens} response tokens), "
+            f"{args.partitions} partitions, produce calls of {args.batch}"
+        )
         queue = KafkaQueue(f"kafka://{bootstrap}?session_timeout_min_s=1")
         rates: dict[str, list[float]] = {"spotrl": [], "raw": []}
         try:
@@ -163,7 +181,9 @@ def main() -> None:
                 order = ["raw", "spotrl"] if round_ % 2 == 0 else ["spotrl", "raw"]
                 for name in order:
                     if name == "spotrl":
-                        rate = spotrl_round(queue, records, args.batch // args.group_size, args.partitions, args.group_size)
+                        rate = spotrl_round(
+                            queue, records, args.batch // args.group_size, args.partitions, args.group_size
+                        )
                     else:
                         rate = raw_round(bootstrap, records, args.partitions, queue, args.group_size)
                     rates[name].append(rate)
@@ -171,8 +191,10 @@ def main() -> None:
         finally:
             queue.close()
         spotrl, raw = statistics.median(rates["spotrl"]), statistics.median(rates["raw"])
-        print(f"median: spotrl {spotrl:.0f} samples/s, raw kafka-python {raw:.0f} samples/s, "
-              f"ratio {spotrl / raw:.2f}x (target >= 0.8x)")
+        print(
+            f"median: spotrl {spotrl:.0f} samples/s, raw kafka-python {raw:.0f} samples/s, "
+            f"ratio {spotrl / raw:.2f}x (target >= 0.8x)"
+        )
     finally:
         if broker is not None:
             broker.stop()

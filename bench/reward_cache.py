@@ -48,8 +48,9 @@ def own_server() -> Iterator[str]:
     folder = tempfile.mkdtemp(prefix="spotrl-bench-redis-")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", folder],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         client = redis.Redis(port=port, socket_timeout=5)
         for _ in range(500):
@@ -111,17 +112,19 @@ def bench(url: str, batches: list[int], rounds: int) -> list[dict]:
             },
             rounds,
         )
-        results.append({
-            "batch": n,
-            "get_many_keys_per_s": n / t["get_many"],
-            "raw_pipelined_get_keys_per_s": n / t["raw_pipelined_get"],
-            "raw_mget_keys_per_s": n / t["raw_mget"],
-            "lookup_ratio_vs_pipelined_get": t["raw_pipelined_get"] / t["get_many"],
-            "lookup_ratio_vs_mget": t["raw_mget"] / t["get_many"],
-            "put_many_keys_per_s": n / t["put_many"],
-            "raw_pipelined_set_ex_keys_per_s": n / t["raw_pipelined_set_ex"],
-            "write_ratio_vs_pipelined_set_ex": t["raw_pipelined_set_ex"] / t["put_many"],
-        })  # fmt: skip
+        results.append(
+            {
+                "batch": n,
+                "get_many_keys_per_s": n / t["get_many"],
+                "raw_pipelined_get_keys_per_s": n / t["raw_pipelined_get"],
+                "raw_mget_keys_per_s": n / t["raw_mget"],
+                "lookup_ratio_vs_pipelined_get": t["raw_pipelined_get"] / t["get_many"],
+                "lookup_ratio_vs_mget": t["raw_mget"] / t["get_many"],
+                "put_many_keys_per_s": n / t["put_many"],
+                "raw_pipelined_set_ex_keys_per_s": n / t["raw_pipelined_set_ex"],
+                "write_ratio_vs_pipelined_set_ex": t["raw_pipelined_set_ex"] / t["put_many"],
+            }
+        )
     cache.close()
     raw.close()
     return results
@@ -138,17 +141,25 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(own_server())
         results = bench(url, batches, args.rounds)
-    print(f"reward cache on Redis, median of {args.rounds} rounds, {os.cpu_count()} CPUs; ratio = adapter / raw throughput")
-    print(f"{'batch':>6} {'get_many k/s':>13} {'raw GET pipe k/s':>17} {'ratio':>6} {'raw MGET k/s':>13} {'ratio':>6}"
-          f" {'put_many k/s':>13} {'raw SET EX pipe k/s':>20} {'ratio':>6}")  # fmt: skip
+    print(
+        f"reward cache on Redis, median of {args.rounds} rounds, {os.cpu_count()} CPUs; ratio = adapter / raw throughput"
+    )
+    print(
+        f"{'batch':>6} {'get_many k/s':>13} {'raw GET pipe k/s':>17} {'ratio':>6} {'raw MGET k/s':>13} {'ratio':>6}"
+        f" {'put_many k/s':>13} {'raw SET EX pipe k/s':>20} {'ratio':>6}"
+    )
     for r in results:
-        print(f"{r['batch']:>6} {r['get_many_keys_per_s']:>13,.0f} {r['raw_pipelined_get_keys_per_s']:>17,.0f}"
-              f" {r['lookup_ratio_vs_pipelined_get']:>5.2f}x {r['raw_mget_keys_per_s']:>13,.0f} {r['lookup_ratio_vs_mget']:>5.2f}x"
-              f" {r['put_many_keys_per_s']:>13,.0f} {r['raw_pipelined_set_ex_keys_per_s']:>20,.0f}"
-              f" {r['write_ratio_vs_pipelined_set_ex']:>5.2f}x")  # fmt: skip
+        print(
+            f"{r['batch']:>6} {r['get_many_keys_per_s']:>13,.0f} {r['raw_pipelined_get_keys_per_s']:>17,.0f}"
+            f" {r['lookup_ratio_vs_pipelined_get']:>5.2f}x {r['raw_mget_keys_per_s']:>13,.0f} {r['lookup_ratio_vs_mget']:>5.2f}x"
+            f" {r['put_many_keys_per_s']:>13,.0f} {r['raw_pipelined_set_ex_keys_per_s']:>20,.0f}"
+            f" {r['write_ratio_vs_pipelined_set_ex']:>5.2f}x"
+        )
     worst = min(r["lookup_ratio_vs_pipelined_get"] for r in results)
-    print(f"lookups: adapter / raw pipelined GET >= {worst:.2f}x at every batch size (target >= 0.5x): "
-          f"{'met' if worst >= 0.5 else 'NOT met'}")
+    print(
+        f"lookups: adapter / raw pipelined GET >= {worst:.2f}x at every batch size (target >= 0.5x): "
+        f"{'met' if worst >= 0.5 else 'NOT met'}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -37,8 +37,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MiB = 1 << 20
 MODES = ("fp32", "8bit")
-WORDS = ["the", "answer", "is", "seven", "because", "we", "add", "three", "and", "four", "then", "check",
-         "each", "step", "twice", "so", "it", "holds", "for", "all", "cases", "given", "here"]  # fmt: skip
+WORDS = [
+    "the",
+    "answer",
+    "is",
+    "seven",
+    "because",
+    "we",
+    "add",
+    "three",
+    "and",
+    "four",
+    "then",
+    "check",
+    "each",
+    "step",
+    "twice",
+    "so",
+    "it",
+    "holds",
+    "for",
+    "all",
+    "cases",
+    "given",
+    "here",
+]
 
 
 def memory() -> dict[str, int]:
@@ -85,7 +108,9 @@ def build(model: str, out: Path, cache_dir: Path, train_steps: int) -> None:
         pairs.append(PreferencePair(" ".join(rng.choices(WORDS, k=5)) + "?", f"{filler} yes", f"{filler} no"))
     rm = RewardModel.from_policy(load_policy(model, cache_dir=cache_dir), max_len=256)
     if pairs:
-        train_reward_model(rm, pairs, RewardModelConfig(learning_rate=5e-5, batch_size=8, micro_batch_size=4, max_len=256))
+        train_reward_model(
+            rm, pairs, RewardModelConfig(learning_rate=5e-5, batch_size=8, micro_batch_size=4, max_len=256)
+        )
     rm.save(out, extra={"base_model": model, "note": "bench/reward_model_quantized.py"})
 
 
@@ -109,16 +134,36 @@ def child(rm_dir: Path, mode: str, n_texts: int, rounds: int, threads: int) -> d
         model.score(prompts, responses)
         times.append(time.perf_counter() - start)
     return {
-        "mode": mode, "rss_before_load": before, "peak_rss_after_load": loaded["peak_rss"], "rss_after_load": loaded["rss"],
-        **memory(), "weight_bytes": state_dict_bytes(model), "load_s": load_s, "texts_per_s": n_texts / min(times),
+        "mode": mode,
+        "rss_before_load": before,
+        "peak_rss_after_load": loaded["peak_rss"],
+        "rss_after_load": loaded["rss"],
+        **memory(),
+        "weight_bytes": state_dict_bytes(model),
+        "load_s": load_s,
+        "texts_per_s": n_texts / min(times),
         "scores": scores,
-    }  # fmt: skip
+    }
 
 
 def run_child(rm_dir: Path, mode: str, args: argparse.Namespace) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, __file__, "--child", mode, "--rm-dir", str(rm_dir), "--child-out", out.name,
-                   "--texts", str(args.texts), "--rounds", str(args.rounds), "--threads", str(args.threads)]  # fmt: skip
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--rm-dir",
+            str(rm_dir),
+            "--child-out",
+            out.name,
+            "--texts",
+            str(args.texts),
+            "--rounds",
+            str(args.rounds),
+            "--threads",
+            str(args.threads),
+        ]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(out.name).read_text())
 
@@ -142,31 +187,50 @@ def report(full: dict, int8: dict, rm_dir: Path, n_params: int | None) -> str:
         ("  mapped file pages", "rss_file"),
         ("weight bytes (state dict)", "weight_bytes"),
     ]
-    lines = [f"reward model {rm_dir}" + (f" ({n_params / 1e6:.1f}M parameters)" if n_params else ""), "",
-             f"{'':28} {'fp32':>12} {'int8':>12} {'int8/fp32':>10}"]  # fmt: skip
+    lines = [
+        f"reward model {rm_dir}" + (f" ({n_params / 1e6:.1f}M parameters)" if n_params else ""),
+        "",
+        f"{'':28} {'fp32':>12} {'int8':>12} {'int8/fp32':>10}",
+    ]
     for label, key in rows:
         lines.append(f"{label:28} {mib(full[key])} {mib(int8[key])} {int8[key] / full[key]:10.3f}")
     model_full, model_int8 = full["rss"] - full["rss_before_load"], int8["rss"] - int8["rss_before_load"]
-    lines.append(f"{'RSS added by load + scoring':28} {mib(model_full)} {mib(model_int8)} {model_int8 / model_full:10.3f}")
-    lines.append(f"{'load time':28} {full['load_s']:10.2f} s {int8['load_s']:10.2f} s {int8['load_s'] / full['load_s']:10.3f}")
-    lines.append(f"{'scores per second':28} {full['texts_per_s']:12.1f} {int8['texts_per_s']:12.1f} {int8['texts_per_s'] / full['texts_per_s']:10.3f}")
-    lines += ["", f"scores of {len(diffs)} texts: mean |int8 - fp32| {statistics.fmean(diffs):.4f}, largest {max(diffs):.4f} "
-              f"(fp32 scores span {spread:.3f}: {statistics.fmean(diffs) / spread:.2%} and {max(diffs) / spread:.2%} of it), "
-              f"correlation {corr:.5f}"]  # fmt: skip
+    lines.append(
+        f"{'RSS added by load + scoring':28} {mib(model_full)} {mib(model_int8)} {model_int8 / model_full:10.3f}"
+    )
+    lines.append(
+        f"{'load time':28} {full['load_s']:10.2f} s {int8['load_s']:10.2f} s {int8['load_s'] / full['load_s']:10.3f}"
+    )
+    lines.append(
+        f"{'scores per second':28} {full['texts_per_s']:12.1f} {int8['texts_per_s']:12.1f} {int8['texts_per_s'] / full['texts_per_s']:10.3f}"
+    )
+    lines += [
+        "",
+        f"scores of {len(diffs)} texts: mean |int8 - fp32| {statistics.fmean(diffs):.4f}, largest {max(diffs):.4f} "
+        f"(fp32 scores span {spread:.3f}: {statistics.fmean(diffs) / spread:.2%} and {max(diffs) / spread:.2%} of it), "
+        f"correlation {corr:.5f}",
+    ]
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="base model of the reward model: smollm2-135m, tiny, a directory or .gguf")
-    p.add_argument("--train-steps", type=int, default=8, help="Bradley-Terry steps (8 pairs each) when building the reward model")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="base model of the reward model: smollm2-135m, tiny, a directory or .gguf",
+    )
+    p.add_argument(
+        "--train-steps", type=int, default=8, help="Bradley-Terry steps (8 pairs each) when building the reward model"
+    )
     p.add_argument("--texts", type=int, default=64, help="(prompt, response) pairs scored per round")
     p.add_argument("--rounds", type=int, default=3, help="timed scoring rounds after a warm-up; the fastest counts")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in each child")
     p.add_argument(
-        "--cache-dir", default=os.environ.get("SPOTRL_MODEL_CACHE", ".spotrl/models"),
+        "--cache-dir",
+        default=os.environ.get("SPOTRL_MODEL_CACHE", ".spotrl/models"),
         help="model cache of load_policy, where the reward model is kept too (default: $SPOTRL_MODEL_CACHE or .spotrl/models)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     # Internal: how the parent starts a child process.
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -178,7 +242,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
-        Path(args.child_out).write_text(json.dumps(child(args.rm_dir, args.child, args.texts, args.rounds, args.threads)))
+        Path(args.child_out).write_text(
+            json.dumps(child(args.rm_dir, args.child, args.texts, args.rounds, args.threads))
+        )
         return
     cache_dir = Path(args.cache_dir).resolve()
     rm_dir = cache_dir / f"bench-reward-model-{Path(args.model).name}-{args.train_steps}steps"
@@ -188,7 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     full, int8 = (run_child(rm_dir, mode, args) for mode in MODES)
     n_params = full["weight_bytes"] // 4  # fp32: 4 bytes per parameter
     print(report(full, int8, rm_dir, n_params))
-    print(f"\n{args.threads} torch threads, {os.cpu_count()} CPUs; {args.texts} texts of 20-60 words, fastest of {args.rounds} rounds")
+    print(
+        f"\n{args.threads} torch threads, {os.cpu_count()} CPUs; {args.texts} texts of 20-60 words, fastest of {args.rounds} rounds"
+    )
     if args.json:
         args.json.write_text(json.dumps({"fp32": full, "8bit": int8}, indent=2))
 

@@ -87,6 +87,8 @@ MODELS = ("tiny", "smollm2-135m")
 TARGET_MODEL = "smollm2-135m"
 TARGET_LINE = "target on SmolLM2-135M: >= 2.0x TRL tokens/s at <= 0.7x its peak RSS"
 TARGET_SPEEDUP, TARGET_RSS_RATIO = 2.0, 0.7
+
+
 @dataclass
 class BenchConfig:
     """One model's benchmark settings, handed to each worker process as JSON."""
@@ -181,9 +183,9 @@ def _setup_torch(cfg: BenchConfig):
 def run_spotrl(cfg: BenchConfig) -> dict[str, Any]:
     """Run `cfg.total_steps` full spotrl GRPO steps; returns per-step records and memory."""
     torch = _setup_torch(cfg)
+    from contracts.training import TrainConfig
     from trainer_core.engines.hf import HFEngine, SamplingParams
     from trainer_core.models.loading import encode_prompt, load_policy
-    from contracts.training import TrainConfig
     from trainer_core.rl.strategy import build_optimizer
     from trainer_core.rl.update import train_on_batch
 
@@ -462,8 +464,14 @@ def run_worker(name: str, cfg: BenchConfig) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
             [
-                sys.executable, str(Path(__file__).resolve()), "--worker", name,
-                "--worker-config", json.dumps(asdict(cfg)), "--worker-out", out.name,
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                name,
+                "--worker-config",
+                json.dumps(asdict(cfg)),
+                "--worker-out",
+                out.name,
             ],
             env=env,
             stdout=sys.stderr,  # the Trainer's own printouts stay off the table on stdout
@@ -543,8 +551,11 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = [head, "", *rows]
     if cfg["model"] == TARGET_MODEL:
         met = ratio["tokens_per_s"] >= TARGET_SPEEDUP and ratio["peak_rss"] <= TARGET_RSS_RATIO
-        lines += ["", f"{TARGET_LINE}: {'met' if met else 'not met'} "
-                      f"({ratio['tokens_per_s']:.2f}x tokens/s, {ratio['peak_rss']:.2f}x peak RSS)"]
+        lines += [
+            "",
+            f"{TARGET_LINE}: {'met' if met else 'not met'} "
+            f"({ratio['tokens_per_s']:.2f}x tokens/s, {ratio['peak_rss']:.2f}x peak RSS)",
+        ]
     return "\n".join(lines)
 
 
@@ -593,8 +604,14 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for model in models:
         cfg = BenchConfig(
-            model=model, cache_dir=str(Path(args.cache_dir).resolve()), steps=args.steps, warmup=args.warmup,
-            threads=args.threads, bf16=args.bf16, learning_rate=args.lr, seed=args.seed,
+            model=model,
+            cache_dir=str(Path(args.cache_dir).resolve()),
+            steps=args.steps,
+            warmup=args.warmup,
+            threads=args.threads,
+            bf16=args.bf16,
+            learning_rate=args.lr,
+            seed=args.seed,
         )
         results.append(compare(cfg))
     note = _machine_note()

@@ -235,9 +235,13 @@ def job_push(model: str, cfg: Config, device: str = "cuda") -> dict[str, Any]:
     policy = load_policy(model, cache_dir=Path(cfg.cache_dir))
     base = policy.model.to(device).eval()
     engine = VLLMEngine(
-        base.name_or_path, tokenizer=policy.tokenizer, dtype=cfg.dtype, gpu_memory_utilization=0.5,
-        enforce_eager=True, max_model_len=1024,
-    )  # fmt: skip
+        base.name_or_path,
+        tokenizer=policy.tokenizer,
+        dtype=cfg.dtype,
+        gpu_memory_utilization=0.5,
+        enforce_eager=True,
+        max_model_len=1024,
+    )
     prompts = _story_prompts(policy.tokenizer, 8, cfg.seed)
     steps = [_served_check("base", engine, prompts, base, None, cfg, device)]
     version = _noisy_copy(base, cfg.seed)
@@ -272,9 +276,14 @@ def job_lora(model: str, cfg: Config, device: str = "cuda") -> dict[str, Any]:
     policy = load_policy(model, cache_dir=Path(cfg.cache_dir))
     base = policy.model.to(device).eval()
     engine = VLLMEngine(
-        base.name_or_path, tokenizer=policy.tokenizer, dtype=cfg.dtype, gpu_memory_utilization=0.5,
-        lora_rank=cfg.lora_rank, enforce_eager=True, max_model_len=1024,
-    )  # fmt: skip
+        base.name_or_path,
+        tokenizer=policy.tokenizer,
+        dtype=cfg.dtype,
+        gpu_memory_utilization=0.5,
+        lora_rank=cfg.lora_rank,
+        enforce_eager=True,
+        max_model_len=1024,
+    )
     prompts = _story_prompts(policy.tokenizer, 8, cfg.seed)
     v1 = _random_adapter(base, cfg.lora_rank, cfg.seed)
     v2 = _random_adapter(base, cfg.lora_rank, cfg.seed + 1)
@@ -298,16 +307,18 @@ def _colocated(model: str, cfg: Config, lora_rank: int) -> dict[str, Any]:
     from trainer_core.engines.vllm import checkpoint_dtype
     from trainer_core.models.loading import load_policy
 
-    spec = RunSpec.model_validate({
-        "model": model,
-        "prompts": [{"prompt": p, "answer": a} for p, a in _arithmetic(8, cfg.seed)],
-        "samples_per_prompt": 4,
-        "batch_samples": 16,
-        "iterations": 2,
-        "sampling": {"max_new_tokens": 32},
-        "rollout": {"engine": "vllm"},
-        "training": {"instance_type": "p4d.24xlarge", "learning_rate": 1e-5, "lora_rank": lora_rank},
-    })  # fmt: skip
+    spec = RunSpec.model_validate(
+        {
+            "model": model,
+            "prompts": [{"prompt": p, "answer": a} for p, a in _arithmetic(8, cfg.seed)],
+            "samples_per_prompt": 4,
+            "batch_samples": 16,
+            "iterations": 2,
+            "sampling": {"max_new_tokens": 32},
+            "rollout": {"engine": "vllm"},
+            "training": {"instance_type": "p4d.24xlarge", "learning_rate": 1e-5, "lora_rank": lora_rank},
+        }
+    )
     # Counts the vLLM engines the run builds (one is expected), wrapping the one builder it calls.
     built: list[Any] = []
     build = colocated.build_vllm_engine
@@ -321,9 +332,14 @@ def _colocated(model: str, cfg: Config, lora_rank: int) -> dict[str, Any]:
     finite = all(math.isfinite(v) for r in result.iterations for v in (r.mean_reward, *r.metrics.values()))
     ok = [r.samples for r in result.iterations] == [16, 16] and finite and len(built) == 1
     return {
-        "ok": ok, "seconds": seconds, "vllm_dtype": dtype, "lora_rank": lora_rank, "vllm_engines_built": len(built),
-        "stop_reason": result.stop_reason, "iterations": iterations,
-    }  # fmt: skip
+        "ok": ok,
+        "seconds": seconds,
+        "vllm_dtype": dtype,
+        "lora_rank": lora_rank,
+        "vllm_engines_built": len(built),
+        "stop_reason": result.stop_reason,
+        "iterations": iterations,
+    }
 
 
 def job_colocated(model: str, cfg: Config) -> dict[str, Any]:
@@ -353,9 +369,17 @@ def run_job(job: str, model: str, cfg: Config, timeout_s: float) -> dict[str, An
     with tempfile.TemporaryDirectory(prefix="vllm-gpu-job-") as tmp:
         out = Path(tmp) / "result.json"
         command = [
-            sys.executable, __file__, "--worker", job, "--worker-model", model,
-            "--worker-config", json.dumps(asdict(cfg)), "--worker-out", str(out),
-        ]  # fmt: skip
+            sys.executable,
+            __file__,
+            "--worker",
+            job,
+            "--worker-model",
+            model,
+            "--worker-config",
+            json.dumps(asdict(cfg)),
+            "--worker-out",
+            str(out),
+        ]
         started = time.perf_counter()
         # Its own process group: vLLM's engine core is a process of its own, which a timeout
         # must end too, or it keeps its share of the GPU through the next jobs.
@@ -385,9 +409,11 @@ def environment() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[package] = None
     return {
-        "gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0),
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
         "versions": versions,
-    }  # fmt: skip
+    }
 
 
 def summary(results: list[dict[str, Any]]) -> str:
@@ -428,9 +454,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--budget-s", type=float, default=540.0, help="wall seconds for all jobs together")
     p.add_argument(
-        "--cache-dir", default=os.environ.get("SPOTRL_MODEL_CACHE", ".spotrl/models"),
+        "--cache-dir",
+        default=os.environ.get("SPOTRL_MODEL_CACHE", ".spotrl/models"),
         help="model cache of load_policy (default: $SPOTRL_MODEL_CACHE or .spotrl/models, as the services use)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--dtype", choices=tuple(LOGPROB_TOLERANCE), default="bfloat16", help="vLLM's dtype in push, lora, throughput"
     )
@@ -461,9 +488,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.worker_out).write_text(json.dumps(WORKERS[args.worker](args.worker_model, cfg)))
         return 0
     cfg = Config(
-        cache_dir=str(Path(args.cache_dir).resolve()), dtype=args.dtype, lora_rank=args.lora_rank, prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, seed=args.seed,
-    )  # fmt: skip
+        cache_dir=str(Path(args.cache_dir).resolve()),
+        dtype=args.dtype,
+        lora_rank=args.lora_rank,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
     deadline = time.monotonic() + args.budget_s
     results: list[dict[str, Any]] = []
     for section in args.sections:
@@ -477,9 +508,11 @@ def main(argv: list[str] | None = None) -> int:
                     result = run_job(job, model, cfg, min(left, MAX_JOB_S))
                 results.append({"job": job, "model": model} | result)
     report = {
-        "environment": environment(), "config": asdict(cfg), "results": results,
+        "environment": environment(),
+        "config": asdict(cfg),
+        "results": results,
         "vllm_over_hf": throughput_ratios(results),
-    }  # fmt: skip
+    }
     print(summary(results))
     for model, ratio in report["vllm_over_hf"].items():
         print(f"\nvLLM / HF tokens/s on {model}: {ratio:.2f}")

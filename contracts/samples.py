@@ -78,8 +78,7 @@ def encode_sample(sample: Sample) -> bytes:
     """Serialise `sample`; log-probs are stored as float32 (decode gives float32-rounded values)."""
     if len(sample.logprobs) != len(sample.response_ids):
         raise ValueError(
-            f"sample {sample.sample_id}: {len(sample.logprobs)} logprobs for "
-            f"{len(sample.response_ids)} response tokens"
+            f"sample {sample.sample_id}: {len(sample.logprobs)} logprobs for {len(sample.response_ids)} response tokens"
         )
     scalars = {k: v for k, v in asdict(sample).items() if k not in _ARRAY_FIELDS}
     header = json.dumps(scalars, separators=(",", ":")).encode()

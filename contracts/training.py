@@ -105,92 +105,186 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every number finite
 
     # --- set from the run, not in the section: one declaration each, in the run spec ---------
-    algorithm: SkipJsonSchema[Algorithm] = Field(default=Algorithm.GRPO, exclude=True, description="The run's `algorithm`.")
+    algorithm: SkipJsonSchema[Algorithm] = Field(
+        default=Algorithm.GRPO, exclude=True, description="The run's `algorithm`."
+    )
     temperature: SkipJsonSchema[float] = Field(
-        default=1.0, ge=0.0, le=5.0, exclude=True,
+        default=1.0,
+        ge=0.0,
+        le=5.0,
+        exclude=True,
         description="The run's `sampling.temperature`: the behaviour log-probs are of logits / temperature.",
     )
     max_new_tokens: SkipJsonSchema[int] = Field(
-        default=64, ge=1, le=8192, exclude=True,
+        default=64,
+        ge=1,
+        le=8192,
+        exclude=True,
         description="The run's `sampling.max_new_tokens`: the response length limit (overlong shaping, clip ratio).",
     )
 
     # --- the update ----------------------------------------------------------------------------
-    learning_rate: float = Field(default=1e-5, ge=0.0, le=1.0, description="AdamW learning rate of the policy (and value head).")
+    learning_rate: float = Field(
+        default=1e-5, ge=0.0, le=1.0, description="AdamW learning rate of the policy (and value head)."
+    )
     epochs: int = Field(default=1, ge=1, le=100, description="Passes over each batch.")
-    mini_batch: int = Field(default=0, ge=0, le=1_000_000, description="Samples per optimizer step; 0 = the whole batch (one step per epoch).")
+    mini_batch: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="Samples per optimizer step; 0 = the whole batch (one step per epoch).",
+    )
     micro_batch: int = Field(
-        default=8, ge=0, le=4096,
+        default=8,
+        ge=0,
+        le=4096,
         description="Samples per forward/backward pass (gradient accumulation); 0 = auto: the rule of thumb from the "
         "device's free memory, then on a GPU halved until a trial pass fits.",
     )
     micro_batch_tokens: int = Field(
-        default=0, ge=0, le=100_000_000,
+        default=0,
+        ge=0,
+        le=100_000_000,
         description="Token budget of a micro-batch (padded rows x longest row); > 0 replaces micro_batch with dynamic "
         "micro-batches of similar lengths.",
     )
-    clip_ratio: float = Field(default=0.2, gt=0.0, le=10.0, description="PPO clip range of the importance ratio: [1 - clip_ratio, 1 + clip_ratio_high].")
-    clip_ratio_high: float = Field(
-        default=0.0, ge=0.0, le=10.0, description="Upper clip of the ratio, 1 + clip_ratio_high (0 = clip_ratio; DAPO's clip-higher uses 0.28)."
+    clip_ratio: float = Field(
+        default=0.2,
+        gt=0.0,
+        le=10.0,
+        description="PPO clip range of the importance ratio: [1 - clip_ratio, 1 + clip_ratio_high].",
     )
-    dual_clip: float = Field(default=0.0, ge=0.0, le=100.0, description="Dual-clip bound c > 1 on negative-advantage token losses (0 = off).")
-    loss_agg: LossAggMode = Field(default=LossAggMode.TOKEN_MEAN, description="How token losses are averaged: over all tokens, or per sequence then over sequences.")
+    clip_ratio_high: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=10.0,
+        description="Upper clip of the ratio, 1 + clip_ratio_high (0 = clip_ratio; DAPO's clip-higher uses 0.28).",
+    )
+    dual_clip: float = Field(
+        default=0.0, ge=0.0, le=100.0, description="Dual-clip bound c > 1 on negative-advantage token losses (0 = off)."
+    )
+    loss_agg: LossAggMode = Field(
+        default=LossAggMode.TOKEN_MEAN,
+        description="How token losses are averaged: over all tokens, or per sequence then over sequences.",
+    )
     adv_estimator: AdvantageEstimator | None = Field(
         default=None, description="Advantage estimator of a critic-free run (None = grpo); ppo always uses gae."
     )
     gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="PPO discount over response tokens.")
     lam: float = Field(default=0.95, ge=0.0, le=1.0, description="PPO GAE lambda.")
     vf_coef: float = Field(default=0.5, ge=0.0, le=100.0, description="Weight of the value loss (PPO).")
-    value_clip: float = Field(default=0.2, gt=0.0, le=100.0, description="How far a value prediction may move from the old one (PPO).")
-    entropy_coef: float = Field(default=0.0, ge=0.0, le=10.0, description="Weight of the entropy bonus subtracted from the policy loss (0 = none).")
+    value_clip: float = Field(
+        default=0.2, gt=0.0, le=100.0, description="How far a value prediction may move from the old one (PPO)."
+    )
+    entropy_coef: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=10.0,
+        description="Weight of the entropy bonus subtracted from the policy loss (0 = none).",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e12, description="Gradient-norm clip per optimizer step.")
-    kl_coef: float = Field(default=0.0, ge=0.0, le=100.0, description="Weight of KL to the reference policy (0 skips the reference model).")
+    kl_coef: float = Field(
+        default=0.0, ge=0.0, le=100.0, description="Weight of KL to the reference policy (0 skips the reference model)."
+    )
     kl_estimator: KLEstimator = Field(default=KLEstimator.K3, description="Estimator of KL to the reference policy.")
-    kl_mode: KLMode = Field(default=KLMode.LOSS, description="Apply kl_coef x KL as a loss term or as a per-token reward penalty.")
+    kl_mode: KLMode = Field(
+        default=KLMode.LOSS, description="Apply kl_coef x KL as a loss term or as a per-token reward penalty."
+    )
     kl_target: float | None = Field(
-        default=None, gt=0.0, le=100.0,
+        default=None,
+        gt=0.0,
+        le=100.0,
         description="Adaptive KL: starting from kl_coef, steer the coefficient so that the measured KL approaches this (None = fixed kl_coef).",
     )
-    kl_horizon: int = Field(default=10000, ge=1, le=1_000_000_000, description="Adaptive KL: samples over which the coefficient adapts by up to 20%.")
+    kl_horizon: int = Field(
+        default=10000,
+        ge=1,
+        le=1_000_000_000,
+        description="Adaptive KL: samples over which the coefficient adapts by up to 20%.",
+    )
     off_policy: OffPolicy = Field(
         default=OffPolicy.BEHAVIOUR,
         description="behaviour: clip the ratio around the workers' log-probs; decoupled: clip around this update's starting "
         "policy and weight tokens by min(pi_proximal / pi_behaviour, is_cap) (one extra forward pass).",
     )
-    is_cap: float = Field(default=2.0, gt=0.0, le=1000.0, description="Cap of the importance weight of stale tokens (off_policy: decoupled).")
+    is_cap: float = Field(
+        default=2.0,
+        gt=0.0,
+        le=1000.0,
+        description="Cap of the importance weight of stale tokens (off_policy: decoupled).",
+    )
     is_level: ISLevel = Field(
         default=ISLevel.TOKEN,
         description="off_policy decoupled: truncated IS weight per token, or one per sequence (the product of its tokens' ratios).",
     )
-    is_batch_normalize: bool = Field(default=False, description="off_policy decoupled: scale the IS weights to mean 1 over the batch.")
-    policy_loss: PolicyLoss = Field(default=PolicyLoss.VANILLA, description="The policy loss (verl's names): vanilla PPO, gspo, cispo, clip_cov, kl_cov, gpg, geo_mean, reinforce.")
-    clip_cov_ratio: float = Field(default=0.0002, gt=0.0, le=1.0, description="clip_cov: fraction of tokens whose gradient is cut.")
-    clip_cov_lb: float = Field(default=1.0, ge=-1e6, le=1e6, description="clip_cov: lower bound of the covariance of a token that may be cut.")
-    clip_cov_ub: float = Field(default=5.0, ge=-1e6, le=1e6, description="clip_cov: upper bound of the covariance of a token that may be cut.")
-    kl_cov_ratio: float = Field(default=0.0002, gt=0.0, le=1.0, description="kl_cov: fraction of tokens (highest covariance) given the KL penalty.")
-    ppo_kl_coef: float = Field(default=1.0, ge=0.0, le=100.0, description="kl_cov: weight of |log ratio| on the selected tokens.")
-    kl_clamp: float = Field(default=0.0, ge=0.0, le=1000.0, description="Clamp k3/k3+ KL values to [-kl_clamp, kl_clamp] (verl uses 10; 0 = no clamp).")
+    is_batch_normalize: bool = Field(
+        default=False, description="off_policy decoupled: scale the IS weights to mean 1 over the batch."
+    )
+    policy_loss: PolicyLoss = Field(
+        default=PolicyLoss.VANILLA,
+        description="The policy loss (verl's names): vanilla PPO, gspo, cispo, clip_cov, kl_cov, gpg, geo_mean, reinforce.",
+    )
+    clip_cov_ratio: float = Field(
+        default=0.0002, gt=0.0, le=1.0, description="clip_cov: fraction of tokens whose gradient is cut."
+    )
+    clip_cov_lb: float = Field(
+        default=1.0, ge=-1e6, le=1e6, description="clip_cov: lower bound of the covariance of a token that may be cut."
+    )
+    clip_cov_ub: float = Field(
+        default=5.0, ge=-1e6, le=1e6, description="clip_cov: upper bound of the covariance of a token that may be cut."
+    )
+    kl_cov_ratio: float = Field(
+        default=0.0002,
+        gt=0.0,
+        le=1.0,
+        description="kl_cov: fraction of tokens (highest covariance) given the KL penalty.",
+    )
+    ppo_kl_coef: float = Field(
+        default=1.0, ge=0.0, le=100.0, description="kl_cov: weight of |log ratio| on the selected tokens."
+    )
+    kl_clamp: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1000.0,
+        description="Clamp k3/k3+ KL values to [-kl_clamp, kl_clamp] (verl uses 10; 0 = no clamp).",
+    )
     overlong_buffer: int = Field(
-        default=0, ge=0, le=8192,
+        default=0,
+        ge=0,
+        le=8192,
         description="DAPO overlong reward shaping: a response longer than max_new_tokens - overlong_buffer loses up to "
         "overlong_penalty, linearly over the buffer (0 = off).",
     )
-    overlong_penalty: float = Field(default=1.0, ge=0.0, le=100.0, description="DAPO overlong shaping: the penalty at max_new_tokens.")
+    overlong_penalty: float = Field(
+        default=1.0, ge=0.0, le=100.0, description="DAPO overlong shaping: the penalty at max_new_tokens."
+    )
     dynamic_sampling: bool = Field(
         default=False,
         description="DAPO dynamic sampling: rollout workers drop groups whose rewards are all equal (counted on the run's "
         "samples_filtered, apart from samples_dropped); the batch fills with the others. Disaggregated runs only.",
     )
-    shuffle: bool = Field(default=True, description="Draw each epoch's mini-batches from a fresh seeded permutation of the batch's groups (kept whole).")
-    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed of the mini-batch permutation (epoch e uses seed + e).")
+    shuffle: bool = Field(
+        default=True,
+        description="Draw each epoch's mini-batches from a fresh seeded permutation of the batch's groups (kept whole).",
+    )
+    seed: int = Field(
+        default=0, ge=0, le=2**31 - 1, description="Seed of the mini-batch permutation (epoch e uses seed + e)."
+    )
 
     # --- the model -----------------------------------------------------------------------------
     lora_rank: int = Field(
-        default=0, ge=0, le=1024,
+        default=0,
+        ge=0,
+        le=1024,
         description="Train a LoRA adapter of this rank on every linear layer instead of all weights (0 = full fine-tuning); "
         "the frozen base is the KL reference.",
     )
-    lora_alpha: float = Field(default=32.0, gt=0.0, le=10_000.0, description="LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_rank.")
+    lora_alpha: float = Field(
+        default=32.0,
+        gt=0.0,
+        le=10_000.0,
+        description="LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_rank.",
+    )
     critic: Critic = Field(
         default=Critic.SHARED,
         description="PPO critic: a value head on the policy's own (detached) hidden states, or on a separate copy of the base "
@@ -198,12 +292,18 @@ class TrainConfig(BaseModel):
     )
 
     # --- compute and memory --------------------------------------------------------------------
-    autocast_bf16: bool = Field(default=False, description="Forward passes under bf16 autocast; weights and optimizer stay fp32.")
+    autocast_bf16: bool = Field(
+        default=False, description="Forward passes under bf16 autocast; weights and optimizer stay fp32."
+    )
     gradient_checkpointing: bool = Field(
-        default=False, description="Recompute each layer's activations in the backward pass: less memory, ~30% more compute."
+        default=False,
+        description="Recompute each layer's activations in the backward pass: less memory, ~30% more compute.",
     )
     logprob_chunk_tokens: int = Field(
-        default=1024, ge=1, le=1_000_000, description="Response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits."
+        default=1024,
+        ge=1,
+        le=1_000_000,
+        description="Response tokens per LM-head chunk: bounds the fp32 (tokens x vocab) logits.",
     )
     # Padded micro-batches share through a KV cache, which gradient checkpointing drops: there
     # they run every prompt in full.
@@ -213,15 +313,24 @@ class TrainConfig(BaseModel):
         "pays for its prompt once, forward and backward).",
     )
     pack_max_tokens: int = Field(
-        default=4096, ge=0, le=1_000_000,
+        default=4096,
+        ge=0,
+        le=1_000_000,
         description="Pack each prompt and its samples' responses into one row under a block mask when every such row of a "
         "micro-batch is at most this many tokens (no padding inside a group); longer rows run padded; 0 = always padded.",
     )
 
     # --- the job -------------------------------------------------------------------------------
-    instance_type: str = Field(default="p4d.24xlarge", min_length=1, max_length=64, description="Catalog instance type of the training job (on-demand).")
+    instance_type: str = Field(
+        default="p4d.24xlarge",
+        min_length=1,
+        max_length=64,
+        description="Catalog instance type of the training job (on-demand).",
+    )
     processes: int = Field(
-        default=1, ge=1, le=64,
+        default=1,
+        ge=1,
+        le=64,
         description="Training processes in the job's pod, one per GPU of instance_type, started by torchrun; > 1 trains "
         "data-parallel with `strategy`.",
     )
@@ -230,19 +339,27 @@ class TrainConfig(BaseModel):
         description="Data-parallel strategy when processes > 1: torch FSDP2, or DeepSpeed ZeRO stage 1/2/3 "
         "(pip install 'spotrl[deepspeed]').",
     )
-    offload_optimizer: bool = Field(default=False, description="ZeRO only: keep the optimizer state and its step on the CPU (DeepSpeedCPUAdam).")
-    max_retries: int = Field(default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails.")
+    offload_optimizer: bool = Field(
+        default=False, description="ZeRO only: keep the optimizer state and its step on the CPU (DeepSpeedCPUAdam)."
+    )
+    max_retries: int = Field(
+        default=2, ge=0, le=20, description="Times a failed training job is retried before the run fails."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        if self.adv_estimator is not None and (self.adv_estimator == AdvantageEstimator.GAE) != (self.algorithm == Algorithm.PPO):
+        if self.adv_estimator is not None and (self.adv_estimator == AdvantageEstimator.GAE) != (
+            self.algorithm == Algorithm.PPO
+        ):
             raise ValueError("gae advantages need the ppo critic, and ppo uses gae")
         if self.dual_clip and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 (or 0 for none), got {self.dual_clip}")
         if self.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_target adapts kl_coef multiplicatively: give a starting kl_coef > 0")
         if self.overlong_buffer > self.max_new_tokens:
-            raise ValueError(f"overlong_buffer {self.overlong_buffer} is longer than max_new_tokens {self.max_new_tokens}")
+            raise ValueError(
+                f"overlong_buffer {self.overlong_buffer} is longer than max_new_tokens {self.max_new_tokens}"
+            )
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise ValueError(f"clip_cov_lb {self.clip_cov_lb} must be below clip_cov_ub {self.clip_cov_ub}")
         if self.offload_optimizer and self.strategy == Strategy.FSDP2:

@@ -27,7 +27,9 @@ def oversized(path: Path) -> list[str]:
             length = node.end_lineno - node.lineno + 1
             if length > FUNCTION_LINES:
                 doc = " ".join((ast.get_docstring(node) or "no docstring").split())
-                found.append(f"function {path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines: {doc[:160]}")
+                found.append(
+                    f"function {path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines: {doc[:160]}"
+                )
     return found
 
 

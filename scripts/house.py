@@ -98,7 +98,9 @@ def main() -> None:
     graph = grimp.build_graph(*PACKAGES)
     services = ROOT / "services"
     loose = sorted(p.name for p in services.glob("*.py"))
-    folders = sorted(p.relative_to(ROOT).as_posix() for p in services.rglob("*") if p.is_dir() and (p / "__init__.py").exists())
+    folders = sorted(
+        p.relative_to(ROOT).as_posix() for p in services.rglob("*") if p.is_dir() and (p / "__init__.py").exists()
+    )
     print(f"folders under services/: {len(folders)}")
     for folder in folders:
         print(f"  {folder}/ ({len(list((ROOT / folder).glob('*.py')))} modules)")

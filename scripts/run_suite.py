@@ -60,9 +60,12 @@ def main(args: list[str]) -> int:
     for k, (name, selection) in enumerate(SESSIONS.items()):
         procs[name] = proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", *selection, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
             env={**os.environ, "SPOTRL_TEST_PORTS": f"{k}/{len(SESSIONS)}"},
-        )  # fmt: skip
+        )
         assert proc.stdout is not None
         relays.append(threading.Thread(target=_relay, args=(name, proc.stdout, lock, summaries[name])))
         relays[-1].start()

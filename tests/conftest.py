@@ -15,7 +15,11 @@ from tests.app_client import app_client
 # Real servers for the production adapters' tests, each started once per session on free
 # loopback ports (tests/servers/<name>.py).
 pytest_plugins: list[str] = [
-    "tests.servers.redis", "tests.servers.postgres", "tests.servers.s3", "tests.servers.kafka", "tests.servers.kube",
+    "tests.servers.redis",
+    "tests.servers.postgres",
+    "tests.servers.s3",
+    "tests.servers.kafka",
+    "tests.servers.kube",
 ]
 
 
@@ -37,8 +41,15 @@ def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Settin
     # A short lease: a test that "kills" a scheduler waits one lease period for its successor.
     # The one server directory a spec may name paths in: a test puts the files it names there.
     (tmp_path / "data").mkdir()
-    return Settings(home=tmp_path / "home", model_cache=cache, tick_seconds=0.2, lease_seconds=2.0,
-                    session_timeout_s=3.0, stop_grace_s=10.0, data_dirs=str(tmp_path / "data"))
+    return Settings(
+        home=tmp_path / "home",
+        model_cache=cache,
+        tick_seconds=0.2,
+        lease_seconds=2.0,
+        session_timeout_s=3.0,
+        stop_grace_s=10.0,
+        data_dirs=str(tmp_path / "data"),
+    )
 
 
 @pytest.fixture

@@ -14,15 +14,30 @@ from typing import Any
 
 # Baseline, "Sysctls": the safe set.
 SAFE_SYSCTLS = {
-    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
     "net.ipv4.tcp_keepalive_probes",
-}  # fmt: skip
+}
 # Baseline, "SELinux": the types allowed (user and role must be unset).
 SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 # Restricted, "Volume Types": the only kinds of volume allowed.
-VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+VOLUME_TYPES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 SECCOMP_TYPES = {"RuntimeDefault", "Localhost"}
 APPARMOR_TYPES = {"RuntimeDefault", "Localhost"}
 
@@ -33,8 +48,11 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
     spec = pod["spec"]
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     pod_sc = spec.get("securityContext") or {}
-    containers = [(f"spec.{kind}[{c['name']}]", c, c.get("securityContext") or {})
-                  for kind in ("containers", "initContainers", "ephemeralContainers") for c in spec.get(kind) or []]  # fmt: skip
+    containers = [
+        (f"spec.{kind}[{c['name']}]", c, c.get("securityContext") or {})
+        for kind in ("containers", "initContainers", "ephemeralContainers")
+        for c in spec.get(kind) or []
+    ]
     found: list[str] = []
 
     # --- Baseline ---
@@ -46,14 +64,19 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
     # AppArmor: the annotation (before 1.30) and the field.
     for key, value in annotations.items():
         if key.startswith("container.apparmor.security.beta.kubernetes.io/") and not (
-                value == "runtime/default" or value.startswith("localhost/")):  # fmt: skip
+            value == "runtime/default" or value.startswith("localhost/")
+        ):
             found.append(f"metadata.annotations[{key}]")
     if "appArmorProfile" in pod_sc and pod_sc["appArmorProfile"].get("type") not in APPARMOR_TYPES:
         found.append("spec.securityContext.appArmorProfile.type")
     # SELinux.
     found += _selinux("spec.securityContext", pod_sc)
     # Sysctls.
-    found += [f"spec.securityContext.sysctls[{s['name']}]" for s in pod_sc.get("sysctls") or [] if s["name"] not in SAFE_SYSCTLS]
+    found += [
+        f"spec.securityContext.sysctls[{s['name']}]"
+        for s in pod_sc.get("sysctls") or []
+        if s["name"] not in SAFE_SYSCTLS
+    ]
     for where, container, sc in containers:
         if (sc.get("windowsOptions") or {}).get("hostProcess"):
             found.append(f"{where}.securityContext.windowsOptions.hostProcess")
@@ -61,7 +84,11 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
         if sc.get("privileged"):
             found.append(f"{where}.securityContext.privileged")
         # Host ports.
-        found += [f"{where}.ports[{i}].hostPort" for i, port in enumerate(container.get("ports") or []) if port.get("hostPort")]
+        found += [
+            f"{where}.ports[{i}].hostPort"
+            for i, port in enumerate(container.get("ports") or [])
+            if port.get("hostPort")
+        ]
         if "appArmorProfile" in sc and sc["appArmorProfile"].get("type") not in APPARMOR_TYPES:
             found.append(f"{where}.securityContext.appArmorProfile.type")
         found += _selinux(f"{where}.securityContext", sc)
@@ -87,12 +114,16 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
         # Privilege escalation: must be set to false.
         if sc.get("allowPrivilegeEscalation") is not False:
             found.append(f"{where}.securityContext.allowPrivilegeEscalation")
-        if sc.get("runAsNonRoot") is False or (sc.get("runAsNonRoot") is None and pod_sc.get("runAsNonRoot") is not True):
+        if sc.get("runAsNonRoot") is False or (
+            sc.get("runAsNonRoot") is None and pod_sc.get("runAsNonRoot") is not True
+        ):
             found.append(f"{where}.securityContext.runAsNonRoot")
         if sc.get("runAsUser") == 0:
             found.append(f"{where}.securityContext.runAsUser")
         seccomp = (sc.get("seccompProfile") or {}).get("type")
-        if (seccomp is not None and seccomp not in SECCOMP_TYPES) or (seccomp is None and pod_seccomp not in SECCOMP_TYPES):
+        if (seccomp is not None and seccomp not in SECCOMP_TYPES) or (
+            seccomp is None and pod_seccomp not in SECCOMP_TYPES
+        ):
             found.append(f"{where}.securityContext.seccompProfile.type")
         # Capabilities: ALL dropped; only NET_BIND_SERVICE may be added back.
         capabilities = sc.get("capabilities") or {}

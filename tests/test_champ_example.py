@@ -30,10 +30,20 @@ async def test_prepared_champ_problems_are_a_run_with_a_held_out_eval(api: httpx
     assert counts == {"train": 68, "test": 17}
     assert all((out / f"{split}.parquet").stat().st_size < 200_000 for split in counts)
     # verl's layout, column for column.
-    assert pq.read_schema(out / "train.parquet").names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    assert pq.read_schema(out / "train.parquet").names == [
+        "data_source",
+        "prompt",
+        "ability",
+        "reward_model",
+        "extra_info",
+    ]
 
     spec = yaml.safe_load((EXAMPLE / "run.yaml").read_text())
-    assert (spec["prompts"], spec["eval"]["prompts"], spec["reward"]) == ("data/train.parquet", "data/test.parquet", [{"fn": "math"}])
+    assert (spec["prompts"], spec["eval"]["prompts"], spec["reward"]) == (
+        "data/train.parquet",
+        "data/test.parquet",
+        [{"fn": "math"}],
+    )
     spec["prompts"], spec["eval"]["prompts"] = str(out / "train.parquet"), str(out / "test.parquet")
     run = RunSpec.model_validate(spec)
     train = load_prompts(run.prompts, None, fields=run.dataset)

@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.core.config import Settings
 from services.ports.launcher.launcher import PodPhase
+from services.ports.wiring import open_backends
 from services.tooling.chaos import Chaos
 from services.tooling.chaos_plan import ChaosPlan, ChaosTally
 from services.tooling.run_audit import audit_run
-from services.core.config import Settings
-from services.ports.wiring import open_backends
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +48,7 @@ async def test_a_run_under_chaos_loses_nothing_trains_nothing_twice_and_bills_ev
     run_id = response.json()["id"]
     backends = open_backends(settings)
     try:
+
         def under_chaos() -> tuple[ChaosTally, bool]:
             with Chaos(settings, backends, run_id, PLAN, log_dir=tmp_path / "chaos") as chaos:
                 ended = chaos.wait(timeout_s=240)

@@ -21,6 +21,8 @@ def test_api_and_scheduler_load_no_torch() -> None:
         "create_app()\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
-    loaded = json.loads(subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout)
+    loaded = json.loads(
+        subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    )
     assert "services" in loaded, "the probe imported the control plane"
     assert [m for m in HEAVY if m in loaded] == []

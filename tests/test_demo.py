@@ -20,10 +20,25 @@ def test_the_demo_trains_bills_and_exits_0(tmp_path: Path, tmp_path_factory: pyt
     summary = tmp_path / "summary.json"
     env = {**os.environ, "SPOTRL_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models")}
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "demo", "--model", "tiny", "--home", str(tmp_path / "home"),
-         "--summary-json", str(summary), "--iterations", "2"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "demo",
+            "--model",
+            "tiny",
+            "--home",
+            str(tmp_path / "home"),
+            "--summary-json",
+            str(summary),
+            "--iterations",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(summary.read_text())
     assert result["status"] == "SUCCEEDED"

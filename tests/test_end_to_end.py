@@ -17,14 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.ports.launcher.launcher import PodPhase
-
-from services.ports.launcher.local_launcher import LocalLauncher
-from services.ports.queue.sqlite_queue import SqliteQueue
-from services.tooling.run_audit import Audit, audit_run
 from services.core.config import Settings
 from services.domain.names import samples_topic
+from services.ports.launcher.launcher import PodPhase
+from services.ports.launcher.local_launcher import LocalLauncher
+from services.ports.queue.sqlite_queue import SqliteQueue
 from services.ports.wiring import open_backends
+from services.tooling.run_audit import Audit, audit_run
 from tests.servers.process import free_port
 
 pytestmark = pytest.mark.slow
@@ -62,8 +61,12 @@ def serving(tmp_path: Path, model_cache: Path, **env: str) -> Iterator[Served]:
         **env,
     }
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--port", str(port)], env=env,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "serve", "--port", str(port)],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     s = Served(home, port)
     try:
         wait_until_ready(proc, s.client, log)
@@ -130,8 +133,12 @@ def assert_guarantees_held(home: Path, run: dict) -> Audit:
     finally:
         backends.close()
     assert audit.problems == []
-    assert run["samples"] == {"produced": audit.produced, "trained": audit.trained, "dropped": audit.dropped,
-                              "filtered": audit.filtered}  # fmt: skip
+    assert run["samples"] == {
+        "produced": audit.produced,
+        "trained": audit.trained,
+        "dropped": audit.dropped,
+        "filtered": audit.filtered,
+    }
     assert audit.prompts_committed > 0
     return audit
 
@@ -167,7 +174,9 @@ def test_run_end_to_end_over_http(served: Served) -> None:
 
 
 def test_killed_rollout_worker_loses_no_prompt(served: Served) -> None:
-    spec = tiny_spec(rollout={"min_workers": 2, "max_workers": 2, "prompts_per_batch": 1}, iterations=2, batch_samples=24)
+    spec = tiny_spec(
+        rollout={"min_workers": 2, "max_workers": 2, "prompts_per_batch": 1}, iterations=2, batch_samples=24
+    )
     run_id = served.client.post("/v1/runs", json=spec).json()["id"]
     launcher = LocalLauncher(served.home / "pods")
     queue = SqliteQueue(served.home / "queue.db")

@@ -19,9 +19,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def served_on_kubernetes(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, kube_cluster: Cluster) -> Iterator[Served]:
-    with serving(tmp_path, tmp_path_factory.getbasetemp() / "models", SPOTRL_LAUNCHER="kubernetes",
-                 SPOTRL_KUBE_CONFIG=str(kube_cluster.server.kubeconfig), SPOTRL_KUBE_NAMESPACE=kube_cluster.namespace) as s:
+def served_on_kubernetes(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, kube_cluster: Cluster
+) -> Iterator[Served]:
+    with serving(
+        tmp_path,
+        tmp_path_factory.getbasetemp() / "models",
+        SPOTRL_LAUNCHER="kubernetes",
+        SPOTRL_KUBE_CONFIG=str(kube_cluster.server.kubeconfig),
+        SPOTRL_KUBE_NAMESPACE=kube_cluster.namespace,
+    ) as s:
         yield s
 
 

@@ -47,17 +47,17 @@ import pytest
 from kafka.admin import KafkaAdminClient
 from sqlalchemy.engine import make_url
 
-from services.ports.queue.kafka_queue import KafkaQueue
+from services.core.config import Settings
+from services.domain.names import pod_log_key, policy_prefix, prompts_topic, samples_topic
 from services.ports.launcher.launcher import PodPhase
-from services.ports.reward_cache.redis_reward_cache import KEY_PREFIX, RedisRewardCache
 from services.ports.objects.s3_object_store import S3ObjectStore
+from services.ports.queue.kafka_queue import KafkaQueue
+from services.ports.reward_cache.redis_reward_cache import KEY_PREFIX, RedisRewardCache
 from services.ports.state.state_ledger import LedgerEntry
+from services.ports.wiring import Backends, open_backends
 from services.tooling.chaos import Chaos
 from services.tooling.chaos_plan import ChaosPlan, ChaosTally, Levers
 from services.tooling.run_audit import Audit, audit_run
-from services.core.config import Settings
-from services.domain.names import pod_log_key, policy_prefix, prompts_topic, samples_topic
-from services.ports.wiring import Backends, open_backends
 from tests.servers.kafka import TEST_SESSION_RANGE, KafkaBroker, tansu_binary
 from tests.servers.postgres import PostgresServer
 from tests.servers.process import free_port, wait_until_it_answers
@@ -173,7 +173,7 @@ class Link:
                     continue  # dropped earlier in this round
                 if events & selectors.EVENT_WRITE and out[s]:
                     try:
-                        out[s] = out[s][s.send(out[s]):]
+                        out[s] = out[s][s.send(out[s]) :]
                     except BlockingIOError:
                         pass
                     except OSError:
@@ -213,10 +213,20 @@ class BrokerBehindLink(KafkaBroker):
         self.port = self.link.port
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
-                [tansu_binary(), "broker", "--listener-url", f"tcp://127.0.0.1:{broker_port}",
-                 "--advertised-listener-url", f"tcp://127.0.0.1:{self.port}", "--storage-engine", "memory://tansu/"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    tansu_binary(),
+                    "broker",
+                    "--listener-url",
+                    f"tcp://127.0.0.1:{broker_port}",
+                    "--advertised-listener-url",
+                    f"tcp://127.0.0.1:{self.port}",
+                    "--storage-engine",
+                    "memory://tansu/",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.pid = self._proc.pid
         wait_until_it_answers(self._proc, "tansu", self._answers, self._log, timeout_s=20.0)
 
@@ -235,8 +245,12 @@ def broker() -> Iterator[BrokerBehindLink]:
 # --- the run's settings, levers and driver ----------------------------------------------------
 @pytest.fixture
 def settings(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, broker: BrokerBehindLink, redis_url: str,
-    s3_bucket: S3Bucket, postgres_url: str,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    broker: BrokerBehindLink,
+    redis_url: str,
+    s3_bucket: S3Bucket,
+    postgres_url: str,
 ) -> Settings:
     """conftest's settings, on the production adapters (the ``api`` fixture and the pods use them).
     The queue URL carries the test broker's workarounds (tests/servers/kafka.py): Kafka session
@@ -244,11 +258,18 @@ def settings(
     process's environment (``s3_bucket``), which the scheduler and the pods inherit."""
     (tmp_path / "data").mkdir()
     return Settings(
-        home=tmp_path / "home", model_cache=tmp_path_factory.getbasetemp() / "models", tick_seconds=0.2,
-        lease_seconds=2.0, session_timeout_s=3.0, stop_grace_s=10.0, data_dirs=str(tmp_path / "data"),
-        queue_url=f"{broker.url}?{TEST_SESSION_RANGE}&batch_size=1", reward_cache_url=redis_url,
-        objects_url=s3_bucket.url, state_url=postgres_url,
-    )  # fmt: skip
+        home=tmp_path / "home",
+        model_cache=tmp_path_factory.getbasetemp() / "models",
+        tick_seconds=0.2,
+        lease_seconds=2.0,
+        session_timeout_s=3.0,
+        stop_grace_s=10.0,
+        data_dirs=str(tmp_path / "data"),
+        queue_url=f"{broker.url}?{TEST_SESSION_RANGE}&batch_size=1",
+        reward_cache_url=redis_url,
+        objects_url=s3_bucket.url,
+        state_url=postgres_url,
+    )
 
 
 @pytest.fixture
@@ -277,8 +298,15 @@ class Outcome:
     def ledger_lines(self) -> str:
         """The ledger for a failure's reader: who ran when, relative to the first start."""
         t0 = min((e.started_at for e in self.ledger), default=0.0)
-        return "\n".join([*self.decisions, *(f"{e.pod} {e.started_at - t0:.1f}..{'open' if e.ended_at is None else f'{e.ended_at - t0:.1f}'} s"
-                         for e in self.ledger)])  # fmt: skip
+        return "\n".join(
+            [
+                *self.decisions,
+                *(
+                    f"{e.pod} {e.started_at - t0:.1f}..{'open' if e.ended_at is None else f'{e.ended_at - t0:.1f}'} s"
+                    for e in self.ledger
+                ),
+            ]
+        )
 
 
 async def run_under(
@@ -300,7 +328,8 @@ async def run_under(
 
         tally, ended = await asyncio.to_thread(drive)
         assert ended, f"the run did not end: {backends.state.get_run(run_id).status}; {tally.line()}\n" + stuck(
-            backends, run_id, log_dir)
+            backends, run_id, log_dir
+        )
         audit = audit_run(backends, run_id)
         print(tally.line(), *audit.lines(), sep="\n")  # shown with -s, and on failure
         ledger = backends.state.ledger(run_id)
@@ -311,15 +340,21 @@ async def run_under(
             if pod.phase == PodPhase.RUNNING and pod.pid:
                 os.kill(pod.pid, signal.SIGKILL)
         backends.close()
-    decisions = [line for path in sorted(log_dir.glob("scheduler-*.log"))
-                 for line in path.read_text(errors="replace").splitlines() if f"run {run_id}: " in line]  # fmt: skip
+    decisions = [
+        line
+        for path in sorted(log_dir.glob("scheduler-*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+        if f"run {run_id}: " in line
+    ]
     return Outcome(run_id, tally, audit, ledger, decisions)
 
 
 def stuck(backends: Backends, run_id: str, log_dir: Path, lines: int = 150) -> str:
     """The last lines of the scheduler's and the running pods' logs, stacks included (Chaos.wait)."""
-    tails = {path.name: "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
-             for path in sorted(log_dir.glob("scheduler-*.log"))}  # fmt: skip
+    tails = {
+        path.name: "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        for path in sorted(log_dir.glob("scheduler-*.log"))
+    }
     for pod in backends.launcher.list(run_id):
         if pod.phase == PodPhase.RUNNING:
             tails[pod.name] = backends.launcher.logs(pod.name, tail=lines)
@@ -330,8 +365,10 @@ def pod_logs(settings: Settings, run_id: str) -> dict[str, str]:
     """The logs of the run's ended pods, as the scheduler kept them in the object store."""
     objects = S3ObjectStore.from_url(settings.objects_url or "")
     prefix = pod_log_key(run_id, "x").removesuffix("x.log")
-    return {key.removeprefix(prefix).removesuffix(".log"): objects.get_bytes(key).decode(errors="replace")
-            for key in objects.list(prefix)}  # fmt: skip
+    return {
+        key.removeprefix(prefix).removesuffix(".log"): objects.get_bytes(key).decode(errors="replace")
+        for key in objects.list(prefix)
+    }
 
 
 def assert_guarantees_held(audit: Audit, iterations: int) -> None:
@@ -344,8 +381,14 @@ def assert_guarantees_held(audit: Audit, iterations: int) -> None:
 
 # --- the tests ----------------------------------------------------------------------------------
 async def test_a_run_on_every_production_adapter(
-    api: httpx.AsyncClient, settings: Settings, levers: Levers, tmp_path: Path, broker: BrokerBehindLink,
-    redis_server: RedisServer, s3_bucket: S3Bucket, postgres: PostgresServer,
+    api: httpx.AsyncClient,
+    settings: Settings,
+    levers: Levers,
+    tmp_path: Path,
+    broker: BrokerBehindLink,
+    redis_server: RedisServer,
+    s3_bucket: S3Bucket,
+    postgres: PostgresServer,
 ) -> None:
     outcome = await run_under(api, settings, levers, NO_CHAOS, tmp_path / "chaos")
     run_id, audit = outcome.run_id, outcome.audit
@@ -384,8 +427,9 @@ async def test_a_run_on_every_production_adapter(
 async def test_workers_killed_the_scheduler_restarted_and_redis_unresponsive(
     api: httpx.AsyncClient, settings: Settings, levers: Levers, tmp_path: Path
 ) -> None:
-    plan = ChaosPlan(worker_kills=2, training_kills=0, scheduler_restarts=1, reward_cache_outages=1,
-                     outage_s=OUTAGE_S, pause_s=2.0)  # fmt: skip
+    plan = ChaosPlan(
+        worker_kills=2, training_kills=0, scheduler_restarts=1, reward_cache_outages=1, outage_s=OUTAGE_S, pause_s=2.0
+    )
     outcome = await run_under(api, settings, levers, plan, tmp_path / "chaos", iterations=4)
     tally = outcome.tally
     assert_guarantees_held(outcome.audit, 4)
@@ -399,23 +443,34 @@ async def test_workers_killed_the_scheduler_restarted_and_redis_unresponsive(
     assert outcome.pods["training"] == 4, (outcome.ledger_lines(), tally.line())
     # The workers saw Redis go and carried on without it (the adapter logs it once per outage).
     logs = pod_logs(settings, outcome.run_id)
-    assert any("carrying on without the cache" in text for pod, text in logs.items() if "-rollout-" in pod), sorted(logs)
+    assert any("carrying on without the cache" in text for pod, text in logs.items() if "-rollout-" in pod), sorted(
+        logs
+    )
 
 
 async def test_a_job_killed_before_its_commit_the_broker_and_s3_unresponsive(
     api: httpx.AsyncClient, settings: Settings, levers: Levers, tmp_path: Path, broker: BrokerBehindLink
 ) -> None:
-    plan = ChaosPlan(worker_kills=0, training_kills=1, scheduler_restarts=0, queue_outages=1,
-                     object_store_outages=1, outage_s=OUTAGE_S, pause_s=2.0)  # fmt: skip
+    plan = ChaosPlan(
+        worker_kills=0,
+        training_kills=1,
+        scheduler_restarts=0,
+        queue_outages=1,
+        object_store_outages=1,
+        outage_s=OUTAGE_S,
+        pause_s=2.0,
+    )
     # Sessions that outlast the broker's outage. Two members rejoining the test broker at once can
     # livelock it (measured: each JoinGroup answered at once with the same generation, then its
     # SyncGroup failed by the other's join, for minutes); Kafka's join phase waits for every
     # member instead. Run A has its members rejoin one at a time, after a kill.
     session = 3 * OUTAGE_S / 2
-    settings = settings.model_copy(update={
-        "session_timeout_s": session,
-        "queue_url": f"{broker.url}?session_timeout_min_s=1&session_timeout_max_s={session}&batch_size=1",
-    })  # fmt: skip
+    settings = settings.model_copy(
+        update={
+            "session_timeout_s": session,
+            "queue_url": f"{broker.url}?session_timeout_min_s=1&session_timeout_max_s={session}&batch_size=1",
+        }
+    )
     outcome = await run_under(api, settings, levers, plan, tmp_path / "chaos", iterations=3)
     tally = outcome.tally
     assert_guarantees_held(outcome.audit, 3)

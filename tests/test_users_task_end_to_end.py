@@ -22,7 +22,7 @@ from tests.test_end_to_end import assert_guarantees_held, serving
 pytestmark = pytest.mark.slow
 
 # A reward file as verl users write them (verl's custom_reward_function): no spotrl import.
-REWARD_FILE = '''
+REWARD_FILE = """
 import re
 
 
@@ -31,16 +31,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     correct = bool(digits) and digits[-1] == str(ground_truth)[-1]
     return {"score": float(correct) + 0.1 * ("=" not in solution_str), "acc": float(correct),
             "split_index": float(extra_info["index"])}
-'''
+"""
 
 
 def verl_rows(n: int, split: str) -> pa.Table:
     """verl's gsm8k preprocess layout: data_source, prompt (chat messages), ability, reward_model, extra_info."""
-    return pa.Table.from_pylist([
-        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{a}+{a}="}], "ability": "math",
-         "reward_model": {"style": "rule", "ground_truth": str(2 * a)}, "extra_info": {"split": split, "index": a}}
-        for a in range(n)
-    ])  # fmt: skip
+    return pa.Table.from_pylist(
+        [
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": f"{a}+{a}="}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(2 * a)},
+                "extra_info": {"split": split, "index": a},
+            }
+            for a in range(n)
+        ]
+    )
 
 
 def test_a_verl_reward_file_and_parquet_sets_train_evaluate_and_reach_tensorboard(
@@ -62,13 +69,21 @@ def test_a_verl_reward_file_and_parquet_sets_train_evaluate_and_reach_tensorboar
         "prompts": str(data / "train.parquet"),
         "reward": [{"fn": "function", "path": f"{data / 'gsm8k_reward.py'}:compute_score"}],
         "reward_server": {"instance_type": "g4dn.xlarge"},
-        "eval": {"prompts": str(data / "test.parquet"), "every_iterations": 1, "samples_per_prompt": 2,
-                 "max_new_tokens": 4, "metrics": ["mean", "pass@2"]},
+        "eval": {
+            "prompts": str(data / "test.parquet"),
+            "every_iterations": 1,
+            "samples_per_prompt": 2,
+            "max_new_tokens": 4,
+            "metrics": ["mean", "pass@2"],
+        },
         "tracking": {"tensorboard": True},
-        "samples_per_prompt": 4, "sampling": {"max_new_tokens": 6}, "batch_samples": 16, "iterations": 2,
+        "samples_per_prompt": 4,
+        "sampling": {"max_new_tokens": 6},
+        "batch_samples": 16,
+        "iterations": 2,
         "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 4},
         "training": {"learning_rate": 1e-3, "micro_batch": 8},
-    }  # fmt: skip
+    }
 
     with serving(tmp_path, model_cache, SPOTRL_DATA_DIRS=str(data)) as served:
         r = served.client.post("/v1/runs", json=spec)
@@ -89,7 +104,9 @@ def test_a_verl_reward_file_and_parquet_sets_train_evaluate_and_reach_tensorboar
         worker_log = served.client.get(f"/v1/runs/{run_id}/pods/{run_id}-rollout-0/logs").json()
         assert "scoring through the run's reward server at http://127.0.0.1:" in "\n".join(worker_log["lines"])
         server_log = "\n".join(served.client.get(f"/v1/runs/{run_id}/pods/{run_id}-reward/logs").json()["lines"])
-        assert server_log.count("POST /v1/score") >= 3 + 1  # each eval's batch, and the workers' (some may hit the cache)
+        assert (
+            server_log.count("POST /v1/score") >= 3 + 1
+        )  # each eval's batch, and the workers' (some may hit the cache)
 
         # The scheduler's tracker sends what the state store recorded, a few seconds behind.
         logdir = tmp_path / "home" / "objects" / "runs" / run_id / "tensorboard"
@@ -114,4 +131,6 @@ def _tracked_through(logdir: Path, *, iteration: int, version: int) -> bool:
     if not logdir.is_dir():
         return False
     tb = scalars(logdir)
-    return any(s == iteration for s, _, _ in tb.get("reward/mean", [])) and any(s == version for s, _, _ in tb.get("eval/mean_score", []))
+    return any(s == iteration for s, _, _ in tb.get("reward/mean", [])) and any(
+        s == version for s, _, _ in tb.get("eval/mean_score", [])
+    )

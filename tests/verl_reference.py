@@ -37,20 +37,39 @@ VERL_VERSION = "0.9.1"
 VERL_DIR = Path(sys.prefix) / "verl"  # `pip install --no-deps --target .venv/verl verl==0.9.1`
 
 # Top-level packages verl's import chain names and spotrl's venv does not hold.
-_STUB_ROOTS = frozenset({
-    "orjson", "ray", "tensordict", "codetiming", "hydra", "omegaconf", "wandb", "datasets",
-    "torchdata", "pyarrow", "pybind11", "dill", "liger_kernel", "flash_attn", "pylatexenc",
-})  # fmt: skip
+_STUB_ROOTS = frozenset(
+    {
+        "orjson",
+        "ray",
+        "tensordict",
+        "codetiming",
+        "hydra",
+        "omegaconf",
+        "wandb",
+        "datasets",
+        "torchdata",
+        "pyarrow",
+        "pybind11",
+        "dill",
+        "liger_kernel",
+        "flash_attn",
+        "pylatexenc",
+    }
+)
 
 
 def _stub_attribute(name: str) -> type:
     if name.startswith("__"):
         raise AttributeError(name)
-    return type(name, (), {
-        "__init__": lambda *a, **k: None,
-        "__call__": lambda *a, **k: None,
-        "__class_getitem__": classmethod(lambda cls, item: cls),
-    })  # fmt: skip
+    return type(
+        name,
+        (),
+        {
+            "__init__": lambda *a, **k: None,
+            "__call__": lambda *a, **k: None,
+            "__class_getitem__": classmethod(lambda cls, item: cls),
+        },
+    )
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -88,8 +88,12 @@ def response_scores(
         # The LM head runs on the real response tokens only, flattened: the prompt's logits, a
         # (prompt_len x vocab) tensor per sample, and padding never reach it.
         flat, flat_entropy = chunked_lm_head(  # (n_tokens,) each
-            model, hidden, targets,
-            chunk_tokens=cfg.logprob_chunk_tokens, temperature=cfg.logit_temperature, n_chunks=n_chunks,
+            model,
+            hidden,
+            targets,
+            chunk_tokens=cfg.logprob_chunk_tokens,
+            temperature=cfg.logit_temperature,
+            n_chunks=n_chunks,
             with_entropy=with_entropy,
         )
         if value_head is not None and value_head.backbone is not None:
@@ -252,9 +256,7 @@ def _packed_rows(samples: Sequence[Sample], layout: _Layout) -> tuple[Tensor, Te
     return ids, position, mask, torch.tensor([p for sample_picks in picks for p in sample_picks])
 
 
-def _response_hidden(
-    lm: PreTrainedModel, samples: Sequence[Sample], response_len: int, device: torch.device
-) -> Tensor:
+def _response_hidden(lm: PreTrainedModel, samples: Sequence[Sample], response_len: int, device: torch.device) -> Tensor:
     """Final hidden states at the positions that predict each response token, `(batch,
     response_len, hidden)`, from one pass over the right-padded prompt + response sequences."""
     seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)

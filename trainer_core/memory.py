@@ -141,11 +141,7 @@ def frozen_parameter_audit(model: nn.Module, trainable: Iterable[str]) -> list[s
     unfrozen shows up here (and would otherwise silently cost full optimizer state).
     """
     allowed = set(trainable)
-    return [
-        name
-        for name, param in model.named_parameters()
-        if param.requires_grad and name not in allowed
-    ]
+    return [name for name, param in model.named_parameters() if param.requires_grad and name not in allowed]
 
 
 def release_freed_memory() -> None:

@@ -67,28 +67,54 @@ def cost() -> list[Panel]:
     spent = f"sum({s('spotrl_run_cost_dollars_total')})"
     return [
         Panel("Dollars spent", (q(spent, "spent"),), unit="currencyUSD", kind="stat"),
-        Panel("$/h now", (q(f"sum({s('spotrl_cost_dollars_per_hour')})", "$/h"),), unit="currencyUSD", kind="stat",
-              description="What the run's running pods cost per hour at this moment."),
-        Panel("Savings vs always-on", (q(s("spotrl_run_savings_ratio"), "x cheaper"),), unit="x", kind="stat",
-              description="Always-on on-demand dollars for the same work over dollars spent (2 = half the price)."),
-        Panel("Efficiency vs the lower bound", (q(s("spotrl_run_cost_efficiency"), "efficiency"),),
-              unit="percentunit", kind="stat",
-              description="Lower-bound dollars (busy pod seconds at the cheapest price) over dollars spent."),
-        Panel("Dollars spent by role and capacity type",
-              (q(f"sum by (role, capacity_type) ({s('spotrl_run_cost_dollars_total')})", "{{role}} {{capacity_type}}"),),
-              unit="currencyUSD"),
-        Panel("$/h now by role and capacity type",
-              (q(f"sum by (role, capacity_type) ({s('spotrl_cost_dollars_per_hour')})", "{{role}} {{capacity_type}}"),),
-              unit="currencyUSD"),
-        Panel("Spent vs always-on vs lower bound",
-              (q(spent, "spent"), q(s("spotrl_run_always_on_dollars"), "always-on on-demand"),
-               q(s("spotrl_run_lower_bound_dollars"), "lower bound")),
-              unit="currencyUSD"),
-        Panel("Savings ratio and efficiency over time",
-              (q(s("spotrl_run_savings_ratio"), "savings vs always-on (x)"),
-               q(s("spotrl_run_cost_efficiency"), "efficiency vs lower bound")),
-              ),
-    ]  # fmt: skip
+        Panel(
+            "$/h now",
+            (q(f"sum({s('spotrl_cost_dollars_per_hour')})", "$/h"),),
+            unit="currencyUSD",
+            kind="stat",
+            description="What the run's running pods cost per hour at this moment.",
+        ),
+        Panel(
+            "Savings vs always-on",
+            (q(s("spotrl_run_savings_ratio"), "x cheaper"),),
+            unit="x",
+            kind="stat",
+            description="Always-on on-demand dollars for the same work over dollars spent (2 = half the price).",
+        ),
+        Panel(
+            "Efficiency vs the lower bound",
+            (q(s("spotrl_run_cost_efficiency"), "efficiency"),),
+            unit="percentunit",
+            kind="stat",
+            description="Lower-bound dollars (busy pod seconds at the cheapest price) over dollars spent.",
+        ),
+        Panel(
+            "Dollars spent by role and capacity type",
+            (q(f"sum by (role, capacity_type) ({s('spotrl_run_cost_dollars_total')})", "{{role}} {{capacity_type}}"),),
+            unit="currencyUSD",
+        ),
+        Panel(
+            "$/h now by role and capacity type",
+            (q(f"sum by (role, capacity_type) ({s('spotrl_cost_dollars_per_hour')})", "{{role}} {{capacity_type}}"),),
+            unit="currencyUSD",
+        ),
+        Panel(
+            "Spent vs always-on vs lower bound",
+            (
+                q(spent, "spent"),
+                q(s("spotrl_run_always_on_dollars"), "always-on on-demand"),
+                q(s("spotrl_run_lower_bound_dollars"), "lower bound"),
+            ),
+            unit="currencyUSD",
+        ),
+        Panel(
+            "Savings ratio and efficiency over time",
+            (
+                q(s("spotrl_run_savings_ratio"), "savings vs always-on (x)"),
+                q(s("spotrl_run_cost_efficiency"), "efficiency vs lower bound"),
+            ),
+        ),
+    ]
 
 
 def utilization() -> list[Panel]:
@@ -97,43 +123,71 @@ def utilization() -> list[Panel]:
     training_pods = rate("spotrl_pod_seconds_total", ', role="training"')
     training_running = f"sum({training_pods})"
     return [
-        Panel("GPU utilization by role", (q(f"avg by (role) ({join})", "{{role}}"),), unit="percent",
-              description="DCGM exporter's DCGM_FI_DEV_GPU_UTIL joined on pod to spotrl_pod_info."),
+        Panel(
+            "GPU utilization by role",
+            (q(f"avg by (role) ({join})", "{{role}}"),),
+            unit="percent",
+            description="DCGM exporter's DCGM_FI_DEV_GPU_UTIL joined on pod to spotrl_pod_info.",
+        ),
         Panel("GPU utilization by pod", (q(f"avg by (pod, role) ({join})", "{{pod}}"),), unit="percent"),
-        Panel("Training busy vs idle",
-              (q(f"clamp_max({training_running}, 1)", "training job running"),
-               q(f"1 - clamp_max({training_running}, 1)", "no training job (idle on always-on)"),
-               q(f"sum({rate('spotrl_training_busy_seconds_total')})", "iteration work")),
-              unit="percentunit",
-              description="Share of wall time a training pod runs; an always-on training GPU would idle the rest."),
-        Panel("Rollout samples/s per worker",
-              (q(f"sum by (worker) ({rate('spotrl_worker_samples_produced_total')})", "{{worker}}"),),
-              unit="short"),
-        Panel("Rollout generating share per worker",
-              (q(f"sum by (worker) ({rate('spotrl_worker_generation_seconds_total')})", "{{worker}}"),),
-              unit="percentunit", description="Seconds spent generating per second of wall time."),
-        Panel("Running pods by role and capacity type",
-              (q(f"sum by (role, capacity_type) ({s('spotrl_pods')})", "{{role}} {{capacity_type}}"),)),
-    ]  # fmt: skip
+        Panel(
+            "Training busy vs idle",
+            (
+                q(f"clamp_max({training_running}, 1)", "training job running"),
+                q(f"1 - clamp_max({training_running}, 1)", "no training job (idle on always-on)"),
+                q(f"sum({rate('spotrl_training_busy_seconds_total')})", "iteration work"),
+            ),
+            unit="percentunit",
+            description="Share of wall time a training pod runs; an always-on training GPU would idle the rest.",
+        ),
+        Panel(
+            "Rollout samples/s per worker",
+            (q(f"sum by (worker) ({rate('spotrl_worker_samples_produced_total')})", "{{worker}}"),),
+            unit="short",
+        ),
+        Panel(
+            "Rollout generating share per worker",
+            (q(f"sum by (worker) ({rate('spotrl_worker_generation_seconds_total')})", "{{worker}}"),),
+            unit="percentunit",
+            description="Seconds spent generating per second of wall time.",
+        ),
+        Panel(
+            "Running pods by role and capacity type",
+            (q(f"sum by (role, capacity_type) ({s('spotrl_pods')})", "{{role}} {{capacity_type}}"),),
+        ),
+    ]
 
 
 def pipeline() -> list[Panel]:
     return [
-        Panel("Prompt backlog", (q(s("spotrl_prompt_backlog"), "prompts queued"),),
-              description="Prompts published and not yet generated from."),
-        Panel("Sample backlog", (q(s("spotrl_sample_backlog"), "samples queued"),),
-              description="Samples queued and not yet trained."),
-        Panel("Sample staleness (policy versions)",
-              (q(s("spotrl_sample_staleness_mean"), "mean"), q(s("spotrl_sample_staleness_max"), "max")),
-              description="Versions between the policy that generated a trained sample and the policy updated, latest iteration."),
-        Panel("Dropped samples by reason",
-              (q(f"sum by (reason) ({s('spotrl_samples_dropped_by_reason_total')})", "{{reason}}"),)),
-        Panel("Samples/s produced and trained",
-              (q(f"sum({rate('spotrl_samples_produced_total')})", "produced"),
-               q(f"sum({rate('spotrl_samples_trained_total')})", "trained")),
-              ),
+        Panel(
+            "Prompt backlog",
+            (q(s("spotrl_prompt_backlog"), "prompts queued"),),
+            description="Prompts published and not yet generated from.",
+        ),
+        Panel(
+            "Sample backlog",
+            (q(s("spotrl_sample_backlog"), "samples queued"),),
+            description="Samples queued and not yet trained.",
+        ),
+        Panel(
+            "Sample staleness (policy versions)",
+            (q(s("spotrl_sample_staleness_mean"), "mean"), q(s("spotrl_sample_staleness_max"), "max")),
+            description="Versions between the policy that generated a trained sample and the policy updated, latest iteration.",
+        ),
+        Panel(
+            "Dropped samples by reason",
+            (q(f"sum by (reason) ({s('spotrl_samples_dropped_by_reason_total')})", "{{reason}}"),),
+        ),
+        Panel(
+            "Samples/s produced and trained",
+            (
+                q(f"sum({rate('spotrl_samples_produced_total')})", "produced"),
+                q(f"sum({rate('spotrl_samples_trained_total')})", "trained"),
+            ),
+        ),
         Panel("Policy version", (q(s("spotrl_policy_version"), "version"),)),
-    ]  # fmt: skip
+    ]
 
 
 def reward_cache() -> list[Panel]:
@@ -144,44 +198,68 @@ def reward_cache() -> list[Panel]:
         return f"sum({rate(name, hit, fn, window)}) / sum({rate(name, looked_up, fn, window)})"
 
     return [
-        Panel("Hit rate (dashboard range)", (q(ratio("increase", "[$__range]"), "hit rate"),), unit="percentunit", kind="stat"),
+        Panel(
+            "Hit rate (dashboard range)",
+            (q(ratio("increase", "[$__range]"), "hit rate"),),
+            unit="percentunit",
+            kind="stat",
+        ),
         Panel("Hit rate", (q(ratio("rate", RATE), "hit rate"),), unit="percentunit"),
-        Panel("Requests/s by result", (q(f"sum by (result) ({rate(name)})", "{{result}}"),),
-              description="Keys looked up (hit, miss) and keys not looked up or written because the cache failed (error)."),
+        Panel(
+            "Requests/s by result",
+            (q(f"sum by (result) ({rate(name)})", "{{result}}"),),
+            description="Keys looked up (hit, miss) and keys not looked up or written because the cache failed (error).",
+        ),
         Panel("Requests by result", (q(f"sum by (result) ({s(name)})", "{{result}}"),)),
-    ]  # fmt: skip
+    ]
 
 
 def training() -> list[Panel]:
     return [
         Panel("Mean reward", (q(s("spotrl_training_mean_reward"), "mean reward"),)),
-        Panel("Held-out eval", (q(s("spotrl_eval_score"), "{{metric}}"),),
-              description="The latest eval of a policy version on the held-out prompts (runs with an `eval` section): "
-                          "mean score and each pass@k."),
+        Panel(
+            "Held-out eval",
+            (q(s("spotrl_eval_score"), "{{metric}}"),),
+            description="The latest eval of a policy version on the held-out prompts (runs with an `eval` section): "
+            "mean score and each pass@k.",
+        ),
         Panel("KL", (q(s("spotrl_training_kl"), "KL"),)),
         Panel("Clip fraction", (q(s("spotrl_training_clip_fraction"), "actor/pg_clipfrac"),), unit="percentunit"),
-        Panel("Entropy", (q(s("spotrl_training_entropy"), "actor/entropy"),),
-              description="Reported by runs with training.entropy_coef > 0."),
+        Panel(
+            "Entropy",
+            (q(s("spotrl_training_entropy"), "actor/entropy"),),
+            description="Reported by runs with training.entropy_coef > 0.",
+        ),
         Panel("Step seconds", (q(s("spotrl_training_step_seconds"), "seconds"),), unit="s"),
         Panel("Iteration", (q(s("spotrl_training_iteration"), "iteration"),)),
-    ]  # fmt: skip
+    ]
 
 
 def preemptions() -> list[Panel]:
     spot = ', capacity_type="spot"'
     return [
-        Panel("Spot preemptions", (q(f"sum({s('spotrl_spot_preemptions_total')})", "preemptions"),), kind="stat",
-              description="Spot pods that ended killed by a signal."),
-        Panel("Spot preemptions by instance type",
-              (q(f"sum by (instance_type) ({s('spotrl_spot_preemptions_total')})", "{{instance_type}}"),)),
-        Panel("Spot pods ended by outcome",
-              (q(f"sum by (outcome) ({s('spotrl_pods_ended_total', spot)})", "{{outcome}}"),)),
+        Panel(
+            "Spot preemptions",
+            (q(f"sum({s('spotrl_spot_preemptions_total')})", "preemptions"),),
+            kind="stat",
+            description="Spot pods that ended killed by a signal.",
+        ),
+        Panel(
+            "Spot preemptions by instance type",
+            (q(f"sum by (instance_type) ({s('spotrl_spot_preemptions_total')})", "{{instance_type}}"),),
+        ),
+        Panel(
+            "Spot pods ended by outcome",
+            (q(f"sum by (outcome) ({s('spotrl_pods_ended_total', spot)})", "{{outcome}}"),),
+        ),
         Panel("Running spot pods", (q(f"sum by (instance_type) ({s('spotrl_pods', spot)})", "{{instance_type}}"),)),
-        Panel("Spot pods waiting for capacity",
-              (q(f"sum by (instance_type) ({s('spotrl_pods_waiting_for_node', spot)})", "{{instance_type}}"),),
-              description="Launched with no node yet: the zone has no spot capacity of that type. Nothing is billed "
-                          "for them; with a deadline at risk, cost-aware starts on-demand workers in their place."),
-    ]  # fmt: skip
+        Panel(
+            "Spot pods waiting for capacity",
+            (q(f"sum by (instance_type) ({s('spotrl_pods_waiting_for_node', spot)})", "{{instance_type}}"),),
+            description="Launched with no node yet: the zone has no spot capacity of that type. Nothing is billed "
+            "for them; with a deadline at risk, cost-aware starts on-demand workers in their place.",
+        ),
+    ]
 
 
 DASHBOARDS = {
@@ -236,16 +314,32 @@ def dashboard(slug: str, title: str, panels: list[Panel]) -> dict:
         "graphTooltip": 1,
         "templating": {
             "list": [
-                {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-                 "current": {}, "hide": 0},
-                {"name": "run", "label": "Run", "type": "query", "datasource": DATASOURCE,
-                 "query": {"query": "label_values(spotrl_policy_version, run)", "refId": "run"},
-                 "definition": "label_values(spotrl_policy_version, run)", "refresh": 2, "sort": 2,
-                 "current": {}, "hide": 0},
+                {
+                    "name": "datasource",
+                    "label": "Data source",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                    "hide": 0,
+                },
+                {
+                    "name": "run",
+                    "label": "Run",
+                    "type": "query",
+                    "datasource": DATASOURCE,
+                    "query": {"query": "label_values(spotrl_policy_version, run)", "refId": "run"},
+                    "definition": "label_values(spotrl_policy_version, run)",
+                    "refresh": 2,
+                    "sort": 2,
+                    "current": {},
+                    "hide": 0,
+                },
             ]
-        },  # fmt: skip
+        },
         "annotations": {"list": []},
-        "links": [{"type": "dashboards", "tags": ["spotrl"], "asDropdown": True, "title": "spotrl", "includeVars": True}],
+        "links": [
+            {"type": "dashboards", "tags": ["spotrl"], "asDropdown": True, "title": "spotrl", "includeVars": True}
+        ],
         "panels": laid_out,
     }
 

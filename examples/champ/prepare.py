@@ -50,7 +50,9 @@ def prepare(out_dir: Path) -> dict[str, int]:
     import pyarrow.parquet as pq
 
     dataset = champ_dataset.load("v0")
-    problems = sorted((p for p in dataset.problems.values() if NUMBER.fullmatch(p.answer.strip())), key=lambda p: p.identifier)
+    problems = sorted(
+        (p for p in dataset.problems.values() if NUMBER.fullmatch(p.answer.strip())), key=lambda p: p.identifier
+    )
     random.Random(SEED).shuffle(problems)
     n_test = round(len(problems) * HELD_OUT)
     splits = {"train": problems[n_test:], "test": problems[:n_test]}
@@ -62,7 +64,9 @@ def prepare(out_dir: Path) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "data", help="Folder of the two Parquet files.")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "data", help="Folder of the two Parquet files."
+    )
     counts = prepare(parser.parse_args().out)
     print(", ".join(f"{split}: {n} problems" for split, n in counts.items()))
 

@@ -39,7 +39,10 @@ def serve(
     ] = True,
     insecure_no_auth: Annotated[
         bool,
-        typer.Option("--insecure-no-auth", help="Development only: listen beyond loopback with no tokens file, open to anyone who can reach it."),
+        typer.Option(
+            "--insecure-no-auth",
+            help="Development only: listen beyond loopback with no tokens file, open to anyone who can reach it.",
+        ),
     ] = False,
     home: HomeOption = None,
 ) -> None:
@@ -80,9 +83,15 @@ app.add_typer(token_app, name="token")
 
 @token_app.command("add")
 def token_add(
-    tenant: Annotated[str, typer.Option(help="Tenant the token acts for: it sees that tenant's runs and objects only.")],
-    file: Annotated[Path, typer.Option("--file", help="Tokens file (created 0600); the API reads it from SPOTRL_TOKENS_FILE.")],
-    admin: Annotated[bool, typer.Option("--admin", help="An admin token: sees every tenant's runs and /metrics.")] = False,
+    tenant: Annotated[
+        str, typer.Option(help="Tenant the token acts for: it sees that tenant's runs and objects only.")
+    ],
+    file: Annotated[
+        Path, typer.Option("--file", help="Tokens file (created 0600); the API reads it from SPOTRL_TOKENS_FILE.")
+    ],
+    admin: Annotated[
+        bool, typer.Option("--admin", help="An admin token: sees every tenant's runs and /metrics.")
+    ] = False,
     label: Annotated[str, typer.Option(help="A note kept beside the hash, e.g. who holds the token.")] = "",
 ) -> None:
     """Make a token, store its hash in FILE and print the token: the only time it is shown."""
@@ -96,7 +105,9 @@ def token_add(
 
 @app.command()
 def plan(
-    file: Annotated[Path, typer.Argument(metavar="FILE", help="What to plan, YAML or JSON: the body of POST /v1/plan.")],
+    file: Annotated[
+        Path, typer.Argument(metavar="FILE", help="What to plan, YAML or JSON: the body of POST /v1/plan.")
+    ],
     output: OutputOption = Output.TABLE,
 ) -> None:
     """Plan a run's bill before starting it: the rollout pool and training shape, the cost per update
@@ -104,10 +115,10 @@ def plan(
     import yaml
     from pydantic import ValidationError
 
-    from services.ports.prices.catalog import load_catalog
     from services.control.cost.plan_schemas import PlanRequest, plan_public, plan_request
     from services.control.cost.plan_text import format_plan
     from services.control.cost.planner import PlanError
+    from services.ports.prices.catalog import load_catalog
 
     try:
         data = yaml.safe_load(file.read_text())  # JSON is YAML too
@@ -117,7 +128,9 @@ def plan(
     except yaml.YAMLError as e:
         raise typer.BadParameter(f"{file} is neither YAML nor JSON: {e}", param_hint="FILE") from None
     except ValidationError as e:
-        raise typer.BadParameter(f"{file} is not a plan request (see POST /v1/plan in the API's /docs):\n{e}", param_hint="FILE") from None
+        raise typer.BadParameter(
+            f"{file} is not a plan request (see POST /v1/plan in the API's /docs):\n{e}", param_hint="FILE"
+        ) from None
     except PlanError as e:
         where = ".".join(map(str, e.loc))
         raise typer.BadParameter(f"{where}: {e}", param_hint="FILE") from None
@@ -128,7 +141,10 @@ def plan(
 def scheduler_command(
     home: HomeOption = None,
     health_port: Annotated[
-        int | None, typer.Option(help="Serve /healthz (the loop goes round) and /readyz (it has reached the state store) on this port, for Kubernetes' probes.")
+        int | None,
+        typer.Option(
+            help="Serve /healthz (the loop goes round) and /readyz (it has reached the state store) on this port, for Kubernetes' probes."
+        ),
     ] = None,
 ) -> None:
     """Run the scheduler's reconcile loop alone: one of several leads, the others stand by.
@@ -160,11 +176,20 @@ def scheduler_command(
 
 @app.command()
 def teardown(
-    grace_s: Annotated[float, typer.Option("--grace-s", min=0, help="Seconds each pod gets between SIGTERM and SIGKILL.")] = 30.0,
+    grace_s: Annotated[
+        float, typer.Option("--grace-s", min=0, help="Seconds each pod gets between SIGTERM and SIGKILL.")
+    ] = 30.0,
     timeout_s: Annotated[
-        float, typer.Option("--timeout-s", min=0, help="After this long, every pod still there is deleted at once (SIGKILL, its finalizer removed).")
+        float,
+        typer.Option(
+            "--timeout-s",
+            min=0,
+            help="After this long, every pod still there is deleted at once (SIGKILL, its finalizer removed).",
+        ),
     ] = 240.0,
-    namespace: Annotated[str | None, typer.Option(help="Namespace of the pods; default: SPOTRL_KUBE_NAMESPACE.")] = None,
+    namespace: Annotated[
+        str | None, typer.Option(help="Namespace of the pods; default: SPOTRL_KUBE_NAMESPACE.")
+    ] = None,
     home: HomeOption = None,
 ) -> None:
     """Stop and delete every pod and Job the scheduler launched, and end every run in the state store
@@ -209,7 +234,9 @@ def teardown(
 
 @app.command()
 def demo(
-    model: Annotated[str, typer.Option(help="Base model: smollm2-135m, tiny, a HF directory or a .gguf file.")] = "smollm2-135m",
+    model: Annotated[
+        str, typer.Option(help="Base model: smollm2-135m, tiny, a HF directory or a .gguf file.")
+    ] = "smollm2-135m",
     summary_json: Annotated[Path | None, typer.Option("--summary-json", help="Write the run's summary here.")] = None,
     chaos: Annotated[
         bool,
@@ -234,8 +261,13 @@ def demo(
     # A fresh state directory per demo; converted base models are cached across demos.
     os.environ.setdefault("SPOTRL_MODEL_CACHE", str(Path(".spotrl/models").resolve()))
     home = home or Path(".spotrl") / time.strftime("demo-%Y%m%d-%H%M%S")
-    ok = run_demo(model=model, settings=load_settings(home), summary_json=summary_json, chaos=ChaosPlan() if chaos else None,
-                  iterations=iterations)
+    ok = run_demo(
+        model=model,
+        settings=load_settings(home),
+        summary_json=summary_json,
+        chaos=ChaosPlan() if chaos else None,
+        iterations=iterations,
+    )
     raise typer.Exit(0 if ok else 1)
 
 
@@ -243,9 +275,15 @@ def demo(
 def train(
     colocated: Annotated[
         Path | None,
-        typer.Option("--colocated", metavar="SPEC_FILE", help="Run spec (YAML or JSON) to train in this process, rollout and training on one device."),
+        typer.Option(
+            "--colocated",
+            metavar="SPEC_FILE",
+            help="Run spec (YAML or JSON) to train in this process, rollout and training on one device.",
+        ),
     ] = None,
-    out: Annotated[Path, typer.Option("--out", help="Output directory: checkpoints/ and the final policy/.")] = Path("spotrl-out"),
+    out: Annotated[Path, typer.Option("--out", help="Output directory: checkpoints/ and the final policy/.")] = Path(
+        "spotrl-out"
+    ),
     resume: Annotated[bool, typer.Option("--resume", help="Continue after the latest checkpoint in --out.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of a fresh run (a resumed run continues its own RNG streams).")] = 0,
     device: Annotated[str | None, typer.Option(help="torch device; default cuda when available, else cpu.")] = None,
@@ -258,9 +296,9 @@ def train(
             "(spot rollout pool, on-demand training jobs) are submitted with `spotrl serve` and POST /v1/runs.",
             param_hint="--colocated",
         )
-    from services.ports.objects.local_object_store import LocalObjectStore
     from services.data.colocated import IterationRecord, ResumeError, SpecFileError, load_spec_file, run_colocated
     from services.domain.prompts import InvalidPromptsError, is_store_uri
+    from services.ports.objects.local_object_store import LocalObjectStore
 
     try:
         spec = load_spec_file(colocated)
@@ -291,7 +329,9 @@ def train(
     except (InvalidPromptsError, ResumeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"stopped: {result.stop_reason} after {len(result.iterations)} iterations; final policy in {result.policy_dir}")
+    typer.echo(
+        f"stopped: {result.stop_reason} after {len(result.iterations)} iterations; final policy in {result.policy_dir}"
+    )
     typer.echo(str(result.cost))
 
 
@@ -328,22 +368,26 @@ def logs(
 @app.command()
 def report(
     run_id: str,
-    out: Annotated[Path | None, typer.Option("--out", help="The HTML file to write [default: <run>-report.html].")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="The HTML file to write [default: <run>-report.html].")
+    ] = None,
     home: HomeOption = None,
 ) -> None:
     """Write the run's report page: one HTML file that works offline (reward by iteration, cumulative
     cost against always-on and the lower bound, pod timelines with preemptions marked), on the
     server's machine; from elsewhere, GET /v1/runs/RUN/report."""
     from services.control.api.service import report_page_of
-    from services.ports.state.state_store import RunNotFoundError
     from services.ports.prices.catalog import load_catalog
+    from services.ports.state.state_store import RunNotFoundError
     from services.ports.wiring import open_backends
 
     backends = open_backends(load_settings(home))
     try:
         page = report_page_of(backends.state, load_catalog(), backends.state.get_run(run_id))
     except RunNotFoundError:
-        raise typer.BadParameter(f"no run {run_id!r} in {backends.state.url}: `spotrl runs list` shows the runs") from None
+        raise typer.BadParameter(
+            f"no run {run_id!r} in {backends.state.url}: `spotrl runs list` shows the runs"
+        ) from None
     finally:
         backends.close()
     path = out or Path(f"{run_id}-report.html")

@@ -21,9 +21,9 @@ from services.cli.common import start_logging
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from services.ports.state.state_store import StateStore
     from services.core.config import Settings
     from services.domain.runspec import RewardTerm, RunSpec
+    from services.ports.state.state_store import StateStore
     from services.ports.wiring import Backends
 
 
@@ -73,7 +73,9 @@ def _memory_reported(state: StateStore, run_id: str) -> Iterator[None]:
         while True:
             m = monitor.sample()
             try:
-                state.report_memory(run_id, pod, role, at=time.time(), current=m["perf/memory_bytes"], peak=m["perf/peak_memory_bytes"])
+                state.report_memory(
+                    run_id, pod, role, at=time.time(), current=m["perf/memory_bytes"], peak=m["perf/peak_memory_bytes"]
+                )
             except Exception as e:  # a lost report is one point fewer on a chart, never the pod's end
                 log.warning("memory report not stored (%s); the next in %.0f s", type(e).__name__, MEMORY_REPORT_S)
             if stop.wait(MEMORY_REPORT_S):
@@ -144,8 +146,14 @@ def eval_job(run_id: str, version: int) -> None:
 
     with _pod(run_id) as (settings, backends, spec):
         terms = _reward_terms(backends.state, run_id, spec)
-        run_eval_job(run_id=run_id, version=version, spec=spec, terms=terms, objects=backends.objects,
-                     model_cache=settings.resolved_model_cache())  # fmt: skip
+        run_eval_job(
+            run_id=run_id,
+            version=version,
+            spec=spec,
+            terms=terms,
+            objects=backends.objects,
+            model_cache=settings.resolved_model_cache(),
+        )
 
 
 def _reward_terms(state: StateStore, run_id: str, spec: RunSpec, wait_s: float = 600.0) -> list[RewardTerm]:
@@ -192,7 +200,9 @@ def reward_pod(run_id: str) -> None:
         else:
             app = create_reward_app(Path(term.path or ""), quantize=term.quantize)
         address = os.environ.get("SPOTRL_POD_IP")
-        listener = socket.create_server(("0.0.0.0" if address else "127.0.0.1", int(os.environ.get("SPOTRL_REWARD_PORT", "0"))))
+        listener = socket.create_server(
+            ("0.0.0.0" if address else "127.0.0.1", int(os.environ.get("SPOTRL_REWARD_PORT", "0")))
+        )
         url = f"http://{address or '127.0.0.1'}:{listener.getsockname()[1]}"
         server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))

@@ -47,7 +47,9 @@ class ApiError(Exception):
         """For people: the status line, then one line per refused field of a 422."""
         if isinstance(self.detail, list):
             fields = [
-                f"  {'.'.join(str(p) for p in e.get('loc', []))}: {e.get('msg', '')}" if isinstance(e, dict) else f"  {e}"
+                f"  {'.'.join(str(p) for p in e.get('loc', []))}: {e.get('msg', '')}"
+                if isinstance(e, dict)
+                else f"  {e}"
                 for e in self.detail
             ]
             return [f"{self.status} {self.reason}", *fields]
@@ -123,9 +125,7 @@ def resolve_target(server: str | None, token: str | None) -> Target:
         if not token and server and file.get("server") and normalize_server(server) == normalize_server(file["server"]):
             token = file.get("token")
     if not server:
-        raise ClientError(
-            "no API server: pass --server URL, set SPOTRL_SERVER, or run `spotrl config set-server URL`"
-        )
+        raise ClientError("no API server: pass --server URL, set SPOTRL_SERVER, or run `spotrl config set-server URL`")
     return Target(normalize_server(server), token or None)
 
 
@@ -254,7 +254,9 @@ def upload_local_prompts(client: ApiClient, spec: dict[str, Any], *, base_dir: P
     return dataset
 
 
-def _upload_local(client: ApiClient, section: dict[str, Any], fields: dict[str, Any] | None, *, base_dir: Path) -> dict[str, Any] | None:
+def _upload_local(
+    client: ApiClient, section: dict[str, Any], fields: dict[str, Any] | None, *, base_dir: Path
+) -> dict[str, Any] | None:
     prompts = section.get("prompts")
     if not isinstance(prompts, str) or prompts.startswith(STORE_SCHEME):
         return None

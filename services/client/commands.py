@@ -21,8 +21,12 @@ import typer
 if TYPE_CHECKING:
     from services.client.api import ApiClient
 
-runs_app = typer.Typer(no_args_is_help=True, help="Runs on a spotrl API server: submit, list, inspect, cancel, cost, logs, watch.")
-config_app = typer.Typer(no_args_is_help=True, help="The client's config file: the API server and token `spotrl runs` uses.")
+runs_app = typer.Typer(
+    no_args_is_help=True, help="Runs on a spotrl API server: submit, list, inspect, cancel, cost, logs, watch."
+)
+config_app = typer.Typer(
+    no_args_is_help=True, help="The client's config file: the API server and token `spotrl runs` uses."
+)
 
 # Exit statuses: the API refused or could not be reached; the command cannot be run as given.
 EXIT_API = 1
@@ -38,7 +42,8 @@ ServerOption = Annotated[
     str | None, typer.Option("--server", envvar="SPOTRL_SERVER", help="API server URL (else the config file).")
 ]
 TokenOption = Annotated[
-    str | None, typer.Option("--token", envvar="SPOTRL_TOKEN", show_envvar=True, help="Bearer token (else the config file).")
+    str | None,
+    typer.Option("--token", envvar="SPOTRL_TOKEN", show_envvar=True, help="Bearer token (else the config file)."),
 ]
 OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table, for people, or json, for programs.")]
 RunArg = Annotated[str, typer.Argument(metavar="RUN", help="The run's id (run-...).")]
@@ -79,7 +84,9 @@ def _api(server: str | None, token: str | None, output: Output) -> Iterator[ApiC
 
 @runs_app.command("submit")
 def submit(
-    spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="Run spec, YAML or JSON: the body of POST /v1/runs.")],
+    spec_file: Annotated[
+        Path, typer.Argument(metavar="SPEC", help="Run spec, YAML or JSON: the body of POST /v1/runs.")
+    ],
     server: ServerOption = None,
     token: TokenOption = None,
     output: OutputOption = Output.TABLE,
@@ -103,7 +110,9 @@ def submit(
 
 @runs_app.command("list")
 def list_runs(
-    page_size: Annotated[int, typer.Option("--page-size", min=1, max=200, help="Runs asked per request; every page is read.")] = 50,
+    page_size: Annotated[
+        int, typer.Option("--page-size", min=1, max=200, help="Runs asked per request; every page is read.")
+    ] = 50,
     server: ServerOption = None,
     token: TokenOption = None,
     output: OutputOption = Output.TABLE,
@@ -120,7 +129,9 @@ def list_runs(
 
 
 @runs_app.command("get")
-def get(run_id: RunArg, server: ServerOption = None, token: TokenOption = None, output: OutputOption = Output.TABLE) -> None:
+def get(
+    run_id: RunArg, server: ServerOption = None, token: TokenOption = None, output: OutputOption = Output.TABLE
+) -> None:
     """A run: where it stands, its iterations, its spec (with --output json)."""
     with _api(server, token, output) as client:
         run = client.get_run(run_id)
@@ -133,7 +144,9 @@ def get(run_id: RunArg, server: ServerOption = None, token: TokenOption = None, 
 
 
 @runs_app.command("cancel")
-def cancel(run_id: RunArg, server: ServerOption = None, token: TokenOption = None, output: OutputOption = Output.TABLE) -> None:
+def cancel(
+    run_id: RunArg, server: ServerOption = None, token: TokenOption = None, output: OutputOption = Output.TABLE
+) -> None:
     """Cancel a run: its pods are stopped, then it reads CANCELLED."""
     with _api(server, token, output) as client:
         run = client.cancel_run(run_id)
@@ -144,7 +157,9 @@ def cancel(run_id: RunArg, server: ServerOption = None, token: TokenOption = Non
 
 
 @runs_app.command("cost")
-def cost(run_id: RunArg, server: ServerOption = None, token: TokenOption = None, output: OutputOption = Output.TABLE) -> None:
+def cost(
+    run_id: RunArg, server: ServerOption = None, token: TokenOption = None, output: OutputOption = Output.TABLE
+) -> None:
     """A run's bill: by role and capacity type, against always-on on-demand and the lower bound."""
     with _api(server, token, output) as client:
         report = client.run_cost(run_id)
@@ -202,10 +217,18 @@ def _watch_json(fetch: Callable[[], dict[str, Any]], run: dict[str, Any], *, onc
 @runs_app.command("logs")
 def logs(
     run_id: RunArg,
-    pod: Annotated[str | None, typer.Option("--pod", help="One pod (`spotrl runs logs RUN` names them); default: every pod of the run.")] = None,
+    pod: Annotated[
+        str | None,
+        typer.Option("--pod", help="One pod (`spotrl runs logs RUN` names them); default: every pod of the run."),
+    ] = None,
     tail: Annotated[int, typer.Option("--tail", min=1, max=2000, help="Lines from the end of each pod's log.")] = 100,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the pod (or, without --pod, the run) ends.")] = False,
-    interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between reads while following.")] = 1.0,
+    follow: Annotated[
+        bool,
+        typer.Option("--follow", "-f", help="Keep printing new lines until the pod (or, without --pod, the run) ends."),
+    ] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.1, help="Seconds between reads while following.")
+    ] = 1.0,
     server: ServerOption = None,
     token: TokenOption = None,
     output: OutputOption = Output.TABLE,
@@ -229,7 +252,9 @@ def logs(
             typer.echo(line)
 
 
-def _follow_logs(client: ApiClient, run_id: str, pod: str | None, *, tail: int, interval_s: float, output: Output) -> None:
+def _follow_logs(
+    client: ApiClient, run_id: str, pod: str | None, *, tail: int, interval_s: float, output: Output
+) -> None:
     """Poll the pods' log tails and print what is new, until the pod ends (with ``pod``) or the
     run has ended and none of its pods runs. Pods that appear meanwhile are printed from their start."""
     from contracts.status import RunStatus
@@ -286,7 +311,11 @@ def show(output: OutputOption = Output.TABLE) -> None:
     from services.client.api import config_path, read_config
 
     config = read_config()
-    shown = {"path": str(config_path()), "server": config.get("server"), "token": "set" if config.get("token") else None}
+    shown = {
+        "path": str(config_path()),
+        "server": config.get("server"),
+        "token": "set" if config.get("token") else None,
+    }
     if output is Output.JSON:
         _print_json(shown)
     else:
@@ -297,7 +326,10 @@ def show(output: OutputOption = Output.TABLE) -> None:
 def login(
     server: ServerOption = None,
     token: Annotated[
-        str | None, typer.Option("--token", envvar="SPOTRL_TOKEN", help="The token the operator gave you (asked for when not given).")
+        str | None,
+        typer.Option(
+            "--token", envvar="SPOTRL_TOKEN", help="The token the operator gave you (asked for when not given)."
+        ),
     ] = None,
 ) -> None:
     """Check a token against the API server and store both in the config file (0600)."""

@@ -33,9 +33,13 @@ def run_progress(run: dict[str, Any]) -> Group:
     iters = Table("iteration", "mean reward", "KL", "loss", "samples", "seconds", title="training iterations")
     for it in run["iterations"]:
         iters.add_row(
-            str(it["iteration"]), f"{it['mean_reward']:.3f}", f"{it['kl']:.4f}", f"{it['loss']:.4f}",
-            str(it["samples_trained"]), f"{it['seconds']:.1f}",
-        )  # fmt: skip
+            str(it["iteration"]),
+            f"{it['mean_reward']:.3f}",
+            f"{it['kl']:.4f}",
+            f"{it['loss']:.4f}",
+            str(it["samples_trained"]),
+            f"{it['seconds']:.1f}",
+        )
     # The API shows a run's latest iterations only; `iterations_total` counts them all.
     total = run.get("iterations_total", len(run["iterations"]))
     if total > len(run["iterations"]):
@@ -82,9 +86,15 @@ def runs_table(runs: list[dict[str, Any]]) -> Table:
     for r in runs:
         reward = r["last_mean_reward"]
         t.add_row(
-            r["id"], r["name"] or "", r["tenant"], r["status"], str(r["iterations_done"]),
-            "-" if reward is None else f"{reward:.3f}", f"{r['spent_dollars']:.4f}", _when(r["created_at"]),
-        )  # fmt: skip
+            r["id"],
+            r["name"] or "",
+            r["tenant"],
+            r["status"],
+            str(r["iterations_done"]),
+            "-" if reward is None else f"{reward:.3f}",
+            f"{r['spent_dollars']:.4f}",
+            _when(r["created_at"]),
+        )
     return t
 
 

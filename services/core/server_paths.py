@@ -27,7 +27,11 @@ class ServerPathError(ValueError):
 def check_server_path(raw: str, allowed: Sequence[Path] | None) -> Path:
     """``raw`` resolved (symbolic links followed), if it lies inside one of ``allowed``; None
     allows any path (a local command, whose user owns the machine)."""
-    if len(raw) > MAX_PATH_CHARS or any(ord(c) < 32 for c in raw) or any(len(part) > MAX_NAME_CHARS for part in raw.split("/")):
+    if (
+        len(raw) > MAX_PATH_CHARS
+        or any(ord(c) < 32 for c in raw)
+        or any(len(part) > MAX_NAME_CHARS for part in raw.split("/"))
+    ):
         raise ServerPathError(
             f"a server path is at most {MAX_PATH_CHARS} printable characters, each name in it at most {MAX_NAME_CHARS}"
         )

@@ -36,14 +36,14 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from services.ports.objects.object_store import ObjectStore
-from services.ports.prices.catalog import load_catalog
-from services.domain.prompts import load_prompts
 from services.data.reward.functions import RewardInput, prepare_terms, total_rewards
 from services.data.rollout.vllm_engine import build_vllm_engine
 from services.data.rollout.worker import build_samples, reward_source
-from services.domain.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec, cycled_messages, run_end
 from services.data.training.job import build_value_head, kl_controller, reference_model, with_adapter
+from services.domain.prompts import load_prompts
+from services.domain.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec, cycled_messages, run_end
+from services.ports.objects.object_store import ObjectStore
+from services.ports.prices.catalog import load_catalog
 from trainer_core.engines.hf import Completion, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine
 from trainer_core.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -180,7 +180,9 @@ def stop_reason(spec: RunSpec, history: Sequence[IterationRecord], dollars: floa
     """The spec field that ends the run after `history`, having spent `dollars` (``run_end``,
     as the scheduler decides), or None while it goes on."""
     end = run_end(
-        spec, iterations_done=len(history), last_mean_reward=history[-1].mean_reward if history else None,
+        spec,
+        iterations_done=len(history),
+        last_mean_reward=history[-1].mean_reward if history else None,
         spent_dollars=dollars,
     )
     return None if end is None else end.goal
@@ -227,8 +229,13 @@ def run_colocated(
     while (reason := stop_reason(spec, history, elapsed() * price.on_demand / 3600.0)) is None:
         history.append(record := _iteration(engine, spec, len(history) + 1, items, run_id, sampler))
         save_checkpoint(
-            checkpoints, record.iteration, policy=engine.policy, optimizer=engine.optimizer, value_head=engine.value_head,
-            config=config, metadata={"history": [asdict(r) for r in history], "elapsed_seconds": elapsed()},
+            checkpoints,
+            record.iteration,
+            policy=engine.policy,
+            optimizer=engine.optimizer,
+            value_head=engine.value_head,
+            config=config,
+            metadata={"history": [asdict(r) for r in history], "elapsed_seconds": elapsed()},
             keep=keep_checkpoints,
         )
         if on_iteration is not None:
@@ -236,7 +243,10 @@ def run_colocated(
 
     policy_dir = _save_final_policy(engine, out_dir / POLICY_DIR)
     cost = CostLine(
-        instance_type=price.instance_type, price_per_hour=price.on_demand, currency=price.currency, wall_seconds=elapsed()
+        instance_type=price.instance_type,
+        price_per_hour=price.on_demand,
+        currency=price.currency,
+        wall_seconds=elapsed(),
     )
     return ColocatedResult(iterations=history, stop_reason=reason, policy_dir=policy_dir, cost=cost)
 
@@ -248,11 +258,15 @@ def _start(
     latest checkpoint: with the iterations done and the wall seconds spent before (run_colocated)."""
     latest = latest_checkpoint(out_dir / CHECKPOINTS_DIR)
     if latest is not None and not resume:
-        raise ResumeError(f"{out_dir} already holds checkpoints ({latest.name}): pass resume, or use an empty directory")
+        raise ResumeError(
+            f"{out_dir} already holds checkpoints ({latest.name}): pass resume, or use an empty directory"
+        )
     engine = _build_engine(spec, model_cache, device)
     sampler = None
     if spec.rollout.engine == RolloutEngine.VLLM:
-        sampler = VLLMSampler(build_vllm_engine(spec, engine.policy, colocated=True), engine, out_dir / VLLM_ADAPTERS_DIR)
+        sampler = VLLMSampler(
+            build_vllm_engine(spec, engine.policy, colocated=True), engine, out_dir / VLLM_ADAPTERS_DIR
+        )
     # Resumed last, so that nothing drawn during the setup above shifts the restored RNG streams.
     history, elapsed_before = _resume(latest, engine, config) if latest is not None else ([], 0.0)
     if latest is not None and sampler is not None:
@@ -282,7 +296,9 @@ def _build_engine(spec: RunSpec, model_cache: Path, device: str | None) -> Hybri
 def _resume(latest: Path, engine: HybridEngine, config: dict) -> tuple[list[IterationRecord], float]:
     """Load the checkpoint `latest` into `engine` (weights, optimizer, critic, RNG states); returns
     the run's history and its wall seconds so far, and sets `config`'s seed to the run's."""
-    state = load_checkpoint(latest, policy_or_model=engine.policy, optimizer=engine.optimizer, value_head=engine.value_head)
+    state = load_checkpoint(
+        latest, policy_or_model=engine.policy, optimizer=engine.optimizer, value_head=engine.value_head
+    )
     if state.config is None or _without_goal(state.config["spec"]) != _without_goal(config["spec"]):
         raise ResumeError(
             f"{latest} was written for a different run spec; resume with the spec it was started with "

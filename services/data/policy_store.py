@@ -7,12 +7,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from services.ports.objects.object_store import ObjectStore
-from services.domain.names import policy_prefix
 from torch import nn
 
-from trainer_core.models.lora import is_adapter_dir, load_adapter
+from services.domain.names import policy_prefix
+from services.ports.objects.object_store import ObjectStore
 from trainer_core.models.loading import Policy, load_policy, load_weights, save_policy
+from trainer_core.models.lora import is_adapter_dir, load_adapter
 
 
 def publish_policy(objects: ObjectStore, run_id: str, version: int, policy: Policy, scratch: Path) -> None:

@@ -10,8 +10,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.ports.queue.queue import Consumer, Queue, Record, next_offsets
 from services.domain.names import TRAINER_GROUP, TRAINER_MEMBER, samples_topic
+from services.ports.queue.queue import Consumer, Queue, Record, next_offsets
 
 # The job polls once at start and commits minutes later: a session this long keeps its membership.
 TRAINER_SESSION_S = 24 * 3600.0

@@ -30,8 +30,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from services.ports.objects.object_store import ObjectStore
 from services.domain.names import policy_prefix, result_key, trainer_prefix
+from services.ports.objects.object_store import ObjectStore
 
 # Policy versions (and trainer states) kept by default; SPOTRL-wide settings may pass another.
 KEEP_VERSIONS = 3
@@ -66,8 +66,9 @@ def rotate(
     """Delete the policy versions and trainer states of ``run_id`` that ``versions_to_delete``
     names, through the object store port; ``result.json`` of each version stays."""
     in_use = set(in_use)
-    policies = versions_to_delete(stored_versions(objects, policy_prefix(run_id, 0)), latest=latest, in_use=in_use,
-                                  keep=keep)  # fmt: skip
+    policies = versions_to_delete(
+        stored_versions(objects, policy_prefix(run_id, 0)), latest=latest, in_use=in_use, keep=keep
+    )
     for version in policies:
         objects.delete_prefix(policy_prefix(run_id, version))
 

@@ -24,11 +24,11 @@ from typing import IO, Any
 import pydantic_core
 from pydantic import ValidationError
 
-from services.ports.objects.object_store import ObjectNotFoundError, ObjectStore
-from services.ports.state.state_schema import DEFAULT_TENANT
+from services.core.server_paths import ServerPathError, check_object_key, check_server_path
 from services.domain.names import tenant_object_key
 from services.domain.runspec import ChatMessage, DatasetFields, PromptItem
-from services.core.server_paths import ServerPathError, check_object_key, check_server_path
+from services.ports.objects.object_store import ObjectNotFoundError, ObjectStore
+from services.ports.state.state_schema import DEFAULT_TENANT
 
 STORE_SCHEME = "store://"
 # A stored spec's `prompts` when they were given inline: the set itself is kept beside the run
@@ -91,7 +91,9 @@ def to_item(row: Any, fields: DatasetFields, where: str) -> PromptItem:
         value = row
         for part in path:
             if not isinstance(value, dict) or part not in value:
-                raise InvalidPromptsError(f"{where} is not a prompt row: {named['answer']}: Field required (its answer)")
+                raise InvalidPromptsError(
+                    f"{where} is not a prompt row: {named['answer']}: Field required (its answer)"
+                )
             value = value[part]
         data["answer"] = value
     if "data_source" in row:
@@ -106,7 +108,9 @@ def to_item(row: Any, fields: DatasetFields, where: str) -> PromptItem:
         return PromptItem.model_validate(data)
     except ValidationError as e:
         # The deepest error: of a union (text or chat messages), the member that came closest.
-        first = max(e.errors(include_input=False, include_url=False, include_context=False), key=lambda err: len(err["loc"]))
+        first = max(
+            e.errors(include_input=False, include_url=False, include_context=False), key=lambda err: len(err["loc"])
+        )
         loc = [str(part) for part in first["loc"] if not _TYPE_TAG.fullmatch(str(part))]
         if loc and loc[0] == "extra_info" and len(loc) > 1 and not (isinstance(own, dict) and loc[1] in own):
             loc = loc[1:]  # a top-level field of the row, passed on in extra_info
@@ -115,7 +119,9 @@ def to_item(row: Any, fields: DatasetFields, where: str) -> PromptItem:
         known = {*_ITEM_FIELDS, *(part for name in named.values() for part in name.split("."))}
         # pydantic's message for an unknown field is "Extra inputs are not permitted"; say which kind of input.
         message = "unknown field; remove it from the file" if first["type"] == "extra_forbidden" else first["msg"]
-        raise InvalidPromptsError(f"{where} is not a prompt row: {_shown_location(loc, row, known)}: {message}") from None
+        raise InvalidPromptsError(
+            f"{where} is not a prompt row: {_shown_location(loc, row, known)}: {message}"
+        ) from None
 
 
 # Names of a row's fields the server itself gives (the prompt item's, a chat message's, verl's layout):
@@ -212,7 +218,7 @@ class JsonlParser:
             return self._decoder.decode(piece, final)
         except UnicodeDecodeError:
             raise InvalidPromptsError(
-                f"{self.origin} is not UTF-8 text (a JSONL file of {{\"prompt\": ..., \"answer\": ...}} lines)"
+                f'{self.origin} is not UTF-8 text (a JSONL file of {{"prompt": ..., "answer": ...}} lines)'
             ) from None
 
     def _line(self, line: str) -> None:
@@ -244,7 +250,9 @@ class JsonlParser:
         return InvalidPromptsError(f"{self.origin} holds more than {MAX_PROMPTS} lines (at most one prompt a line)")
 
     def _too_long(self, number: int) -> InvalidPromptsError:
-        return InvalidPromptsError(f"{self.origin} line {number} is longer than {MAX_LINE_CHARS} characters (one prompt and its answer)")
+        return InvalidPromptsError(
+            f"{self.origin} line {number} is longer than {MAX_LINE_CHARS} characters (one prompt and its answer)"
+        )
 
 
 def parse_jsonl(data: bytes, origin: str, fields: DatasetFields = DEFAULT_FIELDS) -> list[PromptItem]:
@@ -278,11 +286,13 @@ def load_prompts(
         if is_store_uri(source):
             if objects is None:
                 raise InvalidPromptsError("prompts in an object store need one, and none was given")
-            key = check_object_key(source[len(STORE_SCHEME):])
+            key = check_object_key(source[len(STORE_SCHEME) :])
             try:
                 data = objects.get_bytes(tenant_object_key(tenant, key))
             except ObjectNotFoundError:
-                raise InvalidPromptsError("no such object among this tenant's objects (upload it with POST /v1/datasets)") from None
+                raise InvalidPromptsError(
+                    "no such object among this tenant's objects (upload it with POST /v1/datasets)"
+                ) from None
             return parse_jsonl(data, "the prompt set")
         path = check_server_path(source, allowed_dirs)
         if _is_dir(path):
@@ -291,7 +301,9 @@ def load_prompts(
         raise InvalidPromptsError(str(e)) from None
     data = _read_bounded(path, max_bytes)
     if data.startswith(PARQUET_MAGIC):
-        return read_parquet(data, "the prompt file", fields=fields, max_bytes=max_bytes)  # the bytes checked, not read again
+        return read_parquet(
+            data, "the prompt file", fields=fields, max_bytes=max_bytes
+        )  # the bytes checked, not read again
     return parse_jsonl(data, "the prompt file", fields)
 
 
@@ -311,14 +323,20 @@ def _read_bounded(path: Path, max_bytes: int) -> bytes:
         with path.open("rb") as f:
             data = f.read(max_bytes + 1)
     except OSError:
-        raise InvalidPromptsError("the prompt file cannot be read as a file on the server (give an absolute JSONL or Parquet path)") from None
+        raise InvalidPromptsError(
+            "the prompt file cannot be read as a file on the server (give an absolute JSONL or Parquet path)"
+        ) from None
     if len(data) > max_bytes:
         raise InvalidPromptsError(f"the prompt file is larger than the {max_bytes}-byte limit")
     return data
 
 
 def read_parquet(
-    source: bytes | IO[bytes], origin: str, *, fields: DatasetFields = DEFAULT_FIELDS, max_bytes: int = DEFAULT_MAX_BYTES,
+    source: bytes | IO[bytes],
+    origin: str,
+    *,
+    fields: DatasetFields = DEFAULT_FIELDS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
     on_item: Callable[[PromptItem], object] | None = None,
 ) -> list[PromptItem]:
     """The prompt items of a Parquet file (its bytes, or a file object such as a spooled upload),
@@ -345,7 +363,10 @@ def read_parquet(
 
 
 def read_saved_dataset(
-    directory: Path, *, fields: DatasetFields = DEFAULT_FIELDS, allowed_dirs: Sequence[Path] | None = None,
+    directory: Path,
+    *,
+    fields: DatasetFields = DEFAULT_FIELDS,
+    allowed_dirs: Sequence[Path] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> list[PromptItem]:
     """The prompt items of a directory written by ``datasets.Dataset.save_to_disk``: the Arrow
@@ -358,7 +379,9 @@ def read_saved_dataset(
     if not state_file.is_file():
         try:
             splits = sorted(
-                e.name for e in itertools.islice(directory.iterdir(), MAX_ENTRIES_LISTED) if (e / "state.json").is_file()
+                e.name
+                for e in itertools.islice(directory.iterdir(), MAX_ENTRIES_LISTED)
+                if (e / "state.json").is_file()
             )
         except OSError:
             splits = []
@@ -377,7 +400,9 @@ def read_saved_dataset(
                 try:
                     reader = pa.ipc.open_stream(stream)
                 except (pa.ArrowException, ValueError):
-                    raise InvalidPromptsError(f"{origin}'s {f.name} is not an Arrow stream (as save_to_disk writes)") from None
+                    raise InvalidPromptsError(
+                        f"{origin}'s {f.name} is not an Arrow stream (as save_to_disk writes)"
+                    ) from None
                 rows.read(reader)
     except OSError:
         raise InvalidPromptsError(f"{origin}'s Arrow files cannot be read on the server") from None
@@ -393,7 +418,8 @@ def _arrow_files(state_file: Path, origin: str) -> list[str]:
     except (OSError, ValueError, TypeError, KeyError):
         names = None
     if not names or not all(
-        isinstance(n, str) and n.endswith(".arrow") and "/" not in n and "\\" not in n and not n.startswith(".") for n in names
+        isinstance(n, str) and n.endswith(".arrow") and "/" not in n and "\\" not in n and not n.startswith(".")
+        for n in names
     ):
         raise InvalidPromptsError(f"{origin}'s state.json is not one that datasets' save_to_disk writes (_data_files)")
     return names

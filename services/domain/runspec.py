@@ -15,7 +15,14 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, ValidatorFunctionWrapHandler, WrapValidator, field_validator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
     model_validator,
 )
 
@@ -23,9 +30,8 @@ from contracts.messages import PromptMessage
 from contracts.model_sources import BUILTIN_MODELS
 from contracts.status import RunStatus
 from contracts.training import AdvantageEstimator, Algorithm, TrainConfig
-from services.ports.prices.catalog import load_catalog
 from services.core.safe_regex import check_pattern
-
+from services.ports.prices.catalog import load_catalog
 
 MAX_INLINE_PROMPTS = 10_000
 # An eval metric's name: `mean`, or `pass@k` (k in the group).
@@ -125,8 +131,12 @@ class PromptItem(BaseModel):
         description="Reference answer (verl's reward_model.ground_truth): text, or any JSON value the reward reads, such as a "
         "code task's test cases.",
     )
-    data_source: str | None = Field(default=None, max_length=256, description="Which dataset the item comes from; passed to the reward.")
-    extra_info: dict[str, JsonValue] | None = Field(default=None, description="Anything else the reward reads (verl's extra_info).")
+    data_source: str | None = Field(
+        default=None, max_length=256, description="Which dataset the item comes from; passed to the reward."
+    )
+    extra_info: dict[str, JsonValue] | None = Field(
+        default=None, description="Anything else the reward reads (verl's extra_info)."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -179,20 +189,30 @@ class RewardTerm(BaseModel):
     )
     weight: float = Field(default=1.0, ge=-1e6, le=1e6, description="Multiplier of this term in the sum.")
     pattern: str | None = Field(
-        default=None, max_length=1000, description="Regular expression: regex matches it with re.search; format, in full."
+        default=None,
+        max_length=1000,
+        description="Regular expression: regex matches it with re.search; format, in full.",
     )
-    target_tokens: int | None = Field(default=None, gt=0, le=1_000_000, description="Length beyond which the penalty grows (length_penalty only).")
+    target_tokens: int | None = Field(
+        default=None, gt=0, le=1_000_000, description="Length beyond which the penalty grows (length_penalty only)."
+    )
     path: str | None = Field(
-        default=None, max_length=MAX_PATH_CHARS,
+        default=None,
+        max_length=MAX_PATH_CHARS,
         description="reward_model: the directory of a reward model saved by `spotrl train-rm`; function: `file.py:name`, the "
         "Python file and function; both as the rollout workers see them (over the API, inside SPOTRL_DATA_DIRS).",
     )
     url: str | None = Field(
-        default=None, max_length=2048, pattern=r"^https?://[^\s]+$",
+        default=None,
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
         description="Instead of `path`: the URL of a reward service (`spotrl reward-server`) the rollout workers reach; over the "
         "API, one the operator allows (SPOTRL_REWARD_SERVICE_URLS) (reward_model and function).",
     )
-    quantize: Literal["4bit", "8bit"] | None = Field(default=None, description="reward_model with `path`: load its backbone's Linear layers in 8 bits to use less memory (4bit, for CUDA, is refused: rollout workers load reward models on the CPU).")
+    quantize: Literal["4bit", "8bit"] | None = Field(
+        default=None,
+        description="reward_model with `path`: load its backbone's Linear layers in 8 bits to use less memory (4bit, for CUDA, is refused: rollout workers load reward models on the CPU).",
+    )
 
     def servable(self) -> bool:
         """Whether a run's reward server can serve this term: a function or reward model at a `path`."""
@@ -217,7 +237,9 @@ class RewardTerm(BaseModel):
                 "`quantize` is for the reward_model reward with `path` (a reward service is quantized by `spotrl reward-server --quantize`)"
             )
         if self.quantize == "4bit":
-            raise ValueError("`quantize: 4bit` needs a CUDA GPU, and rollout workers load reward models on the CPU: use 8bit")
+            raise ValueError(
+                "`quantize: 4bit` needs a CUDA GPU, and rollout workers load reward models on the CPU: use 8bit"
+            )
         if self.fn == RewardFn.FUNCTION:
             if (self.path is None) == (self.url is None):
                 raise ValueError(
@@ -225,7 +247,9 @@ class RewardTerm(BaseModel):
                     "a reward service started with `spotrl reward-server --function` (one of the two)"
                 )
             if self.path is not None and not _FUNCTION_REF.fullmatch(self.path):
-                raise ValueError("the function reward's `path` is file.py:name, e.g. /data/rewards/gsm8k.py:compute_score")
+                raise ValueError(
+                    "the function reward's `path` is file.py:name, e.g. /data/rewards/gsm8k.py:compute_score"
+                )
         return self
 
 
@@ -236,9 +260,15 @@ class RewardServer(BaseModel):
     model_config = STRICT
 
     instance_type: str = Field(
-        default="g4dn.xlarge", min_length=1, max_length=64, description="Catalog instance type of the pod (a small GPU: T4/L4 class)."
+        default="g4dn.xlarge",
+        min_length=1,
+        max_length=64,
+        description="Catalog instance type of the pod (a small GPU: T4/L4 class).",
     )
-    spot: bool = Field(default=False, description="Run it on spot capacity (a preempted pod is started again; scoring waits meanwhile).")
+    spot: bool = Field(
+        default=False,
+        description="Run it on spot capacity (a preempted pod is started again; scoring waits meanwhile).",
+    )
 
     _instance = field_validator("instance_type")(_known_instance_type)
 
@@ -254,15 +284,24 @@ class Sampling(BaseModel):
 class MlflowTracking(BaseModel):
     model_config = STRICT
 
-    experiment: str = Field(min_length=1, max_length=256, description="MLflow experiment the run is logged under (created if missing).")
+    experiment: str = Field(
+        min_length=1, max_length=256, description="MLflow experiment the run is logged under (created if missing)."
+    )
 
 
 class WandbTracking(BaseModel):
     model_config = STRICT
 
-    project: str = Field(min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$", description="W&B project the run is logged to.")
-    entity: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$",
-                               description="W&B team or user owning the project; default: the API key's own.")  # fmt: skip
+    project: str = Field(
+        min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$", description="W&B project the run is logged to."
+    )
+    entity: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[^/\\#?%:]+$",
+        description="W&B team or user owning the project; default: the API key's own.",
+    )
 
 
 class Tracking(BaseModel):
@@ -271,30 +310,49 @@ class Tracking(BaseModel):
 
     model_config = STRICT
 
-    tensorboard: bool = Field(default=False, description="Write TensorBoard event files to the object store, under runs/<run>/tensorboard/.")
-    mlflow: MlflowTracking | None = Field(default=None, description="Log to the operator's MLflow server (SPOTRL_MLFLOW_TRACKING_URI).")
-    wandb: WandbTracking | None = Field(default=None, description="Log to Weights & Biases with the operator's API key (SPOTRL_WANDB_*).")
+    tensorboard: bool = Field(
+        default=False, description="Write TensorBoard event files to the object store, under runs/<run>/tensorboard/."
+    )
+    mlflow: MlflowTracking | None = Field(
+        default=None, description="Log to the operator's MLflow server (SPOTRL_MLFLOW_TRACKING_URI)."
+    )
+    wandb: WandbTracking | None = Field(
+        default=None, description="Log to Weights & Biases with the operator's API key (SPOTRL_WANDB_*)."
+    )
 
 
 class RolloutPool(BaseModel):
     model_config = STRICT
 
-    instance_type: str = Field(default="g6.xlarge", min_length=1, max_length=64, description="Catalog instance type of each rollout worker.")
+    instance_type: str = Field(
+        default="g6.xlarge", min_length=1, max_length=64, description="Catalog instance type of each rollout worker."
+    )
     spot: bool = Field(default=True, description="Run rollout workers on spot capacity.")
     min_workers: int = Field(default=2, ge=0, le=1024, description="Workers kept while the run is active.")
-    max_workers: int = Field(default=10, ge=1, le=1024, description="Upper bound of the pool; also the prompt topic's partition count.")
-    prompts_per_batch: int = Field(default=8, ge=1, le=4096, description="Prompts a worker takes per poll; the pool is sized to cover the prompt backlog in such batches.")
+    max_workers: int = Field(
+        default=10, ge=1, le=1024, description="Upper bound of the pool; also the prompt topic's partition count."
+    )
+    prompts_per_batch: int = Field(
+        default=8,
+        ge=1,
+        le=4096,
+        description="Prompts a worker takes per poll; the pool is sized to cover the prompt backlog in such batches.",
+    )
     engine: RolloutEngine = Field(
         default=RolloutEngine.HF,
         description="Sampler of each worker: hf (transformers in the worker, CPU or GPU) or vllm (vLLM on the worker's GPU, "
         "pip install 'spotrl[gpu]'; untested on the CPU machines spotrl is developed on).",
     )
     vllm_dtype: VLLMDtype | None = Field(
-        default=None, description="Weights dtype of the vllm engine: float32, bfloat16 or float16; default the checkpoint's "
+        default=None,
+        description="Weights dtype of the vllm engine: float32, bfloat16 or float16; default the checkpoint's "
         "(vLLM's own 'auto' would serve a float32 checkpoint in bfloat16).",
     )
     vllm_gpu_memory_utilization: float | None = Field(
-        default=None, gt=0.0, le=1.0, description="Share of the GPU the vllm engine takes for weights and KV cache; "
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Share of the GPU the vllm engine takes for weights and KV cache; "
         "default 0.9 on rollout workers, 0.5 in colocated runs (the trainer shares the GPU).",
     )
 
@@ -313,17 +371,24 @@ class EvalSpec(BaseModel):
 
     model_config = STRICT
 
-    prompts: Annotated[list[PromptItem], Field(max_length=MAX_INLINE_PROMPTS)] | Annotated[str, Field(max_length=MAX_PATH_CHARS)] = Field(
+    prompts: (
+        Annotated[list[PromptItem], Field(max_length=MAX_INLINE_PROMPTS)]
+        | Annotated[str, Field(max_length=MAX_PATH_CHARS)]
+    ) = Field(
         description="The held-out prompt set, in the forms of the run's `prompts`: an inline list, a store:// upload or a "
         "JSONL path inside the server's SPOTRL_DATA_DIRS. A stored run shows `inline` for an inline list."
     )
     every_iterations: int = Field(
-        default=1, ge=1, le=100_000,
+        default=1,
+        ge=1,
+        le=100_000,
         description="Evaluate every this-many-th policy version; the base model (v0) is evaluated too, as the baseline, and, "
         "when the run succeeds, its last version.",
     )
     samples_per_prompt: int = Field(default=4, ge=1, le=256, description="Responses generated per held-out prompt.")
-    temperature: float = Field(default=1.0, ge=0.0, le=5.0, description="Sampling temperature of the eval (0 = greedy).")
+    temperature: float = Field(
+        default=1.0, ge=0.0, le=5.0, description="Sampling temperature of the eval (0 = greedy)."
+    )
     max_new_tokens: int = Field(default=64, ge=1, le=8192, description="Response length limit in tokens.")
     metrics: Annotated[list[str], Field(min_length=1, max_length=16)] = Field(
         default_factory=lambda: ["mean"],
@@ -344,7 +409,9 @@ class EvalSpec(BaseModel):
         for i, name in enumerate(self.metrics):
             m = _EVAL_METRIC.fullmatch(name)
             if m is None:
-                raise ValueError(f"eval metrics are `mean` and `pass@k` (k a positive integer): metrics[{i}] is neither")
+                raise ValueError(
+                    f"eval metrics are `mean` and `pass@k` (k a positive integer): metrics[{i}] is neither"
+                )
             if m.group(1) is not None and int(m.group(1)) > self.samples_per_prompt:
                 raise ValueError(f"{name} needs k <= samples_per_prompt ({self.samples_per_prompt})")
         if len(set(self.metrics)) != len(self.metrics):
@@ -360,10 +427,16 @@ class DatasetFields(BaseModel):
     model_config = STRICT
 
     prompt_key: str = Field(
-        default="prompt", min_length=1, max_length=256, description="The field holding each row's prompt: text or chat messages."
+        default="prompt",
+        min_length=1,
+        max_length=256,
+        description="The field holding each row's prompt: text or chat messages.",
     )
     answer_key: str | None = Field(
-        default=None, min_length=1, max_length=256, pattern=r"^[^.]+(\.[^.]+)*$",
+        default=None,
+        min_length=1,
+        max_length=256,
+        pattern=r"^[^.]+(\.[^.]+)*$",
         description="The dotted path of each row's answer, e.g. reward_model.ground_truth; by default reward_model.ground_truth "
         "where a row has it, else `answer`. The top-level field it lies in is not passed on in extra_info.",
     )
@@ -376,12 +449,17 @@ class RunSpec(BaseModel):
 
     name: str | None = Field(default=None, max_length=64, description="Free-form label shown in listings.")
     model: str = Field(
-        min_length=1, max_length=MAX_PATH_CHARS, json_schema_extra={"pattern": f"^({'|'.join(BUILTIN_MODELS)}|.*/.*|.*[.]gguf)$"},
+        min_length=1,
+        max_length=MAX_PATH_CHARS,
+        json_schema_extra={"pattern": f"^({'|'.join(BUILTIN_MODELS)}|.*/.*|.*[.]gguf)$"},
         description="Base policy: a built-in name (tiny, smollm2-135m), or the absolute path of a HF model directory or a .gguf "
         "file inside the server's SPOTRL_DATA_DIRS.",
     )
     algorithm: Algorithm = Field(default=Algorithm.GRPO, description="RL algorithm: grpo or ppo (value head critic).")
-    prompts: Annotated[list[PromptItem], Field(max_length=MAX_INLINE_PROMPTS)] | Annotated[str, Field(max_length=MAX_PATH_CHARS)] = Field(
+    prompts: (
+        Annotated[list[PromptItem], Field(max_length=MAX_INLINE_PROMPTS)]
+        | Annotated[str, Field(max_length=MAX_PATH_CHARS)]
+    ) = Field(
         description=f"Inline list of at most {MAX_INLINE_PROMPTS} {{prompt, answer}}, a prompt set uploaded with POST /v1/datasets "
         "(store://datasets/<id>.jsonl; JSONL or Parquet), or the path of a JSONL or Parquet file or of a directory written by "
         "datasets' save_to_disk inside the server's SPOTRL_DATA_DIRS. A stored run shows `inline` for an inline list, and its "
@@ -398,21 +476,45 @@ class RunSpec(BaseModel):
     )
     samples_per_prompt: int = Field(default=4, ge=1, le=256, description="Samples per prompt (the GRPO group size).")
     sampling: Sampling = Field(default_factory=Sampling, description="Sampling parameters of the rollout workers.")
-    batch_samples: int = Field(default=5000, ge=1, le=1_000_000, description="Samples waiting in the queue that trigger one training iteration.")
-    iterations: int | None = Field(default=None, ge=1, le=100_000, description="Stop after this many training iterations.")
-    target_mean_reward: float | None = Field(default=None, ge=-1e6, le=1e6, description="Stop once an iteration's mean reward reaches this.")
+    batch_samples: int = Field(
+        default=5000,
+        ge=1,
+        le=1_000_000,
+        description="Samples waiting in the queue that trigger one training iteration.",
+    )
+    iterations: int | None = Field(
+        default=None, ge=1, le=100_000, description="Stop after this many training iterations."
+    )
+    target_mean_reward: float | None = Field(
+        default=None, ge=-1e6, le=1e6, description="Stop once an iteration's mean reward reaches this."
+    )
     rollout: RolloutPool = Field(default_factory=RolloutPool, description="The spot rollout pool.")
-    training: TrainConfig = Field(default_factory=TrainConfig, description="The trainer's hyper-parameters and the on-demand training job.")
-    budget_dollars: float | None = Field(default=None, gt=0.0, le=1e9, description="Stop (FAILED, budget exhausted) once the run has spent this much.")
-    staleness_bound: int = Field(default=1, ge=0, le=100, description="Samples generated by a policy more than this many versions old are dropped.")
-    tracking: Tracking | None = Field(default=None, description="Experiment trackers (TensorBoard, MLflow, W&B) the run's figures go to; none when absent.")
+    training: TrainConfig = Field(
+        default_factory=TrainConfig, description="The trainer's hyper-parameters and the on-demand training job."
+    )
+    budget_dollars: float | None = Field(
+        default=None, gt=0.0, le=1e9, description="Stop (FAILED, budget exhausted) once the run has spent this much."
+    )
+    staleness_bound: int = Field(
+        default=1,
+        ge=0,
+        le=100,
+        description="Samples generated by a policy more than this many versions old are dropped.",
+    )
+    tracking: Tracking | None = Field(
+        default=None,
+        description="Experiment trackers (TensorBoard, MLflow, W&B) the run's figures go to; none when absent.",
+    )
     cost_policy: CostPolicy = Field(
         default=CostPolicy.COST_AWARE,
         description="How the scheduler spends: cost-aware (pool sized to the trainer, training node kept warm while cheaper than "
         "a restart, on-demand rollout only to meet the deadline), threshold (training at batch_samples, shut down after) or always-on.",
     )
     deadline_seconds: float | None = Field(
-        default=None, gt=0.0, le=1e8, description="Wall time the run should end within; cost-aware falls back to on-demand rollout to meet it."
+        default=None,
+        gt=0.0,
+        le=1e8,
+        description="Wall time the run should end within; cost-aware falls back to on-demand rollout to meet it.",
     )
     eval: EvalSpec | None = Field(
         default=None, description="Held-out evaluation of chosen policy versions by eval pods (none when absent)."
@@ -539,7 +641,9 @@ class RunSpec(BaseModel):
         Without this, the first was ignored silently and the second failed at the first update."""
         refused = []
         if self.training.dynamic_sampling:
-            refused.append("training.dynamic_sampling (the rollout workers drop the groups whose rewards are all equal)")
+            refused.append(
+                "training.dynamic_sampling (the rollout workers drop the groups whose rewards are all equal)"
+            )
         if self.training.adv_estimator == AdvantageEstimator.REMAX:
             refused.append("training.adv_estimator remax (the rollout workers generate each prompt's greedy baseline)")
         if self.eval is not None:
@@ -554,8 +658,14 @@ class RunSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_goal(self) -> RunSpec:
-        if self.iterations is None and self.target_mean_reward is None and (self.eval is None or self.eval.target_score is None):
-            raise ValueError("set `iterations`, `target_mean_reward` or `eval.target_score` (or several), so the run can end")
+        if (
+            self.iterations is None
+            and self.target_mean_reward is None
+            and (self.eval is None or self.eval.target_score is None)
+        ):
+            raise ValueError(
+                "set `iterations`, `target_mean_reward` or `eval.target_score` (or several), so the run can end"
+            )
         if self.algorithm == Algorithm.GRPO and self.samples_per_prompt < 2:
             raise ValueError("grpo needs samples_per_prompt >= 2 (advantages are relative within a prompt's group)")
         if self.batch_samples % self.samples_per_prompt:
@@ -599,12 +709,14 @@ def run_end(
     if target is not None and best_eval is not None and best_eval[1] >= target:
         version, score = best_eval
         return RunEnd(
-            "eval.target_score", RunStatus.SUCCEEDED,
+            "eval.target_score",
+            RunStatus.SUCCEEDED,
             f"eval mean score {score:.3f} of policy v{version} reached the target {target}",
         )
     if spec.budget_dollars is not None and spent_dollars >= spec.budget_dollars:
         return RunEnd(
-            "budget_dollars", RunStatus.FAILED,
+            "budget_dollars",
+            RunStatus.FAILED,
             f"budget exhausted: spent ${spent_dollars:.2f} of ${spec.budget_dollars:.2f} "
             f"after {iterations_done} iterations (policy v{iterations_done} is published)",
         )

@@ -9,18 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.core.config import Settings
 from services.ports.launcher.launcher import Launcher
-
 from services.ports.launcher.local_launcher import LocalLauncher
-from services.ports.objects.object_store import ObjectStore
 from services.ports.objects.local_object_store import LocalObjectStore
+from services.ports.objects.object_store import ObjectStore
+from services.ports.prices.catalog import PriceCatalog, load_catalog
 from services.ports.queue.queue import Queue
+from services.ports.queue.sqlite_queue import SqliteQueue
 from services.ports.reward_cache.reward_cache import RewardCache
 from services.ports.reward_cache.sqlite_reward_cache import SqliteRewardCache
-from services.ports.queue.sqlite_queue import SqliteQueue
 from services.ports.state.state_store import StateStore
-from services.core.config import Settings
-from services.ports.prices.catalog import PriceCatalog, load_catalog
 
 if TYPE_CHECKING:
     from services.ports.launcher.kubernetes_objects import KubernetesConfig
@@ -100,8 +99,9 @@ def open_launcher(settings: Settings, home: Path) -> Launcher:
     if settings.launcher == "kubernetes":
         from services.ports.launcher.kubernetes_launcher import KubernetesLauncher  # the client only where used
 
-        return KubernetesLauncher.from_environment(kubernetes_config(settings),
-                                                   str(settings.kube_config) if settings.kube_config else None)  # fmt: skip
+        return KubernetesLauncher.from_environment(
+            kubernetes_config(settings), str(settings.kube_config) if settings.kube_config else None
+        )
     return LocalLauncher(home / "pods")
 
 
@@ -114,8 +114,15 @@ def kubernetes_config(settings: Settings) -> KubernetesConfig:
     return KubernetesConfig(
         namespace=settings.kube_namespace,
         image=settings.kube_image,
-        images={role: image for role, image in (("rollout", settings.kube_rollout_image), ("training", settings.kube_training_image),
-                                                ("reward", settings.kube_reward_image)) if image},
+        images={
+            role: image
+            for role, image in (
+                ("rollout", settings.kube_rollout_image),
+                ("training", settings.kube_training_image),
+                ("reward", settings.kube_reward_image),
+            )
+            if image
+        },
         image_pull_policy=settings.kube_image_pull_policy,
         image_pull_secrets=_names(settings.kube_image_pull_secrets),
         service_account=settings.kube_service_account,
@@ -123,17 +130,31 @@ def kubernetes_config(settings: Settings) -> KubernetesConfig:
         price_catalog_configmap=settings.kube_price_catalog_configmap,
         pod_labels=settings.kube_pod_labels,
         spot_labels=dict(pair.split("=", 1) for pair in _names(settings.kube_spot_labels)),
-        node_selectors=defaults.node_selectors | {role: selector for role, selector in (
-            ("rollout", settings.kube_rollout_node_selector), ("training", settings.kube_training_node_selector),
-            ("reward", settings.kube_reward_node_selector)) if selector is not None},
-        tolerations=defaults.tolerations | {role: tolerations for role, tolerations in (
-            ("rollout", settings.kube_rollout_tolerations), ("training", settings.kube_training_tolerations),
-            ("reward", settings.kube_reward_tolerations)) if tolerations is not None},
+        node_selectors=defaults.node_selectors
+        | {
+            role: selector
+            for role, selector in (
+                ("rollout", settings.kube_rollout_node_selector),
+                ("training", settings.kube_training_node_selector),
+                ("reward", settings.kube_reward_node_selector),
+            )
+            if selector is not None
+        },
+        tolerations=defaults.tolerations
+        | {
+            role: tolerations
+            for role, tolerations in (
+                ("rollout", settings.kube_rollout_tolerations),
+                ("training", settings.kube_training_tolerations),
+                ("reward", settings.kube_reward_tolerations),
+            )
+            if tolerations is not None
+        },
         request_fraction=settings.kube_request_fraction,
         shm_fraction=settings.kube_shm_fraction,
         run_as_user=settings.kube_run_as_user,
         read_only_root=settings.kube_read_only_root,
-    )  # fmt: skip
+    )
 
 
 def _names(value: str) -> tuple[str, ...]:

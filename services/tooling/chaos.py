@@ -45,14 +45,14 @@ from typing import IO
 
 from contracts.job_result import JobResult
 from contracts.status import RunStatus
+from services.control.scheduler.lease import SCHEDULER_LEASE
+from services.core.config import Settings
+from services.domain.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
 from services.ports.launcher.launcher import PodPhase, PodStatus
 from services.ports.launcher.local_launcher import LocalLauncher
 from services.ports.queue.sqlite_queue import SqliteQueue
-from services.tooling.chaos_plan import ChaosPlan, ChaosTally, Levers, Outage, embedded_levers
-from services.core.config import Settings
-from services.domain.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
-from services.control.scheduler.lease import SCHEDULER_LEASE
 from services.ports.wiring import Backends
+from services.tooling.chaos_plan import ChaosPlan, ChaosTally, Levers, Outage, embedded_levers
 
 log = logging.getLogger(__name__)
 
@@ -85,17 +85,29 @@ class Chaos:
     ``levers``: how to make the backends fail (``Levers``); by default the embedded ones.
     """
 
-    def __init__(self, settings: Settings, backends: Backends, run_id: str, plan: ChaosPlan, log_dir: Path,
-                 levers: Levers | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Backends,
+        run_id: str,
+        plan: ChaosPlan,
+        log_dir: Path,
+        levers: Levers | None = None,
+    ) -> None:
         if not isinstance(backends.launcher, LocalLauncher):
             raise ValueError("chaos needs local pods (it signals their processes)")
         if levers is None:
             if not isinstance(backends.queue, SqliteQueue):
-                raise ValueError("on a queue other than the embedded one, chaos needs the levers of its servers "
-                                 "(Chaos(..., levers=Levers(...))); or leave SPOTRL_QUEUE_URL unset")
+                raise ValueError(
+                    "on a queue other than the embedded one, chaos needs the levers of its servers "
+                    "(Chaos(..., levers=Levers(...))); or leave SPOTRL_QUEUE_URL unset"
+                )
             levers = embedded_levers(settings)
-        wanted = {"queue_outage": plan.queue_outages, "reward_cache_outage": plan.reward_cache_outages,
-                  "object_store_outage": plan.object_store_outages}
+        wanted = {
+            "queue_outage": plan.queue_outages,
+            "reward_cache_outage": plan.reward_cache_outages,
+            "object_store_outage": plan.object_store_outages,
+        }
         if missing := [name for name, count in wanted.items() if count and getattr(levers, name) is None]:
             raise ValueError(f"the plan asks for outages the levers cannot make: {', '.join(missing)}")
         self.levers = levers
@@ -108,7 +120,9 @@ class Chaos:
         self._rng = random.Random(plan.seed)
         self._stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._guarded, args=(self._disrupt_workers_and_scheduler,), name="chaos", daemon=True),
+            threading.Thread(
+                target=self._guarded, args=(self._disrupt_workers_and_scheduler,), name="chaos", daemon=True
+            ),
             threading.Thread(target=self._guarded, args=(self._catch_publishing_jobs,), name="chaos-jobs", daemon=True),
         ]
         self._scheduler: subprocess.Popen[bytes] | None = None
@@ -165,8 +179,11 @@ class Chaos:
             self._scheduler_log.close()
         self._scheduler_log = (self.log_dir / f"scheduler-{self.tally.scheduler_starts}.log").open("wb")
         self._scheduler = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.main", "scheduler"], env=env, stdout=self._scheduler_log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "services.cli.main", "scheduler"],
+            env=env,
+            stdout=self._scheduler_log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
 
     def _end_scheduler(self, signum: signal.Signals, *, count: bool = True) -> None:
@@ -272,8 +289,14 @@ class Chaos:
         before = errors()
         return lambda: errors() > before
 
-    def _outage(self, server: str, lever: Callable[[], AbstractContextManager[object]], produced: int,
-                iteration: int | None = None, met: Callable[[], bool] | None = None) -> None:
+    def _outage(
+        self,
+        server: str,
+        lever: Callable[[], AbstractContextManager[object]],
+        produced: int,
+        iteration: int | None = None,
+        met: Callable[[], bool] | None = None,
+    ) -> None:
         """``server`` unresponsive for ``outage_s`` (the run goes on, or waits, meanwhile), and
         then, where ``met`` is given, until it says the run met the outage (or ``_MEET_MAX_S`` more)."""
         log.info("chaos: %s unresponsive for %.0f s", server, self.plan.outage_s)
@@ -292,11 +315,17 @@ class Chaos:
         make the object store unresponsive while the next ``object_store_outages`` jobs publish."""
         job: PodStatus | None = None
         listed_at = 0.0
-        while not self._stop.is_set() and (len(self.tally.training_kills) < self.plan.training_kills
-                                           or len(self.tally.of("object store")) < self.plan.object_store_outages):
+        while not self._stop.is_set() and (
+            len(self.tally.training_kills) < self.plan.training_kills
+            or len(self.tally.of("object store")) < self.plan.object_store_outages
+        ):
             if time.monotonic() - listed_at > 10 * _LOOK_S:  # the pods now and then, the object store often
                 listed_at = time.monotonic()
-                job = next(iter(_running(self.b.launcher.list(self.run_id), "training")), None) if self._run_goes_on() else None
+                job = (
+                    next(iter(_running(self.b.launcher.list(self.run_id), "training")), None)
+                    if self._run_goes_on()
+                    else None
+                )
             if job is not None and self._publishing(job):
                 if len(self.tally.training_kills) < self.plan.training_kills:
                     self._kill_between_publish_and_commit(job)
@@ -307,7 +336,11 @@ class Chaos:
     def _publishing(self, job: PodStatus) -> bool:
         """Whether ``job`` has just begun publishing its policy version (once per iteration)."""
         iteration = int(job.labels["iteration"])
-        if iteration in self._caught or job.pid is None or not self.b.objects.list(policy_prefix(self.run_id, iteration)):
+        if (
+            iteration in self._caught
+            or job.pid is None
+            or not self.b.objects.list(policy_prefix(self.run_id, iteration))
+        ):
             return False
         self._caught.add(iteration)
         return True
@@ -353,8 +386,9 @@ class Chaos:
         began = time.time()
         self._outage("object store", self.levers.object_store_outage, self._produced(), iteration)
         deadline = time.monotonic() + _RESULT_WAIT_S
-        while not (self.b.objects.exists(key) or _ended(self.b, job.name) or self._stop.is_set()
-                   or time.monotonic() > deadline):
+        while not (
+            self.b.objects.exists(key) or _ended(self.b, job.name) or self._stop.is_set() or time.monotonic() > deadline
+        ):
             self._stop.wait(_LOOK_S)
         if not (self.b.objects.exists(key) and JobResult.from_json(self.b.objects.get_bytes(key)).ended_at > began):
             self.tally.outages.pop()  # it had published before (or never did): not an outage during publishing

@@ -27,14 +27,14 @@ import uvicorn
 from rich.console import Console
 
 from contracts.model_sources import BUILTIN_MODELS
+from services.client.view import cost_table, watch_run
 from services.control.api.main import create_app
+from services.core.config import Settings
+from services.ports.wiring import open_backends
 from services.tooling.arithmetic import arithmetic_prompts
 from services.tooling.chaos import Chaos
 from services.tooling.chaos_plan import ChaosPlan, ChaosTally
 from services.tooling.run_audit import Audit, audit_run
-from services.client.view import cost_table, watch_run
-from services.core.config import Settings
-from services.ports.wiring import open_backends
 from trainer_core.models.loading import load_policy
 
 
@@ -55,7 +55,13 @@ def demo_spec(model: str, iterations: int | None = None) -> dict[str, Any]:
         "batch_samples": 32 if tiny else 64,
         "iterations": iterations or (3 if tiny else 5),
         # On 2 CPU cores one worker and the training job keep both busy; on GPUs, raise max_workers.
-        "rollout": {"instance_type": "g6.xlarge", "spot": True, "min_workers": 1, "max_workers": 1, "prompts_per_batch": 8},
+        "rollout": {
+            "instance_type": "g6.xlarge",
+            "spot": True,
+            "min_workers": 1,
+            "max_workers": 1,
+            "prompts_per_batch": 8,
+        },
         "training": {
             "instance_type": "p4d.24xlarge",
             "learning_rate": 1e-4 if tiny else 2e-5,
@@ -81,22 +87,33 @@ def chaos_settings(settings: Settings, model: str) -> Settings:
     """Settings under which a chaos run recovers in seconds, not minutes: a dead scheduler's
     lease and a dead worker's prompts pass on quickly (a worker's batch must still fit in its
     session: a few seconds on the tiny model, tens on SmolLM2 on CPUs)."""
-    return settings.model_copy(update={
-        "lease_seconds": min(settings.lease_seconds, 3.0),
-        "session_timeout_s": min(settings.session_timeout_s, 10.0 if model == "tiny" else 30.0),
-        "stop_grace_s": min(settings.stop_grace_s, 10.0),
-    })
+    return settings.model_copy(
+        update={
+            "lease_seconds": min(settings.lease_seconds, 3.0),
+            "session_timeout_s": min(settings.session_timeout_s, 10.0 if model == "tiny" else 30.0),
+            "stop_grace_s": min(settings.stop_grace_s, 10.0),
+        }
+    )
 
 
-def run_demo(*, model: str, settings: Settings, summary_json: Path | None, console: Console | None = None,
-             chaos: ChaosPlan | None = None, iterations: int | None = None) -> bool:
+def run_demo(
+    *,
+    model: str,
+    settings: Settings,
+    summary_json: Path | None,
+    console: Console | None = None,
+    chaos: ChaosPlan | None = None,
+    iterations: int | None = None,
+) -> bool:
     console = console or Console()
     if chaos is not None:
         settings = chaos_settings(settings, model)
     if model not in BUILTIN_MODELS:
         # The demo's user names a model on this machine: the demo's own API allows its directory.
         model = str(Path(model).expanduser().resolve())
-        settings = settings.model_copy(update={"data_dirs": os.pathsep.join(filter(None, [settings.data_dirs, str(Path(model).parent)]))})
+        settings = settings.model_copy(
+            update={"data_dirs": os.pathsep.join(filter(None, [settings.data_dirs, str(Path(model).parent)]))}
+        )
     settings.home.mkdir(parents=True, exist_ok=True)
     # A .gguf is dequantised once (~25 s); doing it here keeps the pods from all doing it at once.
     with console.status(f"preparing {model} (cached after the first demo)"):
@@ -136,8 +153,13 @@ def run_demo(*, model: str, settings: Settings, summary_json: Path | None, conso
     return run["status"] == "SUCCEEDED" and (chaos is None or audit.ok)
 
 
-def _report(console: Console, run: dict[str, Any], cost: dict[str, Any], audited: tuple[ChaosTally, Audit] | None,
-            summary_json: Path | None) -> None:
+def _report(
+    console: Console,
+    run: dict[str, Any],
+    cost: dict[str, Any],
+    audited: tuple[ChaosTally, Audit] | None,
+    summary_json: Path | None,
+) -> None:
     """Print how the run went (and, under chaos, what was done to it and its audit); write the summary file."""
     console.print()
     console.print(f"run {run['id']} {run['status']}: {run['status_reason']}")

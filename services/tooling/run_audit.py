@@ -24,10 +24,10 @@ from contracts.job_result import JobResult
 from contracts.messages import PromptMessage
 from contracts.samples import Sample, decode_group
 from contracts.status import RunStatus
-from services.ports.queue.queue import Queue, Record
-from services.ports.state.state_schema import IterationRow, RunRow
 from services.domain.names import ROLLOUT_GROUP, leftover_key, policy_prefix, prompts_topic, result_key, samples_topic
 from services.domain.runspec import RunSpec
+from services.ports.queue.queue import Queue, Record
+from services.ports.state.state_schema import IterationRow, RunRow
 from services.ports.wiring import Backends
 
 
@@ -77,7 +77,9 @@ def audit_run(backends: Backends, run_id: str) -> Audit:
     spec = RunSpec.from_stored(run.spec)
     problems: list[str] = []
     started = run.started_at is not None
-    samples = [s for r in _read_all(backends.queue, samples_topic(run_id)) for s in decode_group(r.value)] if started else []
+    samples = (
+        [s for r in _read_all(backends.queue, samples_topic(run_id)) for s in decode_group(r.value)] if started else []
+    )
     iterations = backends.state.iterations(run_id)
     trained, dropped, reasons = _trained_and_dropped(backends, run_id, iterations, problems)
     produced = [s.sample_id for s in samples]
@@ -88,11 +90,21 @@ def audit_run(backends: Backends, run_id: str) -> Audit:
     ledger = backends.state.ledger(run_id)
     open_entries = _check_ledger_and_pods(backends, run, ledger, problems)
     return Audit(
-        run_id=run_id, status=run.status, produced=len(produced), trained=len(trained), dropped=len(dropped),
-        dropped_by_reason=dict(reasons), filtered=run.samples_filtered,
-        counted=counted, policy_versions=versions, policy_version=run.policy_version,
-        prompts_published=run.prompts_published, prompts_committed=prompts_committed,
-        ledger_entries=len(ledger), open_entries=len(open_entries), problems=problems,
+        run_id=run_id,
+        status=run.status,
+        produced=len(produced),
+        trained=len(trained),
+        dropped=len(dropped),
+        dropped_by_reason=dict(reasons),
+        filtered=run.samples_filtered,
+        counted=counted,
+        policy_versions=versions,
+        policy_version=run.policy_version,
+        prompts_published=run.prompts_published,
+        prompts_committed=prompts_committed,
+        ledger_entries=len(ledger),
+        open_entries=len(open_entries),
+        problems=problems,
     )
 
 
@@ -127,7 +139,9 @@ def _trained_and_dropped(
             dropped += ids
             reasons[reason] += len(ids)
         if result.policy_version != it.iteration or it.policy_version != it.iteration:
-            problems.append(f"iteration {it.iteration} published v{result.policy_version}, recorded v{it.policy_version}")
+            problems.append(
+                f"iteration {it.iteration} published v{result.policy_version}, recorded v{it.policy_version}"
+            )
         if (len(result.trained_ids), result.dropped.count()) != (it.samples_trained, it.samples_dropped):
             problems.append(f"iteration {it.iteration}: recorded counts differ from its result")
     # The chunks under runs/<run>/leftover/ (services.control.scheduler.apply), or one leftover.json of older runs.
@@ -144,7 +158,9 @@ def _trained_and_dropped(
     return trained, dropped, reasons
 
 
-def _check_samples(run: RunRow, produced: list[str], trained: list[str], dropped: list[str], problems: list[str]) -> dict[str, int]:
+def _check_samples(
+    run: RunRow, produced: list[str], trained: list[str], dropped: list[str], problems: list[str]
+) -> dict[str, int]:
     """Each queued sample trained once or dropped, and the run's counters saying so; returns the counters."""
     if len(trained) != len(set(trained)):
         twice = [i for i, k in Counter(trained).items() if k > 1]
@@ -159,10 +175,14 @@ def _check_samples(run: RunRow, produced: list[str], trained: list[str], dropped
         )
     counted = {"produced": run.samples_produced, "trained": run.samples_trained, "dropped": run.samples_dropped}
     if counted != {"produced": len(produced), "trained": len(trained), "dropped": len(dropped)}:
-        problems.append(f"the run counts {counted}, the stores hold produced {len(produced)}, trained {len(trained)}, "
-                        f"dropped {len(dropped)}")
+        problems.append(
+            f"the run counts {counted}, the stores hold produced {len(produced)}, trained {len(trained)}, "
+            f"dropped {len(dropped)}"
+        )
     if run.samples_produced != run.samples_trained + run.samples_dropped:
-        problems.append(f"produced {run.samples_produced} != trained {run.samples_trained} + dropped {run.samples_dropped}")
+        problems.append(
+            f"produced {run.samples_produced} != trained {run.samples_trained} + dropped {run.samples_dropped}"
+        )
     return counted
 
 
@@ -172,7 +192,9 @@ def _check_filtered(run: RunRow, spec: RunSpec, problems: list[str]) -> None:
     if run.samples_filtered and not spec.training.dynamic_sampling:
         problems.append(f"{run.samples_filtered} samples dropped before queueing, without dynamic sampling")
     if run.samples_filtered % spec.samples_per_prompt:
-        problems.append(f"{run.samples_filtered} samples dropped by dynamic sampling: not whole groups of {spec.samples_per_prompt}")
+        problems.append(
+            f"{run.samples_filtered} samples dropped by dynamic sampling: not whole groups of {spec.samples_per_prompt}"
+        )
 
 
 def _check_policy_versions(
@@ -184,7 +206,9 @@ def _check_policy_versions(
     if versions != list(range(1, len(versions) + 1)):
         problems.append(f"the iterations' policy versions are {versions}, not 1..{len(versions)}")
     if run.policy_version != (versions[-1] if versions else 0):
-        problems.append(f"the run reports policy v{run.policy_version}, its last iteration published v{versions[-1] if versions else 0}")
+        problems.append(
+            f"the run reports policy v{run.policy_version}, its last iteration published v{versions[-1] if versions else 0}"
+        )
     if versions and not backends.objects.list(policy_prefix(run.id, versions[-1])):
         problems.append(f"policy v{versions[-1]} is not in the object store")
     by_worker: dict[str, list[Sample]] = defaultdict(list)
@@ -220,8 +244,10 @@ def _check_prompts(backends: Backends, run: RunRow, n: int, samples: list[Sample
     short = {p: (k, generated[p]) for p, k in wanted.items() if generated[p] < k}
     unqueued = sum(k - queued for k, queued in short.values())
     if short and unqueued * n > run.samples_filtered:
-        problems.append(f"prompts committed without their samples (prompt: committed, queued): {short}; "
-                        f"{unqueued} groups missing, {run.samples_filtered // n} dropped by dynamic sampling")
+        problems.append(
+            f"prompts committed without their samples (prompt: committed, queued): {short}; "
+            f"{unqueued} groups missing, {run.samples_filtered // n} dropped by dynamic sampling"
+        )
     return len(done)
 
 

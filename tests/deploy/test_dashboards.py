@@ -34,7 +34,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.ports.launcher.launcher import PodPhase
-
 from services.ports.launcher.local_launcher import LocalLauncher
 from tests.servers.process import free_port
 from tests.servers.prometheus import Prometheus, ensure_prometheus
@@ -74,8 +73,10 @@ class FakeDcgmExporter:
         self._stop = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        self._threads = [threading.Thread(target=self.server.serve_forever, daemon=True),
-                         threading.Thread(target=self._refresh, daemon=True)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self.server.serve_forever, daemon=True),
+            threading.Thread(target=self._refresh, daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -134,7 +135,10 @@ def test_dashboards_are_built_from_the_generator_and_use_the_variables() -> None
     stems = {p.stem for p in DASHBOARDS.glob("*.json")}
     assert stems == {"cost", "utilization", "pipeline", "reward-cache", "training", "spot-preemptions"}
     for stem, panel, target in panel_queries():
-        assert panel["datasource"] == target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, (stem, panel["title"])
+        assert panel["datasource"] == target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, (
+            stem,
+            panel["title"],
+        )
         assert 'run="$run"' in target["expr"], (stem, panel["title"])  # every query is of the chosen run
     for path in DASHBOARDS.glob("*.json"):
         variables = {v["name"]: v for v in json.loads(path.read_text())["templating"]["list"]}
@@ -146,8 +150,13 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
     prometheus_bin = ensure_prometheus()
     dcgm = FakeDcgmExporter(served.client)
     api_address = str(served.client.base_url).removeprefix("http://").rstrip("/")
-    prom = Prometheus(prometheus_bin, tmp_path / "prometheus", free_port(),
-                      {"spotrl-api": api_address, "dcgm-exporter-test-stand-in": dcgm.address}, SCRAPE_S)  # fmt: skip
+    prom = Prometheus(
+        prometheus_bin,
+        tmp_path / "prometheus",
+        free_port(),
+        {"spotrl-api": api_address, "dcgm-exporter-test-stand-in": dcgm.address},
+        SCRAPE_S,
+    )
     try:
         prom.wait_ready()
         started = time.time()
@@ -155,10 +164,18 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
             iterations=1,  # one training job: every training series has a value, and the test stays short
             batch_samples=16,
             rollout={"min_workers": 2, "max_workers": 2, "prompts_per_batch": 1},
-            training={"learning_rate": 1e-3, "micro_batch": 8, "entropy_coef": 0.01},  # entropy is reported when it is in the loss
+            training={
+                "learning_rate": 1e-3,
+                "micro_batch": 8,
+                "entropy_coef": 0.01,
+            },  # entropy is reported when it is in the loss
             # Held-out evals of v0 (the baseline) and v1 (the last): the eval panel's series, and the eval pods' path end to end.
-            eval={"prompts": [{"prompt": "5+5=", "answer": "10"}, {"prompt": "6+6=", "answer": "12"}], "samples_per_prompt": 2,
-                  "max_new_tokens": 4, "metrics": ["mean", "pass@2"]},
+            eval={
+                "prompts": [{"prompt": "5+5=", "answer": "10"}, {"prompt": "6+6=", "answer": "12"}],
+                "samples_per_prompt": 2,
+                "max_new_tokens": 4,
+                "metrics": ["mean", "pass@2"],
+            },
         )
         r = served.client.post("/v1/runs", json=spec)
         assert r.status_code == 201, r.text
@@ -186,7 +203,11 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
         _render(results, out, run_id, started)
         print(f"\npanel query results drawn in {out}")
         if no_data:  # what the scrapes saw, to tell a missing series from failed scrapes
-            for expr in ('up', 'scrape_duration_seconds', f'{{run="{run_id}", __name__=~"spotrl_reward_cache.*|spotrl_worker_samples.*"}}'):
+            for expr in (
+                "up",
+                "scrape_duration_seconds",
+                f'{{run="{run_id}", __name__=~"spotrl_reward_cache.*|spotrl_worker_samples.*"}}',
+            ):
                 for s in prom.query_range(expr, started, end, SCRAPE_S):
                     no_data.append(f"  {s['metric']}: {[v for _, v in s['values']]}")
         assert no_data == [], "panel queries without data:\n" + "\n".join(no_data)
@@ -203,9 +224,17 @@ def test_every_panel_query_returns_data_from_a_real_run(served: Served, tmp_path
         assert last('sum(spotrl_run_cost_dollars_total{run="$run"})') == pytest.approx(cost["total_dollars"], rel=0.05)
         assert last('spotrl_training_iteration{run="$run"}') == 1
         # An eval per chosen version, each an eval pod billed like any, its latest figures those exported.
-        assert [(e["policy_version"], set(e["metrics"])) for e in run["evals"]] == [(0, {"mean", "pass@2"}), (1, {"mean", "pass@2"})]
-        assert sorted(e["pod"] for e in cost["entries"] if e["role"] == "eval") == [f"{run_id}-eval-0", f"{run_id}-eval-1"]
-        assert all(e["capacity_type"] == "spot" and e["ended_at"] is not None for e in cost["entries"] if e["role"] == "eval")
+        assert [(e["policy_version"], set(e["metrics"])) for e in run["evals"]] == [
+            (0, {"mean", "pass@2"}),
+            (1, {"mean", "pass@2"}),
+        ]
+        assert sorted(e["pod"] for e in cost["entries"] if e["role"] == "eval") == [
+            f"{run_id}-eval-0",
+            f"{run_id}-eval-1",
+        ]
+        assert all(
+            e["capacity_type"] == "spot" and e["ended_at"] is not None for e in cost["entries"] if e["role"] == "eval"
+        )
         assert last('spotrl_eval_score{run="$run", metric="mean"}') == pytest.approx(run["evals"][-1]["mean_score"])
         assert run["last_error"] is None
     finally:

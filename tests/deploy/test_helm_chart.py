@@ -16,9 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.core.config import Settings
 from services.ports.launcher.kubernetes_objects import Machine, inherited_env, job_manifest, pod_manifest
 from services.ports.launcher.launcher import PodSpec
-from services.core.config import Settings
 from services.ports.prices.catalog import parse_catalog
 from services.ports.wiring import kubernetes_config
 from tests.pod_security import restricted_violations
@@ -39,10 +39,17 @@ def scenario(name: str) -> dict[str, Any]:
     return yaml.safe_load((CHART / "ci" / name).read_text())
 
 
-def render(values: dict[str, Any], chart_dir: Path = CHART, release: str = RELEASE, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+def render(
+    values: dict[str, Any], chart_dir: Path = CHART, release: str = RELEASE, namespace: str = NAMESPACE
+) -> list[dict[str, Any]]:
     manifests = helm.Chart.load(chart_dir).render(values, name=release, namespace=namespace, is_install=True)
-    return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]  # fmt: skip
+    return [
+        doc
+        for path, text in sorted(manifests.items())
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -93,7 +100,14 @@ def test_pods_run_non_root_with_limits(rendered) -> None:
         # Pod Security Standards, "restricted": no host namespaces, only the volume types it allows.
         assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod), name
         for volume in pod.get("volumes", []):
-            assert set(volume) - {"name"} <= {"configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "downwardAPI"}, (name, volume)
+            assert set(volume) - {"name"} <= {
+                "configMap",
+                "secret",
+                "emptyDir",
+                "persistentVolumeClaim",
+                "projected",
+                "downwardAPI",
+            }, (name, volume)
         for c in containers(deployment):
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, name
@@ -109,9 +123,11 @@ def test_no_secret_outside_secrets(rendered) -> None:
     """Passwords, keys and token hashes of the scenario appear in Secrets and nowhere else."""
     name, docs = rendered
     values = scenario(name)
-    secrets = [values.get("trial", {}).get("postgresql", {}).get("password"),
-               values.get("s3", {}).get("accessKey", {}).get("secret"),
-               values.get("s3", {}).get("accessKey", {}).get("id")]  # fmt: skip
+    secrets = [
+        values.get("trial", {}).get("postgresql", {}).get("password"),
+        values.get("s3", {}).get("accessKey", {}).get("secret"),
+        values.get("s3", {}).get("accessKey", {}).get("id"),
+    ]
     secrets += [t["sha256"] for t in values.get("auth", {}).get("tokens", {}).values()]
     if state_url := values.get("backends", {}).get("stateUrl"):
         secrets.append(re.search(r"://[^:]+:([^@]+)@", state_url).group(1))
@@ -122,9 +138,12 @@ def test_no_secret_outside_secrets(rendered) -> None:
             continue
         leaked = [s for s in secrets if s in text]
         assert not leaked, f"{doc['kind']} {doc['metadata']['name']} holds {leaked}"
-        for c in (containers(doc) if doc["kind"] == "Deployment" else []):
+        for c in containers(doc) if doc["kind"] == "Deployment" else []:
             for env in c.get("env", []):
-                assert not re.search("PASSWORD|SECRET|TOKEN", env["name"]) or "valueFrom" in env, (doc["metadata"]["name"], env)
+                assert not re.search("PASSWORD|SECRET|TOKEN", env["name"]) or "valueFrom" in env, (
+                    doc["metadata"]["name"],
+                    env,
+                )
     if values.get("auth", {}).get("tokens"):
         (tokens,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-tokens")]
         assert {e["sha256"] for e in json.loads(tokens["stringData"]["tokens.json"])["tokens"]} == {
@@ -135,26 +154,53 @@ def test_no_secret_outside_secrets(rendered) -> None:
 def test_rbac_scope(rendered) -> None:
     _, docs = rendered
     roles, cluster_roles = by_kind(docs, "Role"), by_kind(docs, "ClusterRole")
-    scheduler = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-scheduler"]["rules"]
-                 for g in rule["apiGroups"] for r in rule["resources"]}  # fmt: skip
+    scheduler = {
+        (g, r): set(rule["verbs"])
+        for rule in roles["spotrl-scheduler"]["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    }
     manage = {"get", "list", "watch", "create", "update", "patch", "delete"}
     assert scheduler == {
-        ("batch", "jobs"): manage, ("", "pods"): manage, ("", "pods/log"): {"get"}, ("", "pods/status"): {"get"},
-    }  # fmt: skip
+        ("batch", "jobs"): manage,
+        ("", "pods"): manage,
+        ("", "pods/log"): {"get"},
+        ("", "pods/status"): {"get"},
+    }
     # The API opens the same launcher, read-only: it watches pods and Jobs and reads pod logs.
-    api = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-api"]["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert api == {("", "pods"): {"get", "list", "watch"}, ("", "pods/log"): {"get"}, ("batch", "jobs"): {"get", "list", "watch"}}
+    api = {
+        (g, r): set(rule["verbs"])
+        for rule in roles["spotrl-api"]["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    }
+    assert api == {
+        ("", "pods"): {"get", "list", "watch"},
+        ("", "pods/log"): {"get"},
+        ("batch", "jobs"): {"get", "list", "watch"},
+    }
     # The one cluster-wide grant: reading nodes (their instance-type and capacity labels).
     (nodes,) = cluster_roles.values()
     assert nodes["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
     bindings = list(by_kind(docs, "RoleBinding").values()) + list(by_kind(docs, "ClusterRoleBinding").values())
     subjects = {(b["roleRef"]["kind"], b["roleRef"]["name"]): [s["name"] for s in b["subjects"]] for b in bindings}
     # The uninstall hook reads, stops and deletes the launched pods and Jobs: it creates none.
-    teardown = {(g, r): set(rule["verbs"]) for rule in roles["spotrl-teardown"]["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert teardown == {("", "pods"): {"get", "list", "watch", "patch", "delete"}, ("batch", "jobs"): {"get", "list", "watch", "patch", "delete"}}
-    assert subjects == {("Role", "spotrl-scheduler"): ["spotrl-scheduler"], ("Role", "spotrl-api"): ["spotrl-api"],
-                        ("Role", "spotrl-teardown"): ["spotrl-teardown"],
-                        ("ClusterRole", nodes["metadata"]["name"]): ["spotrl-scheduler", "spotrl-api"]}  # fmt: skip
+    teardown = {
+        (g, r): set(rule["verbs"])
+        for rule in roles["spotrl-teardown"]["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    }
+    assert teardown == {
+        ("", "pods"): {"get", "list", "watch", "patch", "delete"},
+        ("batch", "jobs"): {"get", "list", "watch", "patch", "delete"},
+    }
+    assert subjects == {
+        ("Role", "spotrl-scheduler"): ["spotrl-scheduler"],
+        ("Role", "spotrl-api"): ["spotrl-api"],
+        ("Role", "spotrl-teardown"): ["spotrl-teardown"],
+        ("ClusterRole", nodes["metadata"]["name"]): ["spotrl-scheduler", "spotrl-api"],
+    }
     for rule in [r for role in [*roles.values(), nodes] for r in role["rules"]]:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"] and "secrets" not in rule["resources"]
     deployments = by_kind(docs, "Deployment")
@@ -167,11 +213,22 @@ def test_selectors_match_their_pods(rendered) -> None:
     _, docs = rendered
     pods = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in by_kind(docs, "Deployment").items()}
     for name, d in by_kind(docs, "Deployment").items():
-        assert set(d["spec"]["selector"]["matchLabels"]) == {"app.kubernetes.io/name", "app.kubernetes.io/instance",
-                                                            "app.kubernetes.io/component"}  # fmt: skip
+        assert set(d["spec"]["selector"]["matchLabels"]) == {
+            "app.kubernetes.io/name",
+            "app.kubernetes.io/instance",
+            "app.kubernetes.io/component",
+        }
     selectors = [(d["kind"], d["metadata"]["name"], d["spec"]["selector"]) for d in docs if d["kind"] == "Service"]
-    selectors += [(d["kind"], d["metadata"]["name"], d["spec"]["selector"]["matchLabels"]) for d in docs if d["kind"] == "PodDisruptionBudget"]
-    selectors += [(d["kind"], d["metadata"]["name"], d["spec"]["podSelector"]["matchLabels"]) for d in docs if d["kind"] == "NetworkPolicy"]
+    selectors += [
+        (d["kind"], d["metadata"]["name"], d["spec"]["selector"]["matchLabels"])
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget"
+    ]
+    selectors += [
+        (d["kind"], d["metadata"]["name"], d["spec"]["podSelector"]["matchLabels"])
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+    ]
     for kind, name, selector in selectors:
         matched = [p for p, labels in pods.items() if selector.items() <= labels.items()]
         assert matched == [name], (kind, name, matched)
@@ -180,8 +237,14 @@ def test_selectors_match_their_pods(rendered) -> None:
 
 
 CAPACITY_LABELS = {
-    "karpenter": {"rollout": {"karpenter.sh/capacity-type": "spot"}, "training": {"karpenter.sh/capacity-type": "on-demand"}},
-    "eks": {"rollout": {"eks.amazonaws.com/capacityType": "SPOT"}, "training": {"eks.amazonaws.com/capacityType": "ON_DEMAND"}},
+    "karpenter": {
+        "rollout": {"karpenter.sh/capacity-type": "spot"},
+        "training": {"karpenter.sh/capacity-type": "on-demand"},
+    },
+    "eks": {
+        "rollout": {"eks.amazonaws.com/capacityType": "SPOT"},
+        "training": {"eks.amazonaws.com/capacityType": "ON_DEMAND"},
+    },
     "gke": {"rollout": {"cloud.google.com/gke-spot": "true"}},
     "none": {},
 }
@@ -202,7 +265,9 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     assert scheduler["args"] == ["scheduler", "--health-port", "8001"]
     assert scheduler["ports"] == [{"name": "health", "containerPort": 8001, "protocol": "TCP"}]
     assert (scheduler["livenessProbe"]["httpGet"], scheduler["readinessProbe"]["httpGet"]) == (
-        {"path": "/healthz", "port": "health"}, {"path": "/readyz", "port": "health"})
+        {"path": "/healthz", "port": "health"},
+        {"path": "/readyz", "port": "health"},
+    )
     assert deployments["spotrl-scheduler"]["spec"]["replicas"] == values.get("scheduler", {}).get("replicas", 2)
     env = settings_env(docs)
     # Every name is a setting spotrl reads.
@@ -213,7 +278,9 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
             monkeypatch.setenv(key, value)
     parsed = Settings()  # the values parse as the settings' types
     assert parsed.launcher == "kubernetes" and parsed.kube_image == env["SPOTRL_KUBE_IMAGE"]
-    assert str(parsed.price_catalog) == env["SPOTRL_PRICE_CATALOG"] and parsed.stop_grace_s == float(env["SPOTRL_STOP_GRACE_S"])
+    assert str(parsed.price_catalog) == env["SPOTRL_PRICE_CATALOG"] and parsed.stop_grace_s == float(
+        env["SPOTRL_STOP_GRACE_S"]
+    )
     pools = helm.Chart.load(CHART).merge_values(values)["pools"]
     capacity = CAPACITY_LABELS[pools["capacityLabel"]]
     for pool in ("rollout", "training"):  # the reward pool is the chart's reward service's
@@ -227,7 +294,9 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     # The files the settings name are where the pods mount them.
     mounts = {m["name"]: m["mountPath"] for m in api["volumeMounts"]}
     assert env["SPOTRL_PRICE_CATALOG"] == f"{mounts['price-catalog']}/catalog.json"
-    catalog = next(v for v in deployments["spotrl-api"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "price-catalog")
+    catalog = next(
+        v for v in deployments["spotrl-api"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "price-catalog"
+    )
     assert catalog["configMap"]["name"] == env["SPOTRL_KUBE_PRICE_CATALOG_CONFIGMAP"]
     assert env["SPOTRL_TOKENS_FILE"] == f"{mounts['tokens']}/tokens.json"
     assert {m["name"] for m in scheduler["volumeMounts"]} == {"tmp", "price-catalog"}  # no tokens: it serves nothing
@@ -238,7 +307,9 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
     if not backends:
         urls = by_kind(docs, "Secret")[secret_refs[0]]["stringData"]
         assert urls["SPOTRL_STATE_URL"].startswith("postgresql+psycopg://")
-        assert urls["SPOTRL_QUEUE_URL"].startswith("kafka://") and urls["SPOTRL_REWARD_CACHE_URL"].startswith("redis://")
+        assert urls["SPOTRL_QUEUE_URL"].startswith("kafka://") and urls["SPOTRL_REWARD_CACHE_URL"].startswith(
+            "redis://"
+        )
     else:
         assert secret_refs[0] == backends
 
@@ -250,28 +321,50 @@ def test_the_launcher_runs_pods_as_the_chart_means(rendered, monkeypatch) -> Non
     name, docs = rendered
     values = helm.Chart.load(CHART).merge_values(scenario(name))
     env = settings_env(docs)
-    secret_values = {k: v for secret in by_kind(docs, "Secret").values() for k, v in secret.get("stringData", {}).items()}
+    secret_values = {
+        k: v for secret in by_kind(docs, "Secret").values() for k, v in secret.get("stringData", {}).items()
+    }
     if values["backends"]["existingSecret"]:  # the operator's Secret: what it would hold
-        secret_values = {"SPOTRL_STATE_URL": "postgresql+psycopg://spotrl:operators-db-password@db/spotrl",
-                         "SPOTRL_KAFKA_SASL_PLAIN_PASSWORD": "operators-kafka-password"}  # fmt: skip
+        secret_values = {
+            "SPOTRL_STATE_URL": "postgresql+psycopg://spotrl:operators-db-password@db/spotrl",
+            "SPOTRL_KAFKA_SASL_PLAIN_PASSWORD": "operators-kafka-password",
+        }
     for key, value in {**env, **secret_values}.items():
         monkeypatch.setenv(key, value)
     cfg = kubernetes_config(Settings())
     inherited = inherited_env()
     assert secret_values.keys() & inherited.keys()  # the scheduler has the secrets; its pods must not show them
     # A run asks for its pool's instance type, where the pool has one.
-    pinned = {role: values["pools"][role]["nodeSelector"].get("node.kubernetes.io/instance-type") for role in ("rollout", "training")}
-    rollout = PodSpec("run-1-rollout-0", "run-1", "rollout", ["spotrl", "worker"], {}, pinned["rollout"] or "g5.xlarge", "on-demand")
-    training = PodSpec("run-1-train-0", "run-1", "training", ["spotrl", "train-job"], {}, pinned["training"] or "p4d.24xlarge", "on-demand")
-    manifests = {"rollout": pod_manifest(rollout, cfg, G5, inherited),
-                 "training": job_manifest(training, cfg, P4D, inherited)["spec"]["template"]}  # fmt: skip
+    pinned = {
+        role: values["pools"][role]["nodeSelector"].get("node.kubernetes.io/instance-type")
+        for role in ("rollout", "training")
+    }
+    rollout = PodSpec(
+        "run-1-rollout-0", "run-1", "rollout", ["spotrl", "worker"], {}, pinned["rollout"] or "g5.xlarge", "on-demand"
+    )
+    training = PodSpec(
+        "run-1-train-0",
+        "run-1",
+        "training",
+        ["spotrl", "train-job"],
+        {},
+        pinned["training"] or "p4d.24xlarge",
+        "on-demand",
+    )
+    manifests = {
+        "rollout": pod_manifest(rollout, cfg, G5, inherited),
+        "training": job_manifest(training, cfg, P4D, inherited)["spec"]["template"],
+    }
     for role, manifest in manifests.items():
         pod, labels = manifest["spec"], manifest["metadata"]["labels"]
         (container,) = pod["containers"]
         assert container["image"] == env[f"SPOTRL_KUBE_{role.upper()}_IMAGE"], role
         assert container["imagePullPolicy"] == values["image"]["pullPolicy"]
         assert [s["name"] for s in pod.get("imagePullSecrets", [])] == values["image"]["pullSecrets"]
-        assert pod["serviceAccountName"] == env["SPOTRL_KUBE_SERVICE_ACCOUNT"] and pod["automountServiceAccountToken"] is False
+        assert (
+            pod["serviceAccountName"] == env["SPOTRL_KUBE_SERVICE_ACCOUNT"]
+            and pod["automountServiceAccountToken"] is False
+        )
         # They run as the chart's own pods do, and as Pod Security's restricted profile admits.
         assert pod["securityContext"]["runAsUser"] == values["podSecurityContext"]["runAsUser"]
         assert restricted_violations(manifest) == [], role
@@ -293,8 +386,9 @@ def test_the_launcher_runs_pods_as_the_chart_means(rendered, monkeypatch) -> Non
                 ((source,),) = [rule["from"] for rule in policy["spec"]["ingress"]]
                 assert source["podSelector"]["matchLabels"].items() <= labels.items(), (role, policy_name)
         for version in KUBE_VERSIONS:
-            kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role}, "spec": pod},
-                                         version, strict=True)  # fmt: skip
+            kubernetes_validate.validate(
+                {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role}, "spec": pod}, version, strict=True
+            )
 
 
 def test_minimal_trial_wires_the_in_chart_backends() -> None:
@@ -303,21 +397,30 @@ def test_minimal_trial_wires_the_in_chart_backends() -> None:
     services = {name: d["spec"]["ports"][0]["port"] for name, d in by_kind(docs, "Service").items()}
     assert urls["SPOTRL_QUEUE_URL"] == f"kafka://spotrl-kafka:{services['spotrl-kafka']}"
     assert urls["SPOTRL_REWARD_CACHE_URL"] == f"redis://spotrl-redis:{services['spotrl-redis']}/0"
-    assert urls["SPOTRL_STATE_URL"] == f"postgresql+psycopg://spotrl:trial-postgres-password@spotrl-postgresql:{services['spotrl-postgresql']}/spotrl"
+    assert (
+        urls["SPOTRL_STATE_URL"]
+        == f"postgresql+psycopg://spotrl:trial-postgres-password@spotrl-postgresql:{services['spotrl-postgresql']}/spotrl"
+    )
     assert urls["AWS_SECRET_ACCESS_KEY"] == "trial-secret-access-key-example"
     (pg,) = containers(by_kind(docs, "Deployment")["spotrl-postgresql"])
     password = next(e for e in pg["env"] if e["name"] == "POSTGRES_PASSWORD")
     assert password["valueFrom"]["secretKeyRef"]["name"] in by_kind(docs, "Secret")
     # The trial servers take connections from this release's pods only.
     policy = by_kind(docs, "NetworkPolicy")["spotrl-postgresql"]["spec"]["ingress"]
-    assert policy == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE}}}], "ports": [{"port": 5432, "protocol": "TCP"}]}]
+    assert policy == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE}}}],
+            "ports": [{"port": 5432, "protocol": "TCP"}],
+        }
+    ]
     assert json.loads(settings_env(docs)["SPOTRL_KUBE_POD_LABELS"])["app.kubernetes.io/instance"] == RELEASE
     assert by_kind(docs, "NetworkPolicy")["spotrl-scheduler"]["spec"].get("ingress") is None  # no ingress at all
 
 
 def test_price_catalog_ships_spotrl_catalog_with_user_prices() -> None:
-    assert (CHART / "files/catalog.json").read_text() == (ROOT / "services/ports/prices/catalog.json").read_text(), \
+    assert (CHART / "files/catalog.json").read_text() == (ROOT / "services/ports/prices/catalog.json").read_text(), (
         "copy services/ports/prices/catalog.json to the chart's files/ when prices change"
+    )
     shipped = json.loads((ROOT / "services/ports/prices/catalog.json").read_text())
     values = scenario("production-values.yaml")
     docs = render(values)
@@ -329,12 +432,16 @@ def test_price_catalog_ships_spotrl_catalog_with_user_prices() -> None:
     # Changed prices roll the pods (a checksum of the catalog in their template).
     cheaper = json.loads(json.dumps(values))
     cheaper["priceCatalog"]["instances"]["g5.xlarge"]["spot"] = 0.30
-    checksum = lambda docs: by_kind(docs, "Deployment")["spotrl-scheduler"]["spec"]["template"]["metadata"]["annotations"]["checksum/price-catalog"]  # noqa: E731
+    checksum = lambda docs: by_kind(docs, "Deployment")["spotrl-scheduler"]["spec"]["template"]["metadata"][
+        "annotations"
+    ]["checksum/price-catalog"]  # noqa: E731
     assert checksum(render(cheaper)) != checksum(docs)
 
 
 def hooks(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(d["kind"], d["metadata"]["name"]): d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})}
+    return {
+        (d["kind"], d["metadata"]["name"]): d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})
+    }
 
 
 def test_uninstall_first_runs_the_teardown_under_its_own_identity() -> None:
@@ -367,15 +474,28 @@ def test_uninstall_first_runs_the_teardown_under_its_own_identity() -> None:
     assert [s["name"] for s in binding["subjects"]] == ["spotrl-teardown"]
     # The scheduler's image, settings and Secrets: the launcher in this namespace, the state store.
     (scheduler,) = containers(by_kind(docs, "Deployment")["spotrl-scheduler"])
-    assert (container["image"], container["envFrom"], container["env"]) == (scheduler["image"], scheduler["envFrom"], scheduler["env"])
+    assert (container["image"], container["envFrom"], container["env"]) == (
+        scheduler["image"],
+        scheduler["envFrom"],
+        scheduler["env"],
+    )
     # The trial PostgreSQL admits it (the release's pods only).
     (rule,) = by_kind(docs, "NetworkPolicy")["spotrl-postgresql"]["spec"]["ingress"]
-    assert rule["from"][0]["podSelector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        rule["from"][0]["podSelector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    )
     assert hooks(render(_merge(values, {"teardown": {"enabled": False}}))) == {}
     # The chart asks for the Kubernetes whose Job controller applies the training Jobs' podFailurePolicy by default.
     assert yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"] == ">=1.26.0-0"
-    assert "podFailurePolicy" in job_manifest(PodSpec("t", "r", "training", ["spotrl"], {}, "p4d.24xlarge", "on-demand"),
-                                              kubernetes_config(Settings()), P4D, {})["spec"]  # fmt: skip
+    assert (
+        "podFailurePolicy"
+        in job_manifest(
+            PodSpec("t", "r", "training", ["spotrl"], {}, "p4d.24xlarge", "on-demand"),
+            kubernetes_config(Settings()),
+            P4D,
+            {},
+        )["spec"]
+    )
 
 
 def test_production_ingress_service_monitor_and_identity() -> None:
@@ -383,24 +503,45 @@ def test_production_ingress_service_monitor_and_identity() -> None:
     docs = render(values)
     (ingress,) = by_kind(docs, "Ingress").values()
     assert ingress["spec"]["tls"] == [{"hosts": ["spotrl.acme.example"], "secretName": "spotrl-acme-tls"}]
-    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] == {"name": "spotrl-api", "port": {"name": "http"}}
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] == {
+        "name": "spotrl-api",
+        "port": {"name": "http"},
+    }
     for name, account in by_kind(docs, "ServiceAccount").items():
         if name != "spotrl-teardown":  # the uninstall hook's reaches no S3
             assert account["metadata"]["annotations"] == values["serviceAccount"]["annotations"]
     # The chart makes no Secret of its own: backends and tokens are the operator's.
     assert by_kind(docs, "Secret") == {}
     (reward,) = containers(by_kind(docs, "Deployment")["spotrl-reward"])
-    assert reward["args"] == ["reward-server", "--host", "0.0.0.0", "--port", "8100", "--model", "/models/helpfulness-rm-v3"]
+    assert reward["args"] == [
+        "reward-server",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8100",
+        "--model",
+        "/models/helpfulness-rm-v3",
+    ]
     assert settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"] == "http://spotrl-reward.ml.svc:8100"
     assert reward["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "command" not in reward and reward["image"].rsplit("/", 1)[-1].startswith("spotrl-rollout:")
-    (model,) = [v for v in by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "model"]
+    (model,) = [
+        v
+        for v in by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "model"
+    ]
     assert model["persistentVolumeClaim"] == {"claimName": "reward-models", "readOnly": True}
     # On the reward pool; its Service is the URL runs name (SPOTRL_REWARD_SERVICE_URLS).
-    pool, pod = helm.Chart.load(CHART).merge_values(values)["pools"]["reward"], by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"]
+    pool, pod = (
+        helm.Chart.load(CHART).merge_values(values)["pools"]["reward"],
+        by_kind(docs, "Deployment")["spotrl-reward"]["spec"]["template"]["spec"],
+    )
     assert (pod["nodeSelector"], pod["tolerations"]) == (pool["nodeSelector"], pool["tolerations"])
     service = by_kind(docs, "Service")["spotrl-reward"]
-    assert f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}" == settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"]
+    assert (
+        f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}"
+        == settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"]
+    )
 
 
 REWARD_IMAGE = "registry.acme.example/ml/rewards:2025.06@sha256:" + "ab" * 32
@@ -411,8 +552,19 @@ def reward_function_values(**function: Any) -> dict[str, Any]:
     values = scenario("minimal-trial-values.yaml")
     values["reward"] = {
         "enabled": True,
-        "image": {"registry": "registry.acme.example/ml", "repository": "rewards", "tag": "2025.06", "digest": "sha256:" + "ab" * 32},
-        "function": {"reference": "/app/rewards.py:compute_score", "workers": 4, "timeoutSeconds": 2.5, "memoryMb": 2048} | function,
+        "image": {
+            "registry": "registry.acme.example/ml",
+            "repository": "rewards",
+            "tag": "2025.06",
+            "digest": "sha256:" + "ab" * 32,
+        },
+        "function": {
+            "reference": "/app/rewards.py:compute_score",
+            "workers": 4,
+            "timeoutSeconds": 2.5,
+            "memoryMb": 2048,
+        }
+        | function,
     }
     return values
 
@@ -447,26 +599,52 @@ def test_reward_function_runs_from_the_users_image() -> None:
                 kubernetes_validate.validate(doc, version, strict=True)
     pod, reward = reward_pod(docs)
     assert reward["image"] == REWARD_IMAGE and reward["command"] == ["spotrl"]
-    assert reward["args"] == ["reward-server", "--host", "0.0.0.0", "--port", "8100", "--function", "/app/rewards.py:compute_score",
-                              "--workers", "4", "--timeout-s", "2.5", "--memory-mb", "2048"]  # fmt: skip
+    assert reward["args"] == [
+        "reward-server",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8100",
+        "--function",
+        "/app/rewards.py:compute_score",
+        "--workers",
+        "4",
+        "--timeout-s",
+        "2.5",
+        "--memory-mb",
+        "2048",
+    ]
     options = reward_server_options(reward["args"])
     assert (options["function"], options["model"], options["batched"]) == ("/app/rewards.py:compute_score", None, False)
     assert (options["workers"], options["timeout_s"], options["memory_mb"], options["port"]) == (4, 2.5, 2048, 8100)
     # No GPU: one CPU per worker, every worker at its address-space limit plus 512 MiB for the server.
-    assert reward["resources"] == {"requests": {"cpu": "4", "memory": f"{4 * 2048 + 512}Mi"}, "limits": {"memory": f"{4 * 2048 + 512}Mi"}}
+    assert reward["resources"] == {
+        "requests": {"cpu": "4", "memory": f"{4 * 2048 + 512}Mi"},
+        "limits": {"memory": f"{4 * 2048 + 512}Mi"},
+    }
     assert "gpu" not in json.dumps(reward["resources"])
     # No model: only the /tmp scratch space.
     assert pod["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
     assert reward["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
     assert "persistentVolumeClaim" not in json.dumps(docs)
     merged = helm.Chart.load(CHART).merge_values(values)
-    assert reward["securityContext"] == merged["containerSecurityContext"] and reward["securityContext"]["readOnlyRootFilesystem"] is True
+    assert (
+        reward["securityContext"] == merged["containerSecurityContext"]
+        and reward["securityContext"]["readOnlyRootFilesystem"] is True
+    )
     assert pod["securityContext"] == merged["podSecurityContext"] and pod["automountServiceAccountToken"] is False
-    assert reward["readinessProbe"]["httpGet"] == reward["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert (
+        reward["readinessProbe"]["httpGet"] == reward["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    )
     # On the reward pool, behind the Service runs name, admitted from the release's pods only.
-    assert (pod["nodeSelector"], pod["tolerations"]) == (merged["pools"]["reward"]["nodeSelector"], merged["pools"]["reward"]["tolerations"])
+    assert (pod["nodeSelector"], pod["tolerations"]) == (
+        merged["pools"]["reward"]["nodeSelector"],
+        merged["pools"]["reward"]["tolerations"],
+    )
     assert settings_env(docs)["SPOTRL_REWARD_SERVICE_URLS"] == "http://spotrl-reward.ml.svc:8100"
-    assert by_kind(docs, "NetworkPolicy")["spotrl-reward"]["spec"]["ingress"][0]["ports"] == [{"port": 8100, "protocol": "TCP"}]
+    assert by_kind(docs, "NetworkPolicy")["spotrl-reward"]["spec"]["ingress"][0]["ports"] == [
+        {"port": 8100, "protocol": "TCP"}
+    ]
 
 
 def test_reward_function_options() -> None:
@@ -483,21 +661,42 @@ def test_reward_function_options() -> None:
     values["reward"]["image"] = {"repository": "123456789012.dkr.ecr.us-east-1.amazonaws.com/rewards", "tag": "v3"}
     assert reward_pod(render(values))[1]["image"] == "123456789012.dkr.ecr.us-east-1.amazonaws.com/rewards:v3"
     # The user's own resources (a GPU for a function that wants one), nodes and tolerations.
-    values = reward_function_values(resources={"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "3Gi", "nvidia.com/gpu": 1}})
-    values["reward"] |= {"nodeSelector": {"spotrl.dev/pool": "cpu"}, "tolerations": [{"key": "spotrl.dev/pool", "operator": "Exists"}]}
+    values = reward_function_values(
+        resources={"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "3Gi", "nvidia.com/gpu": 1}}
+    )
+    values["reward"] |= {
+        "nodeSelector": {"spotrl.dev/pool": "cpu"},
+        "tolerations": [{"key": "spotrl.dev/pool", "operator": "Exists"}],
+    }
     pod, reward = reward_pod(render(values))
     assert reward["resources"] == values["reward"]["function"]["resources"]
-    assert pod["nodeSelector"] == {"spotrl.dev/pool": "cpu"} and pod["tolerations"] == [{"key": "spotrl.dev/pool", "operator": "Exists"}]
+    assert pod["nodeSelector"] == {"spotrl.dev/pool": "cpu"} and pod["tolerations"] == [
+        {"key": "spotrl.dev/pool", "operator": "Exists"}
+    ]
 
 
-@pytest.mark.parametrize(("reward", "message"), [
-    ({"model": {"existingClaim": "reward-models"}, "function": {"reference": "/app/rewards.py:compute_score"}},
-     "set one of reward.model.existingClaim (a reward model) and reward.function.reference (your reward function), not both"),
-    ({}, "reward.enabled needs reward.model.existingClaim (a PVC with a reward model) or reward.function.reference"),
-    ({"function": {"reference": "/app/rewards.py:compute_score"}, "image": {"repository": "rewards"}},
-     "reward.image.tag or reward.image.digest is required with reward.image.repository"),
-    ({"function": {"reference": "/app/rewards.py:compute_score", "memoryMb": 0}}, "needs reward.function.resources"),
-], ids=["both", "neither", "image-unpinned", "no-memory-limit"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        (
+            {"model": {"existingClaim": "reward-models"}, "function": {"reference": "/app/rewards.py:compute_score"}},
+            "set one of reward.model.existingClaim (a reward model) and reward.function.reference (your reward function), not both",
+        ),
+        (
+            {},
+            "reward.enabled needs reward.model.existingClaim (a PVC with a reward model) or reward.function.reference",
+        ),
+        (
+            {"function": {"reference": "/app/rewards.py:compute_score"}, "image": {"repository": "rewards"}},
+            "reward.image.tag or reward.image.digest is required with reward.image.repository",
+        ),
+        (
+            {"function": {"reference": "/app/rewards.py:compute_score", "memoryMb": 0}},
+            "needs reward.function.resources",
+        ),
+    ],
+    ids=["both", "neither", "image-unpinned", "no-memory-limit"],
+)
 def test_reward_service_refuses_what_it_cannot_run(reward: dict[str, Any], message: str) -> None:
     values = scenario("minimal-trial-values.yaml")
     values["reward"] = {"enabled": True} | reward
@@ -517,7 +716,10 @@ def test_service_monitor() -> None:
     # DCGM_FI_DEV_GPU_UTIL{pod}, which a scrape target's pod label would break.
     assert endpoint["honorLabels"] is True
     # /metrics needs an admin token: the operator's Secret holds the token itself.
-    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "spotrl-metrics-token", "key": "token"}}
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "spotrl-metrics-token", "key": "token"},
+    }
 
 
 BAD_VALUES = [
@@ -527,14 +729,20 @@ BAD_VALUES = [
     ({"api": {"replica": 3}}, "additional properties 'replica'"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot"),
-    ({"containerSecurityContext": {"allowPrivilegeEscalation": True}}, "/containerSecurityContext/allowPrivilegeEscalation"),
+    (
+        {"containerSecurityContext": {"allowPrivilegeEscalation": True}},
+        "/containerSecurityContext/allowPrivilegeEscalation",
+    ),
     ({"auth": {"tokens": {"me": {"sha256": "not-a-hash", "tenant": "a"}}}}, "/auth/tokens/me/sha256"),
     ({"auth": {"tokens": {"me": {"token": "plain-text-token", "tenant": "a"}}}}, "additional properties 'token'"),
     ({"backends": {"queueUrl": "localhost:9092"}}, "/backends/queueUrl"),
     ({"settings": {"keepPolicyVersions": 1}}, "/settings/keepPolicyVersions"),
     ({"settings": {"extraEnv": {"lower_case": "x"}}}, "'lower_case' does not match"),
     ({"pools": {"rollout": {"nodeSelector": {"spot": True}, "tolerations": []}}}, "/pools/rollout/nodeSelector/spot"),
-    ({"pools": {"training": {"tolerations": [{"key": "a", "effect": "Sometimes"}], "nodeSelector": {}}}}, "/pools/training/tolerations/0/effect"),
+    (
+        {"pools": {"training": {"tolerations": [{"key": "a", "effect": "Sometimes"}], "nodeSelector": {}}}},
+        "/pools/training/tolerations/0/effect",
+    ),
     ({"trial": {"postgresql": {"enabled": True, "password": "short"}}}, "/trial/postgresql/password"),
     ({"reward": {"function": {"workers": 0}}}, "/reward/function/workers"),
     ({"reward": {"function": {"batched": "yes"}}}, "/reward/function/batched"),
@@ -558,14 +766,19 @@ def test_schema_rejects_bad_values(change: dict[str, Any], named: str) -> None:
 def _merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in change.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) and value else value
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) and value else value
+        )
     return out
 
 
-@pytest.mark.parametrize(("drop", "message"), [
-    ("auth", "auth.tokens"),
-    ("trial", "backends.stateUrl"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("auth", "auth.tokens"),
+        ("trial", "backends.stateUrl"),
+    ],
+)
 def test_missing_required_settings_fail_with_the_key_named(drop: str, message: str) -> None:
     values = scenario("minimal-trial-values.yaml")
     del values[drop]
@@ -605,7 +818,9 @@ def test_dashboards_become_sidecar_configmaps(tmp_path: Path) -> None:
     for old in (chart / "dashboards").glob("*.json"):  # another branch's dashboards, if merged
         old.unlink()
     values = scenario("minimal-trial-values.yaml")
-    assert [d for d in render(values, chart) if "dashboard" in d["metadata"]["name"]] == []  # an empty folder renders nothing
+    assert [
+        d for d in render(values, chart) if "dashboard" in d["metadata"]["name"]
+    ] == []  # an empty folder renders nothing
     cost = {"title": "spotrl cost", "panels": [{"targets": [{"expr": "sum(spotrl_run_cost_dollars_total)"}]}]}
     (chart / "dashboards/Cost_Overview.json").write_text(json.dumps(cost))
     (chart / "dashboards/pipeline.json").write_text(json.dumps({"title": "spotrl pipeline", "panels": []}))
@@ -613,7 +828,10 @@ def test_dashboards_become_sidecar_configmaps(tmp_path: Path) -> None:
     maps = {n: d for n, d in by_kind(render(values, chart), "ConfigMap").items() if "-dashboard-" in n}
     assert set(maps) == {"spotrl-dashboard-cost-overview", "spotrl-dashboard-pipeline"}
     cm = maps["spotrl-dashboard-cost-overview"]
-    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["annotations"]["grafana_folder"] == "spotrl"
+    assert (
+        cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        and cm["metadata"]["annotations"]["grafana_folder"] == "spotrl"
+    )
     assert json.loads(cm["data"]["Cost_Overview.json"]) == cost
     for doc in maps.values():
         for version in KUBE_VERSIONS:
@@ -625,7 +843,11 @@ def test_dashboards_become_sidecar_configmaps(tmp_path: Path) -> None:
 def test_the_charts_own_dashboards_each_become_a_configmap() -> None:
     """The dashboards in the chart (deploy/grafana writes them), one valid sidecar ConfigMap each."""
     files = sorted((CHART / "dashboards").glob("*.json"))
-    maps = {n: d for n, d in by_kind(render(scenario("minimal-trial-values.yaml")), "ConfigMap").items() if "-dashboard-" in n}
+    maps = {
+        n: d
+        for n, d in by_kind(render(scenario("minimal-trial-values.yaml")), "ConfigMap").items()
+        if "-dashboard-" in n
+    }
     assert set(maps) == {f"spotrl-dashboard-{f.stem}" for f in files}
     for f in files:
         cm = maps[f"spotrl-dashboard-{f.stem}"]
@@ -708,9 +930,13 @@ def test_scenario_creates_on_a_real_api_server(name: str, kube) -> None:
             created += 1
         assert created == len([d for d in docs if (d["apiVersion"], d["kind"]) not in NOT_ON_V1_20])
         # The server's defaulting ran on the real objects: a Deployment has its strategy, a Service its cluster IP.
-        scheduler = dynamic.resources.get(api_version="apps/v1", kind="Deployment").get(name="spotrl-scheduler", namespace=namespace)
+        scheduler = dynamic.resources.get(api_version="apps/v1", kind="Deployment").get(
+            name="spotrl-scheduler", namespace=namespace
+        )
         assert scheduler.spec.strategy.type == "RollingUpdate"
-        api_service = dynamic.resources.get(api_version="v1", kind="Service").get(name="spotrl-api", namespace=namespace)
+        api_service = dynamic.resources.get(api_version="v1", kind="Service").get(
+            name="spotrl-api", namespace=namespace
+        )
         assert api_service.spec.clusterIP
 
 
@@ -719,8 +945,11 @@ def test_reward_function_creates_on_a_real_api_server(kube) -> None:
     from kubernetes.dynamic import DynamicClient
 
     namespace = kube.new_namespace()
-    docs = [d for d in render(reward_function_values(batched=True), namespace=namespace)
-            if d["metadata"]["name"] == "spotrl-reward" and d["kind"] in {"Deployment", "Service"}]  # fmt: skip
+    docs = [
+        d
+        for d in render(reward_function_values(batched=True), namespace=namespace)
+        if d["metadata"]["name"] == "spotrl-reward" and d["kind"] in {"Deployment", "Service"}
+    ]
     assert len(docs) == 2
     with kube.api_client() as api:
         dynamic = DynamicClient(api)

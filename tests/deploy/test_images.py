@@ -184,7 +184,8 @@ def test_control_plane_dependencies_leave_out_the_trainer() -> None:
     trainer = {Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["trainer"]}
     assert "torch" in trainer and not core & {"torch", "transformers", "deepspeed", "vllm", "peft"}
     modules = sorted(
-        module for module, dists in packages_distributions().items()
+        module
+        for module, dists in packages_distributions().items()
         if any(d.lower().replace("_", "-") in trainer for d in dists)
     )
     assert "torch" in modules

@@ -110,7 +110,9 @@ def terraform_command() -> str:
 
 def test_terraform_fmt() -> None:
     terraform = terraform_command()
-    result = subprocess.run([terraform, "fmt", "-check", "-recursive", "-diff", str(TF)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [terraform, "fmt", "-check", "-recursive", "-diff", str(TF)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -125,15 +127,37 @@ def test_variables_and_outputs_are_documented(folder: Path) -> None:
     outputs = named(folder, "output")
     for name, body in outputs.items():
         assert body.get("description"), f"output {name} has no description"
-    for name in ("cluster_name", "cluster_endpoint", "region", "bucket_name", "objects_url", "spotrl_role_arn",
-                 "spotrl_namespace", "helm_release_name", "spotrl_service_accounts", "node_pools", "helm_values",
-                 "image_registry", "image_repository_urls", "backends_secret_name", "metrics_token_secret_name",
-                 "grafana_admin_password"):
+    for name in (
+        "cluster_name",
+        "cluster_endpoint",
+        "region",
+        "bucket_name",
+        "objects_url",
+        "spotrl_role_arn",
+        "spotrl_namespace",
+        "helm_release_name",
+        "spotrl_service_accounts",
+        "node_pools",
+        "helm_values",
+        "image_registry",
+        "image_repository_urls",
+        "backends_secret_name",
+        "metrics_token_secret_name",
+        "grafana_admin_password",
+    ):
         assert name in outputs, f"{folder.name} does not output {name}"
     if folder == TF:
         # Module outputs of resources go through try(), as terraform-aws-eks does.
-        for name in ("cluster_name", "cluster_endpoint", "bucket_name", "spotrl_role_arn", "postgres_endpoint",
-                     "kafka_bootstrap_brokers", "redis_endpoint", "grafana_admin_password"):
+        for name in (
+            "cluster_name",
+            "cluster_endpoint",
+            "bucket_name",
+            "spotrl_role_arn",
+            "postgres_endpoint",
+            "kafka_bootstrap_brokers",
+            "redis_endpoint",
+            "grafana_admin_password",
+        ):
             assert outputs[name]["value"].startswith("${try("), name
 
 
@@ -168,10 +192,14 @@ def test_node_pool_manifests_come_from_the_pools() -> None:
     assert node_pool["for_each"] == "${local.gpu_pools}"
     body = node_pool["yaml_body"]
     for fragment in (
-        'apiVersion = "karpenter.sh/v1"', 'kind = "NodePool"', "labels = local.node_pool_labels[each.key]", "taints = each.value.taints",
+        'apiVersion = "karpenter.sh/v1"',
+        'kind = "NodePool"',
+        "labels = local.node_pool_labels[each.key]",
+        "taints = each.value.taints",
         '{key = "karpenter.sh/capacity-type", operator = "In", values = each.value.capacity_types}',
         '{key = "karpenter.k8s.aws/instance-family", operator = "In", values = each.value.instance_families}',
-        '"nvidia.com/gpu" = each.value.gpu_limit', "consolidationPolicy = each.value.consolidation_policy",
+        '"nvidia.com/gpu" = each.value.gpu_limit',
+        "consolidationPolicy = each.value.consolidation_policy",
         'name = "spotrl-gpu"',
     ):
         assert fragment in body, fragment
@@ -205,7 +233,10 @@ def test_bucket_versioning_encryption_public_access_and_lifecycle() -> None:
     assert sse["apply_server_side_encryption_by_default"][0]["sse_algorithm"] == "aws:kms"
     assert res[("aws_kms_key", "bucket")]["enable_key_rotation"] is True
     block = res[("aws_s3_bucket_public_access_block", "this")]
-    assert all(block[k] is True for k in ("block_public_acls", "block_public_policy", "ignore_public_acls", "restrict_public_buckets"))
+    assert all(
+        block[k] is True
+        for k in ("block_public_acls", "block_public_policy", "ignore_public_acls", "restrict_public_buckets")
+    )
 
     rules = {r["id"]: with_defaults(r) for r in res[("aws_s3_bucket_lifecycle_configuration", "this")]["rule"]}
     assert all(r["status"] == "Enabled" for r in rules.values())
@@ -213,7 +244,9 @@ def test_bucket_versioning_encryption_public_access_and_lifecycle() -> None:
     assert checkpoints["filter"] == [{"prefix": "runs/"}]
     assert checkpoints["transition"][0]["storage_class"] == "STANDARD_IA" and checkpoints["transition"][0]["days"] >= 30
     assert checkpoints["noncurrent_version_expiration"][0]["noncurrent_days"] > 0
-    assert rules["abort-incomplete-multipart-uploads"]["abort_incomplete_multipart_upload"][0]["days_after_initiation"] > 0
+    assert (
+        rules["abort-incomplete-multipart-uploads"]["abort_incomplete_multipart_upload"][0]["days_after_initiation"] > 0
+    )
 
 
 def test_the_charts_service_accounts_get_the_bucket_through_pod_identity() -> None:
@@ -262,9 +295,23 @@ STUBS = {
     "aws_elasticache_replication_group.this[0].port": "6379",
 }
 # Outputs of the module evaluated as they are, and locals evaluated through an output of their own.
-EVALUATED_OUTPUTS = ("helm_values", "spotrl_service_accounts", "image_registry", "backends_secret_name", "metrics_token_secret_name")
-EVALUATED_LOCALS = ("images", "node_pool_labels", "pool_scheduling", "nvidia_device_plugin_values", "dcgm_exporter_values",
-                    "kube_prometheus_stack_values", "backends_env", "grafana_folder_annotation")
+EVALUATED_OUTPUTS = (
+    "helm_values",
+    "spotrl_service_accounts",
+    "image_registry",
+    "backends_secret_name",
+    "metrics_token_secret_name",
+)
+EVALUATED_LOCALS = (
+    "images",
+    "node_pool_labels",
+    "pool_scheduling",
+    "nvidia_device_plugin_values",
+    "dcgm_exporter_values",
+    "kube_prometheus_stack_values",
+    "backends_env",
+    "grafana_folder_annotation",
+)
 # The opt-in parts, all on.
 EVERYTHING_ON = {"create_backends": "true", "enable_kube_prometheus_stack": "true"}
 
@@ -290,11 +337,23 @@ def _evaluate(release: str, variables: tuple[tuple[str, str], ...]) -> dict[str,
         text = text.replace(ref, stub)
     terraform = terraform_command()
     env = {**os.environ, "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1"}
-    arguments = {"vpc_id": "vpc-1", "subnet_ids": '["subnet-1","subnet-2","subnet-3","subnet-4"]', "helm_release_name": release, **dict(variables)}
+    arguments = {
+        "vpc_id": "vpc-1",
+        "subnet_ids": '["subnet-1","subnet-2","subnet-3","subnet-4"]',
+        "helm_release_name": release,
+        **dict(variables),
+    }
     with tempfile.TemporaryDirectory() as scratch:
         (Path(scratch) / "main.tf").write_text(text)
-        run = lambda *args: subprocess.run([terraform, *args], cwd=scratch, env=env, capture_output=True, text=True, timeout=120)  # noqa: E731
-        apply = ["apply", "-input=false", "-auto-approve", *(a for k, v in arguments.items() for a in ("-var", f"{k}={v}"))]
+        run = lambda *args: subprocess.run(
+            [terraform, *args], cwd=scratch, env=env, capture_output=True, text=True, timeout=120
+        )  # noqa: E731
+        apply = [
+            "apply",
+            "-input=false",
+            "-auto-approve",
+            *(a for k, v in arguments.items() for a in ("-var", f"{k}={v}")),
+        ]
         for args in (["init", "-input=false"], apply):
             result = run(*args)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -325,7 +384,11 @@ def render_by_kind(values: dict[str, Any], release: str) -> dict[str, dict[str, 
 def release_service_accounts(kinds: dict[str, dict[str, Any]]) -> set[str]:
     """The release's service accounts, less Helm hooks' (which exist only while a hook runs, such as
     the uninstall's teardown, and use no bucket)."""
-    return {name for name, sa in kinds["ServiceAccount"].items() if "helm.sh/hook" not in sa["metadata"].get("annotations", {})}
+    return {
+        name
+        for name, sa in kinds["ServiceAccount"].items()
+        if "helm.sh/hook" not in sa["metadata"].get("annotations", {})
+    }
 
 
 def users_values(backends_from_terraform: bool) -> dict[str, Any]:
@@ -338,7 +401,9 @@ def users_values(backends_from_terraform: bool) -> dict[str, Any]:
     return values
 
 
-@pytest.mark.parametrize(("release", "variables"), [("spotrl", EVERYTHING_ON), ("research", {})], ids=["everything-on", "defaults"])
+@pytest.mark.parametrize(
+    ("release", "variables"), [("spotrl", EVERYTHING_ON), ("research", {})], ids=["everything-on", "defaults"]
+)
 def test_helm_values_feed_the_chart(release: str, variables: dict[str, str]) -> None:
     """The chart installed with `terraform output -json helm_values` (and the rest of a user's values)
     runs its pods as exactly the service accounts that have Pod Identity associations, on the bucket,
@@ -373,13 +438,20 @@ def test_helm_values_feed_the_chart(release: str, variables: dict[str, str]) -> 
     def toleration(pool: str) -> list[dict]:
         return [{"key": POOL_KEY, "operator": "Equal", "value": pool, "effect": "NoSchedule"}]
 
-    capacity = {"rollout": {"karpenter.sh/capacity-type": "spot"}, "training": {"karpenter.sh/capacity-type": "on-demand"}}
+    capacity = {
+        "rollout": {"karpenter.sh/capacity-type": "spot"},
+        "training": {"karpenter.sh/capacity-type": "on-demand"},
+    }
     for pool in ("rollout", "training"):  # the launcher's pools, handed to it as settings
         assert json.loads(settings[f"SPOTRL_KUBE_{pool.upper()}_NODE_SELECTOR"]) == {POOL_KEY: pool, **capacity[pool]}
         assert json.loads(settings[f"SPOTRL_KUBE_{pool.upper()}_TOLERATIONS"]) == toleration(pool)
     # The reward pool is the chart's own reward service's.
-    with_reward = merged(merged(values, user), {"reward": {"enabled": True, "model": {"existingClaim": "rm", "path": "rm-v1"}}})
-    reward = next(d for name, d in render_by_kind(with_reward, release)["Deployment"].items() if name.endswith("-reward"))
+    with_reward = merged(
+        merged(values, user), {"reward": {"enabled": True, "model": {"existingClaim": "rm", "path": "rm-v1"}}}
+    )
+    reward = next(
+        d for name, d in render_by_kind(with_reward, release)["Deployment"].items() if name.endswith("-reward")
+    )
     pod = reward["spec"]["template"]["spec"]
     assert pod["nodeSelector"][POOL_KEY] == "reward" and pod["tolerations"] == toleration("reward")
 
@@ -387,7 +459,9 @@ def test_helm_values_feed_the_chart(release: str, variables: dict[str, str]) -> 
     secret_names = {name for name in kinds["Secret"]}
     if backends:
         assert values["backends"] == {"existingSecret": outputs["backends_secret_name"]}
-        assert outputs["backends_secret_name"] not in secret_names and not [n for n in secret_names if n.endswith("-backends")]
+        assert outputs["backends_secret_name"] not in secret_names and not [
+            n for n in secret_names if n.endswith("-backends")
+        ]
         assert outputs["backends_secret_name"] in settings["SPOTRL_KUBE_ENV_SECRETS"].split(",")
         pod = kinds["Deployment"][accounts["scheduler"]]["spec"]["template"]["spec"]
         assert {"secretRef": {"name": outputs["backends_secret_name"]}} in pod["containers"][0]["envFrom"]
@@ -406,11 +480,29 @@ def test_helm_values_feed_the_chart(release: str, variables: dict[str, str]) -> 
 # the plugin never runs and no node advertises nvidia.com/gpu.
 DEVICE_PLUGIN_0_18_0_DEFAULTS: dict[str, Any] = {
     "nodeSelector": {},
-    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "feature.node.kubernetes.io/pci-10de.present", "operator": "In", "values": ["true"]}]},
-        {"matchExpressions": [{"key": "feature.node.kubernetes.io/cpu-model.vendor_id", "operator": "In", "values": ["NVIDIA"]}]},
-        {"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]},
-    ]}}},
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {"key": "feature.node.kubernetes.io/pci-10de.present", "operator": "In", "values": ["true"]}
+                        ]
+                    },
+                    {
+                        "matchExpressions": [
+                            {
+                                "key": "feature.node.kubernetes.io/cpu-model.vendor_id",
+                                "operator": "In",
+                                "values": ["NVIDIA"],
+                            }
+                        ]
+                    },
+                    {"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]},
+                ]
+            }
+        }
+    },
     "tolerations": [
         {"key": "CriticalAddonsOnly", "operator": "Exists"},
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
@@ -435,11 +527,19 @@ def schedules_onto(pod: dict[str, Any], labels: dict[str, str], taints: list[dic
 
     def holds(expression: dict[str, Any]) -> bool:
         key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
-        return {"In": lambda: labels.get(key) in values, "NotIn": lambda: labels.get(key) not in values,
-                "Exists": lambda: key in labels, "DoesNotExist": lambda: key not in labels}[operator]()
+        return {
+            "In": lambda: labels.get(key) in values,
+            "NotIn": lambda: labels.get(key) not in values,
+            "Exists": lambda: key in labels,
+            "DoesNotExist": lambda: key not in labels,
+        }[operator]()
 
-    required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
-    if required and not any(all(holds(e) for e in term.get("matchExpressions", [])) for term in required["nodeSelectorTerms"]):
+    required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    if required and not any(
+        all(holds(e) for e in term.get("matchExpressions", [])) for term in required["nodeSelectorTerms"]
+    ):
         return False
 
     def tolerates(toleration: dict[str, str], taint: dict[str, str]) -> bool:
@@ -453,7 +553,10 @@ def schedules_onto(pod: dict[str, Any], labels: dict[str, str], taints: list[dic
 
 
 def test_scheduling_model_refuses_what_kubernetes_refuses() -> None:
-    pod = {"nodeSelector": {"a": "1"}, "tolerations": [{"key": "t", "operator": "Equal", "value": "x", "effect": "NoSchedule"}]}
+    pod = {
+        "nodeSelector": {"a": "1"},
+        "tolerations": [{"key": "t", "operator": "Equal", "value": "x", "effect": "NoSchedule"}],
+    }
     assert schedules_onto(pod, {"a": "1"}, [{"key": "t", "value": "x", "effect": "NoSchedule"}])
     assert not schedules_onto(pod, {"a": "2"}, [])
     assert not schedules_onto(pod, {"a": "1"}, [{"key": "t", "value": "y", "effect": "NoSchedule"}])
@@ -497,7 +600,11 @@ def test_dcgm_exporter_runs_on_the_gpu_pools_and_keeps_the_pod_label(variables: 
     # The dashboards join DCGM's series to spotrl's pods on `pod`: the scrape must keep the
     # exporter's own `pod` label (the GPU's pod), not replace it with the exporter pod's name.
     assert pod["serviceMonitor"]["honorLabels"] is True
-    joins = [e for f in (CHART / "dashboards").glob("*.json") for e in re.findall(r'"expr": "([^"]*DCGM_FI_DEV_GPU_UTIL[^"]*)"', f.read_text())]
+    joins = [
+        e
+        for f in (CHART / "dashboards").glob("*.json")
+        for e in re.findall(r'"expr": "([^"]*DCGM_FI_DEV_GPU_UTIL[^"]*)"', f.read_text())
+    ]
     assert joins and all("on (pod)" in e for e in joins)
     # A ServiceMonitor needs the Prometheus Operator's CRDs: only with kube-prometheus-stack (or the user's, by choice).
     assert pod["serviceMonitor"]["enabled"] is bool(variables)
@@ -512,7 +619,10 @@ def test_kube_prometheus_stack_finds_the_charts_dashboards_and_metrics() -> None
     sidecar = stack["grafana"]["sidecar"]["dashboards"]
     assert sidecar["enabled"] is True and sidecar["searchNamespace"] == "ALL"
     # folderAnnotation names the folder; with foldersFromFilesStructure the provider makes it a Grafana folder.
-    assert sidecar["folderAnnotation"] == outputs["grafana_folder_annotation"] and sidecar["provider"]["foldersFromFilesStructure"] is True
+    assert (
+        sidecar["folderAnnotation"] == outputs["grafana_folder_annotation"]
+        and sidecar["provider"]["foldersFromFilesStructure"] is True
+    )
     assert stack["prometheus"]["prometheusSpec"]["serviceMonitorSelectorNilUsesHelmValues"] is False
     assert named(TF, "variable")["monitoring_namespace"]["default"] != "spotrl"  # hence searchNamespace ALL
     kinds = render_by_kind(merged(values, users_values(True)), "spotrl")
@@ -579,7 +689,9 @@ def make_push(tmp_path: Path, version: str, **variables: str) -> tuple[subproces
     return result, log.read_text().splitlines()
 
 
-@pytest.mark.parametrize("version", ["Docker version 28.2.2, build e6534b4", "podman version 5.4.0"], ids=["docker", "podman"])
+@pytest.mark.parametrize(
+    "version", ["Docker version 28.2.2, build e6534b4", "podman version 5.4.0"], ids=["docker", "podman"]
+)
 def test_make_push_gives_the_chart_each_images_digest(tmp_path: Path, version: str) -> None:
     """`make push REGISTRY=$(terraform output -raw image_registry)` builds, pushes and records what
     the registry holds; the chart, given Terraform's values and those, runs every image by digest
@@ -595,8 +707,13 @@ def test_make_push_gives_the_chart_each_images_digest(tmp_path: Path, version: s
     assert set(pushes) == {f"{registry}/{image}:{tag}" for image in IMAGES.values()}
     assert max(builds) < min(pushes.values())
     pushed = yaml.safe_load(values_file.read_text())
-    expected = {key: "sha256:" + hashlib.sha256(f"{registry}/{image}:{tag}".encode()).hexdigest() for key, image in IMAGES.items()}
-    assert pushed == {"image": {"registry": registry, "tag": tag, **{key: {"digest": d} for key, d in expected.items()}}}
+    expected = {
+        key: "sha256:" + hashlib.sha256(f"{registry}/{image}:{tag}".encode()).hexdigest()
+        for key, image in IMAGES.items()
+    }
+    assert pushed == {
+        "image": {"registry": registry, "tag": tag, **{key: {"digest": d} for key, d in expected.items()}}
+    }
 
     kinds = render_by_kind(merged(merged(outputs["helm_values"], pushed), users_values(False)), "spotrl")
     # The ECR repository of each image: `<registry host>/<name>/<image>` (repository_url's form).
@@ -633,8 +750,12 @@ def test_backends_secret_is_what_spotrls_adapters_read() -> None:
 
     kafka = KafkaSettings.from_url(env["SPOTRL_QUEUE_URL"], env=env)
     assert [s.rsplit(":", 1)[1] for s in kafka.bootstrap_servers] == ["9096", "9096"]  # MSK's SASL/SCRAM listener
-    assert kafka.security == {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
-                              "sasl_plain_username": "spotrl", "sasl_plain_password": "Kf0kafkaPassword"}
+    assert kafka.security == {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": "spotrl",
+        "sasl_plain_password": "Kf0kafkaPassword",
+    }
     assert "Kf0kafkaPassword" not in env["SPOTRL_QUEUE_URL"]  # URLs are logged: the password travels apart
     config = kafka.client_config()
     scram = get_sasl_mechanism(config["sasl_mechanism"])(**config)
@@ -655,8 +776,12 @@ def test_backends_secret_is_what_spotrls_adapters_read() -> None:
 
     secret = resources(TF)[("kubectl_manifest", "backends_secret")]
     assert secret["count"] == "${local.backends_count}"
-    for fragment in ('kind = "Secret"', "name = local.backends_secret_name", "namespace = var.spotrl_namespace",
-                     "data = {for key, value in local.backends_env : key => base64encode(value)}"):
+    for fragment in (
+        'kind = "Secret"',
+        "name = local.backends_secret_name",
+        "namespace = var.spotrl_namespace",
+        "data = {for key, value in local.backends_env : key => base64encode(value)}",
+    ):
         assert fragment in secret["yaml_body"], fragment
 
 
@@ -668,7 +793,10 @@ def test_backends_are_opt_in_private_encrypted_and_open_to_the_nodes_only() -> N
         for rtype, by_name in block.items():
             for name, body in by_name.items():
                 gate = body.get("count") or body.get("for_each")
-                assert gate in ("${local.backends_count}", "${aws_security_group.backends}") or "if var.create_backends" in gate, (rtype, name)
+                assert (
+                    gate in ("${local.backends_count}", "${aws_security_group.backends}")
+                    or "if var.create_backends" in gate
+                ), (rtype, name)
 
     # One security group per backend, its only rule: the nodes' group, on the backend's port.
     assert local("backend_ports") == {"postgres": 5432, "kafka": 9096, "redis": 6379}
@@ -680,7 +808,10 @@ def test_backends_are_opt_in_private_encrypted_and_open_to_the_nodes_only() -> N
     assert rule["from_port"] == rule["to_port"] == "${local.backend_ports[each.key]}" and rule["ip_protocol"] == "tcp"
     assert not {"cidr_ipv4", "cidr_ipv6", "prefix_list_id"} & set(rule)
     # The nodes' group is the one Karpenter's GPU nodes carry too (the system node group gets it from the eks module).
-    assert "securityGroupSelectorTerms = [{id = module.eks.node_security_group_id}]" in res[("kubectl_manifest", "gpu_node_class")]["yaml_body"]
+    assert (
+        "securityGroupSelectorTerms = [{id = module.eks.node_security_group_id}]"
+        in res[("kubectl_manifest", "gpu_node_class")]["yaml_body"]
+    )
     sg = lambda name: [f'${{aws_security_group.backends["{name}"].id}}']  # noqa: E731
 
     db = res[("aws_db_instance", "this")]
@@ -721,8 +852,13 @@ def test_example_calls_the_module_with_its_vpc() -> None:
     assert providers == {"aws", "helm", "kubectl"}
     # The switches the install and the teardown set on the example reach the module.
     module_variables = named(TF, "variable")
-    for name in ("create_backends", "enable_kube_prometheus_stack", "bucket_force_destroy", "ecr_force_delete",
-                 "backends_deletion_protection"):
+    for name in (
+        "create_backends",
+        "enable_kube_prometheus_stack",
+        "bucket_force_destroy",
+        "ecr_force_delete",
+        "backends_deletion_protection",
+    ):
         assert spotrl[name] == f"${{var.{name}}}", name
         assert named(EXAMPLE, "variable")[name]["default"] == module_variables[name]["default"], name
 
@@ -739,10 +875,12 @@ def test_install_section_uses_what_the_example_and_the_makefile_provide() -> Non
     every make target it runs exists, the files it passes to helm are the ones make and terraform
     write, and it ends with the run's bill, then the teardown."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Install on Kubernetes"):readme.index("### What else is in the box")]
+    section = readme[readme.index("### Install on Kubernetes") : readme.index("### What else is in the box")]
     outputs, variables = named(EXAMPLE, "output"), named(EXAMPLE, "variable")
     read = set(re.findall(r"\$TF output -(?:raw|json) (\w+)", section))
-    assert {"cluster_name", "region", "helm_values", "image_registry"} <= read and read <= set(outputs), read - set(outputs)
+    assert {"cluster_name", "region", "helm_values", "image_registry"} <= read and read <= set(outputs), read - set(
+        outputs
+    )
     tfvars = re.search(r"<<'TFVARS'\n(.*?)\nTFVARS", section, re.S).group(1)
     assigned = set(re.findall(r"^(\w+)\s*=", tfvars, re.M)) | set(re.findall(r"-var (\w+)=", section))
     assert {"create_backends", "enable_kube_prometheus_stack", "bucket_force_destroy", "ecr_force_delete"} <= assigned
@@ -760,7 +898,11 @@ def test_install_section_uses_what_the_example_and_the_makefile_provide() -> Non
 
 
 def checkov_command() -> str:
-    for candidate in (os.environ.get("SPOTRL_CHECKOV"), str(ROOT / ".venv" / "checkov" / "bin" / "checkov"), shutil.which("checkov")):
+    for candidate in (
+        os.environ.get("SPOTRL_CHECKOV"),
+        str(ROOT / ".venv" / "checkov" / "bin" / "checkov"),
+        shutil.which("checkov"),
+    ):
         if candidate and Path(candidate).is_file():
             return candidate
     pytest.fail("checkov is not installed: `make test` creates .venv/checkov (or set SPOTRL_CHECKOV)")
@@ -768,8 +910,20 @@ def checkov_command() -> str:
 
 @cache
 def checkov_report(var_file: str | None) -> dict[str, Any]:
-    command = [checkov_command(), "-d", str(TF), "--framework", "terraform", "--skip-download", "--compact", "-o", "json"]
-    result = subprocess.run([*command, *(["--var-file", var_file] if var_file else [])], capture_output=True, text=True, timeout=120)
+    command = [
+        checkov_command(),
+        "-d",
+        str(TF),
+        "--framework",
+        "terraform",
+        "--skip-download",
+        "--compact",
+        "-o",
+        "json",
+    ]
+    result = subprocess.run(
+        [*command, *(["--var-file", var_file] if var_file else [])], capture_output=True, text=True, timeout=120
+    )
     report = json.loads(result.stdout)
     failed = [(c["check_id"], c["resource"], c["file_path"]) for c in report["results"]["failed_checks"]]
     assert failed == [] and report["summary"]["failed"] == 0, failed
@@ -785,9 +939,16 @@ def test_checkov_passes_with_justified_skips(tmp_path: Path) -> None:
     everything_on.write_text("".join(f"{k} = {v}\n" for k, v in EVERYTHING_ON.items()))
     with ThreadPoolExecutor(2) as pool:  # two checkov processes side by side
         defaults, on = pool.map(checkov_report, [None, str(everything_on)])
-    checked = lambda report: {c["resource"] for kind in ("passed_checks", "skipped_checks") for c in report["results"][kind]}  # noqa: E731
-    for resource in ("aws_db_instance.this[0]", "aws_msk_cluster.this[0]", "aws_elasticache_replication_group.this[0]",
-                     "aws_secretsmanager_secret.kafka[0]", "aws_cloudwatch_log_group.kafka[0]"):
+    checked = lambda report: {
+        c["resource"] for kind in ("passed_checks", "skipped_checks") for c in report["results"][kind]
+    }  # noqa: E731
+    for resource in (
+        "aws_db_instance.this[0]",
+        "aws_msk_cluster.this[0]",
+        "aws_elasticache_replication_group.this[0]",
+        "aws_secretsmanager_secret.kafka[0]",
+        "aws_cloudwatch_log_group.kafka[0]",
+    ):
         assert any(r.endswith(resource) for r in checked(on)), resource
     assert on["summary"]["passed"] > defaults["summary"]["passed"]
     # Each skip is an in-place comment with its reason, and every such comment is used.

@@ -51,8 +51,22 @@ def _installed(package: str) -> bool:
 
 def _hard_dependencies(package: str) -> list[str]:
     """The first alternative of each Depends/PreDepends of ``package`` (real packages only)."""
-    out = subprocess.run(["apt-cache", "depends", "--no-recommends", "--no-suggests", "--no-conflicts", "--no-breaks",
-                          "--no-replaces", "--no-enhances", package], capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [
+            "apt-cache",
+            "depends",
+            "--no-recommends",
+            "--no-suggests",
+            "--no-conflicts",
+            "--no-breaks",
+            "--no-replaces",
+            "--no-enhances",
+            package,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     deps, alternative = [], False
     for line in out.splitlines():
         m = re.match(r"\s+(\|)?(?:Pre)?Depends: (<)?([^\s>]+)", line)
@@ -91,8 +105,14 @@ def ensure_chromium() -> Path:
 
 def headless(binary: Path, url: str, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
     """Run headless Chromium on ``url`` with ``args`` (``--dump-dom``, ``--screenshot=...``)."""
-    return subprocess.run([str(binary), *HEADLESS, *args, url], env=chromium_env(), capture_output=True, text=True,
-                          timeout=timeout_s, check=True)  # fmt: skip
+    return subprocess.run(
+        [str(binary), *HEADLESS, *args, url],
+        env=chromium_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=True,
+    )
 
 
 if __name__ == "__main__":

@@ -62,10 +62,20 @@ class KafkaBroker:
         listener = f"tcp://127.0.0.1:{self.port}"
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
-                [tansu_binary(), "broker", "--listener-url", listener, "--advertised-listener-url", listener,
-                 "--storage-engine", "memory://tansu/"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    tansu_binary(),
+                    "broker",
+                    "--listener-url",
+                    listener,
+                    "--advertised-listener-url",
+                    listener,
+                    "--storage-engine",
+                    "memory://tansu/",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.pid = self._proc.pid
         wait_until_it_answers(self._proc, "tansu", self._answers, self._log, timeout_s=20.0)
 

@@ -67,8 +67,9 @@ class KubeServer:
     _names: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def configuration(self) -> client.Configuration:
-        config = client.Configuration(host=self.host, api_key={"authorization": self.token},
-                                      api_key_prefix={"authorization": "Bearer"})
+        config = client.Configuration(
+            host=self.host, api_key={"authorization": self.token}, api_key_prefix={"authorization": "Bearer"}
+        )
         config.ssl_ca_cert = str(self.ca_file)
         return config
 
@@ -77,11 +78,17 @@ class KubeServer:
 
     def compact(self) -> None:
         """Compact etcd's history up to now: every older resourceVersion is gone (410 on a watch from it)."""
-        with urllib.request.urlopen(urllib.request.Request(f"{self.etcd_url}/v3/kv/range", method="POST",
-                                                           data=json.dumps({"key": "AA=="}).encode())) as answer:
+        with urllib.request.urlopen(
+            urllib.request.Request(
+                f"{self.etcd_url}/v3/kv/range", method="POST", data=json.dumps({"key": "AA=="}).encode()
+            )
+        ) as answer:
             revision = json.loads(answer.read())["header"]["revision"]
-        urllib.request.urlopen(urllib.request.Request(f"{self.etcd_url}/v3/kv/compaction", method="POST",
-                                                      data=json.dumps({"revision": revision}).encode())).close()
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{self.etcd_url}/v3/kv/compaction", method="POST", data=json.dumps({"revision": revision}).encode()
+            )
+        ).close()
 
     def new_namespace(self) -> str:
         name = f"test-{os.getpid()}-{next(self._names)}"
@@ -94,21 +101,30 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
-def _wait_ready(url: str, what: str, proc: subprocess.Popen[bytes], log: Path, context: ssl.SSLContext | None = None,
-                headers: dict[str, str] | None = None) -> None:
+def _wait_ready(
+    url: str,
+    what: str,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    context: ssl.SSLContext | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         if proc.poll() is not None:
             pytest.fail(f"{what} exited with {proc.returncode}; its log:\n{log.read_text(errors='replace')[-4000:]}")
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5,
-                                        context=context) as answer:
+            with urllib.request.urlopen(
+                urllib.request.Request(url, headers=headers or {}), timeout=5, context=context
+            ) as answer:
                 if answer.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         if time.monotonic() > deadline:
-            pytest.fail(f"{what} not ready within {READY_TIMEOUT_S} s; its log:\n{log.read_text(errors='replace')[-4000:]}")
+            pytest.fail(
+                f"{what} not ready within {READY_TIMEOUT_S} s; its log:\n{log.read_text(errors='replace')[-4000:]}"
+            )
         time.sleep(0.1)
 
 
@@ -135,7 +151,9 @@ def kube() -> Iterator[KubeServer]:
         pytest.fail(f"no kube-apiserver at {binary}: run {BUILD_SCRIPT} once (make test does; 5-16 min)")
     etcd_binary = shutil.which("etcd")
     if etcd_binary is None:
-        pytest.fail(f"no etcd on PATH: run {BUILD_SCRIPT} (it installs Debian's etcd-server) or apt-get install etcd-server")
+        pytest.fail(
+            f"no etcd on PATH: run {BUILD_SCRIPT} (it installs Debian's etcd-server) or apt-get install etcd-server"
+        )
     workdir = Path(tempfile.mkdtemp(prefix="spotrl-kube-"))
     etcd_data = Path(tempfile.mkdtemp(prefix="spotrl-etcd-", dir="/dev/shm"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -143,15 +161,31 @@ def kube() -> Iterator[KubeServer]:
         etcd_port, peer_port = free_port(), free_port()
         etcd_log = workdir / "etcd.log"
         with etcd_log.open("wb") as log:
-            procs.append(subprocess.Popen(
-                [etcd_binary, "--name", "test", "--data-dir", str(etcd_data),
-                 "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
-                 "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                 "--initial-cluster", f"test=http://127.0.0.1:{peer_port}"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        etcd_binary,
+                        "--name",
+                        "test",
+                        "--data-dir",
+                        str(etcd_data),
+                        "--listen-client-urls",
+                        f"http://127.0.0.1:{etcd_port}",
+                        "--advertise-client-urls",
+                        f"http://127.0.0.1:{etcd_port}",
+                        "--listen-peer-urls",
+                        f"http://127.0.0.1:{peer_port}",
+                        "--initial-advertise-peer-urls",
+                        f"http://127.0.0.1:{peer_port}",
+                        "--initial-cluster",
+                        f"test=http://127.0.0.1:{peer_port}",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         _wait_ready(f"http://127.0.0.1:{etcd_port}/health", "etcd", procs[0], etcd_log)
 
         token = secrets.token_urlsafe(24)
@@ -162,27 +196,62 @@ def kube() -> Iterator[KubeServer]:
         certs = workdir / "certs"
         apiserver_log = workdir / "kube-apiserver.log"
         with apiserver_log.open("wb") as log:
-            procs.append(subprocess.Popen(
-                [str(binary), "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
-                 "--bind-address", "127.0.0.1", "--secure-port", str(port), "--insecure-port", "0",
-                 "--cert-dir", str(certs), "--token-auth-file", str(workdir / "tokens.csv"),
-                 "--authorization-mode", "AlwaysAllow",
-                 "--service-account-issuer", "https://kubernetes.default.svc",
-                 "--service-account-key-file", str(workdir / "sa.pub"),
-                 "--service-account-signing-key-file", str(workdir / "sa.key"),
-                 "--service-cluster-ip-range", "10.96.0.0/24",
-                 "--disable-admission-plugins", "ServiceAccount", "--watch-cache=false"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(binary),
+                        "--etcd-servers",
+                        f"http://127.0.0.1:{etcd_port}",
+                        "--bind-address",
+                        "127.0.0.1",
+                        "--secure-port",
+                        str(port),
+                        "--insecure-port",
+                        "0",
+                        "--cert-dir",
+                        str(certs),
+                        "--token-auth-file",
+                        str(workdir / "tokens.csv"),
+                        "--authorization-mode",
+                        "AlwaysAllow",
+                        "--service-account-issuer",
+                        "https://kubernetes.default.svc",
+                        "--service-account-key-file",
+                        str(workdir / "sa.pub"),
+                        "--service-account-signing-key-file",
+                        str(workdir / "sa.key"),
+                        "--service-cluster-ip-range",
+                        "10.96.0.0/24",
+                        "--disable-admission-plugins",
+                        "ServiceAccount",
+                        "--watch-cache=false",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         host = f"https://127.0.0.1:{port}"
         # Not verified until it answers: the certificate it will serve does not exist before it starts.
         unverified = ssl._create_unverified_context()
-        _wait_ready(f"{host}/readyz", "kube-apiserver", procs[1], apiserver_log, unverified,
-                    {"Authorization": f"Bearer {token}"})
+        _wait_ready(
+            f"{host}/readyz",
+            "kube-apiserver",
+            procs[1],
+            apiserver_log,
+            unverified,
+            {"Authorization": f"Bearer {token}"},
+        )
         ca_file = certs / "apiserver.crt"
         _kubeconfig(workdir / "kubeconfig", host, ca_file, token)
-        yield KubeServer(host=host, token=token, ca_file=ca_file, kubeconfig=workdir / "kubeconfig",
-                         etcd_url=f"http://127.0.0.1:{etcd_port}")
+        yield KubeServer(
+            host=host,
+            token=token,
+            ca_file=ca_file,
+            kubeconfig=workdir / "kubeconfig",
+            etcd_url=f"http://127.0.0.1:{etcd_port}",
+        )
     finally:
         # The API server's graceful shutdown waits out open watches: nothing here is worth the wait.
         for proc in reversed(procs):

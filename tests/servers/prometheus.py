@@ -51,10 +51,13 @@ class Prometheus:
     """A Prometheus server on a loopback port, scraping ``targets`` (job name -> host:port)
     every ``interval_s``; its data in ``data_dir``."""
 
-    def __init__(self, binary: Path, data_dir: Path, port: int, targets: dict[str, str], interval_s: float = 1.0) -> None:
+    def __init__(
+        self, binary: Path, data_dir: Path, port: int, targets: dict[str, str], interval_s: float = 1.0
+    ) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         jobs = "".join(
-            f"  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']\n" for job, target in targets.items()
+            f"  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']\n"
+            for job, target in targets.items()
         )
         config = data_dir / "prometheus.yml"
         every = f"{round(interval_s * 1000)}ms"  # Prometheus durations take no decimals
@@ -65,10 +68,16 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{port}"
         self.log = data_dir / "prometheus.log"
         self._proc = subprocess.Popen(
-            [str(binary), f"--config.file={config}", f"--storage.tsdb.path={data_dir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1d"],
-            stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                str(binary),
+                f"--config.file={config}",
+                f"--storage.tsdb.path={data_dir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1d",
+            ],
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
         self.client = httpx.Client(base_url=self.url, timeout=30)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:

@@ -55,10 +55,28 @@ class RedisServer:
 
     def _start(self) -> None:
         self._proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self._dir), "--logfile", str(self._log), "--daemonize", "no", *self._args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                redis_server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self._dir),
+                "--logfile",
+                str(self._log),
+                "--daemonize",
+                "no",
+                *self._args,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         self.pid = self._proc.pid
         client = self.client()
         try:

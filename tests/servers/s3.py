@@ -53,22 +53,27 @@ class S3Server:
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.pid = self._proc.pid
         client = self.client()
-        wait_until_it_answers(self._proc, "moto server", lambda: bool(client.list_buckets()), self._log,
-                              timeout_s=60.0, every_s=0.1)
+        wait_until_it_answers(
+            self._proc, "moto server", lambda: bool(client.list_buckets()), self._log, timeout_s=60.0, every_s=0.1
+        )
 
     def client(self) -> Any:  # a botocore S3 client (its class is made at run time)
         """A plain boto3 client for the test's own setup and checks (its own retries off)."""
         return boto3.session.Session(
             aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key="admin-secret", region_name=REGION
         ).client(
-            "s3", endpoint_url=self.endpoint_url,
-            config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}, connect_timeout=5,
-                          read_timeout=30),
-        )  # fmt: skip
+            "s3",
+            endpoint_url=self.endpoint_url,
+            config=Config(
+                s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}, connect_timeout=5, read_timeout=30
+            ),
+        )
 
     def iam_user(self, name: str, allow: list[str]) -> tuple[str, str]:
         """A new IAM user of the server, allowed the S3 actions ``allow`` on every resource: its
@@ -95,8 +100,12 @@ class S3Server:
             self._unchecked_requests("inf")
 
     def _unchecked_requests(self, count: str) -> None:
-        request = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset-auth", data=count.encode(), method="POST",
-                                         headers={"Content-Type": "text/plain"})  # as a form, moto reads no body
+        request = urllib.request.Request(
+            f"{self.endpoint_url}/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )  # as a form, moto reads no body
         with urllib.request.urlopen(request, timeout=10) as answer:
             answer.read()
 
@@ -144,8 +153,9 @@ def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    bucket = S3Bucket(server=s3_server, name=f"spotrl-test-{secrets.token_hex(6)}", secret_key=secret,
-                      session_token=token)
+    bucket = S3Bucket(
+        server=s3_server, name=f"spotrl-test-{secrets.token_hex(6)}", secret_key=secret, session_token=token
+    )
     client = s3_server.client()
     client.create_bucket(Bucket=bucket.name)
     yield bucket

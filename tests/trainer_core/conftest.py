@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_core.models.loading import Policy, load_policy
 from contracts.samples import Sample
+from trainer_core.models.loading import Policy, load_policy
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from torch import Tensor
 from contracts.training import KLEstimator
 from trainer_core.algos.stats import MAX_LOG_RATIO
 
-
 # --- estimators ------------------------------------------------------------------------------
 
 
@@ -55,9 +54,7 @@ KL_ESTIMATORS: dict[KLEstimator, Callable[[Tensor], Tensor]] = {
 }
 
 
-def kl_penalty(
-    logprob: Tensor, ref_logprob: Tensor, kind: str | KLEstimator, k3_clamp: float = 0.0
-) -> Tensor:
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str | KLEstimator, k3_clamp: float = 0.0) -> Tensor:
     """Per-token KL estimate, `(batch, response_len)`, with r = logp_ref - logp:
     k1 = -r, abs = |r|, k2 = r^2 / 2, k3 = exp(r) - r - 1 (unbiased, and never negative);
     k1+ and k3+ have k1's and k3's values and k2's gradient. `k3_clamp` > 0 clamps k3's value

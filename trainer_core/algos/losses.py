@@ -124,7 +124,10 @@ def truncated_is_weights(
         log_ratio = (log_ratio * mask).sum(dim=-1, keepdim=True).expand_as(mask)  # (batch, 1) -> (batch, response_len)
     raw = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp() * mask
     weights = raw.clamp(max=cap).detach()
-    metrics = {"is_weight_mean": masked_mean(weights, mask), "is_capfrac": masked_mean((raw > cap).to(mask.dtype), mask)}
+    metrics = {
+        "is_weight_mean": masked_mean(weights, mask),
+        "is_capfrac": masked_mean((raw > cap).to(mask.dtype), mask),
+    }
     if batch_normalize:
         if ISLevel(level) == ISLevel.SEQUENCE:
             seq_real = (mask.sum(dim=-1) > 0).to(mask.dtype)

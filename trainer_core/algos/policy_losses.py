@@ -67,8 +67,12 @@ def _metrics(pg_clipfrac: Tensor, ppo_kl: Tensor, pg_clipfrac_lower: Tensor) -> 
 
 
 def vanilla_policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-    params: PolicyLossParams = PolicyLossParams(), agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams = PolicyLossParams(),
+    agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with the optional dual clip (Ye et al. 2020),
@@ -90,8 +94,12 @@ def vanilla_policy_loss(
 
 
 def gspo_policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-    params: PolicyLossParams = PolicyLossParams(), agg_mode: str | LossAggMode = LossAggMode.SEQ_MEAN_TOKEN_MEAN,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams = PolicyLossParams(),
+    agg_mode: str | LossAggMode = LossAggMode.SEQ_MEAN_TOKEN_MEAN,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv 2507.18071), verl `compute_policy_loss_gspo`: the
@@ -113,8 +121,12 @@ def gspo_policy_loss(
 
 
 def cispo_policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-    params: PolicyLossParams = PolicyLossParams(), agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams = PolicyLossParams(),
+    agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585), verl `compute_policy_loss_cispo`:
@@ -137,8 +149,12 @@ def _covariance(advantages: Tensor, logprob: Tensor, mask: Tensor) -> Tensor:
 
 
 def clip_cov_policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-    params: PolicyLossParams = PolicyLossParams(), agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams = PolicyLossParams(),
+    agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov (Cui et al. 2025, arXiv 2505.22617), verl `compute_policy_loss_clip_cov`: the PPO
@@ -165,8 +181,12 @@ def clip_cov_policy_loss(
 
 
 def kl_cov_policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-    params: PolicyLossParams = PolicyLossParams(), agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams = PolicyLossParams(),
+    agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov (Cui et al. 2025, arXiv 2505.22617), verl `compute_policy_loss_kl_cov`: the
@@ -187,8 +207,12 @@ def kl_cov_policy_loss(
 
 
 def gpg_policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-    params: PolicyLossParams = PolicyLossParams(), agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams = PolicyLossParams(),
+    agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong RL Baseline", arXiv 2504.02546), verl
@@ -200,8 +224,12 @@ def gpg_policy_loss(
 
 
 def reinforce_policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-    params: PolicyLossParams = PolicyLossParams(), agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams = PolicyLossParams(),
+    agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Plain REINFORCE (Williams 1992), verl `compute_policy_loss_reinforce`: L = -w A log pi with
@@ -211,8 +239,12 @@ def reinforce_policy_loss(
 
 
 def geo_mean_policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-    params: PolicyLossParams = PolicyLossParams(), agg_mode: str | LossAggMode = LossAggMode.SEQ_MEAN_TOKEN_MEAN,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams = PolicyLossParams(),
+    agg_mode: str | LossAggMode = LossAggMode.SEQ_MEAN_TOKEN_MEAN,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673), verl

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer_core.engines import small_batch_linear
-from trainer_core.models.lora import causal_lm
 from trainer_core.models.loading import stop_token_ids
+from trainer_core.models.lora import causal_lm
 
 
 @dataclass(frozen=True)
@@ -227,9 +227,7 @@ def distinct_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[Sequence[in
     return [list(p) for p in index], owner
 
 
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and attention mask, both `(batch, max_prompt_len)`."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

@@ -149,9 +149,7 @@ def to_completion(
     stops = set(stop_ids)
     for i, token in enumerate(ids):
         if token in stops:
-            return Completion(
-                token_ids=list(ids[: i + 1]), logprobs=list(logprobs[: i + 1]), finish_reason="stop"
-            )
+            return Completion(token_ids=list(ids[: i + 1]), logprobs=list(logprobs[: i + 1]), finish_reason="stop")
     if finish_reason not in ("stop", "length"):
         raise ServerError(f"the server ended a completion with finish_reason {finish_reason!r}")
     return Completion(token_ids=list(ids), logprobs=list(logprobs), finish_reason=finish_reason)
@@ -208,10 +206,7 @@ class OpenAIEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         check_server_sampling(params)
-        bodies = [
-            self._request(prompt, params, None if seed is None else seed + i)
-            for i, prompt in enumerate(prompts)
-        ]
+        bodies = [self._request(prompt, params, None if seed is None else seed + i) for i, prompt in enumerate(prompts)]
         answers = _run_blocking(lambda: self._complete_all(bodies, should_stop))
         if answers is None:
             return None
@@ -246,9 +241,7 @@ class OpenAIEngine:
         if should_stop():
             return None
         limit = asyncio.Semaphore(self.max_concurrency)
-        async with httpx.AsyncClient(
-            base_url=self.base_url, timeout=self.timeout_s, headers=self._headers
-        ) as client:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, headers=self._headers) as client:
 
             async def complete(body: dict[str, Any]) -> dict[str, Any]:
                 async with limit:

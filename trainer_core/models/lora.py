@@ -79,7 +79,9 @@ def load_adapter(model: nn.Module, adapter_dir: Path, *, trainable: bool) -> nn.
     weights = load_peft_weights(str(adapter_dir), device=str(device))
     result = set_peft_model_state_dict(model, weights, adapter_name=model.active_adapter)
     if result.unexpected_keys:
-        raise ValueError(f"the adapter in {adapter_dir} does not fit the model: unexpected {result.unexpected_keys[:5]}")
+        raise ValueError(
+            f"the adapter in {adapter_dir} does not fit the model: unexpected {result.unexpected_keys[:5]}"
+        )
     return model
 
 

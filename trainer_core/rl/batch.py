@@ -80,7 +80,9 @@ def prepare_batch(
         ref_logprob = None
         if kl_coef > 0:
             with reference_policy(model, ref_model) as ref:
-                ref_logprob = _score(ref, samples, response_len, cfg, strategy=strategy, forward=strategy.reference_forward)
+                ref_logprob = _score(
+                    ref, samples, response_len, cfg, strategy=strategy, forward=strategy.reference_forward
+                )
         old_values = proximal = None
         if critic is not None or cfg.off_policy == OffPolicy.DECOUPLED:
             proximal, old_values = _score(
@@ -152,8 +154,13 @@ def _batch_advantages(
     kwargs = {"gamma": cfg.gamma, "lam": cfg.lam}
     if strategy.world_size == 1:
         return compute_advantages(
-            estimator, token_rewards=token_rewards, response_mask=mask, group_ids=group_ids, values=values,
-            reward_baselines=reward_baselines, **kwargs,
+            estimator,
+            token_rewards=token_rewards,
+            response_mask=mask,
+            group_ids=group_ids,
+            values=values,
+            reward_baselines=reward_baselines,
+            **kwargs,
         )
     n, length = mask.shape
     # One all-reduce for the longest response and the smallest and largest share (max of -n).
@@ -195,8 +202,7 @@ def _response_tensors(
         n = len(sample.response_ids)
         if not sample.prompt_ids or n == 0 or len(sample.logprobs) != n:
             raise ValueError(
-                f"sample {sample.sample_id}: needs a prompt, a response, and one logprob per "
-                "response token"
+                f"sample {sample.sample_id}: needs a prompt, a response, and one logprob per response token"
             )
         mask[row, :n] = 1.0
         old_logprob[row, :n] = torch.tensor(sample.logprobs)

@@ -13,7 +13,9 @@ from trainer_core.rl.batch import BatchTensors
 from trainer_core.rl.strategy import Strategy
 
 
-def data_metrics(batch: BatchTensors, samples: Sequence[Sample], cfg: TrainConfig, strategy: Strategy) -> dict[str, float]:
+def data_metrics(
+    batch: BatchTensors, samples: Sequence[Sample], cfg: TrainConfig, strategy: Strategy
+) -> dict[str, float]:
     """`response_length/{mean,max,min,clip_ratio}` (clip ratio: responses of max_new_tokens) and,
     with a critic, `critic/explained_variance` = 1 - var(returns - values) / var(returns) over the
     real tokens (unbiased variances, verl `compute_data_metrics`), all over every rank's samples."""
@@ -21,9 +23,14 @@ def data_metrics(batch: BatchTensors, samples: Sequence[Sample], cfg: TrainConfi
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples], dtype=torch.float64, device=device)
     # One sum and one max over ranks: sums, then the largest and minus the smallest length.
     count, total, clipped = strategy.all_reduce(
-        torch.stack([torch.tensor(float(len(samples)), dtype=torch.float64, device=device), lengths.sum(),
-                     (lengths >= cfg.max_new_tokens).sum().to(torch.float64)])
-    ).tolist()  # fmt: skip
+        torch.stack(
+            [
+                torch.tensor(float(len(samples)), dtype=torch.float64, device=device),
+                lengths.sum(),
+                (lengths >= cfg.max_new_tokens).sum().to(torch.float64),
+            ]
+        )
+    ).tolist()
     longest, minus_shortest = strategy.all_reduce(torch.stack([lengths.max(), -lengths.min()]), op="max").tolist()
     metrics = {
         "response_length/mean": total / count,

@@ -57,6 +57,11 @@ class HybridEngine:
         on the first batch."""
         self.cfg = with_auto_micro_batch(self.cfg, self.model, samples, value_head=self.value_head)
         return train_on_batch(
-            self.model, samples, self.cfg, self.optimizer, ref_model=self.ref_model, value_head=self.value_head,
+            self.model,
+            samples,
+            self.cfg,
+            self.optimizer,
+            ref_model=self.ref_model,
+            value_head=self.value_head,
             kl_controller=self.kl_controller,
         )

@@ -77,7 +77,11 @@ def _trial_pass(model: nn.Module, samples: Sequence[Sample], cfg: TrainConfig, v
     try:
         with training_mode(model, cfg.gradient_checkpointing):
             logprob, values, entropy = response_scores(
-                model, samples, max(len(s.response_ids) for s in samples), cfg, value_head,
+                model,
+                samples,
+                max(len(s.response_ids) for s in samples),
+                cfg,
+                value_head,
                 with_entropy=True,  # as every update takes it (`actor/entropy`)
             )
             loss = logprob.sum() + (values.sum() if values is not None else 0)

@@ -31,7 +31,11 @@ def build_strategy(
         return FSDP2Strategy(model, cfg, value_head=value_head, ref_model=ref_model)
     if name in STRATEGIES:
         return DeepSpeedStrategy(
-            model, cfg, zero_stage=int(name[-1]), offload_optimizer=offload_optimizer, value_head=value_head,
+            model,
+            cfg,
+            zero_stage=int(name[-1]),
+            offload_optimizer=offload_optimizer,
+            value_head=value_head,
             ref_model=ref_model,
         )
     raise ValueError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")

@@ -28,9 +28,7 @@ ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def build_optimizer(
-    model: nn.Module, cfg: TrainConfig, value_head: ValueHead | None = None
-) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, value_head: ValueHead | None = None) -> torch.optim.Optimizer:
     """AdamW over the model's trainable parameters and the value head's."""
     params = [p for p in model.parameters() if p.requires_grad]
     if value_head is not None:

@@ -29,11 +29,11 @@ from trainer_core.algos import (
     kl_penalty,
     value_loss,
 )
-from trainer_core.rl.batch_metrics import data_metrics
 from trainer_core.logprobs import response_scores
 from trainer_core.memory import release_freed_memory
 from trainer_core.models.training_mode import training_mode
 from trainer_core.rl.batch import BatchTensors, prepare_batch
+from trainer_core.rl.batch_metrics import data_metrics
 from trainer_core.rl.critic import ValueHead
 from trainer_core.rl.micro_batches import micro_batches
 from trainer_core.rl.strategy import LocalStrategy, Strategy
@@ -71,8 +71,9 @@ def train_on_batch(
 
     model.eval()  # scored as generation sampled: no dropout
     batch, is_metrics = prepare_batch(model, samples, response_len, cfg, kl_coef, ref_model, critic, strategy)
-    loss_fn = partial(_micro_batch_loss, model, response_len=response_len, cfg=cfg, kl_coef=kl_coef,
-                      critic=critic, strategy=strategy)  # fmt: skip
+    loss_fn = partial(
+        _micro_batch_loss, model, response_len=response_len, cfg=cfg, kl_coef=kl_coef, critic=critic, strategy=strategy
+    )
     with training_mode(model, cfg.gradient_checkpointing):
         totals: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         grad_norms = []
@@ -95,9 +96,7 @@ def train_on_batch(
 # Per-token statistics (masked means inside a loss), averaged over micro-batches by their real
 # tokens; the loss terms (entropy too, as verl) are averaged by what `loss_agg` averages over, so they add up to the
 # mini-batch's loss.
-TOKEN_MEAN_METRICS = frozenset(
-    {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "critic/vf_clipfrac"}
-)
+TOKEN_MEAN_METRICS = frozenset({"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "critic/vf_clipfrac"})
 
 
 def _epoch_order(samples: Sequence[Sample], mini_size: int, cfg: TrainConfig, epoch: int) -> list[int]:
@@ -222,8 +221,14 @@ def _micro_batch_loss(
     scores = response_scores(model, samples, response_len, cfg, critic, strategy, with_entropy=True)
     agg = cfg.effective_loss_agg
     pg_loss, pg_metrics = compute_policy_loss(
-        cfg.policy_loss, scores.logprob, mu.old_logprob, mu.advantages, mu.mask,
-        PolicyLossParams.of(cfg), agg, mu.is_weights,
+        cfg.policy_loss,
+        scores.logprob,
+        mu.old_logprob,
+        mu.advantages,
+        mu.mask,
+        PolicyLossParams.of(cfg),
+        agg,
+        mu.is_weights,
     )
     metrics = {f"actor/{key}": value for key, value in pg_metrics.items()}
     metrics["actor/pg_loss"] = pg_loss.detach()

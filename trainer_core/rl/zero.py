@@ -166,7 +166,9 @@ class DeepSpeedStrategy:
         params = dict(self.model.named_parameters())
         # ZeRO-3 partitions the parameters themselves: gather them for the copy.
         gathered = (
-            _import_deepspeed().zero.GatheredParameters(list(params.values())) if self.zero_stage == 3 else nullcontext()
+            _import_deepspeed().zero.GatheredParameters(list(params.values()))
+            if self.zero_stage == 3
+            else nullcontext()
         )
         with gathered:
             return {name: p.detach().clone() for name, p in params.items()}

@@ -59,7 +59,9 @@ def fit(
         params, lr=settings.learning_rate, weight_decay=settings.weight_decay, fused=device.type in ("cpu", "cuda")
     )
     warmup = settings.warmup_steps
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    )
     generator = torch.Generator().manual_seed(settings.seed)
     step, epoch_metrics = 0, []
 

@@ -32,9 +32,9 @@ from torch import Tensor, nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from contracts.model_sources import RM_BACKBONE_DIR, RM_CONFIG_FILE, RM_FORMAT, RM_HEAD_FILE, check_reward_model_dir
-from trainer_core.supervised.fit import FitSettings, fit, mean_metrics
 from trainer_core.models.int8 import quantize_linears_int8
 from trainer_core.models.loading import Policy, load_policy
+from trainer_core.supervised.fit import FitSettings, fit, mean_metrics
 from trainer_core.supervised.sft import TokenBatch, encode_pair, read_jsonl
 
 # How `RewardModel.load` may quantize the backbone's Linear layers (None: fp32).
@@ -158,9 +158,7 @@ class RewardModel(nn.Module):
         (out_dir / RM_CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
     @classmethod
-    def load(
-        cls, path: Path, *, device: str | torch.device = "cpu", quantize: Quantize | None = None
-    ) -> RewardModel:
+    def load(cls, path: Path, *, device: str | torch.device = "cpu", quantize: Quantize | None = None) -> RewardModel:
         """A reward model saved by `save`, in eval mode, for scoring.
 
         `quantize` None: fp32 weights. "8bit"/"4bit": the backbone's Linear layers quantized as
@@ -199,7 +197,9 @@ def _load_quantized_backbone(backbone_dir: Path, device: torch.device, quantize:
         from transformers import BitsAndBytesConfig
 
         if quantize == "4bit":
-            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+            bnb = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+            )
         else:
             bnb = BitsAndBytesConfig(load_in_8bit=True)
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -215,8 +215,6 @@ def _load_quantized_backbone(backbone_dir: Path, device: torch.device, quantize:
     backbone = AutoModel.from_pretrained(backbone_dir, dtype=torch.float32)
     quantize_linears_int8(backbone)
     return backbone
-
-
 
 
 # A preference pair as the model reads it: the chosen and the rejected sequence's token ids.
@@ -280,10 +278,14 @@ def train_reward_model(
         return loss * share, {key: share * value for key, value in {"rm/loss": loss.detach(), **metrics}.items()}
 
     settings = FitSettings(
-        learning_rate=cfg.learning_rate, epochs=cfg.epochs, batch_size=cfg.batch_size,
-        micro_batch_size=cfg.micro_batch_size, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        learning_rate=cfg.learning_rate,
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
         seed=cfg.seed,
-    )  # fmt: skip
+    )
     result = fit(model, _encode_pairs(model, pairs), micro_loss, settings, prefix="rm", on_step=on_step)
     return {
         **mean_metrics(result.last_epoch),

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from trainer_core.supervised.fit import FitSettings, fit, mean_metrics
-from trainer_core.models.lora import causal_lm
-from trainer_core.models.loading import Policy, encode_prompt, load_policy, save_policy, stop_token_ids
 from trainer_core.logprobs import chunked_logprobs
+from trainer_core.models.loading import Policy, encode_prompt, load_policy, save_policy, stop_token_ids
+from trainer_core.models.lora import causal_lm
+from trainer_core.supervised.fit import FitSettings, fit, mean_metrics
 
 SFT_CONFIG_FILE = "sft.json"  # written next to the fine-tuned policy: config and final metrics
 
@@ -78,9 +78,7 @@ def read_jsonl(path: Path, fields: Sequence[str]) -> list[dict[str, str]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {number} is not JSON: {e}") from None
-            if not isinstance(record, dict) or not all(
-                isinstance(record.get(k), str) and record[k] for k in fields
-            ):
+            if not isinstance(record, dict) or not all(isinstance(record.get(k), str) and record[k] for k in fields):
                 keys = ", ".join(f'"{k}": ...' for k in fields)
                 raise ValueError(f"{path} line {number} is not a {{{keys}}} object of non-empty strings")
             records.append({k: record[k] for k in fields})
@@ -240,7 +238,9 @@ def train_sft(
     start_time = time.perf_counter()
     encoded, truncated, dropped = _encode_examples(policy.tokenizer, examples, cfg.max_len)
     if not encoded:
-        raise ValueError(f"none of the {len(examples)} examples leaves room for a response within max_len={cfg.max_len}")
+        raise ValueError(
+            f"none of the {len(examples)} examples leaves room for a response within max_len={cfg.max_len}"
+        )
 
     def micro_loss(micro: Sequence[_Encoded], batch: Sequence[_Encoded]) -> tuple[Tensor, dict[str, Tensor]]:
         # Summed over the micro-batch and divided by the whole step's response tokens: the
@@ -249,10 +249,15 @@ def train_sft(
         return loss, {"sft/loss": loss.detach()}
 
     settings = FitSettings(
-        learning_rate=cfg.learning_rate, epochs=cfg.epochs, batch_size=cfg.batch_size,
-        micro_batch_size=cfg.micro_batch_size, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-        seed=cfg.seed, warmup_steps=cfg.warmup_steps,
-    )  # fmt: skip
+        learning_rate=cfg.learning_rate,
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        seed=cfg.seed,
+        warmup_steps=cfg.warmup_steps,
+    )
     result = fit(policy.model, encoded, micro_loss, settings, prefix="sft", on_step=on_step)
     seconds = time.perf_counter() - start_time
     n_tokens = cfg.epochs * sum(len(e.ids) for e in encoded)

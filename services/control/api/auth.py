@@ -60,7 +60,9 @@ def hash_token(token: str) -> str:
 
 def check_tenant(tenant: str) -> str:
     if not TENANT_PATTERN.match(tenant):
-        raise TokensFileError(f"tenant {tenant!r} is not a tenant name: 1-63 characters of a-z, 0-9 and '-', starting with a letter or digit")
+        raise TokensFileError(
+            f"tenant {tenant!r} is not a tenant name: 1-63 characters of a-z, 0-9 and '-', starting with a letter or digit"
+        )
     return tenant
 
 
@@ -112,7 +114,9 @@ class TokenBook:
                 book, problem = _read(self.path), None
             except TokensFileError as e:
                 book, problem = {}, str(e)
-            if problem is not None and self._stamp is not _UNREAD:  # once per change: the next requests find the same stamp
+            if (
+                problem is not None and self._stamp is not _UNREAD
+            ):  # once per change: the next requests find the same stamp
                 log.error("%s; every token is refused until it is fixed", problem)
             elif self._problem is not None:
                 log.warning("the tokens file %s is valid again; its tokens are accepted", self.path)

@@ -39,7 +39,9 @@ async def get_upload_slots(request: Request) -> UploadSlots:
     slots: UploadSlots | None = getattr(request.app.state, "upload_slots", None)
     if slots is None:
         settings: Settings = request.app.state.settings
-        slots = UploadSlots(per_server=settings.max_concurrent_uploads, per_tenant=settings.max_concurrent_uploads_per_tenant)
+        slots = UploadSlots(
+            per_server=settings.max_concurrent_uploads, per_tenant=settings.max_concurrent_uploads_per_tenant
+        )
         request.app.state.upload_slots = slots
     return slots
 

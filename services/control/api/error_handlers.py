@@ -14,9 +14,9 @@ from starlette.routing import Match
 
 from services.control.api.service import BodyTooLargeError, InvalidCursorError, PodNotOfRunError, SpecFieldError
 from services.control.api.upload_slots import TooManyUploadsError
-from services.ports.state.state_store import IllegalTransitionError, RunNotFoundError
 from services.control.cost.planner import PlanError
 from services.domain.prompts import InvalidPromptsError
+from services.ports.state.state_store import IllegalTransitionError, RunNotFoundError
 
 
 def _short(part: object) -> object:
@@ -39,6 +39,7 @@ _METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 def _methods_at(app: FastAPI, path: str) -> list[str]:
     """Every method some route of ``app`` serves at ``path``, asked of the routes themselves
     (``matches``): FastAPI keeps an included router's routes inside it, not in ``app.router.routes``."""
+
     def served(method: str) -> bool:
         scope = {"type": "http", "path": path, "method": method, "root_path": "", "headers": [], "query_string": b""}
         return any(route.matches(scope)[0] == Match.FULL for route in app.router.routes)
@@ -88,8 +89,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(TooManyUploadsError)
     async def _too_many_uploads(_: Request, exc: TooManyUploadsError) -> JSONResponse:
-        return JSONResponse(status_code=status.HTTP_429_TOO_MANY_REQUESTS, content={"detail": str(exc)},
-                            headers={"Retry-After": str(exc.retry_after_s)})  # fmt: skip
+        return JSONResponse(
+            status_code=status.HTTP_429_TOO_MANY_REQUESTS,
+            content={"detail": str(exc)},
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
 
     @app.exception_handler(SpecFieldError)
     async def _bad_field(_: Request, exc: SpecFieldError) -> JSONResponse:

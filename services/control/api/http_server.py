@@ -63,7 +63,9 @@ class HeadTimeoutH11Protocol(H11Protocol):
 
 def protocol_for(settings: Settings) -> type[HeadTimeoutH11Protocol]:
     """The protocol class with this server's head timeout."""
-    return type("HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,), {"head_timeout_s": settings.api_request_head_timeout_s})
+    return type(
+        "HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,), {"head_timeout_s": settings.api_request_head_timeout_s}
+    )
 
 
 def uvicorn_options(settings: Settings) -> dict[str, object]:

@@ -11,14 +11,13 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from services.control.api.auth import TokenBook
-from services.core.body_limit import BodyLimit
 from services.control.api.error_handlers import add_error_handlers
 from services.control.api.metrics import RunCollector
 from services.control.api.routes import datasets, docs, health, plan, runs
-from services.core.config import Settings, get_settings
-from services.ports.wiring import open_prices
 from services.control.scheduler.loop import Scheduler
-from services.ports.wiring import open_backends
+from services.core.body_limit import BodyLimit
+from services.core.config import Settings, get_settings
+from services.ports.wiring import open_backends, open_prices
 
 
 def create_app(settings: Settings | None = None, *, with_scheduler: bool = True) -> FastAPI:

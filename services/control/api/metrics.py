@@ -29,15 +29,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from contracts.status import RunStatus
-from services.ports.launcher.launcher import PodOutcome, PodPhase
-from services.ports.state.state_schema import IterationRow, RunRow
-from services.ports.state.state_store import LedgerEntry
 from services.control.cost.billing import billed_dollars
-from services.ports.prices.catalog import PriceCatalog, load_catalog
 from services.control.cost.report import cost_report
+from services.domain.backlog import sample_backlog
 from services.domain.names import ROLLOUT_GROUP, prompts_topic
 from services.domain.runspec import RunSpec
-from services.domain.backlog import sample_backlog
+from services.ports.launcher.launcher import PodOutcome, PodPhase
+from services.ports.prices.catalog import PriceCatalog, load_catalog
+from services.ports.state.state_schema import IterationRow, RunRow
+from services.ports.state.state_store import LedgerEntry
 from services.ports.wiring import Backends
 
 GROUP_SIZE_DEFAULT = RunSpec.model_fields["samples_per_prompt"].default
@@ -53,12 +53,32 @@ ENDED_RUNS_KEPT_S = 3600.0
 # Training metrics of a run's latest iteration: (family, the iteration metric key, help). The keys
 # are those trainer_core's update reports (verl/CleanRL style); entropy only with entropy_coef > 0.
 TRAINING_GAUGES = (
-    ("spotrl_training_kl", "kl", "KL of the latest iteration: to the reference policy, or from the behaviour policy without one."),
-    ("spotrl_training_clip_fraction", "actor/pg_clipfrac", "Fraction of response tokens whose ratio was clipped (actor/pg_clipfrac)."),
-    ("spotrl_training_entropy", "actor/entropy", "Policy entropy per token (actor/entropy; runs with training.entropy_coef > 0)."),
-    ("spotrl_sample_staleness_mean", "data/staleness_mean", "Mean policy versions between a trained sample's generator and the policy updated."),
-    ("spotrl_sample_staleness_max", "data/staleness_max", "Most policy versions between a trained sample's generator and the policy updated."),
-)  # fmt: skip
+    (
+        "spotrl_training_kl",
+        "kl",
+        "KL of the latest iteration: to the reference policy, or from the behaviour policy without one.",
+    ),
+    (
+        "spotrl_training_clip_fraction",
+        "actor/pg_clipfrac",
+        "Fraction of response tokens whose ratio was clipped (actor/pg_clipfrac).",
+    ),
+    (
+        "spotrl_training_entropy",
+        "actor/entropy",
+        "Policy entropy per token (actor/entropy; runs with training.entropy_coef > 0).",
+    ),
+    (
+        "spotrl_sample_staleness_mean",
+        "data/staleness_mean",
+        "Mean policy versions between a trained sample's generator and the policy updated.",
+    ),
+    (
+        "spotrl_sample_staleness_max",
+        "data/staleness_max",
+        "Most policy versions between a trained sample's generator and the policy updated.",
+    ),
+)
 DROP_REASONS = ("duplicate", "stale", "uneven")  # iteration metrics data/dropped_<reason>; the rest: run_ended
 # Dropped by rollout workers before queueing (the run's samples_filtered), not among the queued samples' drops.
 DYNAMIC_SAMPLING = "dynamic_sampling"
@@ -94,7 +114,9 @@ class RunCollector(Collector):
             labels=_POD,
         )
         info = GaugeMetricFamily(
-            "spotrl_pod_info", "1 for each pod on a node: join DCGM_FI_DEV_GPU_UTIL{pod} to a run and role.", labels=[*_POD, "pod"]
+            "spotrl_pod_info",
+            "1 for each pod on a node: join DCGM_FI_DEV_GPU_UTIL{pod} to a run and role.",
+            labels=[*_POD, "pod"],
         )
         on_node: dict[tuple[str, str, str, str], int] = defaultdict(int)
         unplaced: dict[tuple[str, str, str, str], int] = defaultdict(int)
@@ -199,7 +221,10 @@ class RunCollector(Collector):
 
     def _dropped_by_reason(self, f: _Families, r: RunRow, iterations: list[IterationRow]) -> None:
         """Also before the first iteration: dynamic sampling drops from the first batch on."""
-        by_reason = {reason: sum(int(it.metrics.get(f"data/dropped_{reason}") or 0) for it in iterations) for reason in DROP_REASONS}
+        by_reason = {
+            reason: sum(int(it.metrics.get(f"data/dropped_{reason}") or 0) for it in iterations)
+            for reason in DROP_REASONS
+        }
         # Dropped beyond the iterations' own: samples still queued when the run ended.
         by_reason["run_ended"] = max(0, r.samples_dropped - sum(it.samples_dropped for it in iterations))
         by_reason[DYNAMIC_SAMPLING] = r.samples_filtered
@@ -240,11 +265,15 @@ class _Families:
         worker = [*_POD, "worker"]
         self.version = GaugeMetricFamily("spotrl_policy_version", "Latest published policy version.", labels=run)
         self.backlog = GaugeMetricFamily("spotrl_sample_backlog", "Samples queued and not yet trained.", labels=run)
-        self.prompt_backlog = GaugeMetricFamily("spotrl_prompt_backlog", "Prompts queued and not yet generated from.", labels=run)
+        self.prompt_backlog = GaugeMetricFamily(
+            "spotrl_prompt_backlog", "Prompts queued and not yet generated from.", labels=run
+        )
         self.produced = CounterMetricFamily("spotrl_samples_produced", "Samples queued by rollout workers.", labels=run)
         self.trained = CounterMetricFamily("spotrl_samples_trained", "Samples used by training.", labels=run)
         self.dropped = CounterMetricFamily(
-            "spotrl_samples_dropped", "Queued samples discarded, not trained (produced = trained + dropped).", labels=run
+            "spotrl_samples_dropped",
+            "Queued samples discarded, not trained (produced = trained + dropped).",
+            labels=run,
         )
         self.dropped_by_reason = CounterMetricFamily(
             "spotrl_samples_dropped_by_reason",
@@ -257,13 +286,17 @@ class _Families:
         self.training_reward = GaugeMetricFamily(
             "spotrl_training_mean_reward", "Mean reward of the trained samples of the latest iteration.", labels=run
         )
-        self.training_iteration = GaugeMetricFamily("spotrl_training_iteration", "The latest iteration recorded.", labels=run)
+        self.training_iteration = GaugeMetricFamily(
+            "spotrl_training_iteration", "The latest iteration recorded.", labels=run
+        )
         self.step_seconds = GaugeMetricFamily(
             "spotrl_training_step_seconds", "Wall seconds of the latest iteration's training job work.", labels=run
         )
         self.training = {name: GaugeMetricFamily(name, doc, labels=run) for name, _, doc in TRAINING_GAUGES}
         self.busy = CounterMetricFamily(
-            "spotrl_training_busy_seconds", "Seconds training jobs spent on their iterations' work (sum of step seconds).", labels=run
+            "spotrl_training_busy_seconds",
+            "Seconds training jobs spent on their iterations' work (sum of step seconds).",
+            labels=run,
         )
         self.cost = CounterMetricFamily("spotrl_run_cost_dollars", "Dollars spent.", labels=_POD)
         self.cost_rate = GaugeMetricFamily(
@@ -271,44 +304,61 @@ class _Families:
         )
         self.pod_seconds = CounterMetricFamily("spotrl_pod_seconds", "Seconds of pods billed.", labels=_POD)
         self.pods_ended = CounterMetricFamily(
-            "spotrl_pods_ended", "Pods ended, by outcome (succeeded, failed, killed, preempted; unknown before it was recorded).",
+            "spotrl_pods_ended",
+            "Pods ended, by outcome (succeeded, failed, killed, preempted; unknown before it was recorded).",
             labels=[*_POD, "outcome"],
-        )  # fmt: skip
+        )
         self.preemptions = CounterMetricFamily(
-            "spotrl_spot_preemptions", "Spot pods preempted: their machine taken back (the launcher's PodStatus.preempted).", labels=_POD
+            "spotrl_spot_preemptions",
+            "Spot pods preempted: their machine taken back (the launcher's PodStatus.preempted).",
+            labels=_POD,
         )
         self.always_on = GaugeMetricFamily(
-            "spotrl_run_always_on_dollars", "What the same work would have cost on an always-on on-demand cluster.", labels=run
+            "spotrl_run_always_on_dollars",
+            "What the same work would have cost on an always-on on-demand cluster.",
+            labels=run,
         )
         self.lower_bound = GaugeMetricFamily(
-            "spotrl_run_lower_bound_dollars", "Busy seconds of every pod at its instance type's cheapest price.", labels=run
+            "spotrl_run_lower_bound_dollars",
+            "Busy seconds of every pod at its instance type's cheapest price.",
+            labels=run,
         )
         self.savings = GaugeMetricFamily(
             "spotrl_run_savings_ratio", "Always-on dollars over dollars spent (2 = half the price).", labels=run
         )
         self.efficiency = GaugeMetricFamily(
-            "spotrl_run_cost_efficiency", "Lower-bound dollars over dollars spent (1 = nothing paid for idle or dear capacity).",
+            "spotrl_run_cost_efficiency",
+            "Lower-bound dollars over dollars spent (1 = nothing paid for idle or dear capacity).",
             labels=run,
-        )  # fmt: skip
+        )
         self.worker_samples = CounterMetricFamily(
             "spotrl_worker_samples_produced", "Samples a rollout worker queued.", labels=worker
         )
         self.worker_generation = CounterMetricFamily(
-            "spotrl_worker_generation_seconds", "Seconds a rollout worker spent generating, summed over its samples.", labels=worker
+            "spotrl_worker_generation_seconds",
+            "Seconds a rollout worker spent generating, summed over its samples.",
+            labels=worker,
         )
         self.worker_report = GaugeMetricFamily(
-            "spotrl_worker_last_report_timestamp_seconds", "When a rollout worker last reported (unix seconds).", labels=worker
+            "spotrl_worker_last_report_timestamp_seconds",
+            "When a rollout worker last reported (unix seconds).",
+            labels=worker,
         )
         self.eval_score = GaugeMetricFamily(
-            "spotrl_eval_score", "The latest held-out eval's metrics by name (mean score, pass@k).", labels=[*run, "metric"]
+            "spotrl_eval_score",
+            "The latest held-out eval's metrics by name (mean score, pass@k).",
+            labels=[*run, "metric"],
         )
         self.eval_version = GaugeMetricFamily(
-            "spotrl_eval_policy_version", "The policy version of the latest held-out eval (0: the base model).", labels=run
+            "spotrl_eval_policy_version",
+            "The policy version of the latest held-out eval (0: the base model).",
+            labels=run,
         )
         self.cache = CounterMetricFamily(
-            "spotrl_reward_cache_requests", "Reward cache keys by result (hit, miss, error), as the run's workers reported them.",
+            "spotrl_reward_cache_requests",
+            "Reward cache keys by result (hit, miss, error), as the run's workers reported them.",
             labels=[*run, "result"],
-        )  # fmt: skip
+        )
 
     def all(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         for value in vars(self).values():

@@ -20,7 +20,10 @@ _MEANINGS = {
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {code: {"model": ValidationErrorPublic if code == 422 else ErrorPublic, "description": _MEANINGS[code]} for code in codes}
+    return {
+        code: {"model": ValidationErrorPublic if code == 422 else ErrorPublic, "description": _MEANINGS[code]}
+        for code in codes
+    }
 
 
 def json_errors(*codes: int) -> dict[int | str, dict[str, Any]]:

@@ -7,14 +7,16 @@ from typing import Any, Self
 from pydantic import BaseModel, Field
 
 from contracts.status import RunStatus
-from services.ports.state.state_schema import RunRow
 from services.domain.runspec import RunSpec
+from services.ports.state.state_schema import RunRow
 
 
 class SampleCounts(BaseModel):
     produced: int = Field(description="Samples queued by rollout workers.")
     trained: int = Field(description="Samples used by a training iteration (each exactly once).")
-    dropped: int = Field(description="Samples discarded: duplicates, beyond the staleness bound, or left when the run ended.")
+    dropped: int = Field(
+        description="Samples discarded: duplicates, beyond the staleness bound, or left when the run ended."
+    )
     filtered: int = Field(
         description="Samples rollout workers generated and dropped before queueing: whole groups whose rewards were all "
         "equal (DAPO dynamic sampling, training.dynamic_sampling); not among produced."
@@ -70,7 +72,9 @@ class RunSummaryPublic(BaseModel):
         columns = RunRow.__table__.columns.keys()
         same = {name: getattr(row, name) for name in cls.model_fields if name in columns and name not in shown}
         samples = SampleCounts(
-            produced=row.samples_produced, trained=row.samples_trained, dropped=row.samples_dropped,
+            produced=row.samples_produced,
+            trained=row.samples_trained,
+            dropped=row.samples_dropped,
             filtered=row.samples_filtered,
         )
         return cls(**same, samples=samples, spent_dollars=spent, **shown)
@@ -82,21 +86,28 @@ class RunPublic(RunSummaryPublic):
     )
     iterations_total: int = Field(description="Iterations the run has recorded, those not shown included.")
     prompt_count: int = Field(description="Prompts in the run's prompt set.")
-    spec: RunSpec = Field(description="The run spec as submitted (defaults filled in); inline prompts read `inline` (see prompt_count).")
+    spec: RunSpec = Field(
+        description="The run spec as submitted (defaults filled in); inline prompts read `inline` (see prompt_count)."
+    )
     last_error: str | None = Field(
         default=None,
         description="The scheduler's latest temporary or unexpected error on this run, while it retries; null once it reconciles "
         "cleanly, unless an eval was given up (its pods failing): then why.",
     )
-    reward_failures: int = Field(default=0, description="Reward computations that failed or timed out (each such response scored 0).")
+    reward_failures: int = Field(
+        default=0, description="Reward computations that failed or timed out (each such response scored 0)."
+    )
     reward_failures_by_reason: dict[str, int] = Field(
         default_factory=dict,
         description="reward_failures by `<fn>:<kind>`, kind one of exception, timeout, crash, memory, invalid, unavailable.",
     )
     last_reward_error: str | None = Field(default=None, description="Why the latest failed reward computation failed.")
-    report_url: str = Field(description="The run's report page (HTML: reward, cost and pod timelines), relative to the API's root.")
+    report_url: str = Field(
+        description="The run's report page (HTML: reward, cost and pod timelines), relative to the API's root."
+    )
     evals: list[EvalPublic] = Field(
-        default_factory=list, description="Held-out evals recorded, by policy version: the latest `iterations_limit` of them."
+        default_factory=list,
+        description="Held-out evals recorded, by policy version: the latest `iterations_limit` of them.",
     )
 
 
@@ -142,17 +153,23 @@ class LedgerEntryPublic(BaseModel):
     # How the pod ended: succeeded, failed or killed (a spot preemption among them); None while it runs.
     outcome: str | None = None
     seconds: float
-    dollars: float = Field(description="Billed by the provider's rule (per second with a 60 s minimum on AWS), in the report's currency.")
+    dollars: float = Field(
+        description="Billed by the provider's rule (per second with a 60 s minimum on AWS), in the report's currency."
+    )
 
 
 class CostPublic(BaseModel):
     run_id: str
-    currency: str = Field(description="Of every figure below (the *_dollars are amounts in it): the run's instance types' one currency.")
+    currency: str = Field(
+        description="Of every figure below (the *_dollars are amounts in it): the run's instance types' one currency."
+    )
     total_dollars: float
     by_role: dict[str, float]
     by_capacity_type: dict[str, float]
     wall_seconds: float
-    always_on_dollars: float = Field(description="The training instance on-demand for the whole wall time, plus the rollout work at on-demand prices.")
+    always_on_dollars: float = Field(
+        description="The training instance on-demand for the whole wall time, plus the rollout work at on-demand prices."
+    )
     lower_bound_dollars: float = Field(description="Every pod's seconds at the cheapest price of its instance type.")
     savings_ratio: float | None = Field(description="always_on / total: how many times cheaper than always-on.")
     efficiency: float | None = Field(description="lower_bound / total.")
@@ -164,10 +181,16 @@ class CostPublic(BaseModel):
 
 
 class PodPublic(BaseModel):
-    name: str = Field(description="The pod's deterministic name: `<run>-rollout-<slot>`, `<run>-train-<iteration>`, `<run>-warm-<iteration>`, `<run>-eval-<version>` or `<run>-reward`.")
+    name: str = Field(
+        description="The pod's deterministic name: `<run>-rollout-<slot>`, `<run>-train-<iteration>`, `<run>-warm-<iteration>`, `<run>-eval-<version>` or `<run>-reward`."
+    )
     role: str = Field(description="`rollout`, `training`, `standby`, `eval` or `reward`.")
-    running: bool = Field(description="Still known to the launcher (running, or ended and not yet reaped); false: ended, its log kept in the object store.")
-    waiting_for_node: bool = Field(description="No node has taken it yet (on Kubernetes: no capacity of its kind, or its node still starting); no machine is billed for it meanwhile.")
+    running: bool = Field(
+        description="Still known to the launcher (running, or ended and not yet reaped); false: ended, its log kept in the object store."
+    )
+    waiting_for_node: bool = Field(
+        description="No node has taken it yet (on Kubernetes: no capacity of its kind, or its node still starting); no machine is billed for it meanwhile."
+    )
 
 
 class PodsPublic(BaseModel):
@@ -179,6 +202,10 @@ class PodsPublic(BaseModel):
 class PodLogPublic(BaseModel):
     run_id: str
     pod: str
-    running: bool = Field(description="Read from the launcher (the pod has not been reaped); false: the log kept when the pod ended.")
-    lines: list[str] = Field(description="The log's last lines, oldest first, without line ends (at most `tail`, and at most 1 MiB in all).")
+    running: bool = Field(
+        description="Read from the launcher (the pod has not been reaped); false: the log kept when the pod ended."
+    )
+    lines: list[str] = Field(
+        description="The log's last lines, oldest first, without line ends (at most `tail`, and at most 1 MiB in all)."
+    )
     truncated: bool = Field(description="Lines were left out at the start to keep to the byte bound.")

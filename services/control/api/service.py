@@ -38,15 +38,12 @@ from services.control.api.schemas import (
     RunSummaryPublic,
 )
 from services.control.api.upload_slots import UploadSlots
-from services.ports.launcher.launcher import PodNotFoundError
-from services.ports.objects.object_store import ObjectNotFoundError
-from services.ports.state.state_schema import RunRow
-from services.ports.state.state_store import RunNotFoundError, RunView, StateStore
-from services.core.config import Settings
 from services.control.cost.billing import billed_dollars
-from services.ports.prices.catalog import PriceCatalog
 from services.control.cost.report import cost_report
 from services.control.cost.report_page import EvalPoint, IterationPoint, report_page
+from services.control.tracking.sinks import missing_settings
+from services.core.config import Settings
+from services.core.server_paths import ServerPathError, check_server_path, url_is_allowed
 from services.domain.names import (
     eval_prompts_key,
     pod_log_key,
@@ -69,8 +66,11 @@ from services.domain.prompts import (
     to_jsonl,
 )
 from services.domain.runspec import DatasetFields, PromptItem, RewardFn, RunSpec
-from services.core.server_paths import ServerPathError, check_server_path, url_is_allowed
-from services.control.tracking.sinks import missing_settings
+from services.ports.launcher.launcher import PodNotFoundError
+from services.ports.objects.object_store import ObjectNotFoundError
+from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_schema import RunRow
+from services.ports.state.state_store import RunNotFoundError, RunView, StateStore
 from services.ports.wiring import Backends
 
 
@@ -120,14 +120,25 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
     server paths only inside ``SPOTRL_DATA_DIRS``, naming what they should."""
     allowed = settings.allowed_data_dirs()
     if spec.rollout.max_workers > settings.max_rollout_workers:
-        raise SpecFieldError(("body", "rollout", "max_workers"), f"this server allows at most {settings.max_rollout_workers} rollout workers per run")
+        raise SpecFieldError(
+            ("body", "rollout", "max_workers"),
+            f"this server allows at most {settings.max_rollout_workers} rollout workers per run",
+        )
     if spec.training.processes > settings.max_training_processes:
-        raise SpecFieldError(("body", "training", "processes"), f"this server allows at most {settings.max_training_processes} training processes per job")
+        raise SpecFieldError(
+            ("body", "training", "processes"),
+            f"this server allows at most {settings.max_training_processes} training processes per job",
+        )
     if spec.model not in BUILTIN_MODELS:
         try:
             check_model_source(str(check_server_path(spec.model, allowed)))
         except (ValueError, OSError) as e:  # ServerPathError included; none repeats the path
-            raise SpecFieldError(("body", "model"), str(e) if isinstance(e, ServerPathError) else "no model directory (with config.json) or .gguf file there") from None
+            raise SpecFieldError(
+                ("body", "model"),
+                str(e)
+                if isinstance(e, ServerPathError)
+                else "no model directory (with config.json) or .gguf file there",
+            ) from None
     missing = missing_settings(spec.tracking, settings)
     if missing:
         raise SpecFieldError(("body", "tracking"), "; ".join(missing))
@@ -137,36 +148,51 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
             raise SpecFieldError(
                 ("body", "reward", str(i), "url"),
                 "a reward service must be one the operator allows (SPOTRL_REWARD_SERVICE_URLS); none is"
-                if not allowed_urls else "a reward service must be one the operator allows (SPOTRL_REWARD_SERVICE_URLS)",
+                if not allowed_urls
+                else "a reward service must be one the operator allows (SPOTRL_REWARD_SERVICE_URLS)",
             )
         if term.fn == RewardFn.REWARD_MODEL and term.path:
             try:
                 check_reward_model_dir(check_server_path(term.path, allowed))
             except (ValueError, OSError) as e:
-                raise SpecFieldError(("body", "reward", str(i), "path"), str(e) if isinstance(e, ServerPathError) else "no reward model saved by `spotrl train-rm` there") from None
+                raise SpecFieldError(
+                    ("body", "reward", str(i), "path"),
+                    str(e) if isinstance(e, ServerPathError) else "no reward model saved by `spotrl train-rm` there",
+                ) from None
         if term.fn == RewardFn.FUNCTION and term.path:
             # Its file only: user code is imported (and its signature checked) by the run's pods, never here.
             try:
                 if not check_server_path(term.path.rsplit(":", 1)[0], allowed).is_file():
                     raise ValueError
             except (ValueError, OSError) as e:
-                raise SpecFieldError(("body", "reward", str(i), "path"), str(e) if isinstance(e, ServerPathError) else "no Python file there") from None
+                raise SpecFieldError(
+                    ("body", "reward", str(i), "path"),
+                    str(e) if isinstance(e, ServerPathError) else "no Python file there",
+                ) from None
 
 
 def create_run(*, backends: Backends, settings: Settings, principal: Principal, spec: RunSpec) -> RunPublic:
     """Store the run's prompt set and the run (PENDING); the scheduler takes it from there."""
     check_spec_for_server(spec, settings)
     prompts = load_prompts(
-        spec.prompts, backends.objects, tenant=principal.tenant,
-        allowed_dirs=settings.allowed_data_dirs(), max_bytes=settings.max_dataset_bytes, fields=spec.dataset,
-    )  # fmt: skip
+        spec.prompts,
+        backends.objects,
+        tenant=principal.tenant,
+        allowed_dirs=settings.allowed_data_dirs(),
+        max_bytes=settings.max_dataset_bytes,
+        fields=spec.dataset,
+    )
     eval_prompts = None
     if spec.eval is not None:  # the held-out set, read and checked as the run's own
         try:
             eval_prompts = load_prompts(
-                spec.eval.prompts, backends.objects, tenant=principal.tenant,
-                allowed_dirs=settings.allowed_data_dirs(), max_bytes=settings.max_dataset_bytes, fields=spec.dataset,
-            )  # fmt: skip
+                spec.eval.prompts,
+                backends.objects,
+                tenant=principal.tenant,
+                allowed_dirs=settings.allowed_data_dirs(),
+                max_bytes=settings.max_dataset_bytes,
+                fields=spec.dataset,
+            )
         except InvalidPromptsError as e:
             raise SpecFieldError(("body", "eval", "prompts"), str(e)) from None
     run_id = new_run_id()
@@ -178,13 +204,23 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
         backends.objects.put_bytes(eval_prompts_key(run_id), to_jsonl(eval_prompts))
         if isinstance(spec.eval.prompts, list):
             stored["eval"]["prompts"] = INLINE  # kept beside the run (eval_prompts_key)
-    row = backends.state.create_run(run_id, name=spec.name, spec=stored, tenant=principal.tenant, prompt_count=len(prompts))
-    return run_public(RunView(row, latest=[], iterations_total=0, spent=0.0, reward_failures={}))  # new: no iteration, no ledger yet
+    row = backends.state.create_run(
+        run_id, name=spec.name, spec=stored, tenant=principal.tenant, prompt_count=len(prompts)
+    )
+    return run_public(
+        RunView(row, latest=[], iterations_total=0, spent=0.0, reward_failures={})
+    )  # new: no iteration, no ledger yet
 
 
 async def create_dataset(
-    *, backends: Backends, principal: Principal, body: AsyncIterable[bytes], max_bytes: int,
-    media_type: str | None = None, fields: DatasetFields = DEFAULT_FIELDS, slots: UploadSlots | None = None,
+    *,
+    backends: Backends,
+    principal: Principal,
+    body: AsyncIterable[bytes],
+    max_bytes: int,
+    media_type: str | None = None,
+    fields: DatasetFields = DEFAULT_FIELDS,
+    slots: UploadSlots | None = None,
 ) -> DatasetPublic:
     """Store an uploaded prompt set among the caller's objects as normalised JSONL, its rows
     mapped by ``fields``. JSONL is parsed line by line as ``body`` arrives, and each prompt is
@@ -198,13 +234,19 @@ async def create_dataset(
     ``slots``, the upload takes one of them before reading anything (TooManyUploadsError when
     none is free)."""
     with slots.hold(principal.tenant) if slots is not None else contextlib.nullcontext():
-        return await _create_dataset(backends=backends, principal=principal, body=body, max_bytes=max_bytes,
-                                     media_type=media_type, fields=fields)  # fmt: skip
+        return await _create_dataset(
+            backends=backends, principal=principal, body=body, max_bytes=max_bytes, media_type=media_type, fields=fields
+        )
 
 
 async def _create_dataset(
-    *, backends: Backends, principal: Principal, body: AsyncIterable[bytes], max_bytes: int,
-    media_type: str | None, fields: DatasetFields,
+    *,
+    backends: Backends,
+    principal: Principal,
+    body: AsyncIterable[bytes],
+    max_bytes: int,
+    media_type: str | None,
+    fields: DatasetFields,
 ) -> DatasetPublic:
     received = 0
 
@@ -291,7 +333,9 @@ def _visible_run(state: StateStore, principal: Principal, run_id: str) -> RunRow
     return row
 
 
-def get_run(*, backends: Backends, principal: Principal, run_id: str, iterations_shown: int = DEFAULT_ITERATIONS_SHOWN) -> RunPublic:
+def get_run(
+    *, backends: Backends, principal: Principal, run_id: str, iterations_shown: int = DEFAULT_ITERATIONS_SHOWN
+) -> RunPublic:
     """The run with its latest ``iterations_shown`` iterations (and the count of all of them)."""
     view = backends.state.run_view(run_id, latest=iterations_shown, now=time.time())
     if not principal.sees(view.run.tenant):
@@ -311,9 +355,12 @@ def _decode_cursor(cursor: str, *types: type) -> tuple:
         key = json.loads(base64.urlsafe_b64decode(cursor.encode()))
     except (binascii.Error, ValueError, UnicodeDecodeError):
         key = None
-    if (isinstance(key, list) and len(key) == len(types)
-            and all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(key, types, strict=True))
-            and all(math.isfinite(v) for v in key if isinstance(v, float))):  # fmt: skip
+    if (
+        isinstance(key, list)
+        and len(key) == len(types)
+        and all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(key, types, strict=True))
+        and all(math.isfinite(v) for v in key if isinstance(v, float))
+    ):
         return tuple(key)
     raise InvalidCursorError("`cursor` is not one this API returned: pass `next_cursor` of the previous page")
 
@@ -327,7 +374,9 @@ def _run_cursor_key(cursor: str) -> tuple[float, str]:
 def list_runs(*, backends: Backends, principal: Principal, limit: int, cursor: str | None) -> RunsPublic:
     """One page of the caller's runs (every tenant's for an admin), oldest first."""
     after = _run_cursor_key(cursor) if cursor else None
-    rows = backends.state.runs_page(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after, now=time.time())
+    rows = backends.state.runs_page(
+        tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after, now=time.time()
+    )
     page = rows[:limit]
     return RunsPublic(
         runs=[RunSummaryPublic.of(r, spent) for r, spent in page],
@@ -342,9 +391,14 @@ def cancel_run(*, backends: Backends, principal: Principal, run_id: str) -> RunP
 
 
 def run_cost(
-    *, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str,
-    limit: int = DEFAULT_ENTRIES_PAGE, cursor: str | None = None,
-) -> CostPublic:  # fmt: skip
+    *,
+    backends: Backends,
+    catalog: PriceCatalog,
+    principal: Principal,
+    run_id: str,
+    limit: int = DEFAULT_ENTRIES_PAGE,
+    cursor: str | None = None,
+) -> CostPublic:
     """The run's bill over its whole ledger, with one page of the ledger's entries (oldest first,
     ``limit`` at most, after the entry ``cursor`` names)."""
     after = _decode_cursor(cursor, int)[0] if cursor else None  # the previous page's last entry id
@@ -409,12 +463,21 @@ def run_pods(*, backends: Backends, principal: Principal, run_id: str) -> PodsPu
     _visible_run(backends.state, principal, run_id)
     listed = {p.name: p for p in backends.launcher.list(run_id)}
     prefix = pod_logs_prefix(run_id)
-    ended = {key.removeprefix(prefix).removesuffix(".log") for key in backends.objects.list(prefix) if key.endswith(".log")}
+    ended = {
+        key.removeprefix(prefix).removesuffix(".log") for key in backends.objects.list(prefix) if key.endswith(".log")
+    }
     names = sorted(listed.keys() | ended)
     return PodsPublic(
         run_id=run_id,
-        pods=[PodPublic(name=n, role=role_of_pod(n), running=n in listed,
-                        waiting_for_node=n in listed and listed[n].waiting_for_node) for n in names[:MAX_PODS_LISTED]],
+        pods=[
+            PodPublic(
+                name=n,
+                role=role_of_pod(n),
+                running=n in listed,
+                waiting_for_node=n in listed and listed[n].waiting_for_node,
+            )
+            for n in names[:MAX_PODS_LISTED]
+        ],
         truncated=len(names) > MAX_PODS_LISTED,
     )
 

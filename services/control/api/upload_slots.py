@@ -41,7 +41,9 @@ class UploadSlots:
         if self.held >= self.per_server:
             raise TooManyUploadsError(f"this server reads at most {self.per_server} uploads at once: try again shortly")
         if self._held[tenant] >= self.per_tenant:
-            raise TooManyUploadsError(f"this server reads at most {self.per_tenant} uploads of one tenant at once: try again shortly")
+            raise TooManyUploadsError(
+                f"this server reads at most {self.per_tenant} uploads of one tenant at once: try again shortly"
+            )
         self._held[tenant] += 1
         try:
             yield

@@ -23,8 +23,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.ports.state.state_store import LedgerEntry
 from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_store import LedgerEntry
 
 # Roles whose pods hold a training node (services.control.scheduler.plan's ROLE_TRAINING and ROLE_STANDBY).
 NODE_ROLES = frozenset({"training", "standby"})

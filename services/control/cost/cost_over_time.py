@@ -12,10 +12,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from services.ports.state.state_store import LedgerEntry
 from services.control.cost.billing import billed_dollars
-from services.ports.prices.catalog import PriceCatalog
 from services.control.cost.report import CostReport, cost_report
+from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_store import LedgerEntry
 
 # More pods than this many instants (a long run's thousands of workers) are drawn from as many
 # evenly spaced instants: a picture of the curve, no longer every corner of it.
@@ -73,7 +73,13 @@ def cost_over_time(
         by_key: dict[tuple[str, str], float] = defaultdict(float)
         for e, dollars in zip(ledger, billed_dollars(ledger, catalog, at), strict=True):
             by_key[(e.role, e.capacity_type)] += dollars  # billed as the report bills it
-        report = cost_report(ledger, catalog=catalog, training_instance_type=training_instance_type,
-                             run_started_at=run_started_at, run_ended_at=at, now=at)  # fmt: skip
+        report = cost_report(
+            ledger,
+            catalog=catalog,
+            training_instance_type=training_instance_type,
+            run_started_at=run_started_at,
+            run_ended_at=at,
+            now=at,
+        )
         curve.append(CostAt(at=at, report=report, by_role_and_capacity=dict(by_key)))
     return curve

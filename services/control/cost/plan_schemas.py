@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.ports.prices.catalog import InstancePrice, PriceCatalog, UnknownInstanceTypeError
 from services.control.cost.planner import (
     SECONDS_PER_HOUR,
     AlwaysOn,
@@ -19,6 +18,7 @@ from services.control.cost.planner import (
     Workload,
     plan_run,
 )
+from services.ports.prices.catalog import InstancePrice, PriceCatalog, UnknownInstanceTypeError
 
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 MAX_OPTIONS = 32
@@ -37,7 +37,9 @@ class _Instance(BaseModel):
 
 
 class RolloutOptionIn(_Instance):
-    samples_per_second_per_gpu: float | None = Field(default=None, gt=0, le=1e6, description="Rollout throughput of one GPU.")
+    samples_per_second_per_gpu: float | None = Field(
+        default=None, gt=0, le=1e6, description="Rollout throughput of one GPU."
+    )
     samples_per_hour_per_gpu: float | None = Field(
         default=None, gt=0, le=1e9, description="The same, per hour (give one of the two)."
     )
@@ -56,9 +58,11 @@ class RolloutOptionIn(_Instance):
 
 class TrainingOptionIn(_Instance):
     seconds_per_batch: float | None = Field(
-        default=None, gt=0, le=7 * 86400,
+        default=None,
+        gt=0,
+        le=7 * 86400,
         description="Training seconds per update; default derived from model_params, tokens_per_sample and the GPUs (see the planner).",
-    )  # fmt: skip
+    )
 
 
 class OverheadsIn(BaseModel):
@@ -77,17 +81,24 @@ class PlanRequest(BaseModel):
 
     model_config = STRICT
     model_params: float = Field(ge=1e6, le=1e13, description="Parameters of the policy model.")
-    samples_per_update: int = Field(ge=1, le=100_000_000, description="Samples per training update (the run's batch_samples).")
-    tokens_per_sample: int = Field(default=1024, ge=1, le=1_000_000, description="Prompt and response tokens of a sample.")
-    training_mfu: float = Field(default=0.35, gt=0, le=1, description="Model FLOPS utilisation, for derived training seconds.")
+    samples_per_update: int = Field(
+        ge=1, le=100_000_000, description="Samples per training update (the run's batch_samples)."
+    )
+    tokens_per_sample: int = Field(
+        default=1024, ge=1, le=1_000_000, description="Prompt and response tokens of a sample."
+    )
+    training_mfu: float = Field(
+        default=0.35, gt=0, le=1, description="Model FLOPS utilisation, for derived training seconds."
+    )
     rollout: list[RolloutOptionIn] = Field(min_length=1, max_length=MAX_OPTIONS)
     training: list[TrainingOptionIn] = Field(min_length=1, max_length=MAX_OPTIONS)
     overheads: OverheadsIn = Field(default_factory=OverheadsIn, description="Start-up of a training launch.")
     always_on: AlwaysOnIn | None = Field(default=None, description="Default: the plan's shapes held on-demand.")
     currency: str | None = Field(
-        default=None, pattern=r"^[A-Z]{3}$",
+        default=None,
+        pattern=r"^[A-Z]{3}$",
         description="ISO 4217 code; default the catalog's. Needed when every price is given directly.",
-    )  # fmt: skip
+    )
 
 
 class TermPublic(BaseModel):
@@ -121,7 +132,9 @@ class PlanPublic(BaseModel):
     training: TrainingShapePublic
     update_seconds: float = Field(description="Seconds between updates in steady state.")
     rollout_seconds: float
-    training_billed_seconds: float = Field(description="Training seconds paid per update (start-up or warm idle included).")
+    training_billed_seconds: float = Field(
+        description="Training seconds paid per update (start-up or warm idle included)."
+    )
     cost_per_update: float
     cost_per_day: float
     updates_per_day: float
@@ -143,33 +156,62 @@ def plan_request(request: PlanRequest, catalog: PriceCatalog) -> Plan:
         _, price = _priced(("always_on",), request.always_on, catalog, currencies)
         always_on = AlwaysOn(request.always_on.instance_type, price)
     currency = _one_currency(request.currency, currencies)
-    workload = Workload(request.model_params, request.samples_per_update, request.tokens_per_sample, request.training_mfu)
+    workload = Workload(
+        request.model_params, request.samples_per_update, request.tokens_per_sample, request.training_mfu
+    )
     o = request.overheads
     return plan_run(
-        workload, rollout, training, currency=currency, always_on=always_on,
+        workload,
+        rollout,
+        training,
+        currency=currency,
+        always_on=always_on,
         overheads=Overheads(o.node_start_seconds, o.image_pull_seconds, o.model_load_seconds),
-    )  # fmt: skip
+    )
 
 
 def plan_public(plan: Plan) -> PlanPublic:
     r, t = plan.rollout, plan.training
     return PlanPublic(
         currency=plan.currency,
-        rollout=PoolPublic(instance_type=r.instance_type, gpu=r.gpu, gpus_per_instance=r.gpus, instances=plan.rollout_instances,
-                           capacity_type=r.capacity_type, price_per_hour=r.price_per_hour),
-        training=TrainingShapePublic(instance_type=t.instance_type, gpu=t.gpu, gpus=t.gpus, price_per_hour=t.price_per_hour,
-                                     seconds_per_batch=plan.training_seconds_per_batch,
-                                     seconds_per_batch_derived=plan.training_seconds_derived, keep_warm=plan.keep_training_warm),
-        update_seconds=plan.update_seconds, rollout_seconds=plan.rollout_seconds,
-        training_billed_seconds=plan.training_billed_seconds, cost_per_update=plan.cost_per_update,
-        cost_per_day=plan.cost_per_day, updates_per_day=plan.updates_per_day, always_on_instance=plan.always_on.instance_type,
-        always_on_per_update=plan.always_on_per_update, always_on_per_day=plan.always_on_per_day, saving=plan.saving,
-        terms=[TermPublic(name=x.name, arithmetic=x.arithmetic, amount=x.amount) for x in plan.terms], notes=list(plan.notes),
-    )  # fmt: skip
+        rollout=PoolPublic(
+            instance_type=r.instance_type,
+            gpu=r.gpu,
+            gpus_per_instance=r.gpus,
+            instances=plan.rollout_instances,
+            capacity_type=r.capacity_type,
+            price_per_hour=r.price_per_hour,
+        ),
+        training=TrainingShapePublic(
+            instance_type=t.instance_type,
+            gpu=t.gpu,
+            gpus=t.gpus,
+            price_per_hour=t.price_per_hour,
+            seconds_per_batch=plan.training_seconds_per_batch,
+            seconds_per_batch_derived=plan.training_seconds_derived,
+            keep_warm=plan.keep_training_warm,
+        ),
+        update_seconds=plan.update_seconds,
+        rollout_seconds=plan.rollout_seconds,
+        training_billed_seconds=plan.training_billed_seconds,
+        cost_per_update=plan.cost_per_update,
+        cost_per_day=plan.cost_per_day,
+        updates_per_day=plan.updates_per_day,
+        always_on_instance=plan.always_on.instance_type,
+        always_on_per_update=plan.always_on_per_update,
+        always_on_per_day=plan.always_on_per_day,
+        saving=plan.saving,
+        terms=[TermPublic(name=x.name, arithmetic=x.arithmetic, amount=x.amount) for x in plan.terms],
+        notes=list(plan.notes),
+    )
 
 
 def _priced(
-    loc: tuple[str | int, ...], o: _Instance, catalog: PriceCatalog, currencies: set[str], capacity_type: str = "on-demand"
+    loc: tuple[str | int, ...],
+    o: _Instance,
+    catalog: PriceCatalog,
+    currencies: set[str],
+    capacity_type: str = "on-demand",
 ) -> tuple[InstancePrice | None, float]:
     """The catalog entry of ``o`` (None when it is priced directly) and its price per hour."""
     try:
@@ -195,17 +237,26 @@ def _rollout(i: int, o: RolloutOptionIn, catalog: PriceCatalog, currencies: set[
         on_demand = entry.on_demand
     per_hour = o.samples_per_hour_per_gpu or o.samples_per_second_per_gpu * SECONDS_PER_HOUR  # type: ignore[operator]
     return RolloutOption(
-        instance_type=o.instance_type, gpu=o.gpu or entry.gpu, gpus=o.gpus or entry.gpus, samples_per_hour_per_gpu=per_hour,
-        capacity_type=o.capacity_type, price_per_hour=price, on_demand_price_per_hour=on_demand, max_instances=o.max_instances,
-    )  # fmt: skip
+        instance_type=o.instance_type,
+        gpu=o.gpu or entry.gpu,
+        gpus=o.gpus or entry.gpus,
+        samples_per_hour_per_gpu=per_hour,
+        capacity_type=o.capacity_type,
+        price_per_hour=price,
+        on_demand_price_per_hour=on_demand,
+        max_instances=o.max_instances,
+    )
 
 
 def _training(i: int, o: TrainingOptionIn, catalog: PriceCatalog, currencies: set[str]) -> TrainingOption:
     entry, price = _priced(("training", i), o, catalog, currencies)
     return TrainingOption(
-        instance_type=o.instance_type, gpu=o.gpu or entry.gpu, gpus=o.gpus or entry.gpus, price_per_hour=price,
+        instance_type=o.instance_type,
+        gpu=o.gpu or entry.gpu,
+        gpus=o.gpus or entry.gpus,
+        price_per_hour=price,
         seconds_per_batch=o.seconds_per_batch,
-    )  # fmt: skip
+    )
 
 
 def _one_currency(given: str | None, catalog_currencies: set[str]) -> str:
@@ -216,7 +267,10 @@ def _one_currency(given: str | None, catalog_currencies: set[str]) -> str:
             "give every price in one currency (price_per_hour) or choose instances priced in one",
         )
     if given is not None and catalog_currencies and given not in catalog_currencies:
-        raise PlanError(("currency",), f"the catalog prices these options in {next(iter(catalog_currencies))}: give that currency, or every price directly")
+        raise PlanError(
+            ("currency",),
+            f"the catalog prices these options in {next(iter(catalog_currencies))}: give that currency, or every price directly",
+        )
     if given is None and not catalog_currencies:
         raise PlanError(("currency",), "every price is given directly: say their currency")
     return given or next(iter(catalog_currencies))

@@ -197,9 +197,13 @@ def plan_run(
     rollout_fit = [(i, o) for i, o in enumerate(rollout) if _fits("rollout", i, o.gpu, o.gpus, workload, notes)]
     training_fit = [(i, o) for i, o in enumerate(training) if _fits("training", i, o.gpu, o.gpus, workload, notes)]
     if not rollout_fit:
-        raise PlanError(("rollout",), "no rollout option holds the model's weights: add one with more GPU memory per instance")
+        raise PlanError(
+            ("rollout",), "no rollout option holds the model's weights: add one with more GPU memory per instance"
+        )
     if not training_fit:
-        raise PlanError(("training",), "no training option holds the model for training: add one with more GPUs or GPU memory")
+        raise PlanError(
+            ("training",), "no training option holds the model for training: add one with more GPUs or GPU memory"
+        )
     seconds = {i: _training_seconds(i, o, workload) for i, o in training_fit}
     shapes = [_shape(workload, r, t, seconds[j], overheads) for _, r in rollout_fit for j, t in training_fit]
     best = min(shapes, key=lambda s: (s.cost_per_update, s.update_seconds))
@@ -228,12 +232,18 @@ def _shape(workload: Workload, r: RolloutOption, t: TrainingOption, train_s: flo
     warm = gap < overheads.seconds
     billed = train_s + min(gap, overheads.seconds)
     return Shape(
-        rollout=r, rollout_instances=n, training=t, training_seconds_per_batch=train_s,
-        training_seconds_derived=t.seconds_per_batch is None, keep_training_warm=warm,
-        rollout_seconds=rollout_s, update_seconds=update_s, training_billed_seconds=billed,
+        rollout=r,
+        rollout_instances=n,
+        training=t,
+        training_seconds_per_batch=train_s,
+        training_seconds_derived=t.seconds_per_batch is None,
+        keep_training_warm=warm,
+        rollout_seconds=rollout_s,
+        update_seconds=update_s,
+        training_billed_seconds=billed,
         rollout_cost=n * r.price_per_hour * update_s / SECONDS_PER_HOUR,
         training_cost=t.price_per_hour * billed / SECONDS_PER_HOUR,
-    )  # fmt: skip
+    )
 
 
 def _fits(role: str, index: int, gpu: str, gpus: int, workload: Workload, notes: list[str]) -> bool:
@@ -242,7 +252,9 @@ def _fits(role: str, index: int, gpu: str, gpus: int, workload: Workload, notes:
         notes.append(f"{role}[{index}]: GPU {gpu} is not in spotrl's GPU table; its memory fit was not checked")
         return True
     bytes_per_param, share = (
-        (TRAINING_BYTES_PER_PARAM, TRAINING_MEMORY_SHARE) if role == "training" else (ROLLOUT_BYTES_PER_PARAM, ROLLOUT_MEMORY_SHARE)
+        (TRAINING_BYTES_PER_PARAM, TRAINING_MEMORY_SHARE)
+        if role == "training"
+        else (ROLLOUT_BYTES_PER_PARAM, ROLLOUT_MEMORY_SHARE)
     )
     need_gb = workload.model_params * bytes_per_param / 1e9
     have_gb = gpus * figures.memory_gb * share
@@ -285,7 +297,9 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:,.1f} min"
 
 
-def _plan(s: Shape, workload: Workload, overheads: Overheads, always_on: AlwaysOn, currency: str, notes: tuple[str, ...]) -> Plan:
+def _plan(
+    s: Shape, workload: Workload, overheads: Overheads, always_on: AlwaysOn, currency: str, notes: tuple[str, ...]
+) -> Plan:
     r, t = s.rollout, s.training
     m = partial(_money, currency)
     per_batch = f"{_minutes(s.training_seconds_per_batch)} per batch ({_training_seconds_note(t, workload)})"
@@ -317,5 +331,9 @@ def _plan(s: Shape, workload: Workload, overheads: Overheads, always_on: AlwaysO
     )
     return Plan(
         **{f.name: getattr(s, f.name) for f in fields(Shape)},
-        currency=currency, always_on=always_on, always_on_per_update=terms[-1].amount, terms=terms, notes=notes,
+        currency=currency,
+        always_on=always_on,
+        always_on_per_update=terms[-1].amount,
+        terms=terms,
+        notes=notes,
     )

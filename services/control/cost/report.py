@@ -21,9 +21,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.ports.state.state_store import LedgerEntry
 from services.control.cost.billing import billed_dollars, billed_seconds, rule_for
 from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_store import LedgerEntry
 
 
 @dataclass(frozen=True)

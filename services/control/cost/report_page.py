@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 
-from services.ports.launcher.launcher import PodOutcome
-from services.ports.state.state_store import LedgerEntry
-from services.ports.prices.catalog import PriceCatalog
 from services.control.cost.cost_over_time import cost_over_time
 from services.control.cost.report import cost_report
 from services.control.cost.svg_charts import Bar, Series, line_chart, number, timeline_chart
+from services.ports.launcher.launcher import PodOutcome
+from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_store import LedgerEntry
 
 REWARD_COLOR = "#6a3d9a"
 # The held-out eval's metrics (mean first, then each pass@k), dashed beside the training reward.
@@ -73,8 +73,14 @@ def report_page(
     """The report page of run ``run_id`` from its iterations, held-out evals and ledger, as of ``now``."""
     start = run_started_at if run_started_at is not None else min((e.started_at for e in entries), default=now)
     end = run_ended_at if run_ended_at is not None else now
-    report = cost_report(entries, catalog=catalog, training_instance_type=training_instance_type,
-                         run_started_at=run_started_at, run_ended_at=run_ended_at, now=now)  # fmt: skip
+    report = cost_report(
+        entries,
+        catalog=catalog,
+        training_instance_type=training_instance_type,
+        run_started_at=run_started_at,
+        run_ended_at=run_ended_at,
+        now=now,
+    )
     summary = [
         ("status", status),
         ("wall time", f"{number(report.wall_seconds)} s"),
@@ -85,22 +91,50 @@ def report_page(
         ("lower bound / spent", "-" if report.efficiency is None else f"{report.efficiency:.2f}"),
     ]
     figures = [
-        ("reward", "Mean reward by iteration" + (", held-out eval by policy version" if evals else ""),
-         reward_chart(iterations, evals)),
-        ("cost", f"Cumulative cost ({currency})", cost_chart(
-            entries, catalog=catalog, currency=currency, training_instance_type=training_instance_type,
-            run_started_at=run_started_at, run_ended_at=run_ended_at, now=now, start=start)),
-        ("rollout-timeline", "Rollout workers", pod_timeline(
-            "rollout-timeline", [e for e in entries if e.role != "training"], start=start, end=end, now=now)),
-        ("training-timeline", "Training jobs", pod_timeline(
-            "training-timeline", [e for e in entries if e.role == "training"], start=start, end=end, now=now)),
-    ]  # fmt: skip
+        (
+            "reward",
+            "Mean reward by iteration" + (", held-out eval by policy version" if evals else ""),
+            reward_chart(iterations, evals),
+        ),
+        (
+            "cost",
+            f"Cumulative cost ({currency})",
+            cost_chart(
+                entries,
+                catalog=catalog,
+                currency=currency,
+                training_instance_type=training_instance_type,
+                run_started_at=run_started_at,
+                run_ended_at=run_ended_at,
+                now=now,
+                start=start,
+            ),
+        ),
+        (
+            "rollout-timeline",
+            "Rollout workers",
+            pod_timeline(
+                "rollout-timeline", [e for e in entries if e.role != "training"], start=start, end=end, now=now
+            ),
+        ),
+        (
+            "training-timeline",
+            "Training jobs",
+            pod_timeline(
+                "training-timeline", [e for e in entries if e.role == "training"], start=start, end=end, now=now
+            ),
+        ),
+    ]
     rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in summary)
-    body = "".join(f'<figure id="{fid}"><figcaption>{escape(caption)}</figcaption>{svg}</figure>' for fid, caption, svg in figures)
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
-            f"<title>spotrl report {escape(run_id)}</title><style>{_STYLE}</style></head><body>"
-            f"<h1>spotrl run {escape(run_id)}</h1><table class=\"summary\">{rows}</table>{body}</body></html>\n")  # fmt: skip
+    body = "".join(
+        f'<figure id="{fid}"><figcaption>{escape(caption)}</figcaption>{svg}</figure>' for fid, caption, svg in figures
+    )
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+        f"<title>spotrl report {escape(run_id)}</title><style>{_STYLE}</style></head><body>"
+        f'<h1>spotrl run {escape(run_id)}</h1><table class="summary">{rows}</table>{body}</body></html>\n'
+    )
 
 
 def reward_chart(iterations: Sequence[IterationPoint], evals: Sequence[EvalPoint] = ()) -> str:
@@ -110,34 +144,73 @@ def reward_chart(iterations: Sequence[IterationPoint], evals: Sequence[EvalPoint
     series = [Series("mean reward", points, REWARD_COLOR, markers=True)]
     names = list(dict.fromkeys(name for e in evals for name in e.metrics))
     series += [
-        Series(f"held-out {name}", [(float(e.policy_version), e.metrics[name]) for e in evals if name in e.metrics],
-               EVAL_COLORS[i % len(EVAL_COLORS)], dash="6 4", markers=True)  # fmt: skip
+        Series(
+            f"held-out {name}",
+            [(float(e.policy_version), e.metrics[name]) for e in evals if name in e.metrics],
+            EVAL_COLORS[i % len(EVAL_COLORS)],
+            dash="6 4",
+            markers=True,
+        )
         for i, name in enumerate(names)
     ]
     if not evals:
-        return line_chart("reward", series, x_label="iteration", y_label="mean reward", empty="no iteration finished yet")
-    return line_chart("reward", series, x_label="iteration (= policy version)", y_label="mean reward / eval score",
-                      empty="no iteration finished yet")  # fmt: skip
+        return line_chart(
+            "reward", series, x_label="iteration", y_label="mean reward", empty="no iteration finished yet"
+        )
+    return line_chart(
+        "reward",
+        series,
+        x_label="iteration (= policy version)",
+        y_label="mean reward / eval score",
+        empty="no iteration finished yet",
+    )
 
 
-def cost_chart(entries: Sequence[LedgerEntry], *, catalog: PriceCatalog, currency: str, training_instance_type: str,
-               run_started_at: float | None, run_ended_at: float | None, now: float, start: float) -> str:  # fmt: skip
+def cost_chart(
+    entries: Sequence[LedgerEntry],
+    *,
+    catalog: PriceCatalog,
+    currency: str,
+    training_instance_type: str,
+    run_started_at: float | None,
+    run_ended_at: float | None,
+    now: float,
+    start: float,
+) -> str:
     """Dollars spent so far per (role, capacity type) and in all, against always-on and the lower
     bound, over seconds since the run started."""
-    curve = cost_over_time(entries, catalog=catalog, training_instance_type=training_instance_type,
-                           run_started_at=run_started_at, run_ended_at=run_ended_at, now=now)  # fmt: skip
+    curve = cost_over_time(
+        entries,
+        catalog=catalog,
+        training_instance_type=training_instance_type,
+        run_started_at=run_started_at,
+        run_ended_at=run_ended_at,
+        now=now,
+    )
     keys = list(dict.fromkeys((e.role, e.capacity_type) for e in entries))
     series = [
-        Series(f"{role} {capacity}", [(c.at - start, c.by_role_and_capacity.get((role, capacity), 0.0)) for c in curve],
-               SERIES_COLORS[i % len(SERIES_COLORS)])  # fmt: skip
+        Series(
+            f"{role} {capacity}",
+            [(c.at - start, c.by_role_and_capacity.get((role, capacity), 0.0)) for c in curve],
+            SERIES_COLORS[i % len(SERIES_COLORS)],
+        )
         for i, (role, capacity) in enumerate(keys)
     ]
     series += [
         Series("spent", [(c.at - start, c.report.total_dollars) for c in curve], SPENT_COLOR),
-        Series("always-on on-demand", [(c.at - start, c.report.always_on_dollars) for c in curve], ALWAYS_ON_COLOR, dash="8 5"),
-        Series("lower bound", [(c.at - start, c.report.lower_bound_dollars) for c in curve], LOWER_BOUND_COLOR, dash="3 3"),
+        Series(
+            "always-on on-demand",
+            [(c.at - start, c.report.always_on_dollars) for c in curve],
+            ALWAYS_ON_COLOR,
+            dash="8 5",
+        ),
+        Series(
+            "lower bound", [(c.at - start, c.report.lower_bound_dollars) for c in curve], LOWER_BOUND_COLOR, dash="3 3"
+        ),
     ]
-    return line_chart("cost", series, x_label="seconds since the run started", y_label=currency, empty="no pod billed yet")
+    return line_chart(
+        "cost", series, x_label="seconds since the run started", y_label=currency, empty="no pod billed yet"
+    )
 
 
 def pod_timeline(name: str, entries: Sequence[LedgerEntry], *, start: float, end: float, now: float) -> str:
@@ -157,4 +230,6 @@ def pod_timeline(name: str, entries: Sequence[LedgerEntry], *, start: float, end
     ]
     capacities = list(dict.fromkeys(e.capacity_type for e in entries))
     legend = [(c, CAPACITY_COLORS.get(c, OTHER_CAPACITY_COLOR)) for c in capacities]
-    return timeline_chart(name, bars, x_range=(0.0, max(end - start, 0.0)), x_label="seconds since the run started", legend=legend)
+    return timeline_chart(
+        name, bars, x_range=(0.0, max(end - start, 0.0)), x_label="seconds since the run started", legend=legend
+    )

@@ -70,7 +70,9 @@ class _Scale:
 
 
 def _text(x: float, y: float, text: str, *, anchor: str = "start", css: str = "label") -> str:
-    return f'<text class="{css}" x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" fill="{TEXT_COLOR}">{escape(text)}</text>'
+    return (
+        f'<text class="{css}" x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" fill="{TEXT_COLOR}">{escape(text)}</text>'
+    )
 
 
 def _axes(x: _Scale, y: _Scale, *, x_label: str, y_label: str, y_ticks: bool = True) -> list[str]:
@@ -83,16 +85,23 @@ def _axes(x: _Scale, y: _Scale, *, x_label: str, y_label: str, y_ticks: bool = T
         _text((left + right) / 2, bottom + 34, x_label, anchor="middle"),
     ]
     if y_ticks:
-        parts += [_text(left - 6, bottom, number(y.lo), anchor="end"), _text(left - 6, top + 10, number(y.hi), anchor="end")]
-    parts.append(f'<text class="label" transform="translate(14 {(top + bottom) / 2:.1f}) rotate(-90)" '
-                 f'text-anchor="middle" fill="{TEXT_COLOR}">{escape(y_label)}</text>')  # fmt: skip
+        parts += [
+            _text(left - 6, bottom, number(y.lo), anchor="end"),
+            _text(left - 6, top + 10, number(y.hi), anchor="end"),
+        ]
+    parts.append(
+        f'<text class="label" transform="translate(14 {(top + bottom) / 2:.1f}) rotate(-90)" '
+        f'text-anchor="middle" fill="{TEXT_COLOR}">{escape(y_label)}</text>'
+    )
     return parts
 
 
 def _svg(width: int, height: int, name: str, parts: list[str]) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{escape(name)}" width="{width}" '
-            f'height="{height}" viewBox="0 0 {width} {height}" role="img">'
-            f'<rect class="background" width="{width}" height="{height}" fill="#ffffff"/>{"".join(parts)}</svg>')  # fmt: skip
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{escape(name)}" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" role="img">'
+        f'<rect class="background" width="{width}" height="{height}" fill="#ffffff"/>{"".join(parts)}</svg>'
+    )
 
 
 def _legend(items: Sequence[tuple[str, str, str | None]], *, x: float, y: float) -> list[str]:
@@ -101,13 +110,23 @@ def _legend(items: Sequence[tuple[str, str, str | None]], *, x: float, y: float)
     for i, (label, color, dash) in enumerate(items):
         row = y + i * _LEGEND_ROW
         dasharray = f' stroke-dasharray="{dash}"' if dash else ""
-        parts.append(f'<g class="legend-item"><line x1="{x}" y1="{row - 4}" x2="{x + 22}" y2="{row - 4}" stroke="{color}" '
-                     f'stroke-width="3"{dasharray}/>{_text(x + 28, row, label)}</g>')  # fmt: skip
+        parts.append(
+            f'<g class="legend-item"><line x1="{x}" y1="{row - 4}" x2="{x + 22}" y2="{row - 4}" stroke="{color}" '
+            f'stroke-width="3"{dasharray}/>{_text(x + 28, row, label)}</g>'
+        )
     return parts
 
 
-def line_chart(name: str, series: Sequence[Series], *, x_label: str, y_label: str, width: int = 900, height: int = 300,
-               empty: str = "nothing to draw yet") -> str:  # fmt: skip
+def line_chart(
+    name: str,
+    series: Sequence[Series],
+    *,
+    x_label: str,
+    y_label: str,
+    width: int = 900,
+    height: int = 300,
+    empty: str = "nothing to draw yet",
+) -> str:
     """Lines of ``series`` on shared axes (y from 0, or below where data goes negative), a legend
     under the plot; ``empty`` is written in place of lines when no series has a point."""
     points = [p for s in series for p in s.points]
@@ -124,19 +143,34 @@ def line_chart(name: str, series: Sequence[Series], *, x_label: str, y_label: st
             continue
         coords = " ".join(f"{x(px):.1f},{y(py):.1f}" for px, py in s.points)
         dasharray = f' stroke-dasharray="{s.dash}"' if s.dash else ""
-        group = [f'<polyline class="series" points="{coords}" fill="none" stroke="{s.color}" stroke-width="2.5"{dasharray}/>']
+        group = [
+            f'<polyline class="series" points="{coords}" fill="none" stroke="{s.color}" stroke-width="2.5"{dasharray}/>'
+        ]
         if s.markers:
-            group += [f'<circle class="point" cx="{x(px):.1f}" cy="{y(py):.1f}" r="4" fill="{s.color}"/>' for px, py in s.points]
-        parts.append(f'<g class="series-group" data-series="{escape(s.name)}" data-points="{len(s.points)}">'
-                     f'<title>{escape(s.name)}</title>{"".join(group)}</g>')  # fmt: skip
+            group += [
+                f'<circle class="point" cx="{x(px):.1f}" cy="{y(py):.1f}" r="4" fill="{s.color}"/>'
+                for px, py in s.points
+            ]
+        parts.append(
+            f'<g class="series-group" data-series="{escape(s.name)}" data-points="{len(s.points)}">'
+            f"<title>{escape(s.name)}</title>{''.join(group)}</g>"
+        )
     if legend_height:
         parts += _legend([(s.name, s.color, s.dash) for s in series], x=_MARGIN_LEFT, y=height - legend_height + 8)
     return _svg(width, height, name, parts)
 
 
-def timeline_chart(name: str, bars: Sequence[Bar], *, x_range: tuple[float, float], x_label: str,
-                   legend: Sequence[tuple[str, str]] = (), width: int = 900, row_height: int = 18,
-                   empty: str = "none ran") -> str:  # fmt: skip
+def timeline_chart(
+    name: str,
+    bars: Sequence[Bar],
+    *,
+    x_range: tuple[float, float],
+    x_label: str,
+    legend: Sequence[tuple[str, str]] = (),
+    width: int = 900,
+    row_height: int = 18,
+    empty: str = "none ran",
+) -> str:
     """One row per distinct ``Bar.row`` (in first-seen order), each bar from its start to its end
     over ``x_range``; a marked bar ends in a cross. ``legend``: (label, color) swatches."""
     rows = {row: i for i, row in enumerate(dict.fromkeys(b.row for b in bars))}  # row -> its index, top down
@@ -157,12 +191,16 @@ def timeline_chart(name: str, bars: Sequence[Bar], *, x_range: tuple[float, floa
     for b in bars:
         top = _MARGIN_TOP + rows[b.row] * row_height + 3
         left, right = x(b.start), max(x(b.end), x(b.start) + 2)  # a pod of a few seconds stays visible
-        parts.append(f'<rect class="bar {escape(b.kind)}" x="{left:.1f}" y="{top:.1f}" width="{right - left:.1f}" '
-                     f'height="{row_height - 6}" fill="{b.color}"><title>{escape(b.title)}</title></rect>')  # fmt: skip
+        parts.append(
+            f'<rect class="bar {escape(b.kind)}" x="{left:.1f}" y="{top:.1f}" width="{right - left:.1f}" '
+            f'height="{row_height - 6}" fill="{b.color}"><title>{escape(b.title)}</title></rect>'
+        )
         if b.marked:
             cy, r = top + (row_height - 6) / 2, 6
-            parts.append(f'<path class="mark" d="M{right - r:.1f},{cy - r:.1f}L{right + r:.1f},{cy + r:.1f}'
-                         f'M{right - r:.1f},{cy + r:.1f}L{right + r:.1f},{cy - r:.1f}" stroke="{MARK_COLOR}" stroke-width="3"/>')  # fmt: skip
+            parts.append(
+                f'<path class="mark" d="M{right - r:.1f},{cy - r:.1f}L{right + r:.1f},{cy + r:.1f}'
+                f'M{right - r:.1f},{cy + r:.1f}L{right + r:.1f},{cy - r:.1f}" stroke="{MARK_COLOR}" stroke-width="3"/>'
+            )
     if legend_items:
         parts += _legend(legend_items, x=_MARGIN_LEFT, y=height - legend_height + 8)
     return _svg(width, height, name, parts)

@@ -16,12 +16,12 @@ from contracts.evaluation import EvalResult
 from contracts.job_result import JobResult
 from contracts.samples import decode_group
 from contracts.status import RunStatus
-from services.ports.launcher.launcher import POD_NAME_ENV, POD_ROLE_ENV, PodSpec, cli_command, pod_outcome
-from services.ports.queue.queue import next_offsets
-from services.ports.state.state_schema import IterationRow
+from services.control.scheduler import plan as p
+from services.control.scheduler.evals import EvalAction
+from services.control.scheduler.run_state import ROLE_STANDBY
 from services.core.config import Settings
-from services.ports.prices.catalog import PriceCatalog
 from services.core.errors import PermanentError
+from services.domain.backlog import trainer_consumer
 from services.domain.names import (
     TRAINER_GROUP,
     eval_pod_name,
@@ -40,10 +40,10 @@ from services.domain.names import (
 from services.domain.policy_rotation import rotate
 from services.domain.prompts import InvalidPromptsError, parse_jsonl
 from services.domain.runspec import PromptItem, RunSpec, cycled_messages
-from services.control.scheduler import plan as p
-from services.control.scheduler.run_state import ROLE_STANDBY
-from services.control.scheduler.evals import EvalAction
-from services.domain.backlog import trainer_consumer
+from services.ports.launcher.launcher import POD_NAME_ENV, POD_ROLE_ENV, PodSpec, cli_command, pod_outcome
+from services.ports.prices.catalog import PriceCatalog
+from services.ports.queue.queue import next_offsets
+from services.ports.state.state_schema import IterationRow
 from services.ports.wiring import Backends
 
 log = logging.getLogger(__name__)
@@ -85,24 +85,50 @@ class Applier:
                 self.b.state.update_run(run_id, worker_slots_used=slot + 1)
                 name = rollout_pod_name(run_id, slot)
                 command = cli_command(["worker", run_id, "--worker-id", name])
-                self._launch(run_id, name, "rollout", command, spec.rollout.instance_type,
-                             "spot" if spec.rollout.spot and not on_demand else "on-demand", {"slot": str(slot)})
+                self._launch(
+                    run_id,
+                    name,
+                    "rollout",
+                    command,
+                    spec.rollout.instance_type,
+                    "spot" if spec.rollout.spot and not on_demand else "on-demand",
+                    {"slot": str(slot)},
+                )
             case p.LaunchTraining(run_id, iteration):
                 committed = sum(self.b.queue.committed(samples_topic(run_id), TRAINER_GROUP).values())
                 self.b.state.update_run(run_id, train_launch_committed=committed)
                 name = training_pod_name(run_id, iteration)
-                self._launch(run_id, name, "training",
-                             cli_command(["train-job", run_id, str(iteration)], processes=spec.training.processes),
-                             spec.training.instance_type, "on-demand", {"iteration": str(iteration)})
+                self._launch(
+                    run_id,
+                    name,
+                    "training",
+                    cli_command(["train-job", run_id, str(iteration)], processes=spec.training.processes),
+                    spec.training.instance_type,
+                    "on-demand",
+                    {"iteration": str(iteration)},
+                )
             case p.LaunchStandby(run_id, after):
-                self._launch(run_id, standby_pod_name(run_id, after), ROLE_STANDBY,
-                             [sys.executable, "-m", "services.control.scheduler.standby"],
-                             spec.training.instance_type, "on-demand", {"after_iteration": str(after)})
+                self._launch(
+                    run_id,
+                    standby_pod_name(run_id, after),
+                    ROLE_STANDBY,
+                    [sys.executable, "-m", "services.control.scheduler.standby"],
+                    spec.training.instance_type,
+                    "on-demand",
+                    {"after_iteration": str(after)},
+                )
             case p.LaunchRewardServer(run_id):
                 server = spec.reward_server
                 assert server is not None  # planned for a spec that asks for one
-                self._launch(run_id, reward_server_pod_name(run_id), p.ROLE_REWARD, cli_command(["reward-pod", run_id]),
-                             server.instance_type, "spot" if server.spot else "on-demand", {})
+                self._launch(
+                    run_id,
+                    reward_server_pod_name(run_id),
+                    p.ROLE_REWARD,
+                    cli_command(["reward-pod", run_id]),
+                    server.instance_type,
+                    "spot" if server.spot else "on-demand",
+                    {},
+                )
             case p.LaunchEval() | p.RecordEval() | p.RecordEvalFailure():
                 self._apply_eval(action, spec)
             case p.StopPod(name):
@@ -142,8 +168,15 @@ class Applier:
         match action:
             case p.LaunchEval(run_id, version):
                 self.b.state.open_eval(run_id, version, launched_at=time.time())  # first: a restarted scheduler sees it
-                self._launch(run_id, eval_pod_name(run_id, version), p.ROLE_EVAL, cli_command(["eval-job", run_id, str(version)]),
-                             spec.rollout.instance_type, "spot" if spec.rollout.spot else "on-demand", {"version": str(version)})
+                self._launch(
+                    run_id,
+                    eval_pod_name(run_id, version),
+                    p.ROLE_EVAL,
+                    cli_command(["eval-job", run_id, str(version)]),
+                    spec.rollout.instance_type,
+                    "spot" if spec.rollout.spot else "on-demand",
+                    {"version": str(version)},
+                )
             case p.RecordEval(run_id, version):
                 result = EvalResult.from_json(self.b.objects.get_bytes(eval_result_key(run_id, version)))
                 self.b.state.record_eval(run_id, result)
@@ -156,8 +189,16 @@ class Applier:
                     log.warning("run %s: %s", run_id, gave_up)
                     self.b.state.update_run(run_id, last_error=gave_up)
 
-    def _launch(self, run_id: str, name: str, role: str, command: list[str], instance_type: str,
-                capacity_type: str, labels: dict[str, str]) -> None:
+    def _launch(
+        self,
+        run_id: str,
+        name: str,
+        role: str,
+        command: list[str],
+        instance_type: str,
+        capacity_type: str,
+        labels: dict[str, str],
+    ) -> None:
         """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled.
 
         A launch that raises closes the entry at once, with nothing billed (should the pod have
@@ -236,9 +277,16 @@ class Applier:
         )
         log.info("run %s: iteration %d done, mean reward %.3f", run_id, iteration, r.mean_reward)
         # Versions whose evals have not finished are kept for their eval pods.
-        evaluating = [e.policy_version for e in self.b.state.eval_progress(run_id).open] if spec.eval is not None else []
-        rotate(self.b.objects, run_id, latest=self.b.state.policy_version(run_id), in_use=evaluating,
-               keep=self.settings.keep_policy_versions)  # fmt: skip
+        evaluating = (
+            [e.policy_version for e in self.b.state.eval_progress(run_id).open] if spec.eval is not None else []
+        )
+        rotate(
+            self.b.objects,
+            run_id,
+            latest=self.b.state.policy_version(run_id),
+            in_use=evaluating,
+            keep=self.settings.keep_policy_versions,
+        )
 
     def _commit_trained(self, run_id: str, iteration: int, result: JobResult) -> None:
         """Commit the samples a published iteration trained, if its job died before committing
@@ -249,8 +297,12 @@ class Applier:
         ahead = {part: offset for part, offset in result.offsets.items() if offset > committed.get(part, 0)}
         if not ahead:
             return
-        log.warning("run %s: training job %d published v%d and ended before committing its samples; committing them",
-                    run_id, iteration, result.policy_version)
+        log.warning(
+            "run %s: training job %d published v%d and ended before committing its samples; committing them",
+            run_id,
+            iteration,
+            result.policy_version,
+        )
         # No job is running (the next one starts once this iteration is recorded): joining the
         # trainer group as its member fences no one.
         consumer = trainer_consumer(self.b.queue, run_id)
@@ -276,8 +328,9 @@ class Applier:
                 records += polled
             if records:
                 ids = [sample.sample_id for r in records for sample in decode_group(r.value)]
-                self.b.objects.put_bytes(leftover_chunk_key(run_id, start, len(ids)),
-                                         json.dumps({"run_ended": ids}).encode())
+                self.b.objects.put_bytes(
+                    leftover_chunk_key(run_id, start, len(ids)), json.dumps({"run_ended": ids}).encode()
+                )
                 consumer.commit(next_offsets(records))
         finally:
             consumer.close()
@@ -289,8 +342,9 @@ class Applier:
         Queued samples only: what dynamic sampling dropped before queueing is ``samples_filtered``,
         which rollout workers add to and this leaves alone."""
         iterations = sum(it.samples_dropped for it in self.b.state.iterations(run_id))
-        leftovers = sum(int(key.rsplit("-", 1)[1].removesuffix(".json"))
-                        for key in self.b.objects.list(leftover_prefix(run_id)))
+        leftovers = sum(
+            int(key.rsplit("-", 1)[1].removesuffix(".json")) for key in self.b.objects.list(leftover_prefix(run_id))
+        )
         self.b.state.update_run(run_id, samples_dropped=iterations + leftovers)
 
     def _finish(self, run_id: str, status: RunStatus, reason: str) -> None:

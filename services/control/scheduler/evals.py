@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from contracts.status import RunStatus
-from services.ports.launcher.launcher import PodStatus
 
+from contracts.status import RunStatus
 from services.control.scheduler.run_state import Observed, RunState, retry_delay
+from services.ports.launcher.launcher import PodStatus
 
 ROLE_EVAL = "eval"
 # Failed eval pods of one version retried before its eval is given up (the run goes on without it).
@@ -74,9 +74,10 @@ def evals_due(run: RunState, observed: Observed, *, final: bool) -> list[LaunchE
     running = {int(p.labels["version"]) for p in observed.pods if p.role == ROLE_EVAL}
     due = [v for v, e in run.evals_open.items() if v not in running and observed.now >= e.retry_at]
     due += [
-        v for v in range(run.eval_launched_through + 1, run.iterations_done + 1)
+        v
+        for v in range(run.eval_launched_through + 1, run.iterations_done + 1)
         if v % spec.every_iterations == 0 or (final and v == run.iterations_done)
-    ]  # fmt: skip
+    ]
     return [LaunchEval(run.run_id, v) for v in sorted(due)]
 
 
@@ -92,8 +93,10 @@ def reap_eval(run: RunState, pod: PodStatus, observed: Observed) -> list[EvalAct
         return []
     failures = state.failures + 1
     if failures > EVAL_MAX_RETRIES:
-        reason = (f"eval of policy v{version} failed {failures} times (last exit code {pod.exit_code}), given up; "
-                  f"see `spotrl logs {pod.name}`")  # fmt: skip
+        reason = (
+            f"eval of policy v{version} failed {failures} times (last exit code {pod.exit_code}), given up; "
+            f"see `spotrl logs {pod.name}`"
+        )
         return [RecordEvalFailure(run.run_id, version, failures, observed.now, gave_up=reason)]
     return [RecordEvalFailure(run.run_id, version, failures, observed.now + retry_delay(failures))]
 
@@ -109,8 +112,14 @@ def evals_at_end(
     kept = [p for p in alive if p.role == ROLE_EVAL and not p.waiting_for_node]
     unplaced = sorted(int(p.labels["version"]) for p in alive if p.role == ROLE_EVAL and p.waiting_for_node)
     actions: list[EvalAction] = [
-        RecordEvalFailure(run.run_id, v, run.evals_open[v].failures, observed.now,
-                          gave_up=f"the run ended while the eval pod of policy v{v} waited for a node")
-        for v in unplaced if v in run.evals_open
-    ]  # fmt: skip
+        RecordEvalFailure(
+            run.run_id,
+            v,
+            run.evals_open[v].failures,
+            observed.now,
+            gave_up=f"the run ended while the eval pod of policy v{v} waited for a node",
+        )
+        for v in unplaced
+        if v in run.evals_open
+    ]
     return kept, [*actions, *evals_due(run, observed, final=True)]

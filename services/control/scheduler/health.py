@@ -43,7 +43,9 @@ class Heartbeat:
         return self.last is not None and self.live(stale_s)
 
 
-def serve_health(heartbeat: Heartbeat, port: int, host: str = "0.0.0.0", stale_s: float = STALE_S) -> http.server.ThreadingHTTPServer:
+def serve_health(
+    heartbeat: Heartbeat, port: int, host: str = "0.0.0.0", stale_s: float = STALE_S
+) -> http.server.ThreadingHTTPServer:
     """Serve ``/healthz`` and ``/readyz`` from a daemon thread; ``shutdown()`` the server to stop."""
 
     class Health(http.server.BaseHTTPRequestHandler):

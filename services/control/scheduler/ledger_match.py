@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.ports.launcher.launcher import PodOutcome, PodPhase, PodStatus, pod_outcome
 from services.control.cost.billing import NODE_BOOT_SECONDS
+from services.ports.launcher.launcher import PodOutcome, PodPhase, PodStatus, pod_outcome
 
 if TYPE_CHECKING:
     from services.control.scheduler.run_state import Observed

@@ -19,24 +19,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
-from services.ports.state.state_schema import RunRow
-from services.ports.state.state_store import EvalProgress
-from services.core.config import Settings
 from services.control.cost.billing import billed_dollars
-from services.ports.prices.catalog import PriceCatalog
-from services.ports.wiring import open_prices
-from services.core.errors import PermanentError, TemporaryError
-from services.domain.names import ROLLOUT_GROUP, eval_result_key, prompts_topic, result_key, samples_topic
-from services.domain.runspec import CostPolicy, RunSpec
 from services.control.scheduler import plan as p
-from services.control.scheduler.run_state import EvalState, Observed, ROLE_TRAINING, RunState
 from services.control.scheduler.apply import Applier
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
+from services.control.scheduler.run_state import ROLE_TRAINING, EvalState, Observed, RunState
 from services.control.tracking.sinks import SinkSet
-from services.domain.backlog import SampleBacklog, sample_backlog
 from services.control.tracking.sync import Tracker
-from services.ports.wiring import Backends
+from services.core.config import Settings
+from services.core.errors import PermanentError, TemporaryError
+from services.domain.backlog import SampleBacklog, sample_backlog
+from services.domain.names import ROLLOUT_GROUP, eval_result_key, prompts_topic, result_key, samples_topic
+from services.domain.runspec import CostPolicy, RunSpec
+from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_schema import RunRow
+from services.ports.state.state_store import EvalProgress
+from services.ports.wiring import Backends, open_prices
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +158,9 @@ class Scheduler:
                 for topic in (prompts_topic(run_id), samples_topic(run_id)):
                     self.b.queue.delete_topic(topic)
             except Exception as e:  # the queue's trouble is no run's: log it and try again later
-                log.warning("deleting the topics of ended run %s failed (%s: %s); retrying", run_id, type(e).__name__, e)
+                log.warning(
+                    "deleting the topics of ended run %s failed (%s: %s); retrying", run_id, type(e).__name__, e
+                )
                 return
             self.b.state.update_run(run_id, queues_deleted=True)
 
@@ -229,9 +230,15 @@ class Scheduler:
             self._logged.pop(run_id, None)
             return
         self._logged[run_id] = decided
-        log.info("run %s: %s (prompt backlog %d, sample backlog %d, trainer committed %d, pods %s)", run_id, decided,
-                 observed.prompt_backlog, observed.sample_backlog, observed.trainer_committed,
-                 ", ".join(f"{pod.name}:{pod.phase}" for pod in observed.pods) or "none")  # fmt: skip
+        log.info(
+            "run %s: %s (prompt backlog %d, sample backlog %d, trainer committed %d, pods %s)",
+            run_id,
+            decided,
+            observed.prompt_backlog,
+            observed.sample_backlog,
+            observed.trainer_committed,
+            ", ".join(f"{pod.name}:{pod.phase}" for pod in observed.pods) or "none",
+        )
 
     def observe(self, row: RunRow, pods: list, group_size: int, measure: bool = True) -> Observed:
         """The run's world now; the sample topic's records are groups of ``group_size`` samples.
@@ -240,8 +247,12 @@ class Scheduler:
         now = time.time()
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
         ledger = self.b.state.ledger(row.id)
-        ended_jobs = [int(pod.labels["iteration"]) for pod in pods if pod.role == ROLE_TRAINING and pod.phase.is_terminal()]
-        ended_evals = [int(pod.labels["version"]) for pod in pods if pod.role == p.ROLE_EVAL and pod.phase.is_terminal()]
+        ended_jobs = [
+            int(pod.labels["iteration"]) for pod in pods if pod.role == ROLE_TRAINING and pod.phase.is_terminal()
+        ]
+        ended_evals = [
+            int(pod.labels["version"]) for pod in pods if pod.role == p.ROLE_EVAL and pod.phase.is_terminal()
+        ]
         backlog = sample_backlog(self.b.queue, row.id, group_size) if started else SampleBacklog(0, 0, 0)
         return Observed(
             pods=pods,
@@ -255,6 +266,10 @@ class Scheduler:
             now=now,
             published=frozenset(i for i in ended_jobs if self.b.objects.exists(result_key(row.id, i))),
             evals_published=frozenset(v for v in ended_evals if self.b.objects.exists(eval_result_key(row.id, v))),
-            estimates=measured([(w.samples_produced, w.generation_seconds) for w in self.b.state.worker_stats(row.id)],
-                               [it.seconds for it in self.b.state.iterations(row.id)]) if measure else Estimates(None, None),
+            estimates=measured(
+                [(w.samples_produced, w.generation_seconds) for w in self.b.state.worker_stats(row.id)],
+                [it.seconds for it in self.b.state.iterations(row.id)],
+            )
+            if measure
+            else Estimates(None, None),
         )

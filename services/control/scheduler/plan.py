@@ -58,8 +58,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
-from services.ports.launcher.launcher import PodPhase, PodStatus
-from services.domain.runspec import run_end
 from services.control.scheduler.evals import (
     ROLE_EVAL,
     LaunchEval,
@@ -70,9 +68,18 @@ from services.control.scheduler.evals import (
     reap_eval,
 )
 from services.control.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
-from services.control.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
 from services.control.scheduler.policies import POLICIES, PolicyInput
-from services.control.scheduler.run_state import Observed, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING, RunState, retry_delay
+from services.control.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
+from services.control.scheduler.run_state import (
+    ROLE_ROLLOUT,
+    ROLE_STANDBY,
+    ROLE_TRAINING,
+    Observed,
+    RunState,
+    retry_delay,
+)
+from services.domain.runspec import run_end
+from services.ports.launcher.launcher import PodPhase, PodStatus
 
 # Prompts one tick publishes per run (~20 ms of embedded-queue writes on 2 CPU cores, measured);
 # a run that needs more (batch_samples / samples_per_prompt beyond this) gets them over several
@@ -240,7 +247,12 @@ def _next_step(run: RunState, observed: Observed) -> list[Action]:
         return actions + [FinishRun(run.run_id, status, reason)]
 
     # Training's decisions first; the evals ride beside them.
-    return actions + _feed_and_scale(run, observed, alive) + evals_due(run, observed, final=False) + reward_server_due(run, alive)
+    return (
+        actions
+        + _feed_and_scale(run, observed, alive)
+        + evals_due(run, observed, final=False)
+        + reward_server_due(run, alive)
+    )
 
 
 def _reap(run: RunState, done: Sequence[PodStatus], observed: Observed) -> list[Action]:
@@ -277,8 +289,11 @@ def _end_condition(run: RunState, observed: Observed) -> tuple[RunStatus, str] |
     if run.status.is_stopping() and run.ending_status is not None:
         return run.ending_status, run.ending_reason or ""
     end = run_end(
-        run.spec, iterations_done=run.iterations_done, last_mean_reward=run.last_mean_reward,
-        spent_dollars=observed.spent_dollars, best_eval=run.best_eval,
+        run.spec,
+        iterations_done=run.iterations_done,
+        last_mean_reward=run.last_mean_reward,
+        spent_dollars=observed.spent_dollars,
+        best_eval=run.best_eval,
     )
     return None if end is None else (end.status, end.reason)
 
@@ -303,16 +318,26 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     if spec.iterations is not None:
         still_needed = max(0, spec.iterations - run.iterations_done - len(training)) * batch
         want = min(want, still_needed)
-    to_publish = min(MAX_PROMPTS_PER_TICK, math.ceil((want - coming) / n)) if want > coming else 0  # the rest on later ticks
+    to_publish = (
+        min(MAX_PROMPTS_PER_TICK, math.ceil((want - coming) / n)) if want > coming else 0
+    )  # the rest on later ticks
 
     decision = POLICIES[spec.cost_policy](
         PolicyInput(
-            spec=spec, now=observed.now, started_at=run.started_at, training_running=bool(training),
-            training_started_at=min((p.started_at for p in training), default=None), standby=bool(standby),
-            workers=len(workers), workers_on_node=sum(not p.waiting_for_node for p in workers),
-            prompt_backlog=observed.prompt_backlog, to_publish=to_publish,
-            queued_for_next=queued_for_next, still_needed=still_needed,
-            samples_produced=observed.samples_produced, estimates=observed.estimates,
+            spec=spec,
+            now=observed.now,
+            started_at=run.started_at,
+            training_running=bool(training),
+            training_started_at=min((p.started_at for p in training), default=None),
+            standby=bool(standby),
+            workers=len(workers),
+            workers_on_node=sum(not p.waiting_for_node for p in workers),
+            prompt_backlog=observed.prompt_backlog,
+            to_publish=to_publish,
+            queued_for_next=queued_for_next,
+            still_needed=still_needed,
+            samples_produced=observed.samples_produced,
+            estimates=observed.estimates,
         )
     )
     if to_publish and decision.publish:
@@ -325,7 +350,7 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     for i in range(decision.workers - len(workers)):
         actions.append(LaunchWorker(run.run_id, run.worker_slots_used + i, on_demand=decision.on_demand))
     # A smaller pool stops those waiting for a node first: they make nothing yet.
-    for pod in sorted(workers, key=lambda p: p.waiting_for_node)[decision.workers:]:
+    for pod in sorted(workers, key=lambda p: p.waiting_for_node)[decision.workers :]:
         actions.append(StopPod(pod.name))
 
     if not training and observed.sample_backlog >= batch and observed.now >= run.next_train_at:

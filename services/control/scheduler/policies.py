@@ -134,7 +134,11 @@ def _batch_handed_over(x: PolicyInput) -> bool:
     prompts are published next tick, so the pool stays up (idle for a tick, where stopping it would
     cost each worker a start-up)."""
     queued = x.queued_for_next
-    return not x.training_running and queued >= x.spec.batch_samples and (x.still_needed is None or x.still_needed > queued)
+    return (
+        not x.training_running
+        and queued >= x.spec.batch_samples
+        and (x.still_needed is None or x.still_needed > queued)
+    )
 
 
 def _prompts_come_within_startup(x: PolicyInput) -> bool:
@@ -193,8 +197,9 @@ POLICIES: dict[CostPolicy, Policy] = {
 }
 
 
-def measured(generated: list[tuple[int, float]], job_seconds: list[float],
-             startup_seconds: float = DEFAULT_STARTUP_SECONDS) -> Estimates:
+def measured(
+    generated: list[tuple[int, float]], job_seconds: list[float], startup_seconds: float = DEFAULT_STARTUP_SECONDS
+) -> Estimates:
     """The run's estimates from its workers' (samples, generation seconds) and its jobs' seconds
     (the last few: a job's time changes little between batches)."""
     samples = sum(s for s, _ in generated)

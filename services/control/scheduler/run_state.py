@@ -20,6 +20,8 @@ ROLE_TRAINING = "training"
 ROLE_STANDBY = "standby"  # the warm training node between jobs (module docstring)
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
+
+
 def retry_delay(failures: int) -> float:
     """Exponential backoff after the ``failures``-th failed training job: 5 s, 10 s, 20 s ... 300 s."""
     return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(0, failures - 1))

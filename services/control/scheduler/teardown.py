@@ -54,8 +54,9 @@ class TeardownReport:
     left: list[str] = field(default_factory=list)
 
 
-def teardown(launcher: Launcher, state: StateStore | None, *, grace_s: float, timeout_s: float,
-             poll_s: float = POLL_S) -> TeardownReport:  # fmt: skip
+def teardown(
+    launcher: Launcher, state: StateStore | None, *, grace_s: float, timeout_s: float, poll_s: float = POLL_S
+) -> TeardownReport:
     """Stop and delete every pod of ``launcher`` and end every run of ``state`` (module docstring)."""
     runs = _Runs(state)
     report = TeardownReport()
@@ -112,8 +113,10 @@ class _Runs:
         self._do("cancelling the runs", cancel)
 
     def close_ledger(self, pod: str, ended_at: float | None, outcome: PodOutcome) -> None:
-        self._do(f"closing the ledger entry of {pod}",
-                 lambda state: state.close_ledger(pod, ended_at=ended_at or time.time(), outcome=outcome))  # fmt: skip
+        self._do(
+            f"closing the ledger entry of {pod}",
+            lambda state: state.close_ledger(pod, ended_at=ended_at or time.time(), outcome=outcome),
+        )
 
     def end_stopping(self, busy: set[str]) -> list[str]:
         """End each stopping run that has no pod left (``busy``: the runs that have), with the end
@@ -129,7 +132,9 @@ class _Runs:
                     if entry.ended_at is None:  # a pod no launcher lists any more: its end is unknown
                         state.close_ledger(entry.pod, ended_at=now)
                 try:
-                    state.set_status(row.id, RunStatus(row.ending_status or RunStatus.CANCELLED), row.ending_reason or REASON)
+                    state.set_status(
+                        row.id, RunStatus(row.ending_status or RunStatus.CANCELLED), row.ending_reason or REASON
+                    )
                 except IllegalTransitionError as e:  # a scheduler ended it meanwhile
                     log.info("run %s: %s", row.id, e)
                     continue

@@ -17,8 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
-from services.domain.runspec import CostPolicy
 from services.control.simulate.workload import Workload
+from services.domain.runspec import CostPolicy
 
 
 def workload_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -29,7 +29,9 @@ def workload_options(command: Callable[..., Any]) -> Callable[..., Any]:
     fields = [f for f in dataclasses.fields(Workload) if "help" in f.metadata]
     options = [
         inspect.Parameter(
-            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=f.default,
             annotation=Annotated[hints[f.name], typer.Option(help=f.metadata["help"])],
         )
         for f in fields
@@ -48,7 +50,10 @@ def workload_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 @workload_options
 def simulate_command(
-    trace: Annotated[Path, typer.Option(help="SkyPilot spot-traces JSON: spot instances available per tick.", exists=True, dir_okay=False)],
+    trace: Annotated[
+        Path,
+        typer.Option(help="SkyPilot spot-traces JSON: spot instances available per tick.", exists=True, dir_okay=False),
+    ],
     policy: Annotated[CostPolicy, typer.Option(help="Cost policy to run.")] = CostPolicy.COST_AWARE,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures to this JSON file.")] = None,
     *,
@@ -70,4 +75,7 @@ def simulate_command(
         json_out.write_text(json.dumps(figures, indent=2) + "\n")
     typer.echo(json.dumps(figures, indent=2))
     if not result.finished:
-        typer.echo(f"the run had not ended after {workload.horizon_days:g} simulated days (too little spot capacity in the trace?)", err=True)
+        typer.echo(
+            f"the run had not ended after {workload.horizon_days:g} simulated days (too little spot capacity in the trace?)",
+            err=True,
+        )

@@ -61,8 +61,14 @@ def gap(pods: Sequence[PodSpan], dollars: float, rollout_bound: float, training_
     return parts
 
 
-def forced_training_startups(iterations: int, batch_samples: int, spot_workers: int, worker_samples_per_s: float,
-                             training_seconds: float, startup_seconds: float) -> int:
+def forced_training_startups(
+    iterations: int,
+    batch_samples: int,
+    spot_workers: int,
+    worker_samples_per_s: float,
+    training_seconds: float,
+    startup_seconds: float,
+) -> int:
     """The training start-ups a policy pays whatever it does, with at most ``spot_workers`` making
     samples (rollout on spot only) and its wall time kept near threshold's: the first job's, and
     every later one's when the next batch takes longer to make than a job trains by more than a

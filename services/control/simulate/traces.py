@@ -64,8 +64,11 @@ class SpotTrace:
         n = len(self.available)
         periods, rest = divmod(max(0.0, t), n * self.gap_seconds)
         tick = min(int(rest // self.gap_seconds), n - 1)  # float noise must not reach past the last tick
-        return (periods * self._cumulative[n] + self._cumulative[tick]
-                + (rest - tick * self.gap_seconds) * self._prices()[tick])
+        return (
+            periods * self._cumulative[n]
+            + self._cumulative[tick]
+            + (rest - tick * self.gap_seconds) * self._prices()[tick]
+        )
 
 
 def parse_trace(name: str, data: dict) -> SpotTrace:
@@ -82,8 +85,10 @@ def parse_trace(name: str, data: dict) -> SpotTrace:
     if gap <= 0 or not available or min(available) < 0:
         raise ValueError(f"trace {name}: gap_seconds must be > 0 and data a non-empty list of counts >= 0")
     if prices is not None and (len(prices) != len(available) or min(prices) < 0):
-        raise ValueError(f"trace {name}: prices must hold one price >= 0 per tick of data "
-                         f"({len(prices)} prices for {len(available)} ticks)")
+        raise ValueError(
+            f"trace {name}: prices must hold one price >= 0 per tick of data "
+            f"({len(prices)} prices for {len(available)} ticks)"
+        )
     return SpotTrace(name=name, gap_seconds=gap, available=available, prices=prices)
 
 
@@ -99,5 +104,7 @@ def traces_in(directory: Path) -> list[Path]:
     """The JSON traces under ``directory``, in a stable order."""
     found = sorted(directory.rglob("*.json"))
     if not found:
-        raise FileNotFoundError(f"no *.json spot traces under {directory}; give --traces DIR with SkyPilot spot-traces JSON files")
+        raise FileNotFoundError(
+            f"no *.json spot traces under {directory}; give --traces DIR with SkyPilot spot-traces JSON files"
+        )
     return found

@@ -33,7 +33,9 @@ class Workload:
     startup_seconds: float = _option(90.0, "Node start plus model load per launch, seconds.")
     spot_notice_seconds: float = _option(120.0, "Seconds of notice before a spot preemption (AWS 120, GCP 30).")
     staleness_bound: int = _option(1, "Policy versions a sample may lag before it is dropped.")
-    deadline_hours: float | None = _option(None, "Deadline of the run, hours (cost-aware may then use on-demand rollout).")
+    deadline_hours: float | None = _option(
+        None, "Deadline of the run, hours (cost-aware may then use on-demand rollout)."
+    )
     rollout_instance_type: str = _option("g6.xlarge", "Catalog instance type of the rollout workers.")
     training_instance_type: str = _option("p4d.24xlarge", "Catalog instance type of the training job (on-demand).")
     tick_seconds: float = 10.0
@@ -45,16 +47,22 @@ class Workload:
 
     def spec(self, policy: CostPolicy) -> RunSpec:
         prompts_per_batch = math.ceil(self.batch_samples / self.samples_per_prompt / self.workers)
-        return RunSpec.model_validate({
-            "model": "tiny",
-            "prompts": [{"prompt": "simulated"}],
-            "samples_per_prompt": self.samples_per_prompt,
-            "batch_samples": self.batch_samples,
-            "iterations": self.iterations,
-            "staleness_bound": self.staleness_bound,
-            "cost_policy": policy,
-            "deadline_seconds": self.deadline_seconds,
-            "rollout": {"instance_type": self.rollout_instance_type, "min_workers": 0,
-                        "max_workers": max(self.max_workers, self.workers), "prompts_per_batch": prompts_per_batch},
-            "training": {"instance_type": self.training_instance_type},
-        })
+        return RunSpec.model_validate(
+            {
+                "model": "tiny",
+                "prompts": [{"prompt": "simulated"}],
+                "samples_per_prompt": self.samples_per_prompt,
+                "batch_samples": self.batch_samples,
+                "iterations": self.iterations,
+                "staleness_bound": self.staleness_bound,
+                "cost_policy": policy,
+                "deadline_seconds": self.deadline_seconds,
+                "rollout": {
+                    "instance_type": self.rollout_instance_type,
+                    "min_workers": 0,
+                    "max_workers": max(self.max_workers, self.workers),
+                    "prompts_per_batch": prompts_per_batch,
+                },
+                "training": {"instance_type": self.training_instance_type},
+            }
+        )

@@ -28,18 +28,18 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from contracts.status import RunStatus
-from services.ports.launcher.launcher import PodPhase, PodStatus, pod_outcome
-from services.ports.state.state_store import LedgerEntry
 from services.control.cost.billing import NODE_BOOT_SECONDS, billed_dollars
-from services.ports.prices.catalog import PriceCatalog, load_catalog
 from services.control.cost.report import cost_report
-from services.domain.runspec import CostPolicy, RunSpec
 from services.control.scheduler import plan as p
-from services.control.scheduler.run_state import Observed, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING, RunState
 from services.control.scheduler.policies import measured
+from services.control.scheduler.run_state import ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING, Observed, RunState
 from services.control.simulate.gap import PodSpan, gap
 from services.control.simulate.traces import SpotTrace
 from services.control.simulate.workload import Workload
+from services.domain.runspec import CostPolicy, RunSpec
+from services.ports.launcher.launcher import PodPhase, PodStatus, pod_outcome
+from services.ports.prices.catalog import PriceCatalog, load_catalog
+from services.ports.state.state_store import LedgerEntry
 
 RUN_ID = "sim"
 # A training node whose pod ended this long ago is still up (Kubernetes' cluster autoscaler waits
@@ -63,7 +63,9 @@ class SimResult:
     training_busy_fraction: float
     deadline_met: bool | None
     finished: bool = True  # False: still running at the horizon (not in the JSON)
-    gap: dict[str, float] = field(default_factory=dict)  # dollars above the bound, by part (services.control.simulate.gap)
+    gap: dict[str, float] = field(
+        default_factory=dict
+    )  # dollars above the bound, by part (services.control.simulate.gap)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("finished", "gap")}
@@ -126,7 +128,7 @@ class _World:
     def _place_waiting_workers(self) -> None:
         """Spot workers waiting for a node take the trace's free capacity, oldest first."""
         free = self.trace.at(self.now) - len(self._spot_workers())
-        for pod in sorted(self._spot_workers(waiting=True), key=lambda w: w.status.started_at)[:max(0, free)]:
+        for pod in sorted(self._spot_workers(waiting=True), key=lambda w: w.status.started_at)[: max(0, free)]:
             joined = self.now + min(NODE_BOOT_SECONDS, self.workload.startup_seconds)
             pod.status = replace(pod.status, waiting_for_node=False, node_joined_at=joined)
             pod.ready_at = self.now + self.workload.startup_seconds
@@ -134,13 +136,19 @@ class _World:
     def _preempt_beyond_capacity(self) -> None:
         held = [w for w in self._spot_workers() if w.preempt_at is None]
         excess = len(held) - self.trace.at(self.now)
-        for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[:max(0, excess)]:
+        for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[: max(0, excess)]:
             pod.preempt_at = self.now + self.workload.spot_notice_seconds
 
     def _spot_workers(self, waiting: bool = False) -> list[_Pod]:
         """The running spot workers on a node (``waiting``: those waiting for one)."""
-        return [w for w in self.pods.values() if w.status.role == ROLE_ROLLOUT and w.status.capacity_type == "spot"
-                and w.status.phase == PodPhase.RUNNING and w.status.waiting_for_node == waiting]
+        return [
+            w
+            for w in self.pods.values()
+            if w.status.role == ROLE_ROLLOUT
+            and w.status.capacity_type == "spot"
+            and w.status.phase == PodPhase.RUNNING
+            and w.status.waiting_for_node == waiting
+        ]
 
     def _generate(self, pod: _Pod, t: float, end: float) -> None:
         n = self.spec.samples_per_prompt
@@ -177,15 +185,23 @@ class _World:
             prompt_backlog=self.prompts_pending,
             sample_backlog=sum(s for _, s in self.groups),
             samples_produced=self.produced,
-            spent_dollars=sum(billed_dollars(self.billed_ledger(self.now), self.catalog, self.now)),  # as the real loop counts it
+            spent_dollars=sum(
+                billed_dollars(self.billed_ledger(self.now), self.catalog, self.now)
+            ),  # as the real loop counts it
             billed=frozenset(self.ledger),
             open_entries={e.pod: e.started_at for e in self.ledger.values() if e.ended_at is None},
             now=self.now,
             trainer_committed=self.trainer_committed,
-            published=frozenset(int(pod.status.labels["iteration"]) for pod in self.pods.values()
-                                if pod.status.role == ROLE_TRAINING and pod.status.phase == PodPhase.SUCCEEDED),
-            estimates=measured([(w.generated, w.generation_seconds) for w in self._all_workers()],
-                               self.job_seconds, self.workload.startup_seconds),
+            published=frozenset(
+                int(pod.status.labels["iteration"])
+                for pod in self.pods.values()
+                if pod.status.role == ROLE_TRAINING and pod.status.phase == PodPhase.SUCCEEDED
+            ),
+            estimates=measured(
+                [(w.generated, w.generation_seconds) for w in self._all_workers()],
+                self.job_seconds,
+                self.workload.startup_seconds,
+            ),
         )
 
     def billed_ledger(self, now: float) -> list[LedgerEntry]:
@@ -216,27 +232,46 @@ class _World:
                 self.run = replace(run, worker_slots_used=slot + 1)
                 spot = self.spec.rollout.spot and not on_demand
                 no_capacity = spot and len(self._spot_workers()) >= self.trace.at(self.now)
-                pod = self._launch(f"{RUN_ID}-rollout-{slot}", ROLE_ROLLOUT, self.spec.rollout.instance_type,
-                                   "spot" if spot else "on-demand", {"slot": str(slot)})
+                pod = self._launch(
+                    f"{RUN_ID}-rollout-{slot}",
+                    ROLE_ROLLOUT,
+                    self.spec.rollout.instance_type,
+                    "spot" if spot else "on-demand",
+                    {"slot": str(slot)},
+                )
                 if no_capacity:  # it waits for a node (_place_waiting_workers)
                     pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
             case p.LaunchStandby(_, after):
                 ready = self._node_ready_at()
-                pod = self._launch(f"{RUN_ID}-warm-{after}", ROLE_STANDBY, self.spec.training.instance_type,
-                                   "on-demand", {"after_iteration": str(after)})
+                pod = self._launch(
+                    f"{RUN_ID}-warm-{after}",
+                    ROLE_STANDBY,
+                    self.spec.training.instance_type,
+                    "on-demand",
+                    {"after_iteration": str(after)},
+                )
                 pod.ready_at = ready
             case p.LaunchTraining(_, iteration):
                 self.run = replace(run, train_launch_committed=self.trainer_committed)
                 ready = self._node_ready_at()
-                pod = self._launch(f"{RUN_ID}-train-{iteration}", ROLE_TRAINING, self.spec.training.instance_type,
-                                   "on-demand", {"iteration": str(iteration)})
+                pod = self._launch(
+                    f"{RUN_ID}-train-{iteration}",
+                    ROLE_TRAINING,
+                    self.spec.training.instance_type,
+                    "on-demand",
+                    {"iteration": str(iteration)},
+                )
                 pod.ready_at = ready
                 pod.done_at = pod.ready_at + self.workload.training_minutes * 60.0
             case p.StopPod(name):
                 pod = self.pods[name]
                 if pod.status.phase == PodPhase.RUNNING:
-                    self._end(pod, self.now, PodPhase.SUCCEEDED if pod.status.role != ROLE_TRAINING else PodPhase.FAILED,
-                              0 if pod.status.role != ROLE_TRAINING else -15)
+                    self._end(
+                        pod,
+                        self.now,
+                        PodPhase.SUCCEEDED if pod.status.role != ROLE_TRAINING else PodPhase.FAILED,
+                        0 if pod.status.role != ROLE_TRAINING else -15,
+                    )
             case p.DeferEntry(name, started_at):  # a worker waited for a node
                 self.ledger[name] = replace(self.ledger[name], started_at=started_at)
             case p.CloseEntry(name, ended_at, outcome) if outcome is not None:  # an ended pod, reaped this same tick
@@ -263,22 +298,45 @@ class _World:
 
     def _node_ready_at(self) -> float:
         """When a training or standby pod launched now can start work: at once on a warm node."""
-        standby = [s.ready_at for s in self.pods.values() if s.status.role == ROLE_STANDBY
-                   and s.status.phase == PodPhase.RUNNING]
+        standby = [
+            s.ready_at
+            for s in self.pods.values()
+            if s.status.role == ROLE_STANDBY and s.status.phase == PodPhase.RUNNING
+        ]
         if self.now - self.node_released_at <= HANDOVER_SECONDS:
             standby.append(self.now)
         return max(self.now, min(standby, default=self.now + self.workload.startup_seconds))
 
     def _launch(self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str]) -> _Pod:
-        status = PodStatus(name=name, run_id=RUN_ID, role=role, instance_type=instance_type, capacity_type=capacity,
-                           labels=labels, phase=PodPhase.RUNNING, exit_code=None, started_at=self.now, ended_at=None, pid=None)
+        status = PodStatus(
+            name=name,
+            run_id=RUN_ID,
+            role=role,
+            instance_type=instance_type,
+            capacity_type=capacity,
+            labels=labels,
+            phase=PodPhase.RUNNING,
+            exit_code=None,
+            started_at=self.now,
+            ended_at=None,
+            pid=None,
+        )
         price = self.catalog.get(instance_type)
         per_hour, source = price.price(capacity), price.source
         if role == ROLE_ROLLOUT and capacity == "spot" and self.trace.prices is not None:
             per_hour, source = self.trace.price_at(self.now), f"trace {self.trace.name}'s prices (billed tick by tick)"
-        self.ledger[name] = LedgerEntry(id=len(self.ledger), run_id=RUN_ID, role=role, pod=name, instance_type=instance_type,
-                                        capacity_type=capacity, price_per_hour=per_hour,
-                                        price_source=source, started_at=self.now, ended_at=None)
+        self.ledger[name] = LedgerEntry(
+            id=len(self.ledger),
+            run_id=RUN_ID,
+            role=role,
+            pod=name,
+            instance_type=instance_type,
+            capacity_type=capacity,
+            price_per_hour=per_hour,
+            price_source=source,
+            started_at=self.now,
+            ended_at=None,
+        )
         pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds)
         self.pods[name] = pod
         self._all_pods.append(pod)
@@ -297,8 +355,9 @@ class _World:
         self.trainer_committed += taken
 
 
-def simulate(trace: SpotTrace, policy: CostPolicy, workload: Workload = Workload(),
-             catalog: PriceCatalog | None = None) -> SimResult:
+def simulate(
+    trace: SpotTrace, policy: CostPolicy, workload: Workload = Workload(), catalog: PriceCatalog | None = None
+) -> SimResult:
     """Run ``workload`` under ``policy`` on ``trace`` until the run ends; its bill and figures."""
     catalog = catalog or load_catalog()
     # Refuses instance types priced in two currencies before simulating (a MixedCurrencyError).
@@ -317,8 +376,14 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     w, spec, catalog = world.workload, world.spec, world.catalog
     started, ended = world.run.started_at or 0.0, world.now
     entries = world.billed_ledger(ended)
-    report = cost_report(entries, catalog=catalog, training_instance_type=spec.training.instance_type,
-                         run_started_at=started, run_ended_at=ended, now=ended)
+    report = cost_report(
+        entries,
+        catalog=catalog,
+        training_instance_type=spec.training.instance_type,
+        run_started_at=started,
+        run_ended_at=ended,
+        now=ended,
+    )
     trained_batches = world.run.iterations_done
     rollout_busy = trained_batches * spec.batch_samples / (w.worker_samples_per_hour / 3600.0)
     training_busy = trained_batches * w.training_minutes * 60.0
@@ -341,10 +406,16 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
         samples_dropped_stale=world.stale,
         preemptions=world.preemptions,
         training_busy_fraction=round(training_busy / node_seconds, 4) if node_seconds else 0.0,
-        deadline_met=None if w.deadline_seconds is None else world.run.status.is_terminal() and wall <= w.deadline_seconds,
+        deadline_met=None
+        if w.deadline_seconds is None
+        else world.run.status.is_terminal() and wall <= w.deadline_seconds,
         finished=world.run.status.is_terminal(),
-        gap=gap([_span(pod, billed[pod.status.name], ended) for pod in world._all_pods],
-                report.total_dollars, rollout_bound, training_bound),
+        gap=gap(
+            [_span(pod, billed[pod.status.name], ended) for pod in world._all_pods],
+            report.total_dollars,
+            rollout_bound,
+            training_bound,
+        ),
     )
 
 
@@ -356,5 +427,11 @@ def _span(pod: _Pod, entry: LedgerEntry, now: float) -> PodSpan:
         busy = max(0.0, min(pod.done_at, end) - pod.ready_at)
     else:  # a standby holds the node and runs nothing
         busy = 0.0
-    return PodSpan(rollout=pod.status.role == ROLE_ROLLOUT, started_at=entry.started_at, ready_at=pod.ready_at,
-                   ended_at=end, busy_seconds=busy, price_per_hour=entry.price_per_hour)
+    return PodSpan(
+        rollout=pod.status.role == ROLE_ROLLOUT,
+        started_at=entry.started_at,
+        ready_at=pod.ready_at,
+        ended_at=end,
+        busy_seconds=busy,
+        price_per_hour=entry.price_per_hour,
+    )

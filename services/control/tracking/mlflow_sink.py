@@ -90,14 +90,18 @@ class MlflowServer:
                 if e.code != "RESOURCE_DOES_NOT_EXIST":
                     raise
                 try:
-                    self._experiments[name] = self.call("POST", "/experiments/create", json={"name": name})["experiment_id"]
+                    self._experiments[name] = self.call("POST", "/experiments/create", json={"name": name})[
+                        "experiment_id"
+                    ]
                 except MlflowError as again:
                     if again.code != "RESOURCE_ALREADY_EXISTS":
                         raise
                     return self.experiment_id(name)
             else:
                 if found.get("lifecycle_stage") == "deleted":
-                    raise TrackingError(f"MLflow at {self.url}: experiment {name!r} is deleted: restore it, or name another") from None
+                    raise TrackingError(
+                        f"MLflow at {self.url}: experiment {name!r} is deleted: restore it, or name another"
+                    ) from None
                 self._experiments[name] = found["experiment_id"]
         return self._experiments[name]
 
@@ -108,17 +112,22 @@ class MlflowServer:
             return self.runs[run_id]
         experiment_id = self.experiment_id(experiment)
         found = self.call(
-            "POST", "/runs/search",
+            "POST",
+            "/runs/search",
             json={"experiment_ids": [experiment_id], "filter": f"tags.`{RUN_TAG}` = '{run_id}'", "max_results": 1},
-        ).get("runs", [])  # fmt: skip
+        ).get("runs", [])
         if found:
             mlflow_id = found[0]["info"]["run_id"]
-            metrics = self.call("GET", "/runs/get", params={"run_id": mlflow_id})["run"].get("data", {}).get("metrics", [])
+            metrics = (
+                self.call("GET", "/runs/get", params={"run_id": mlflow_id})["run"].get("data", {}).get("metrics", [])
+            )
             self.logged[run_id] = {m["key"]: int(m.get("step", 0)) for m in metrics}
         else:
             tags = [{"key": RUN_TAG, "value": run_id}, {"key": "mlflow.source.name", "value": "spotrl"}]
             created = self.call(
-                "POST", "/runs/create", json={"experiment_id": experiment_id, "run_name": run_id, "start_time": start_ms, "tags": tags}
+                "POST",
+                "/runs/create",
+                json={"experiment_id": experiment_id, "run_name": run_id, "start_time": start_ms, "tags": tags},
             )
             mlflow_id = created["run"]["info"]["run_id"]
             self.logged[run_id] = {}

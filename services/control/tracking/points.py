@@ -20,11 +20,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.control.cost.billing import billed_dollars
+from services.control.cost.cost_over_time import ledger_at
+from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_schema import IterationRow, PodMemoryRow
 from services.ports.state.state_store import LedgerEntry
-from services.control.cost.billing import billed_dollars
-from services.ports.prices.catalog import PriceCatalog
-from services.control.cost.cost_over_time import ledger_at
 
 # Keys of held-out evaluations start with this; every other key is a training iteration's.
 EVAL_PREFIX = "eval/"
@@ -57,7 +57,10 @@ def iteration_point(row: IterationRow, dollars_so_far: float, memory: dict[str, 
     values = {
         key: float(v)
         for key, v in (row.metrics or {}).items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and not key.startswith(EVAL_PREFIX)
+        if isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and not key.startswith(EVAL_PREFIX)
     }
     values.setdefault("reward/mean", row.mean_reward)
     values["timing_s/iteration"] = row.seconds

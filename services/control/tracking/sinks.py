@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
-from services.ports.objects.object_store import ObjectStore
-from services.core.config import Settings
 from services.control.tracking.sink import Sink, TrackingError
+from services.core.config import Settings
+from services.ports.objects.object_store import ObjectStore
 
 if TYPE_CHECKING:
     from services.domain.runspec import Tracking
@@ -50,7 +50,9 @@ def missing_settings(tracking: Tracking | None, settings: Settings) -> list[str]
         and settings.wandb_api_key is None
         and settings.wandb_api_key_file is None
     ):
-        missing.append("tracking.wandb needs the operator's W&B API key (SPOTRL_WANDB_API_KEY or SPOTRL_WANDB_API_KEY_FILE)")
+        missing.append(
+            "tracking.wandb needs the operator's W&B API key (SPOTRL_WANDB_API_KEY or SPOTRL_WANDB_API_KEY_FILE)"
+        )
     if tracking.wandb is not None and importlib.util.find_spec("wandb") is None:  # looked up, not imported
         missing.append("tracking.wandb needs W&B's package beside the scheduler (pip install 'spotrl[wandb]')")
     return missing
@@ -105,7 +107,9 @@ class SinkSet:
 
         if self._wandb is None:
             key = read_secret(s.wandb_api_key, s.wandb_api_key_file, "W&B API key")
-            self._wandb = WandbSession(s.resolved_wandb_dir(), mode=s.wandb_mode, api_key=key, base_url=s.wandb_base_url)
+            self._wandb = WandbSession(
+                s.resolved_wandb_dir(), mode=s.wandb_mode, api_key=key, base_url=s.wandb_base_url
+            )
         return WandbSink(self._wandb, project=target[0], entity=target[1] or None)
 
     def close(self) -> None:

@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
-from services.ports.state.state_schema import IterationRow, RunRow, TrackingCursorRow
-from services.ports.state.state_store import LedgerEntry, StateStore
-from services.ports.prices.catalog import PriceCatalog
-from services.domain.runspec import Tracking
 from services.control.tracking.points import Point, dollars_at, eval_point, iteration_point, memory_figures
 from services.control.tracking.sink import Sink, TrackingError
 from services.control.tracking.sinks import SinkSet
+from services.domain.runspec import Tracking
+from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_schema import IterationRow, RunRow, TrackingCursorRow
+from services.ports.state.state_store import LedgerEntry, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,9 @@ def sync_run(
     todo = [(sink, cursors.get(sink.name)) for sink in sinks]
     todo = [(sink, c) for sink, c in todo if c is None or not c.ended]
     newest_eval = max((e.step for e in evals), default=-1)
-    if not any(c is None or c.iteration < run.iterations_done or c.eval_version < newest_eval or ended for _, c in todo):
+    if not any(
+        c is None or c.iteration < run.iterations_done or c.eval_version < newest_eval or ended for _, c in todo
+    ):
         return  # nothing new for any sink: no read beyond the cursors
     start = min(c.iteration if c is not None else 0 for _, c in todo)
     rows = state.iterations(run.id, after=start, limit=limit)
@@ -82,8 +84,14 @@ def sync_run(
         raise TrackingError(f"run {run.id}: " + "; ".join(failures))
 
 
-def _iteration_points(run: RunRow, rows: Sequence[IterationRow], *, state: StateStore, entries: Sequence[LedgerEntry],
-                      catalog: PriceCatalog) -> list[Point]:  # fmt: skip
+def _iteration_points(
+    run: RunRow,
+    rows: Sequence[IterationRow],
+    *,
+    state: StateStore,
+    entries: Sequence[LedgerEntry],
+    catalog: PriceCatalog,
+) -> list[Point]:
     """The points of iterations ``rows``, each with the run's bill then and its pods' memory since
     the iteration before (the first: since the run started)."""
     if not rows:
@@ -100,8 +108,17 @@ def _iteration_points(run: RunRow, rows: Sequence[IterationRow], *, state: State
     return points
 
 
-def _sync_sink(run: RunRow, sink: Sink, cursor: TrackingCursorRow | None, *, state: StateStore, points: list[Point],
-               evals: Sequence[Point], complete: bool, ended: bool) -> None:  # fmt: skip
+def _sync_sink(
+    run: RunRow,
+    sink: Sink,
+    cursor: TrackingCursorRow | None,
+    *,
+    state: StateStore,
+    points: list[Point],
+    evals: Sequence[Point],
+    complete: bool,
+    ended: bool,
+) -> None:
     iteration = cursor.iteration if cursor is not None else 0
     version = cursor.eval_version if cursor is not None else -1
     mine = [p for p in points if p.step > iteration]
@@ -124,8 +141,11 @@ def eval_points(state: StateStore, run_id: str) -> list[Point]:
     or beyond an eval still open: they are sent in version order (see ``sync_run``)."""
     horizon = min((e.policy_version for e in state.eval_progress(run_id).open), default=None)
     return [
-        eval_point(r.policy_version, r.ended_at or 0.0, {"mean_score": r.mean_score or 0.0,
-                   **{k: v for k, v in (r.metrics or {}).items() if k != "mean"}})  # fmt: skip
+        eval_point(
+            r.policy_version,
+            r.ended_at or 0.0,
+            {"mean_score": r.mean_score or 0.0, **{k: v for k, v in (r.metrics or {}).items() if k != "mean"}},
+        )
         for r in state.evals(run_id)
         if horizon is None or r.policy_version < horizon
     ]
@@ -152,8 +172,14 @@ class Tracker:
     ``evals(run_id)``: the run's recorded evaluations as points (see ``sync_run``); by default, ``eval_points``.
     """
 
-    def __init__(self, *, state: StateStore, sinks: SinkSet, catalog: PriceCatalog,
-                 evals: Callable[[str], Sequence[Point]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        state: StateStore,
+        sinks: SinkSet,
+        catalog: PriceCatalog,
+        evals: Callable[[str], Sequence[Point]] | None = None,
+    ) -> None:
         self._state = state
         self._sinks = sinks
         self._catalog = catalog
@@ -174,8 +200,13 @@ class Tracker:
                 tracking = tracking_of(run)
                 if tracking is None:
                     continue
-                sync_run(run, state=self._state, sinks=self._sinks.for_run(tracking), catalog=self._catalog,
-                         evals=self._evals(run.id))  # fmt: skip
+                sync_run(
+                    run,
+                    state=self._state,
+                    sinks=self._sinks.for_run(tracking),
+                    catalog=self._catalog,
+                    evals=self._evals(run.id),
+                )
             except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop the runs' reconcile
                 self._failed(run.id, e)
             else:
@@ -188,8 +219,12 @@ class Tracker:
         trouble.retry_at = time.monotonic() + min(RETRY_CAP_S, RETRY_S * 2 ** (trouble.failures - 1))
         message = str(error) if isinstance(error, TrackingError) else f"{type(error).__name__}: {error}"
         if message != trouble.logged:
-            log.warning("run %s: sending figures to experiment trackers failed, retrying: %s", run_id, message,
-                        exc_info=not isinstance(error, TrackingError))  # fmt: skip
+            log.warning(
+                "run %s: sending figures to experiment trackers failed, retrying: %s",
+                run_id,
+                message,
+                exc_info=not isinstance(error, TrackingError),
+            )
             trouble.logged = message
 
     def close(self) -> None:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from services.ports.objects.object_store import ObjectStore
 from services.control.tracking.points import Point
+from services.ports.objects.object_store import ObjectStore
 
 FILE_VERSION = b"brain.Event:2"
 
@@ -80,7 +80,9 @@ def _bytes_field(number: int, data: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(data)) + data
 
 
-def event(wall_time: float, step: int, values: dict[str, float] | None = None, *, file_version: bytes | None = None) -> bytes:
+def event(
+    wall_time: float, step: int, values: dict[str, float] | None = None, *, file_version: bytes | None = None
+) -> bytes:
     """An ``Event``: wall_time (1, double), step (2, int64), and file_version (3) or a summary (5)
     of ``Summary.Value``s, each a tag (1) and a simple_value (2, float)."""
     if step < 0:
@@ -90,7 +92,8 @@ def event(wall_time: float, step: int, values: dict[str, float] | None = None, *
         out += _bytes_field(3, file_version)
     if values:
         summary = b"".join(
-            _bytes_field(1, _bytes_field(1, tag.encode()) + b"\x15" + struct.pack("<f", value)) for tag, value in values.items()
+            _bytes_field(1, _bytes_field(1, tag.encode()) + b"\x15" + struct.pack("<f", value))
+            for tag, value in values.items()
         )
         out += _bytes_field(5, summary)
     return out
@@ -119,7 +122,10 @@ class TensorBoardSink:
         self._objects = objects
 
     def write(self, run_id: str, points: Sequence[Point]) -> None:
-        for kind, part in (("train", [p for p in points if not p.is_eval()]), ("eval", [p for p in points if p.is_eval()])):
+        for kind, part in (
+            ("train", [p for p in points if not p.is_eval()]),
+            ("eval", [p for p in points if p.is_eval()]),
+        ):
             if part:
                 key = f"{tensorboard_prefix(run_id)}events.out.tfevents.{part[0].step:010d}.spotrl-{kind}"
                 self._objects.put_bytes(key, event_file(part))

@@ -107,8 +107,15 @@ class WandbSession:
     def __init__(self, root: Path, *, mode: str, api_key: str | None, base_url: str | None) -> None:
         self.root, self.mode = root, mode
         # Not the run's: the scheduler's own machine statistics, code, packages and console.
-        settings: dict[str, Any] = dict(silent=True, console="off", x_disable_stats=True, x_disable_meta=True,
-                                        disable_git=True, save_code=False, x_save_requirements=False)  # fmt: skip
+        settings: dict[str, Any] = dict(
+            silent=True,
+            console="off",
+            x_disable_stats=True,
+            x_disable_meta=True,
+            disable_git=True,
+            save_code=False,
+            x_save_requirements=False,
+        )
         if api_key:
             settings["api_key"] = api_key
         if base_url:
@@ -129,9 +136,16 @@ class WandbSession:
         self.root.mkdir(parents=True, exist_ok=True)
         try:
             run = wandb.init(
-                project=project, entity=entity, id=run_id, name=run_id, resume="allow", mode=self.mode,
-                dir=self.root, reinit="create_new", settings=self._settings,
-            )  # fmt: skip
+                project=project,
+                entity=entity,
+                id=run_id,
+                name=run_id,
+                resume="allow",
+                mode=self.mode,
+                dir=self.root,
+                reinit="create_new",
+                settings=self._settings,
+            )
         except wandb.Error as e:  # W&B's messages name the project and the server, never the key
             raise TrackingError(f"W&B: opening run {run_id} in project {project!r} failed: {e}") from None
         run.define_metric(EVAL_STEP)

@@ -155,9 +155,16 @@ class FunctionPool:
         load_timeout_s: float = 120.0,
     ) -> None:
         if workers < 1 or timeout_s <= 0 or memory_mb < 0:
-            raise ValueError("a pool needs at least one worker, a positive time limit and a memory limit >= 0 (0: none)")
+            raise ValueError(
+                "a pool needs at least one worker, a positive time limit and a memory limit >= 0 (0: none)"
+            )
         self.function = function
-        self.workers, self.timeout_s, self.memory_mb, self.load_timeout_s = workers, timeout_s, memory_mb, load_timeout_s
+        self.workers, self.timeout_s, self.memory_mb, self.load_timeout_s = (
+            workers,
+            timeout_s,
+            memory_mb,
+            load_timeout_s,
+        )
         self.batched = False
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._executor: ThreadPoolExecutor | None = None

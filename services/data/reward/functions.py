@@ -32,10 +32,10 @@ import httpx
 from contracts.messages import Prompt, PromptMessage, answer_text, prompt_text
 from services.core import safe_regex
 from services.core.errors import PermanentError
+from services.core.safe_regex import RewardError
 from services.data.reward.function_pool import FunctionPool
 from services.data.reward.service import model_fingerprint, remote_fingerprint, score_remote
 from services.data.reward.user_function import Failure, Item, Outcome, UserFunctionError, resolve
-from services.core.safe_regex import RewardError
 from trainer_core.supervised.reward_model import Quantize, RewardModel
 
 log = logging.getLogger(__name__)
@@ -174,19 +174,27 @@ def function_scores(term: Term, inputs: Sequence[RewardInput]) -> list[Scored | 
     if term.url:
         try:
             remote = score_remote(
-                term.url, [prompt_text(i.prompt) for i in inputs], [i.response for i in inputs],
-                data_sources=[i.data_source for i in inputs], ground_truths=[i.answer for i in inputs],
+                term.url,
+                [prompt_text(i.prompt) for i in inputs],
+                [i.response for i in inputs],
+                data_sources=[i.data_source for i in inputs],
+                ground_truths=[i.answer for i in inputs],
                 extra_infos=[i.extra_info for i in inputs],
-            )  # fmt: skip
+            )
         except httpx.HTTPError as e:
             raise RewardError(f"the reward service does not answer ({type(e).__name__})", kind="unavailable") from None
-        outcomes = [Outcome(score, metrics, Failure(f) if f else None) for score, f, metrics in zip(remote, remote.failures, remote.metrics, strict=True)]
+        outcomes = [
+            Outcome(score, metrics, Failure(f) if f else None)
+            for score, f, metrics in zip(remote, remote.failures, remote.metrics, strict=True)
+        ]
     else:
         outcomes = function_pool(term.path or "").score(
             [Item(i.response, i.answer, i.data_source or "", i.extra_info) for i in inputs]
         )
     return [
-        RewardError(f"the reward function's call ended in {o.failure.value}", kind=o.failure.value) if o.failure else Scored(o.score, o.metrics or {})
+        RewardError(f"the reward function's call ended in {o.failure.value}", kind=o.failure.value)
+        if o.failure
+        else Scored(o.score, o.metrics or {})
         for o in outcomes
     ]
 
@@ -199,13 +207,24 @@ def terms_fingerprint(terms: Sequence[Term]) -> str:
     worker or served by a reward server, is the same reward)."""
     described = []
     for t in terms:
-        d = {"fn": t.fn, "weight": t.weight, "pattern": t.pattern, "target_tokens": t.target_tokens, "path": t.path, "url": t.url}
+        d = {
+            "fn": t.fn,
+            "weight": t.weight,
+            "pattern": t.pattern,
+            "target_tokens": t.target_tokens,
+            "path": t.path,
+            "url": t.url,
+        }
         if t.fn in ("reward_model", "function"):
             try:
                 if t.url:
                     d["files"] = remote_fingerprint(t.url)
                 else:
-                    d["files"] = model_fingerprint(Path(t.path or "")) if t.fn == "reward_model" else resolve(t.path or "").fingerprint
+                    d["files"] = (
+                        model_fingerprint(Path(t.path or ""))
+                        if t.fn == "reward_model"
+                        else resolve(t.path or "").fingerprint
+                    )
             except (OSError, httpx.HTTPError, ValueError):
                 d["files"] = None  # gone or not answering: its term fails on every batch, reported there
             if d["files"] is not None:  # the content decides, not where it is served from (a restarted server moves)
@@ -312,7 +331,9 @@ def score_batch(terms: Sequence[Term], inputs: Sequence[RewardInput]) -> Scores:
                 metrics[k].update(score.metrics)
                 score = score.value
             if not isinstance(score, RewardError) and not math.isfinite(score):
-                score = RewardError(f"a score that is not finite ({score})", kind="invalid")  # would poison the advantages
+                score = RewardError(
+                    f"a score that is not finite ({score})", kind="invalid"
+                )  # would poison the advantages
             if isinstance(score, RewardError):
                 failed[k] = True
                 failures[f"{term.fn}:{score.kind}"] += 1
@@ -327,6 +348,7 @@ def total_rewards(terms: Sequence[Term], inputs: Sequence[RewardInput]) -> list[
     reports failures on the run, or caches rewards, uses `score_batch`)."""
     scores = score_batch(terms, inputs)
     if scores.failures:
-        log.warning("%d reward computations failed and scored 0.0; the latest: %s", scores.failures.total(), scores.reason)
+        log.warning(
+            "%d reward computations failed and scored 0.0; the latest: %s", scores.failures.total(), scores.reason
+        )
     return scores.totals
-

@@ -58,7 +58,9 @@ class ScoreItem(BaseModel):
     response: str = Field(max_length=MAX_TEXT_CHARS, description="The response scored (verl's solution_str).")
     data_source: str = Field("", max_length=256, description="Passed to a reward function as verl's data_source.")
     ground_truth: JsonValue = Field(None, description="The reference answer: text or any JSON value.")
-    extra_info: dict[str, JsonValue] | None = Field(None, description="Passed to a reward function as verl's extra_info.")
+    extra_info: dict[str, JsonValue] | None = Field(
+        None, description="Passed to a reward function as verl's extra_info."
+    )
 
     @field_validator("ground_truth", "extra_info")
     @classmethod
@@ -76,7 +78,9 @@ class ScoreRequest(BaseModel):
 
 class ScoreResponse(BaseModel):
     scores: list[float]
-    failures: list[Failure | None] = Field([], description="Per item, why it scored 0.0 (a `Failure`); null when scored.")
+    failures: list[Failure | None] = Field(
+        [], description="Per item, why it scored 0.0 (a `Failure`); null when scored."
+    )
     metrics: list[dict[str, float] | None] = Field([], description="Per item, a function's other numeric results.")
 
 
@@ -137,7 +141,10 @@ def create_reward_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's default body repeats the value; this names the field and the rule only.
-        detail = [{"loc": [p if not isinstance(p, str) else p[:100] for p in e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        detail = [
+            {"loc": [p if not isinstance(p, str) else p[:100] for p in e["loc"]], "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors()
+        ]
         return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.post("/v1/score", response_model=ScoreResponse)
@@ -153,7 +160,11 @@ def create_reward_app(
 
 def _function_scores(pool: FunctionPool, items: Sequence[ScoreItem]) -> ScoreResponse:
     outcomes = pool.score([Item(it.response, it.ground_truth, it.data_source, it.extra_info) for it in items])
-    return ScoreResponse(scores=[o.score for o in outcomes], failures=[o.failure for o in outcomes], metrics=[o.metrics for o in outcomes])
+    return ScoreResponse(
+        scores=[o.score for o in outcomes],
+        failures=[o.failure for o in outcomes],
+        metrics=[o.metrics for o in outcomes],
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -176,7 +187,9 @@ class RemoteScores(list[float]):
     ([1.0, 0.0], [None, 'exception'], Counter({'exception': 1}))
     """
 
-    def __init__(self, scores: Sequence[float], failures: Sequence[str | None], metrics: Sequence[dict[str, float] | None]) -> None:
+    def __init__(
+        self, scores: Sequence[float], failures: Sequence[str | None], metrics: Sequence[dict[str, float] | None]
+    ) -> None:
         super().__init__(scores)
         self.failures = list(failures)  # per item: a `Failure` value, None when scored
         self.metrics = list(metrics)  # per item: a function's other numeric results, or None
@@ -212,6 +225,8 @@ def score_remote(
         response.raise_for_status()
         got = ScoreResponse.model_validate(response.json())
         scores += got.scores
-        failures += [f.value if f else None for f in got.failures] or [None] * len(got.scores)  # a service that predates them
+        failures += [f.value if f else None for f in got.failures] or [None] * len(
+            got.scores
+        )  # a service that predates them
         metrics += got.metrics or [None] * len(got.scores)
     return RemoteScores(scores, failures, metrics)

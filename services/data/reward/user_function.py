@@ -120,7 +120,9 @@ def resolve(reference: str, batched: bool | None = None) -> UserFunction:
     """
     target, _, name = reference.rpartition(":") if ":" in reference else (reference, ":", DEFAULT_NAME)
     if not target or not name.isidentifier():
-        raise UserFunctionError(f"`{reference}` is not a reward function reference: write path/to/file.py:name or package.module:name")
+        raise UserFunctionError(
+            f"`{reference}` is not a reward function reference: write path/to/file.py:name or package.module:name"
+        )
     if target.endswith(".py") or "/" in target or "\\" in target:
         path = Path(target).expanduser().resolve()
         if not path.is_file():
@@ -156,7 +158,9 @@ def _module_files(module: str) -> list[tuple[str, Path]]:
             raise UserFunctionError(f"cannot find module `{module}` on the Python path: add its folder to PYTHONPATH")
         search = list(spec.submodule_search_locations) if spec.submodule_search_locations is not None else None
     if search is not None:  # a package: every source file under it
-        return sorted((str(p.relative_to(folder)), p) for folder in search for p in Path(folder).rglob("*.py") if p.is_file())
+        return sorted(
+            (str(p.relative_to(folder)), p) for folder in search for p in Path(folder).rglob("*.py") if p.is_file()
+        )
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         raise UserFunctionError(f"module `{module}` is not Python source; name a .py module or package")
     return [(Path(spec.origin).name, Path(spec.origin))]
@@ -169,7 +173,9 @@ def load(function: UserFunction) -> Callable[..., Any]:
     except UserFunctionError:
         raise
     except MemoryError:
-        raise UserFunctionError(f"`{function.reference}` ran out of memory while importing: raise the memory limit") from None
+        raise UserFunctionError(
+            f"`{function.reference}` ran out of memory while importing: raise the memory limit"
+        ) from None
     except BaseException as e:  # noqa: BLE001 - user code: any failure is reported by type only
         raise UserFunctionError(
             f"`{function.reference}` does not import ({type(e).__name__}): run it with python to see why"
@@ -185,7 +191,9 @@ def load(function: UserFunction) -> Callable[..., Any]:
 def _import(function: UserFunction) -> Any:
     if function.module is not None:
         if module_fingerprint(function.module, function.name) != function.fingerprint:
-            raise UserFunctionError(f"`{function.reference}` changed since it was fingerprinted: restart the reward server")
+            raise UserFunctionError(
+                f"`{function.reference}` changed since it was fingerprinted: restart the reward server"
+            )
         return importlib.import_module(function.module)
     assert function.file is not None and function.source is not None
     # As verl's load_module: a module of its own name, not importable by others; but executing
@@ -207,14 +215,20 @@ def call_style(fn: Callable[..., Any], function: UserFunction) -> CallStyle:
     coroutine = inspect.iscoroutinefunction(fn)
     kinds = {p.kind for p in params.values()}
     named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = [n for n, p in params.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [
+        n for n, p in params.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     for batched, names in ((True, BATCHED), (False, SINGLE)):
         if set(names[:3]) <= named:
             if function.batched is not None and function.batched != batched:
                 form = "a batch" if batched else "one response"
-                raise UserFunctionError(f"`{function.reference}` takes the arguments for {form}: {'add' if batched else 'drop'} --batched")
+                raise UserFunctionError(
+                    f"`{function.reference}` takes the arguments for {form}: {'add' if batched else 'drop'} --batched"
+                )
             if set(required) - set(names):
-                raise UserFunctionError(f"`{function.reference}` needs arguments verl does not pass; it should take {_EXPECTED}")
+                raise UserFunctionError(
+                    f"`{function.reference}` needs arguments verl does not pass; it should take {_EXPECTED}"
+                )
             extra = names[3] in named or inspect.Parameter.VAR_KEYWORD in kinds
             return CallStyle(batched, True, extra, coroutine)
     positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -229,8 +243,12 @@ def call(fn: Callable[..., Any], style: CallStyle, items: Sequence[Item]) -> lis
     """One call of ``fn`` per item (one for all of them when it is batched); what user code
     raises becomes a failure, never an exception here."""
     if style.batched:
-        columns = ([i.data_source for i in items], [i.solution_str for i in items], [i.ground_truth for i in items],
-                   [_extra(i) for i in items])  # fmt: skip
+        columns = (
+            [i.data_source for i in items],
+            [i.solution_str for i in items],
+            [i.ground_truth for i in items],
+            [_extra(i) for i in items],
+        )
         result = _guarded(fn, style, BATCHED, columns)
         if isinstance(result, Failure):
             return [Outcome.failed(result)] * len(items)

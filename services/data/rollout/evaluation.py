@@ -22,14 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from contracts.evaluation import EvalResult
-from services.ports.objects.object_store import ObjectStore
-from services.domain.names import eval_prompts_key, eval_result_key
 from services.data.policy_store import policy_dir
-from services.domain.prompts import parse_jsonl
 from services.data.reward.functions import RewardInput, close_pools, prepare_terms, score_batch
 from services.data.rollout.eval_metrics import eval_metrics
 from services.data.rollout.worker import rollout_engine, serve_version
+from services.domain.names import eval_prompts_key, eval_result_key
+from services.domain.prompts import parse_jsonl
 from services.domain.runspec import PromptItem, RewardTerm, RunSpec
+from services.ports.objects.object_store import ObjectStore
 from trainer_core.engines.hf import HFEngine, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine
 from trainer_core.models.loading import encode_prompt, load_policy
@@ -52,7 +52,9 @@ def run_eval_job(
     started = time.monotonic()
     items = parse_jsonl(objects.get_bytes(eval_prompts_key(run_id)), "the run's stored held-out prompt set")
     engine = _engine_serving(spec, objects, run_id, version, model_cache)
-    sampling = SamplingParams(temperature=spec.eval.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.eval.max_new_tokens)
+    sampling = SamplingParams(
+        temperature=spec.eval.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.eval.max_new_tokens
+    )
     n = spec.eval.samples_per_prompt
     prepare_terms(terms)  # a reward that cannot load fails the pod with the reason, not every score
     try:
@@ -61,15 +63,23 @@ def run_eval_job(
         close_pools()
     metrics = eval_metrics(scores, spec.eval.metrics)
     result = EvalResult(
-        policy_version=version, mean_score=metrics["mean"], metrics=metrics, prompts=len(items), samples=len(items) * n,
-        reward_failures=failures, seconds=time.monotonic() - started, ended_at=time.time(),
-    )  # fmt: skip
+        policy_version=version,
+        mean_score=metrics["mean"],
+        metrics=metrics,
+        prompts=len(items),
+        samples=len(items) * n,
+        reward_failures=failures,
+        seconds=time.monotonic() - started,
+        ended_at=time.time(),
+    )
     objects.put_bytes(key, result.to_json())
     log.info("eval of policy v%d: %s", version, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return result
 
 
-def _engine_serving(spec: RunSpec, objects: ObjectStore, run_id: str, version: int, model_cache: Path) -> HFEngine | VLLMEngine:
+def _engine_serving(
+    spec: RunSpec, objects: ObjectStore, run_id: str, version: int, model_cache: Path
+) -> HFEngine | VLLMEngine:
     """The run's sampler (``rollout.engine``) serving policy ``version`` (0: the base model), loaded
     as a rollout worker loads a new version: into the base model, no second copy."""
     policy = load_policy(spec.model, cache_dir=model_cache)
@@ -81,21 +91,29 @@ def _engine_serving(spec: RunSpec, objects: ObjectStore, run_id: str, version: i
     return engine
 
 
-def _scored(engine: HFEngine | VLLMEngine, items: Sequence[PromptItem], terms: Sequence[RewardTerm], sampling: SamplingParams,
-            n: int, step: int, version: int) -> tuple[list[list[float]], int]:  # fmt: skip
+def _scored(
+    engine: HFEngine | VLLMEngine,
+    items: Sequence[PromptItem],
+    terms: Sequence[RewardTerm],
+    sampling: SamplingParams,
+    n: int,
+    step: int,
+    version: int,
+) -> tuple[list[list[float]], int]:
     """Each held-out prompt's ``n`` scores, generated and scored ``step`` prompts at a time, and
     the reward computations that failed."""
     scores: list[list[float]] = []
     failures = 0
     for start in range(0, len(items), step):
-        messages = [item.message(str(start + i)) for i, item in enumerate(items[start:start + step])]
+        messages = [item.message(str(start + i)) for i, item in enumerate(items[start : start + step])]
         prompt_ids = [encode_prompt(engine.tokenizer, m.prompt) for m in messages]
         completions = engine.generate([ids for ids in prompt_ids for _ in range(n)], sampling, seed=start)
         assert completions is not None  # never stopped: a SIGTERM ends the pod, and the scheduler retries it
         texts = engine.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        scored = score_batch(terms, [RewardInput.of(messages[k // n], texts[k], len(c.token_ids))
-                                     for k, c in enumerate(completions)])  # fmt: skip
+        scored = score_batch(
+            terms, [RewardInput.of(messages[k // n], texts[k], len(c.token_ids)) for k, c in enumerate(completions)]
+        )
         failures += sum(scored.failures.values())
-        scores += [scored.totals[i * n:(i + 1) * n] for i in range(len(messages))]
+        scores += [scored.totals[i * n : (i + 1) * n] for i in range(len(messages))]
         log.info("eval of policy v%d: %d of %d prompts scored", version, len(scores), len(items))
     return scores, failures

@@ -31,23 +31,30 @@ from pathlib import Path
 from contracts.messages import PromptMessage
 from contracts.samples import Sample, encode_group
 from contracts.training import AdvantageEstimator
+from services.core.errors import PermanentError
+from services.data.policy_store import load_version, policy_dir
+from services.data.reward.functions import (
+    RewardInput,
+    close_pools,
+    prepare_terms,
+    reward_key,
+    score_batch,
+    terms_fingerprint,
+)
+from services.data.rollout.dynamic_sampling import informative_groups
+from services.data.rollout.vllm_engine import build_vllm_engine
+from services.domain.names import ROLLOUT_GROUP, prompts_topic, samples_topic
+from services.domain.runspec import RewardTerm, RunSpec
 from services.ports.objects.object_store import ObjectStore
 from services.ports.queue.queue import CommitFailedError, Queue, Record, next_offsets
 from services.ports.reward_cache.reward_cache import RewardCache, reward_cache_key
 from services.ports.state.state_store import StateStore
-from services.core.errors import PermanentError
-from services.domain.names import ROLLOUT_GROUP, prompts_topic, samples_topic
-from services.data.policy_store import load_version, policy_dir
-from services.data.reward.functions import RewardInput, close_pools, prepare_terms, reward_key, score_batch, terms_fingerprint
-from services.data.rollout.dynamic_sampling import informative_groups
-from services.data.rollout.vllm_engine import build_vllm_engine
-from services.domain.runspec import RewardTerm, RunSpec
 from trainer_core.engines import make_engine
-from trainer_core.models.lora import is_adapter_dir
 from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
+from trainer_core.engines.vllm import VLLMEngine
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models.loading import NoChatTemplateError, Policy, encode_prompt, load_policy
-from trainer_core.engines.vllm import VLLMEngine
+from trainer_core.models.lora import is_adapter_dir
 
 log = logging.getLogger(__name__)
 
@@ -181,12 +188,17 @@ class RolloutWorker:
         self._terms_key = terms_fingerprint(self._terms)
         self._reward_errors_logged: set[str] = set()  # each reason is logged once; every failure is counted
         self.sampling = SamplingParams(
-            temperature=spec.sampling.temperature, top_p=spec.sampling.top_p, max_new_tokens=spec.sampling.max_new_tokens
+            temperature=spec.sampling.temperature,
+            top_p=spec.sampling.top_p,
+            max_new_tokens=spec.sampling.max_new_tokens,
         )
 
     def run(self) -> None:
         consumer = self.queue.consumer(
-            prompts_topic(self.run_id), ROLLOUT_GROUP, member_id=self.worker_id, session_timeout_s=self.session_timeout_s
+            prompts_topic(self.run_id),
+            ROLLOUT_GROUP,
+            member_id=self.worker_id,
+            session_timeout_s=self.session_timeout_s,
         )
         memory = MemoryMonitor()
         try:
@@ -316,7 +328,11 @@ class RolloutWorker:
         return self._score(prompts, texts, [len(c.token_ids) for c in completions], per_prompt=1)[0]
 
     def _score(
-        self, prompts: Sequence[PromptMessage], texts: Sequence[str], lengths: Sequence[int], per_prompt: int | None = None
+        self,
+        prompts: Sequence[PromptMessage],
+        texts: Sequence[str],
+        lengths: Sequence[int],
+        per_prompt: int | None = None,
     ) -> tuple[list[float], list[dict[str, float]]]:
         """Rewards, and what the reward reported beside each, through the shared cache of
         `per_prompt` (default samples_per_prompt) texts per prompt: the same response to the same
@@ -343,4 +359,8 @@ class RolloutWorker:
         self.state.count_reward_failures(self.run_id, by_reason, reason)
         if reason not in self._reward_errors_logged:
             self._reward_errors_logged.add(reason)
-            log.warning("run %s: a reward failed, scoring 0.0 (logged once per reason, each counted on the run): %s", self.run_id, reason)
+            log.warning(
+                "run %s: a reward failed, scoring 0.0 (logged once per reason, each counted on the run): %s",
+                self.run_id,
+                reason,
+            )

@@ -31,14 +31,14 @@ import torch
 from contracts.job_result import JobResult
 from contracts.samples import decode_group
 from contracts.training import Algorithm, Critic, TrainConfig
-from services.ports.objects.object_store import ObjectStore
-from services.ports.queue.queue import Consumer, Queue
+from services.data.policy_store import fetch_policy, publish_policy
+from services.data.training.selection import Selection, even_shares, reward_metrics, select_samples, selection_metrics
+from services.domain.backlog import read_backlog, take_batch, trainer_consumer
 from services.domain.names import result_key, trainer_prefix
 from services.domain.policy_rotation import MIN_KEEP
-from services.data.policy_store import fetch_policy, publish_policy
 from services.domain.runspec import RunSpec
-from services.domain.backlog import read_backlog, take_batch, trainer_consumer
-from services.data.training.selection import Selection, even_shares, reward_metrics, select_samples, selection_metrics
+from services.ports.objects.object_store import ObjectStore
+from services.ports.queue.queue import Consumer, Queue
 from trainer_core.algos import AdaptiveKLController
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models.loading import Policy, load_policy
@@ -72,7 +72,9 @@ def with_adapter(spec: RunSpec, policy: Policy) -> Policy:
         # job, and every rerun, starts from the same adapter.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            policy.model = apply_lora(policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha))
+            policy.model = apply_lora(
+                policy.model, LoraSettings(rank=spec.training.lora_rank, alpha=spec.training.lora_alpha)
+            )
     if is_lora(policy.model):
         check_only_adapter_trains(policy.model)
     return policy
@@ -102,8 +104,9 @@ def kl_controller(spec: RunSpec, last_coef: float | None) -> AdaptiveKLControlle
     t = spec.training
     if t.kl_target is None:
         return None
-    return AdaptiveKLController(init_coef=last_coef if last_coef is not None else t.kl_coef, target=t.kl_target,
-                                horizon=t.kl_horizon)
+    return AdaptiveKLController(
+        init_coef=last_coef if last_coef is not None else t.kl_coef, target=t.kl_target, horizon=t.kl_horizon
+    )
 
 
 def _load_torch(objects: ObjectStore, key: str) -> dict | None:
@@ -148,7 +151,9 @@ class Ranks:
             return cls(None)
         env = init_distributed()
         if env.world_size != processes:
-            raise RuntimeError(f"the run spec asks for {processes} training processes, torchrun started {env.world_size}")
+            raise RuntimeError(
+                f"the run spec asks for {processes} training processes, torchrun started {env.world_size}"
+            )
         return cls(env)
 
     @property
@@ -275,8 +280,13 @@ def _read_batch(
         staleness_bound=spec.staleness_bound,
     )
     selection.kept, selection.dropped.uneven = even_shares(selection.kept, ranks.world_size)
-    log.info("iteration %d: %d samples read, %d kept, %d dropped", iteration, len(samples), len(selection.kept),
-             selection.dropped.count())
+    log.info(
+        "iteration %d: %d samples read, %d kept, %d dropped",
+        iteration,
+        len(samples),
+        len(selection.kept),
+        selection.dropped.count(),
+    )
     return len(samples), offsets, selection
 
 
@@ -311,7 +321,11 @@ def _strategy(
     if ranks.env is None:
         return LocalStrategy.build(policy.model, cfg, value_head=value_head)
     return build_strategy(
-        spec.training.strategy, policy.model, cfg, value_head=value_head, ref_model=ref_model,
+        spec.training.strategy,
+        policy.model,
+        cfg,
+        value_head=value_head,
+        ref_model=ref_model,
         offload_optimizer=spec.training.offload_optimizer,
     )
 

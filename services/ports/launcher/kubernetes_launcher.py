@@ -68,9 +68,19 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from services.ports.launcher.kubernetes_objects import (
-    CONTAINER, FINALIZER, POD_LABEL, SELECTOR, KubernetesConfig, Machine, inherited_env, job_manifest, machine_from_catalog,
-    pod_ended, pod_manifest, status_of,
-)  # fmt: skip
+    CONTAINER,
+    FINALIZER,
+    POD_LABEL,
+    SELECTOR,
+    KubernetesConfig,
+    Machine,
+    inherited_env,
+    job_manifest,
+    machine_from_catalog,
+    pod_ended,
+    pod_manifest,
+    status_of,
+)
 from services.ports.launcher.launcher import PodNotFoundError, PodSpec, PodStatus, check_pod_name
 
 log = logging.getLogger(__name__)
@@ -132,8 +142,11 @@ class Watched:
         with self._lock:
             uids = {o["metadata"]["uid"] for o in listed["items"]}
             self._forgotten &= uids
-            self._objects = {o["metadata"]["name"]: {"kind": kind, **o} for o in listed["items"]
-                             if o["metadata"]["uid"] not in self._forgotten}  # fmt: skip
+            self._objects = {
+                o["metadata"]["name"]: {"kind": kind, **o}
+                for o in listed["items"]
+                if o["metadata"]["uid"] not in self._forgotten
+            }
             self.resource_version = listed["metadata"]["resourceVersion"]
             self.relists += 1
 
@@ -156,8 +169,12 @@ class Watched:
                     self._apply(event)
             except ApiException as e:
                 if e.status in (409, 410):  # the version we resume from is gone: start over from a list
-                    log.info("watch of %s: resourceVersion %s is gone (%s); listing again",
-                             self._list_fn.__name__, self.resource_version, e.status)
+                    log.info(
+                        "watch of %s: resourceVersion %s is gone (%s); listing again",
+                        self._list_fn.__name__,
+                        self.resource_version,
+                        e.status,
+                    )
                     self._retry(self.relist)
                 else:
                     log.warning("watch of %s failed: %s", self._list_fn.__name__, e)
@@ -176,9 +193,15 @@ class Watched:
                 self._stopped.wait(RETRY_S)
 
     def _events(self) -> Iterator[dict[str, Any]]:
-        response = self._list_fn(self._namespace, label_selector=SELECTOR, watch=True, allow_watch_bookmarks=True,
-                                 resource_version=self.resource_version, timeout_seconds=WATCH_TIMEOUT_S,
-                                 _preload_content=False)  # fmt: skip
+        response = self._list_fn(
+            self._namespace,
+            label_selector=SELECTOR,
+            watch=True,
+            allow_watch_bookmarks=True,
+            resource_version=self.resource_version,
+            timeout_seconds=WATCH_TIMEOUT_S,
+            _preload_content=False,
+        )
         self._response = response
         try:
             for line in iter_resp_lines(response):
@@ -227,8 +250,9 @@ def _done(response: Any) -> None:
 class KubernetesLauncher:
     """The Launcher port on a Kubernetes namespace (module docstring)."""
 
-    def __init__(self, api: client.ApiClient, cfg: KubernetesConfig,
-                 machines: Callable[[str], Machine] = machine_from_catalog) -> None:  # fmt: skip
+    def __init__(
+        self, api: client.ApiClient, cfg: KubernetesConfig, machines: Callable[[str], Machine] = machine_from_catalog
+    ) -> None:
         self.cfg = cfg
         self._api = api
         self._core = client.CoreV1Api(api)
@@ -258,12 +282,18 @@ class KubernetesLauncher:
         machine = self._machines(spec.instance_type)
         try:
             if spec.role == "training":
-                created = self._read(self._batch.create_namespaced_job(
-                    self.cfg.namespace, job_manifest(spec, self.cfg, machine, env), _preload_content=False))
+                created = self._read(
+                    self._batch.create_namespaced_job(
+                        self.cfg.namespace, job_manifest(spec, self.cfg, machine, env), _preload_content=False
+                    )
+                )
                 self.jobs.put({"kind": "Job", **created})
             else:
-                created = self._read(self._core.create_namespaced_pod(
-                    self.cfg.namespace, pod_manifest(spec, self.cfg, machine, env), _preload_content=False))
+                created = self._read(
+                    self._core.create_namespaced_pod(
+                        self.cfg.namespace, pod_manifest(spec, self.cfg, machine, env), _preload_content=False
+                    )
+                )
                 self.pods.put({"kind": "Pod", **created})
         except ApiException as e:
             if e.status != 409:  # AlreadyExists: the pod of that name is this one
@@ -281,46 +311,73 @@ class KubernetesLauncher:
             else:
                 of_job.setdefault(owner, []).append(pod)
         for job in self.jobs.snapshot():
-            statuses.append(status_of(job, of_job.get(job["metadata"]["name"], []), self._node_metadata,
-                                      self.cfg.spot_labels))
+            statuses.append(
+                status_of(job, of_job.get(job["metadata"]["name"], []), self._node_metadata, self.cfg.spot_labels)
+            )
         return sorted((s for s in statuses if run_id is None or s.run_id == run_id), key=lambda s: s.name)
 
     def stop(self, name: str, grace_s: float) -> None:
         grace = max(0, math.ceil(grace_s))
         job = self.jobs.get(name)
         if job is not None:
-            self._ignore_missing(lambda: self._batch.patch_namespaced_job(
-                name, self.cfg.namespace, {"spec": {"parallelism": 0}},
-                _content_type="application/merge-patch+json", _preload_content=False))
-            pods = [p for p in self.pods.snapshot() if p["metadata"]["labels"].get(POD_LABEL) == name
-                    and p["metadata"]["name"] != name]  # fmt: skip
+            self._ignore_missing(
+                lambda: self._batch.patch_namespaced_job(
+                    name,
+                    self.cfg.namespace,
+                    {"spec": {"parallelism": 0}},
+                    _content_type="application/merge-patch+json",
+                    _preload_content=False,
+                )
+            )
+            pods = [
+                p
+                for p in self.pods.snapshot()
+                if p["metadata"]["labels"].get(POD_LABEL) == name and p["metadata"]["name"] != name
+            ]
         else:
             pods = [p for p in [self.pods.get(name)] if p is not None]
         for pod in pods:
             if not pod_ended(pod):
-                self._ignore_missing(lambda: self._core.delete_namespaced_pod(
-                    pod["metadata"]["name"], self.cfg.namespace, grace_period_seconds=grace, _preload_content=False))
+                self._ignore_missing(
+                    lambda: self._core.delete_namespaced_pod(
+                        pod["metadata"]["name"], self.cfg.namespace, grace_period_seconds=grace, _preload_content=False
+                    )
+                )
 
     def delete(self, name: str) -> None:
         job = self.jobs.get(name)
         if job is not None:
-            self._ignore_missing(lambda: self._batch.delete_namespaced_job(
-                name, self.cfg.namespace, propagation_policy="Background", _preload_content=False))
+            self._ignore_missing(
+                lambda: self._batch.delete_namespaced_job(
+                    name, self.cfg.namespace, propagation_policy="Background", _preload_content=False
+                )
+            )
             self.jobs.forget(job)
         for pod in [p for p in self.pods.snapshot() if p["metadata"]["labels"].get(POD_LABEL) == name]:
             pod_name = pod["metadata"]["name"]
             # Off with the finalizer, then a delete without grace: gone at once, killed if it ran.
-            self._ignore_missing(lambda: self._core.patch_namespaced_pod(
-                pod_name, self.cfg.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}},
-                _content_type="application/strategic-merge-patch+json", _preload_content=False))
-            self._ignore_missing(lambda: self._core.delete_namespaced_pod(
-                pod_name, self.cfg.namespace, grace_period_seconds=0, _preload_content=False))
+            self._ignore_missing(
+                lambda: self._core.patch_namespaced_pod(
+                    pod_name,
+                    self.cfg.namespace,
+                    {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}},
+                    _content_type="application/strategic-merge-patch+json",
+                    _preload_content=False,
+                )
+            )
+            self._ignore_missing(
+                lambda: self._core.delete_namespaced_pod(
+                    pod_name, self.cfg.namespace, grace_period_seconds=0, _preload_content=False
+                )
+            )
             self.pods.forget(pod)
 
     def logs(self, name: str, tail: int = 100) -> str:
         check_pod_name(name)
-        candidates = sorted((p for p in self.pods.snapshot() if p["metadata"]["labels"].get(POD_LABEL) == name),
-                            key=lambda p: (p["metadata"]["creationTimestamp"], not pod_ended(p)))  # fmt: skip
+        candidates = sorted(
+            (p for p in self.pods.snapshot() if p["metadata"]["labels"].get(POD_LABEL) == name),
+            key=lambda p: (p["metadata"]["creationTimestamp"], not pod_ended(p)),
+        )
         if not candidates:
             if self.jobs.get(name) is not None:
                 return ""  # the Job controller has not created its pod yet
@@ -329,8 +386,12 @@ class KubernetesLauncher:
             return ""
         try:
             response = self._core.read_namespaced_pod_log(
-                candidates[-1]["metadata"]["name"], self.cfg.namespace, container=CONTAINER, tail_lines=tail,
-                _preload_content=False)  # fmt: skip
+                candidates[-1]["metadata"]["name"],
+                self.cfg.namespace,
+                container=CONTAINER,
+                tail_lines=tail,
+                _preload_content=False,
+            )
         except ApiException as e:
             if e.status == 404:
                 raise PodNotFoundError(f"no pod {name!r} in namespace {self.cfg.namespace}") from None

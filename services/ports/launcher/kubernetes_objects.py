@@ -26,8 +26,11 @@ SPEC_ANNOTATION = "spotrl.dev/spec"  # run, role, asked instance and capacity ty
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 CONTAINER = "main"
 # The providers' labels of spot capacity; a node carries at most one provider's.
-SPOT_LABELS = {"karpenter.sh/capacity-type": "spot", "eks.amazonaws.com/capacityType": "SPOT",
-               "cloud.google.com/gke-spot": "true"}  # fmt: skip
+SPOT_LABELS = {
+    "karpenter.sh/capacity-type": "spot",
+    "eks.amazonaws.com/capacityType": "SPOT",
+    "cloud.google.com/gke-spot": "true",
+}
 
 
 # Settings that may carry a password: the backends' URLs, and any named as a secret (Kafka's
@@ -62,8 +65,11 @@ class Machine:
 
 def _pool_tolerations(pool: str, *extra: dict[str, str]) -> list[dict[str, Any]]:
     """The pool's taint (so that only spotrl's pods land there) and the GPU nodes' usual one."""
-    return [{"key": "spotrl.dev/pool", "operator": "Equal", "value": pool, "effect": "NoSchedule"},
-            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}, *extra]  # fmt: skip
+    return [
+        {"key": "spotrl.dev/pool", "operator": "Equal", "value": pool, "effect": "NoSchedule"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        *extra,
+    ]
 
 
 @dataclass(frozen=True)
@@ -83,12 +89,19 @@ class KubernetesConfig:
     price_catalog_configmap: str | None = None
     pod_labels: dict[str, str] = field(default_factory=dict)  # besides the launcher's own (a NetworkPolicy's)
     spot_labels: dict[str, str] = field(default_factory=lambda: dict(SPOT_LABELS))
-    node_selectors: dict[str, dict[str, str]] = field(default_factory=lambda: {
-        role: {"spotrl.dev/pool": role} for role in ROLES})  # fmt: skip
-    tolerations: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {
-        "rollout": _pool_tolerations("rollout", {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
-                                                 "effect": "NoSchedule"}),
-        "training": _pool_tolerations("training"), "reward": _pool_tolerations("reward")})  # fmt: skip
+    node_selectors: dict[str, dict[str, str]] = field(
+        default_factory=lambda: {role: {"spotrl.dev/pool": role} for role in ROLES}
+    )
+    tolerations: dict[str, list[dict[str, Any]]] = field(
+        default_factory=lambda: {
+            "rollout": _pool_tolerations(
+                "rollout",
+                {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+            ),
+            "training": _pool_tolerations("training"),
+            "reward": _pool_tolerations("reward"),
+        }
+    )
     spot_notice_s: int = 120  # AWS's two-minute interruption notice: a rollout pod's grace period
     training_grace_s: int = 60  # a training job stopped mid-step has nothing to hand back
     training_deadline_s: int = 6 * 3600  # activeDeadlineSeconds of a training Job
@@ -124,8 +137,11 @@ def machine_from_catalog(instance_type: str) -> Machine:
 def inherited_env() -> dict[str, str]:
     """The launcher's own SPOTRL_* settings (backends' URLs, Kafka and pod settings) for its pods, but
     not the launcher's: a pod launches nothing, and so opens no Kubernetes client."""
-    return {k: v for k, v in os.environ.items()
-            if k.startswith("SPOTRL_") and k != "SPOTRL_LAUNCHER" and not k.startswith("SPOTRL_KUBE_")}  # fmt: skip
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith("SPOTRL_") and k != "SPOTRL_LAUNCHER" and not k.startswith("SPOTRL_KUBE_")
+    }
 
 
 # --- manifests: pure functions of the spec ----------------------------------------------------
@@ -150,9 +166,13 @@ def job_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: di
             "activeDeadlineSeconds": cfg.training_deadline_s,
             "ttlSecondsAfterFinished": cfg.ttl_after_finished_s,
             # A pod ended by its node's loss (preemption, drain, eviction) is retried, uncounted.
-            "podFailurePolicy": {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
-            "template": {"metadata": {k: v for k, v in template["metadata"].items() if k != "name"},
-                         "spec": template["spec"]},
+            "podFailurePolicy": {
+                "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+            },
+            "template": {
+                "metadata": {k: v for k, v in template["metadata"].items() if k != "name"},
+                "spec": template["spec"],
+            },
         },
     }
 
@@ -162,10 +182,21 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
     # A standby (the scheduler's warm training node) holds a training node: the training pool's everything;
     # an eval pod (a held-out evaluation) runs on the rollout pool, as a bare Pod like a rollout worker.
     pool_role = {"standby": "training", "eval": "rollout"}.get(spec.role, spec.role)
-    described = {"run_id": spec.run_id, "role": spec.role, "instance_type": spec.instance_type,
-                 "capacity_type": spec.capacity_type, "labels": spec.labels}  # fmt: skip
-    labels = {**cfg.pod_labels, **MANAGED_BY, POD_LABEL: spec.name, "spotrl.dev/run": spec.run_id,
-              "spotrl.dev/role": spec.role, **{f"spotrl.dev/{k}": v for k, v in spec.labels.items()}}  # fmt: skip
+    described = {
+        "run_id": spec.run_id,
+        "role": spec.role,
+        "instance_type": spec.instance_type,
+        "capacity_type": spec.capacity_type,
+        "labels": spec.labels,
+    }
+    labels = {
+        **cfg.pod_labels,
+        **MANAGED_BY,
+        POD_LABEL: spec.name,
+        "spotrl.dev/run": spec.run_id,
+        "spotrl.dev/role": spec.role,
+        **{f"spotrl.dev/{k}": v for k, v in spec.labels.items()},
+    }
     command = list(spec.command)
     if command and command[0] == sys.executable:  # the scheduler's interpreter path means nothing in the image
         command[0] = cfg.python
@@ -175,21 +206,31 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
     pool = {k: v for k, v in cfg.node_selectors.get(pool_role, {}).items() if k not in cfg.spot_labels}
     gpu = {"nvidia.com/gpu": str(machine.gpus)}
     memory_mib = (machine.memory_gib or DEFAULT_MEMORY_GIB) * 1024
-    requests = {"cpu": f"{int((machine.vcpus or DEFAULT_VCPUS) * cfg.request_fraction * 1000)}m",
-                "memory": f"{int(memory_mib * cfg.request_fraction)}Mi"}  # fmt: skip
+    requests = {
+        "cpu": f"{int((machine.vcpus or DEFAULT_VCPUS) * cfg.request_fraction * 1000)}m",
+        "memory": f"{int(memory_mib * cfg.request_fraction)}Mi",
+    }
     container: dict[str, Any] = {
         "name": CONTAINER,
-        "image": cfg.images.get(pool_role, cfg.images.get("rollout", cfg.image) if pool_role == "reward" else cfg.image),
+        "image": cfg.images.get(
+            pool_role, cfg.images.get("rollout", cfg.image) if pool_role == "reward" else cfg.image
+        ),
         "command": command,
         "env": [{"name": k, "value": v} for k, v in sorted(env.items()) if not (cfg.env_secrets and _secret(k))],
         "resources": {"requests": {**requests, **gpu}, "limits": gpu},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": cfg.read_only_root,
-                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": cfg.read_only_root,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
         "volumeMounts": [{"name": name, "mountPath": path} for name, path in WRITABLE.items()],
-    }  # fmt: skip
+    }
     if spec.role == "reward":  # it tells the state store its address; rollout workers and eval pods reach it there
-        container["env"] += [{"name": "SPOTRL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                             {"name": "SPOTRL_REWARD_PORT", "value": str(REWARD_PORT)}]  # fmt: skip
+        container["env"] += [
+            {"name": "SPOTRL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "SPOTRL_REWARD_PORT", "value": str(REWARD_PORT)},
+        ]
         container["ports"] = [{"name": "http", "containerPort": REWARD_PORT, "protocol": "TCP"}]
     if cfg.env_secrets:
         container["envFrom"] = [{"secretRef": {"name": name}} for name in cfg.env_secrets]
@@ -199,17 +240,30 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": cfg.training_grace_s if training else cfg.spot_notice_s,
         "nodeSelector": {**pool, INSTANCE_TYPE_LABEL: spec.instance_type},
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": _capacity_terms(spec.capacity_type == "spot", cfg.spot_labels)}}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": _capacity_terms(spec.capacity_type == "spot", cfg.spot_labels)
+                }
+            }
+        },
         "tolerations": cfg.tolerations.get(pool_role, []),
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": cfg.run_as_user, "runAsGroup": cfg.run_as_user,
-                            "fsGroup": cfg.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": cfg.run_as_user,
+            "runAsGroup": cfg.run_as_user,
+            "fsGroup": cfg.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{int(memory_mib * cfg.shm_fraction)}Mi"}}],
-    }  # fmt: skip
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "home", "emptyDir": {}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{int(memory_mib * cfg.shm_fraction)}Mi"}},
+        ],
+    }
     if cfg.service_account:
         pod["serviceAccountName"] = cfg.service_account
     if cfg.image_pull_secrets:
@@ -217,10 +271,15 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
     # The catalog file the pod's settings name (inherited from the launcher's) is where its own pod mounts it.
     if cfg.price_catalog_configmap and (catalog := env.get("SPOTRL_PRICE_CATALOG")):
         pod["volumes"].append({"name": CATALOG_VOLUME, "configMap": {"name": cfg.price_catalog_configmap}})
-        container["volumeMounts"].append({"name": CATALOG_VOLUME, "mountPath": str(PurePosixPath(catalog).parent),
-                                          "readOnly": True})  # fmt: skip
-    metadata = {"name": spec.name, "labels": labels, "finalizers": [FINALIZER],
-                "annotations": {SPEC_ANNOTATION: json.dumps(described, sort_keys=True)}}  # fmt: skip
+        container["volumeMounts"].append(
+            {"name": CATALOG_VOLUME, "mountPath": str(PurePosixPath(catalog).parent), "readOnly": True}
+        )
+    metadata = {
+        "name": spec.name,
+        "labels": labels,
+        "finalizers": [FINALIZER],
+        "annotations": {SPEC_ANNOTATION: json.dumps(described, sort_keys=True)},
+    }
     return {"metadata": metadata, "spec": pod}
 
 
@@ -260,8 +319,10 @@ def _exit_code(terminated: dict[str, Any] | None) -> int | None:
 
 
 def _disrupted(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
-               for c in pod.get("status", {}).get("conditions") or [])  # fmt: skip
+    return any(
+        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        for c in pod.get("status", {}).get("conditions") or []
+    )
 
 
 def pod_ended(pod: dict[str, Any]) -> bool:
@@ -270,8 +331,12 @@ def pod_ended(pod: dict[str, Any]) -> bool:
     return pod.get("status", {}).get("phase") in ("Succeeded", "Failed") or bool(never_ran)
 
 
-def status_of(obj: dict[str, Any], pods: list[dict[str, Any]], node_metadata: Callable[[str], dict[str, Any]],
-              spot_labels: dict[str, str]) -> PodStatus:
+def status_of(
+    obj: dict[str, Any],
+    pods: list[dict[str, Any]],
+    node_metadata: Callable[[str], dict[str, Any]],
+    spot_labels: dict[str, str],
+) -> PodStatus:
     """The PodStatus of a bare pod (``pods`` is itself) or of a Job (``pods`` are its pods, oldest
     first). ``node_metadata(name)``: a node's metadata (labels, creationTimestamp), {} if it is gone."""
     described = json.loads(obj["metadata"]["annotations"][SPEC_ANNOTATION])
@@ -298,11 +363,14 @@ def status_of(obj: dict[str, Any], pods: list[dict[str, Any]], node_metadata: Ca
             phase = PodPhase.RUNNING
         if phase is not PodPhase.RUNNING:
             ended = conditions.get("Complete") or conditions.get("Failed")
-            ended_at = _time(obj["status"].get("completionTime")) or (ended_at if ended is None else _time(ended["lastTransitionTime"]))
+            ended_at = _time(obj["status"].get("completionTime")) or (
+                ended_at if ended is None else _time(ended["lastTransitionTime"])
+            )
     else:
         pod_phase = obj.get("status", {}).get("phase")
         phase = {"Succeeded": PodPhase.SUCCEEDED, "Failed": PodPhase.FAILED}.get(
-            pod_phase, PodPhase.FAILED if pod_ended(obj) else PodPhase.RUNNING)
+            pod_phase, PodPhase.FAILED if pod_ended(obj) else PodPhase.RUNNING
+        )
     return PodStatus(
         name=obj["metadata"]["name"],
         run_id=described["run_id"],

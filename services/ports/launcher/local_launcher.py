@@ -196,8 +196,10 @@ def _read_status(pod_dir: Path) -> PodStatus | None:
         pid=pid,
         # A spot "machine" taken back without notice, as the chaos driver plays it: SIGKILLed
         # without being asked to stop.
-        preempted=spec.capacity_type == "spot" and ended is not None
-        and ended["exit_code"] == -signal.SIGKILL and not (pod_dir / STOP_FILE).exists(),
+        preempted=spec.capacity_type == "spot"
+        and ended is not None
+        and ended["exit_code"] == -signal.SIGKILL
+        and not (pod_dir / STOP_FILE).exists(),
     )
 
 

@@ -21,8 +21,15 @@ from services.core.errors import PermanentError, TemporaryError
 from services.ports.objects.object_store import ObjectNotFoundError
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                    "TokenRefreshRequired", "AuthorizationHeaderMalformed", "InvalidClientTokenId"}  # fmt: skip
+_BAD_CREDENTIALS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AuthorizationHeaderMalformed",
+    "InvalidClientTokenId",
+}
 _DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
 # Besides any 5xx answer. NoSuchUpload: a multipart upload that vanished (retried whole, see _upload).
 _TEMPORARY = {"SlowDown", "Throttling", "RequestTimeout", "ServiceUnavailable", "InternalError", "NoSuchUpload"}
@@ -61,38 +68,56 @@ def s3_error(
         if code in _NOT_FOUND:
             return ObjectNotFoundError(f"no object {key!r} in {where}", key)
         if code == "NoSuchBucket":
-            error_class, message = ObjectStoreConfigError, (
-                f"{operation} failed: the bucket {bucket!r} does not exist ({detail}). Create it, or point"
-                " SPOTRL_OBJECTS_URL at an existing one (and AWS_ENDPOINT_URL_S3 at its service)"
+            error_class, message = (
+                ObjectStoreConfigError,
+                (
+                    f"{operation} failed: the bucket {bucket!r} does not exist ({detail}). Create it, or point"
+                    " SPOTRL_OBJECTS_URL at an existing one (and AWS_ENDPOINT_URL_S3 at its service)"
+                ),
             )
         elif code in _BAD_CREDENTIALS:
-            error_class, message = ObjectStoreConfigError, (
-                f"{operation} failed: the service refused the credentials ({detail}). Check AWS_ACCESS_KEY_ID and"
-                " AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, which expires), or the pod's IAM role, and the"
-                " clock"
+            error_class, message = (
+                ObjectStoreConfigError,
+                (
+                    f"{operation} failed: the service refused the credentials ({detail}). Check AWS_ACCESS_KEY_ID and"
+                    " AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, which expires), or the pod's IAM role, and the"
+                    " clock"
+                ),
             )
         elif code in _DENIED:
-            error_class, message = ObjectStoreConfigError, (
-                f"{operation} failed: access denied ({detail}). Give these credentials s3:GetObject, s3:PutObject,"
-                f" s3:DeleteObject and s3:ListBucket on {where}* (without s3:ListBucket, S3 answers 403 for a"
-                " missing key)"
+            error_class, message = (
+                ObjectStoreConfigError,
+                (
+                    f"{operation} failed: access denied ({detail}). Give these credentials s3:GetObject, s3:PutObject,"
+                    f" s3:DeleteObject and s3:ListBucket on {where}* (without s3:ListBucket, S3 answers 403 for a"
+                    " missing key)"
+                ),
             )
         elif status >= 500 or code in _TEMPORARY:
-            error_class, message = ObjectStoreUnavailableError, (
-                f"{operation} failed after {attempts} attempts: {detail}. The service is failing or"
-                " throttling; this is retried later"
+            error_class, message = (
+                ObjectStoreUnavailableError,
+                (
+                    f"{operation} failed after {attempts} attempts: {detail}. The service is failing or"
+                    " throttling; this is retried later"
+                ),
             )
         else:
             error_class, message = ObjectStoreConfigError, f"{operation} failed: {detail}"
     elif isinstance(err, (NoCredentialsError, PartialCredentialsError)):
-        error_class, message = ObjectStoreConfigError, (
-            f"{operation}: no usable AWS credentials ({scrub(str(err))}). Set AWS_ACCESS_KEY_ID and"
-            " AWS_SECRET_ACCESS_KEY, or run with an IAM role"
+        error_class, message = (
+            ObjectStoreConfigError,
+            (
+                f"{operation}: no usable AWS credentials ({scrub(str(err))}). Set AWS_ACCESS_KEY_ID and"
+                " AWS_SECRET_ACCESS_KEY, or run with an IAM role"
+            ),
         )
     elif isinstance(err, (BotoConnectionError, HTTPClientError, IncompleteReadError, RetriesExceededError)):
-        error_class, message = ObjectStoreUnavailableError, (
-            f"{operation} failed after {attempts} attempts: {scrub(str(err))}. Check that the endpoint is"
-            " reachable from here (AWS_ENDPOINT_URL_S3, AWS_REGION, network, proxy); this is retried later"
+        error_class, message = (
+            ObjectStoreUnavailableError,
+            (
+                f"{operation} failed after {attempts} attempts: {scrub(str(err))}. Check that the endpoint is"
+                " reachable from here (AWS_ENDPOINT_URL_S3, AWS_REGION, network, proxy); this is retried later"
+            ),
         )
     else:
         error_class, message = ObjectStoreConfigError, f"{operation} failed: {code}: {scrub(str(err))}"

@@ -129,8 +129,10 @@ class S3ObjectStore:
             addressing_style = "path"
         self.max_attempts = max_attempts or _env_int("AWS_MAX_ATTEMPTS") or MAX_ATTEMPTS
         config = Config(
-            retries={"mode": retry_mode or os.environ.get("AWS_RETRY_MODE") or RETRY_MODE,
-                     "total_max_attempts": self.max_attempts},
+            retries={
+                "mode": retry_mode or os.environ.get("AWS_RETRY_MODE") or RETRY_MODE,
+                "total_max_attempts": self.max_attempts,
+            },
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
             s3={"addressing_style": addressing_style} if addressing_style else None,
@@ -173,8 +175,10 @@ class S3ObjectStore:
             )
         # The URL is not echoed below either: a query may hold a secret too.
         if parts.query or parts.fragment or parts.port is not None:
-            raise ValueError("an s3:// URL is s3://bucket/prefix, without a port, query or fragment; give an"
-                             " S3-compatible service's endpoint as AWS_ENDPOINT_URL_S3")  # fmt: skip
+            raise ValueError(
+                "an s3:// URL is s3://bucket/prefix, without a port, query or fragment; give an"
+                " S3-compatible service's endpoint as AWS_ENDPOINT_URL_S3"
+            )
         if not parts.hostname:
             raise ValueError("the s3:// URL names no bucket: use s3://bucket/prefix")
         return cls(parts.netloc, parts.path.strip("/"), **options)  # type: ignore[arg-type]
@@ -209,8 +213,13 @@ class S3ObjectStore:
                 cut_off = err.code in (ResponseStreamingError.__name__, IncompleteReadError.__name__)
                 if not cut_off or attempt == self.max_attempts:
                     raise
-            log.warning("reading s3://%s/%s was cut off (attempt %d of %d); reading it again", self.bucket, name,
-                        attempt, self.max_attempts)
+            log.warning(
+                "reading s3://%s/%s was cut off (attempt %d of %d); reading it again",
+                self.bucket,
+                name,
+                attempt,
+                self.max_attempts,
+            )
             attempt += 1
 
     def exists(self, key: str) -> bool:
@@ -262,8 +271,9 @@ class S3ObjectStore:
         for target in targets:
             target.parent.mkdir(parents=True, exist_ok=True)
         with create_transfer_manager(self._client, self._transfer) as manager:
-            futures = [(key, manager.download(self.bucket, self._name(key), str(target)))
-                       for key, target in zip(keys, targets)]  # fmt: skip
+            futures = [
+                (key, manager.download(self.bucket, self._name(key), str(target))) for key, target in zip(keys, targets)
+            ]
             for key, future in futures:
                 try:
                     self._call("GetObject", key, future.result)
@@ -301,10 +311,15 @@ class S3ObjectStore:
         )
         if errors := answer.get("Errors"):
             first = errors[0]
-            err = ClientError({"Error": {"Code": first.get("Code", ""), "Message": first.get("Message", "")}},
-                              "DeleteObjects")  # fmt: skip
-            self._raise("DeleteObjects", first.get("Key", prefix).removeprefix(self.root), err,
-                        note=f"{len(errors)} of {len(names)} keys were not deleted")  # fmt: skip
+            err = ClientError(
+                {"Error": {"Code": first.get("Code", ""), "Message": first.get("Message", "")}}, "DeleteObjects"
+            )
+            self._raise(
+                "DeleteObjects",
+                first.get("Key", prefix).removeprefix(self.root),
+                err,
+                note=f"{len(errors)} of {len(names)} keys were not deleted",
+            )
 
     def _upload(self, source: str | io.BytesIO, name: str, key: str) -> None:
         """One object through the transfer manager (in parts if large), whole again when its
@@ -320,8 +335,9 @@ class S3ObjectStore:
                 except ObjectStoreUnavailableError as err:
                     if err.code != "NoSuchUpload" or attempt == _UPLOAD_ATTEMPTS:
                         raise
-            log.warning("the multipart upload of s3://%s/%s vanished (NoSuchUpload); uploading it again", self.bucket,
-                        name)
+            log.warning(
+                "the multipart upload of s3://%s/%s vanished (NoSuchUpload); uploading it again", self.bucket, name
+            )
 
     def _call(self, operation: str, key: str, request: Callable[[], _T]) -> _T:
         """``request()``, its failures turned into this port's errors."""
@@ -334,8 +350,15 @@ class S3ObjectStore:
         """Raise this port's error for ``err`` (``s3_error``), self-contained: the client's exception
         is not chained on, since what it quotes is not ours to vet (what S3 said is, scrubbed)."""
         where = f"s3://{self.bucket}/{self.root}"
-        raise s3_error(err, operation=f"{operation} {where}{key} (endpoint {self.endpoint})", key=key, where=where,
-                       bucket=self.bucket, attempts=self.max_attempts, note=note) from None
+        raise s3_error(
+            err,
+            operation=f"{operation} {where}{key} (endpoint {self.endpoint})",
+            key=key,
+            where=where,
+            bucket=self.bucket,
+            attempts=self.max_attempts,
+            note=note,
+        ) from None
 
 
 def _endpoint_in_use(endpoint_url: str | None) -> str | None:

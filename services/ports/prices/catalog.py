@@ -107,8 +107,9 @@ class PriceCatalog:
 
 def _parse_price(value: Any) -> tuple[float, QuotedRange | None]:
     if isinstance(value, Mapping):
-        quoted = QuotedRange(low=float(value["low"]), high=float(value["high"]), point=float(value["point"]),
-                             basis=str(value["basis"]))
+        quoted = QuotedRange(
+            low=float(value["low"]), high=float(value["high"]), point=float(value["point"]), basis=str(value["basis"])
+        )
         return quoted.point, quoted
     return float(value), None
 

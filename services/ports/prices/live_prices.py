@@ -77,9 +77,10 @@ class AwsSpotPrices:
             return self._failed(now, instance_type, "no AWS credentials in the environment")
         try:
             answer = session.client("ec2", config=_EC2_CONFIG).describe_spot_price_history(
-                InstanceTypes=[instance_type], ProductDescriptions=["Linux/UNIX"],
+                InstanceTypes=[instance_type],
+                ProductDescriptions=["Linux/UNIX"],
                 StartTime=datetime.fromtimestamp(now, UTC),
-            )  # fmt: skip
+            )
         except (BotoCoreError, ClientError) as e:
             return self._failed(now, instance_type, f"EC2 describe_spot_price_history failed: {e}")
         latest = _latest_per_zone(answer.get("SpotPriceHistory", []))

@@ -102,23 +102,27 @@ class KafkaGroupConsumer(ConsumerThread):
         self._closed = False
         self._failure: BaseException | None = None
         self._last_poll = time.monotonic()
-        kafka_session_ms = int(1000 * min(max(session_timeout_s, settings.session_timeout_min_s), settings.session_timeout_max_s))
+        kafka_session_ms = int(
+            1000 * min(max(session_timeout_s, settings.session_timeout_min_s), settings.session_timeout_max_s)
+        )
         # A rebalance completes within the rebalance timeout (here Kafka's session timeout) unless
         # the brokers are unreachable: poll and commit wait that long for one under way.
         self._rebalance_wait_s = kafka_session_ms / 1000 + 5.0
-        self._kafka: KafkaConsumer = client(lambda: KafkaConsumer(
-            **client_config,
-            client_id=f"spotrl-{member_id}",
-            group_id=kafka_group_id(topic, group),
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            allow_auto_create_topics=False,
-            session_timeout_ms=kafka_session_ms,
-            heartbeat_interval_ms=max(100, min(3000, kafka_session_ms // 4)),
-            # Our thread polls every _BACKGROUND_POLL_MS, so this only trips if the process stalls.
-            max_poll_interval_ms=kafka_session_ms,
-            partition_assignment_strategy=[SpotrlAssignor(self)],
-        ))
+        self._kafka: KafkaConsumer = client(
+            lambda: KafkaConsumer(
+                **client_config,
+                client_id=f"spotrl-{member_id}",
+                group_id=kafka_group_id(topic, group),
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                allow_auto_create_topics=False,
+                session_timeout_ms=kafka_session_ms,
+                heartbeat_interval_ms=max(100, min(3000, kafka_session_ms // 4)),
+                # Our thread polls every _BACKGROUND_POLL_MS, so this only trips if the process stalls.
+                max_poll_interval_ms=kafka_session_ms,
+                partition_assignment_strategy=[SpotrlAssignor(self)],
+            )
+        )
         self._kafka.subscribe([topic], listener=RebalanceListener(self))
         self._thread = threading.Thread(target=self._run, name=f"kafka-consumer-{member_id}", daemon=True)
         try:
@@ -175,7 +179,9 @@ class KafkaGroupConsumer(ConsumerThread):
                     f"cannot commit offsets {offsets} for topic {self._topic!r}: partitions {unknown} do not exist"
                     " or an offset is negative; commit next_offsets(records) of records this consumer polled"
                 )
-            lost = sorted(p for p in offsets if self._current.get(p) is None or self._current[p] != self._snapshot.get(p))
+            lost = sorted(
+                p for p in offsets if self._current.get(p) is None or self._current[p] != self._snapshot.get(p)
+            )
             self._adopt()
         if lost:
             raise CommitFailedError(
@@ -209,8 +215,9 @@ class KafkaGroupConsumer(ConsumerThread):
                 with self._cond:
                     if self._fenced:
                         raise MemberFencedError(self._fenced_message()) from e
-                    kept = all(self._current.get(p) is not None and self._current[p] == self._snapshot.get(p)
-                               for p in offsets)  # fmt: skip
+                    kept = all(
+                        self._current.get(p) is not None and self._current[p] == self._snapshot.get(p) for p in offsets
+                    )
                     if not kept or time.monotonic() > deadline:
                         raise CommitFailedError(
                             f"member {self._member_id!r} of group {self._group!r} could not commit partitions"
@@ -271,8 +278,12 @@ class KafkaGroupConsumer(ConsumerThread):
             self._roster = list(data.get("roster") or [])
             if data.get("fenced"):
                 self._fenced = True
-                log.warning("consumer %r of group %r on %r was replaced by a newer one with its member id (fenced)",
-                            self._member_id, self._group, self._topic)
+                log.warning(
+                    "consumer %r of group %r on %r was replaced by a newer one with its member id (fenced)",
+                    self._member_id,
+                    self._group,
+                    self._topic,
+                )
             self._cond.notify_all()
 
     def on_revoked(self, *, lost: bool) -> None:

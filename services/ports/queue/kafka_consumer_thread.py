@@ -99,8 +99,14 @@ class ConsumerThread:
             return False
         others = [m for m in self._roster if m != self._member_id]
         if others:
-            log.info("member %r of group %r on %r did not poll for %.1f s: leaving the group to %s",
-                     self._member_id, self._group, self._topic, self._session_timeout_s, others)
+            log.info(
+                "member %r of group %r on %r did not poll for %.1f s: leaving the group to %s",
+                self._member_id,
+                self._group,
+                self._topic,
+                self._session_timeout_s,
+                others,
+            )
         return bool(others)
 
     def _rewind_to_committed(self, partitions: set[int]) -> None:

@@ -130,8 +130,10 @@ class KafkaQueue:
         spec = {
             "num_partitions": partitions,
             "replication_factor": self.settings.replication_factor,
-            "configs": {"retention.ms": str(self.settings.retention_ms),
-                        "max.message.bytes": str(self.settings.max_record_bytes)},
+            "configs": {
+                "retention.ms": str(self.settings.retention_ms),
+                "max.message.bytes": str(self.settings.max_record_bytes),
+            },
         }
         deadline = time.monotonic() + _METADATA_WAIT_S
         while True:
@@ -161,7 +163,9 @@ class KafkaQueue:
             return
         # The topic's groups go with it (their offsets would otherwise apply to a new topic of the
         # same name); Kafka drops the offsets of a deleted topic itself, this removes the groups.
-        groups = [g["group_id"] for g in self._admin.list_groups() if str(g.get("group_id", "")).startswith(f"{topic}:")]
+        groups = [
+            g["group_id"] for g in self._admin.list_groups() if str(g.get("group_id", "")).startswith(f"{topic}:")
+        ]
         if groups:
             try:
                 self._admin.delete_groups(groups)

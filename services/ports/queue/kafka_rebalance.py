@@ -16,7 +16,6 @@ from kafka.coordinator.assignors.abstract import AbstractPartitionAssignor
 from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment, ConsumerProtocolSubscription
 
 
-
 class GroupMember(Protocol):
     """What the hooks forward to: the consumer that joined the group (``KafkaGroupConsumer``)."""
 
@@ -27,6 +26,7 @@ class GroupMember(Protocol):
     def on_revoked(self, *, lost: bool) -> None: ...
 
     def on_assigned(self) -> None: ...
+
 
 # The assignor's name: every member of a group must offer it (they all run this adapter).
 ASSIGNOR = "spotrl-v1"

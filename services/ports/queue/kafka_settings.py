@@ -28,11 +28,22 @@ from urllib.parse import parse_qsl, urlsplit
 _SCHEME = "kafka"
 # Settings a URL query or SPOTRL_KAFKA_* variable may carry, passed to kafka-python as they are.
 _SECURITY_KEYS = (
-    "security_protocol", "ssl_cafile", "ssl_certfile", "ssl_keyfile",
-    "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
-)  # fmt: skip
-_OTHER_KEYS = ("retention_ms", "replication_factor", "batch_size", "max_record_bytes", "session_timeout_min_s",
-               "session_timeout_max_s")
+    "security_protocol",
+    "ssl_cafile",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "sasl_mechanism",
+    "sasl_plain_username",
+    "sasl_plain_password",
+)
+_OTHER_KEYS = (
+    "retention_ms",
+    "replication_factor",
+    "batch_size",
+    "max_record_bytes",
+    "session_timeout_min_s",
+    "session_timeout_max_s",
+)
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 _DEFAULT_RETENTION_MS = 7 * 24 * 3600 * 1000

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-
 @dataclass(frozen=True, slots=True)
 class Record:
     """One record of a topic partition; ``offset`` is its position in that partition."""

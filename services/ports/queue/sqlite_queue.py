@@ -11,9 +11,9 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from services.ports.sqlite_file import SqliteFile
 from services.ports.queue.queue import CommitFailedError, Consumer, MemberFencedError, Record
 from services.ports.queue.sqlite_queue_groups import GroupView, committed_of, end_offsets_of, partitions_of, rebalance
+from services.ports.sqlite_file import SqliteFile
 
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 # An idle poll re-reads the log this often while it waits for records.
@@ -200,9 +200,7 @@ class _SqliteConsumer:
                     f" {self._member_id!r} and took over its partitions; close this consumer"
                 )
             # Taking over a member id: bump the epochs so the previous holder's commits fail.
-            conn.execute(
-                "UPDATE owners SET epoch = epoch + 1 WHERE group_id = ? AND topic = ? AND member_id = ?", key
-            )
+            conn.execute("UPDATE owners SET epoch = epoch + 1 WHERE group_id = ? AND topic = ? AND member_id = ?", key)
         elif row is None and not rejoin:
             return rebalance(conn, self._topic, self._group, now)
         conn.execute(
@@ -314,9 +312,7 @@ class SqliteQueue:
                 "UPDATE log_ends SET end_offset = ? WHERE topic = ? AND partition_id = ?",
                 [(end, topic, p) for p, end in ends.items()],
             )
-            conn.execute(
-                "UPDATE topics SET round_robin = ? WHERE topic = ?", (round_robin % partitions, topic)
-            )
+            conn.execute("UPDATE topics SET round_robin = ? WHERE topic = ?", (round_robin % partitions, topic))
 
     def consumer(self, topic: str, group: str, *, member_id: str, session_timeout_s: float = 10.0) -> Consumer:
         if session_timeout_s <= 0:

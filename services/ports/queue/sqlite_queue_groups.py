@@ -24,9 +24,7 @@ def end_offsets_of(conn: sqlite3.Connection, topic: str) -> dict[int, int]:
 
 def committed_of(conn: sqlite3.Connection, topic: str, group: str) -> dict[int, int]:
     stored = dict(
-        conn.execute(
-            "SELECT partition_id, next_offset FROM commits WHERE group_id = ? AND topic = ?", (group, topic)
-        )
+        conn.execute("SELECT partition_id, next_offset FROM commits WHERE group_id = ? AND topic = ?", (group, topic))
     )
     return {p: stored.get(p, 0) for p in range(partitions_of(conn, topic))}
 
@@ -44,13 +42,10 @@ class GroupView:
     def read(cls, conn: sqlite3.Connection, topic: str, group: str) -> GroupView:
         key = (group, topic)
         members = conn.execute(
-            "SELECT member_id, instance, heartbeat_at, session_timeout_s FROM members"
-            " WHERE group_id = ? AND topic = ?",
+            "SELECT member_id, instance, heartbeat_at, session_timeout_s FROM members WHERE group_id = ? AND topic = ?",
             key,
         )
-        owners = conn.execute(
-            "SELECT partition_id, member_id, epoch FROM owners WHERE group_id = ? AND topic = ?", key
-        )
+        owners = conn.execute("SELECT partition_id, member_id, epoch FROM owners WHERE group_id = ? AND topic = ?", key)
         return cls(
             partitions=partitions_of(conn, topic),
             members={m: (instance, beat, timeout) for m, instance, beat, timeout in members},

@@ -178,8 +178,12 @@ class RedisRewardCache:
             log.warning(
                 "reward cache %s: %s failed (%s: %s); carrying on without the cache (lookups miss, writes are "
                 "dropped, each key counted as an error) and trying again every %.0f s; logged once per outage",
-                self._where, what, type(exc).__name__, self._scrub(str(exc)), self._retry_after_s,
-            )  # fmt: skip
+                self._where,
+                what,
+                type(exc).__name__,
+                self._scrub(str(exc)),
+                self._retry_after_s,
+            )
 
     def _succeeded(self) -> None:
         if self._down_since is None:

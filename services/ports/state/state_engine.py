@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection
 
+
 def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
     # isolation_level=None: pysqlite issues no BEGIN of its own (it would only before the first
     # write, leaving the reads before it outside the transaction); _sqlite_begin issues them.
@@ -49,7 +50,9 @@ def _json_dumps(value: Any) -> str:
 
 def create_state_engine(url: URL) -> Any:
     if url.get_backend_name() not in ("sqlite", "postgresql"):
-        raise ValueError(f"the state store runs on SQLite or PostgreSQL (postgresql+psycopg://...), not {url.get_backend_name()}")
+        raise ValueError(
+            f"the state store runs on SQLite or PostgreSQL (postgresql+psycopg://...), not {url.get_backend_name()}"
+        )
     if url.get_backend_name() == "sqlite":
         engine = create_engine(url, json_serializer=_json_dumps)
         event.listen(engine, "connect", _sqlite_connect)

@@ -63,8 +63,14 @@ class EvalQueries:
             self._locked_run(s, run_id)
             row = s.get(EvalRow, (run_id, result.policy_version))
             if row is None:  # opened by nothing that survived (the row is written before the pod is launched)
-                row = EvalRow(run_id=run_id, policy_version=result.policy_version, launched_at=result.ended_at - result.seconds,
-                              failures=0, retry_at=0.0, given_up=False)  # fmt: skip
+                row = EvalRow(
+                    run_id=run_id,
+                    policy_version=result.policy_version,
+                    launched_at=result.ended_at - result.seconds,
+                    failures=0,
+                    retry_at=0.0,
+                    given_up=False,
+                )
                 s.add(row)
             if row.mean_score is not None:
                 return
@@ -75,28 +81,45 @@ class EvalQueries:
             row.seconds = result.seconds
             row.ended_at = result.ended_at
 
-    def fail_eval(self, run_id: str, version: int, *, failures: int, retry_at: float, gave_up: str | None = None) -> None:
+    def fail_eval(
+        self, run_id: str, version: int, *, failures: int, retry_at: float, gave_up: str | None = None
+    ) -> None:
         """Count a failed eval pod of ``version``: retried from ``retry_at``, or, with ``gave_up``
         (the reason), never again."""
         with self._write() as s:
             s.execute(
                 update(EvalRow)
                 .where(EvalRow.run_id == run_id, EvalRow.policy_version == version)
-                .values(failures=failures, retry_at=retry_at, given_up=gave_up is not None,
-                        error=None if gave_up is None else gave_up[:500])
-            )  # fmt: skip
+                .values(
+                    failures=failures,
+                    retry_at=retry_at,
+                    given_up=gave_up is not None,
+                    error=None if gave_up is None else gave_up[:500],
+                )
+            )
 
     def eval_progress(self, run_id: str) -> EvalProgress:
         """The run's evals as the scheduler plans with them (``EvalProgress``)."""
         with self._session() as s:
             of_run = EvalRow.run_id == run_id
             through = s.scalar(select(func.max(EvalRow.policy_version)).where(of_run))
-            pending = s.scalars(select(EvalRow).where(of_run, EvalRow.mean_score.is_(None), EvalRow.given_up.is_(False))
-                                .order_by(EvalRow.policy_version))  # fmt: skip
-            best = s.scalars(select(EvalRow).where(of_run, EvalRow.mean_score.is_not(None))
-                             .order_by(EvalRow.mean_score.desc(), EvalRow.policy_version).limit(1)).first()  # fmt: skip
-            given_up = s.scalars(select(EvalRow).where(of_run, EvalRow.given_up.is_(True))
-                                 .order_by(EvalRow.policy_version.desc()).limit(1)).first()  # fmt: skip
+            pending = s.scalars(
+                select(EvalRow)
+                .where(of_run, EvalRow.mean_score.is_(None), EvalRow.given_up.is_(False))
+                .order_by(EvalRow.policy_version)
+            )
+            best = s.scalars(
+                select(EvalRow)
+                .where(of_run, EvalRow.mean_score.is_not(None))
+                .order_by(EvalRow.mean_score.desc(), EvalRow.policy_version)
+                .limit(1)
+            ).first()
+            given_up = s.scalars(
+                select(EvalRow)
+                .where(of_run, EvalRow.given_up.is_(True))
+                .order_by(EvalRow.policy_version.desc())
+                .limit(1)
+            ).first()
             return EvalProgress(-1 if through is None else through, list(pending), best, given_up)
 
     def evals(self, run_id: str, latest: int | None = None) -> list[EvalRow]:

@@ -53,7 +53,9 @@ class LedgerQueries:
         query for a page of runs, in the transaction ``s``; a run without entries is 0."""
         seconds = func.coalesce(LedgerRow.ended_at, now) - LedgerRow.started_at
         dollars = case((seconds > 0, seconds), else_=0.0) * LedgerRow.price_per_hour / 3600.0
-        rows = s.execute(select(LedgerRow.run_id, func.sum(dollars)).where(LedgerRow.run_id.in_(run_ids)).group_by(LedgerRow.run_id))
+        rows = s.execute(
+            select(LedgerRow.run_id, func.sum(dollars)).where(LedgerRow.run_id.in_(run_ids)).group_by(LedgerRow.run_id)
+        )
         spent = {run_id: float(total or 0.0) for run_id, total in rows}
         return {run_id: spent.get(run_id, 0.0) for run_id in run_ids}
 
@@ -137,6 +139,11 @@ class LedgerQueries:
 
     def open_ledger_count(self, run_id: str) -> int:
         with self._session() as s:
-            return s.scalar(
-                select(func.count()).select_from(LedgerRow).where(LedgerRow.run_id == run_id, LedgerRow.ended_at.is_(None))
-            ) or 0
+            return (
+                s.scalar(
+                    select(func.count())
+                    .select_from(LedgerRow)
+                    .where(LedgerRow.run_id == run_id, LedgerRow.ended_at.is_(None))
+                )
+                or 0
+            )

@@ -19,7 +19,6 @@ from typing import Any
 from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-
 # The tenant of runs submitted without tenants configured (one machine, no tokens), and of runs
 # stored before tenants existed.
 DEFAULT_TENANT = "default"

@@ -28,10 +28,10 @@ from sqlalchemy import String, and_, case, delete, func, make_url, or_, select, 
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
+from services.ports.state.migrations import migrate
 from services.ports.state.state_engine import WRITE_OPTION, create_state_engine, dialect_insert
 from services.ports.state.state_evals import EvalProgress, EvalQueries, recorded_evals
 from services.ports.state.state_ledger import LedgerEntry, LedgerQueries
-from services.ports.state.migrations import migrate
 from services.ports.state.state_schema import (
     DEFAULT_TENANT,
     EvalRow,
@@ -73,13 +73,17 @@ def _runs_query(*, active_only: bool, tenant: str | None, limit: int | None, aft
         query = query.where(RunRow.tenant == tenant)
     if after is not None:
         created_at, run_id = after
-        query = query.where(or_(RunRow.created_at > created_at, and_(RunRow.created_at == created_at, RunRow.id > run_id)))
+        query = query.where(
+            or_(RunRow.created_at > created_at, and_(RunRow.created_at == created_at, RunRow.id > run_id))
+        )
     return query if limit is None else query.limit(limit)
 
 
 def _latest_iterations(s: Session, run_id: str, latest: int) -> list[IterationRow]:
     """The run's last ``latest`` iterations, in order (read as such, newest first, then turned)."""
-    query = select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration.desc()).limit(latest)
+    query = (
+        select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration.desc()).limit(latest)
+    )
     return list(reversed(s.scalars(query).all()))
 
 
@@ -136,7 +140,13 @@ class StateStore(LedgerQueries, EvalQueries):
 
     # --- runs ---------------------------------------------------------------------------
     def create_run(
-        self, run_id: str, *, name: str | None, spec: dict[str, Any], tenant: str = DEFAULT_TENANT, prompt_count: int = 0
+        self,
+        run_id: str,
+        *,
+        name: str | None,
+        spec: dict[str, Any],
+        tenant: str = DEFAULT_TENANT,
+        prompt_count: int = 0,
     ) -> RunRow:
         # Every other column starts at its model default (state_schema), set at the INSERT.
         row = RunRow(
@@ -167,8 +177,12 @@ class StateStore(LedgerQueries, EvalQueries):
             if row is None:
                 raise RunNotFoundError(run_id)
             return RunView(
-                row, _latest_iterations(s, run_id, latest), _iteration_count(s, run_id), self._spent(s, [run_id], now)[run_id],
-                _reward_failures(s, run_id), evals=recorded_evals(s, run_id, latest),
+                row,
+                _latest_iterations(s, run_id, latest),
+                _iteration_count(s, run_id),
+                self._spent(s, [run_id], now)[run_id],
+                _reward_failures(s, run_id),
+                evals=recorded_evals(s, run_id, latest),
             )
 
     def list_runs(
@@ -246,16 +260,20 @@ class StateStore(LedgerQueries, EvalQueries):
             s.execute(
                 update(RunRow)
                 .where(RunRow.id == run_id)
-                .values(reward_failures=RunRow.reward_failures + sum(by_reason.values()),
-                        last_reward_error=_clipped("last_reward_error", latest))
+                .values(
+                    reward_failures=RunRow.reward_failures + sum(by_reason.values()),
+                    last_reward_error=_clipped("last_reward_error", latest),
+                )
             )
             insert = dialect_insert(s.get_bind().dialect.name)(RewardFailureRow)
             for reason, count in by_reason.items():
                 upsert = insert.values(run_id=run_id, reason=reason[:64], count=count)
-                s.execute(upsert.on_conflict_do_update(
-                    index_elements=[RewardFailureRow.run_id, RewardFailureRow.reason],
-                    set_={"count": RewardFailureRow.count + upsert.excluded.count},
-                ))
+                s.execute(
+                    upsert.on_conflict_do_update(
+                        index_elements=[RewardFailureRow.run_id, RewardFailureRow.reason],
+                        set_={"count": RewardFailureRow.count + upsert.excluded.count},
+                    )
+                )
 
     def report_memory(self, run_id: str, pod: str, role: str, *, at: float, current: float, peak: float) -> None:
         """Record a pod's memory (bytes) at ``at``: its GPU memory where it has a GPU, else its RSS."""
@@ -265,11 +283,13 @@ class StateStore(LedgerQueries, EvalQueries):
     def pod_memory(self, run_id: str, *, since: float = 0.0, until: float = float("inf")) -> list[PodMemoryRow]:
         """The run's memory reports taken after ``since`` and up to ``until`` (unix seconds), in order."""
         with self._session() as s:
-            return list(s.scalars(
-                select(PodMemoryRow)
-                .where(PodMemoryRow.run_id == run_id, PodMemoryRow.at > since, PodMemoryRow.at <= until)
-                .order_by(PodMemoryRow.at, PodMemoryRow.id)
-            ))
+            return list(
+                s.scalars(
+                    select(PodMemoryRow)
+                    .where(PodMemoryRow.run_id == run_id, PodMemoryRow.at > since, PodMemoryRow.at <= until)
+                    .order_by(PodMemoryRow.at, PodMemoryRow.id)
+                )
+            )
 
     def reward_failures(self, run_id: str) -> dict[str, int]:
         """The run's failed reward computations by ``<fn>:<kind>``."""
@@ -281,18 +301,24 @@ class StateStore(LedgerQueries, EvalQueries):
         the run's ``samples_filtered``: a counter of its own, which the scheduler's recount of
         ``samples_dropped`` (queued samples never trained) leaves alone."""
         with self._write() as s:
-            s.execute(update(RunRow).where(RunRow.id == run_id).values(samples_filtered=RunRow.samples_filtered + count))
+            s.execute(
+                update(RunRow).where(RunRow.id == run_id).values(samples_filtered=RunRow.samples_filtered + count)
+            )
 
     def runs_with_expired_queues(self, ended_before: float, limit: int) -> list[str]:
         """Ended runs (before ``ended_before``) whose queue topics are still there, oldest first."""
         terminal = [s.value for s in RunStatus if s.is_terminal()]
         with self._session() as s:
-            return list(s.scalars(
-                select(RunRow.id)
-                .where(RunRow.status.in_(terminal), RunRow.queues_deleted.is_(False), RunRow.ended_at < ended_before)
-                .order_by(RunRow.ended_at)
-                .limit(limit)
-            ))  # fmt: skip
+            return list(
+                s.scalars(
+                    select(RunRow.id)
+                    .where(
+                        RunRow.status.in_(terminal), RunRow.queues_deleted.is_(False), RunRow.ended_at < ended_before
+                    )
+                    .order_by(RunRow.ended_at)
+                    .limit(limit)
+                )
+            )
 
     # --- iterations ---------------------------------------------------------------------
     def record_iteration(self, row: IterationRow, *, samples_dropped_extra: int = 0) -> None:
@@ -341,35 +367,50 @@ class StateStore(LedgerQueries, EvalQueries):
         with self._session() as s:
             return {c.sink: c for c in s.scalars(select(TrackingCursorRow).where(TrackingCursorRow.run_id == run_id))}
 
-    def advance_tracking_cursor(self, run_id: str, sink: str, *, iteration: int, eval_version: int, ended: bool = False) -> None:
+    def advance_tracking_cursor(
+        self, run_id: str, sink: str, *, iteration: int, eval_version: int, ended: bool = False
+    ) -> None:
         """Record that ``sink`` has the run's iterations through ``iteration`` and evaluations through
         ``eval_version`` (and its end, with ``ended``). One upsert, only forward: a cursor never moves back."""
         with self._write_engine.begin() as conn:
             upsert = dialect_insert(conn.dialect.name)(TrackingCursorRow).values(
                 run_id=run_id, sink=sink, iteration=iteration, eval_version=eval_version, ended=ended
             )
-            conn.execute(upsert.on_conflict_do_update(
-                index_elements=[TrackingCursorRow.run_id, TrackingCursorRow.sink],
-                set_={
-                    "iteration": case((upsert.excluded.iteration > TrackingCursorRow.iteration, upsert.excluded.iteration),
-                                      else_=TrackingCursorRow.iteration),
-                    "eval_version": case((upsert.excluded.eval_version > TrackingCursorRow.eval_version, upsert.excluded.eval_version),
-                                         else_=TrackingCursorRow.eval_version),
-                    "ended": or_(TrackingCursorRow.ended, upsert.excluded.ended),
-                },
-            ))  # fmt: skip
+            conn.execute(
+                upsert.on_conflict_do_update(
+                    index_elements=[TrackingCursorRow.run_id, TrackingCursorRow.sink],
+                    set_={
+                        "iteration": case(
+                            (upsert.excluded.iteration > TrackingCursorRow.iteration, upsert.excluded.iteration),
+                            else_=TrackingCursorRow.iteration,
+                        ),
+                        "eval_version": case(
+                            (
+                                upsert.excluded.eval_version > TrackingCursorRow.eval_version,
+                                upsert.excluded.eval_version,
+                            ),
+                            else_=TrackingCursorRow.eval_version,
+                        ),
+                        "ended": or_(TrackingCursorRow.ended, upsert.excluded.ended),
+                    },
+                )
+            )
 
     def runs_with_tracking_to_end(self, limit: int) -> list[str]:
         """Ended runs (a terminal status) that some tracker has not been told the end of, oldest end first."""
         terminal = [s.value for s in RunStatus if s.is_terminal()]
         with self._session() as s:
-            return list(s.scalars(
-                select(RunRow.id)
-                .where(RunRow.status.in_(terminal), RunRow.id.in_(
-                    select(TrackingCursorRow.run_id).where(TrackingCursorRow.ended.is_(False))))
-                .order_by(RunRow.ended_at)
-                .limit(limit)
-            ))  # fmt: skip
+            return list(
+                s.scalars(
+                    select(RunRow.id)
+                    .where(
+                        RunRow.status.in_(terminal),
+                        RunRow.id.in_(select(TrackingCursorRow.run_id).where(TrackingCursorRow.ended.is_(False))),
+                    )
+                    .order_by(RunRow.ended_at)
+                    .limit(limit)
+                )
+            )
 
     # --- rollout workers' counters ------------------------------------------------------
     def report_worker(
@@ -409,7 +450,9 @@ class StateStore(LedgerQueries, EvalQueries):
     def worker_stats(self, run_id: str) -> list[WorkerStatsRow]:
         """The run's rollout workers' counters, by worker name."""
         with self._session() as s:
-            return list(s.scalars(select(WorkerStatsRow).where(WorkerStatsRow.run_id == run_id).order_by(WorkerStatsRow.worker)))
+            return list(
+                s.scalars(select(WorkerStatsRow).where(WorkerStatsRow.run_id == run_id).order_by(WorkerStatsRow.worker))
+            )
 
     # --- leases -------------------------------------------------------------------------
     def acquire_lease(self, name: str, holder: str, seconds: float) -> bool:
@@ -423,7 +466,9 @@ class StateStore(LedgerQueries, EvalQueries):
         """
         now = time.time()
         with self._write_engine.begin() as conn:
-            upsert = dialect_insert(conn.dialect.name)(LeaseRow).values(name=name, holder=holder, expires_at=now + seconds)
+            upsert = dialect_insert(conn.dialect.name)(LeaseRow).values(
+                name=name, holder=holder, expires_at=now + seconds
+            )
             upsert = upsert.on_conflict_do_update(
                 index_elements=[LeaseRow.name],
                 set_={"holder": upsert.excluded.holder, "expires_at": upsert.excluded.expires_at},

@@ -23,11 +23,11 @@ import yaml
 from typer.testing import CliRunner
 
 from contracts.status import RunStatus
-from services.control.api.auth import add_token
-from services.ports.state.state_store import StateStore
-from services.core.config import Settings
-from services.control.scheduler.lease import SCHEDULER_LEASE
 from services.cli.main import app as spotrl
+from services.control.api.auth import add_token
+from services.control.scheduler.lease import SCHEDULER_LEASE
+from services.core.config import Settings
+from services.ports.state.state_store import StateStore
 from tests.servers.process import free_port
 from tests.test_end_to_end import stop_serving, wait_until_ready
 
@@ -64,8 +64,11 @@ def _serve(root: Path, tokens_file: tuple[Path, dict[str, str]], *extra: str) ->
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli.main", "serve", "--port", str(port), *extra],
-        cwd=REPO, env=env, stdout=open(root / "serve.log", "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        stdout=open(root / "serve.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     return proc, Server(url, root / "home", tokens_file[1], httpx.Client(base_url=url, timeout=30), proc.pid)
 
@@ -128,7 +131,9 @@ def cli(config_file: Path):
     """`cli(*args, server=..., token=..., env=...)`: the `spotrl` command in this process.
     Server and token go in the environment (SPOTRL_SERVER, SPOTRL_TOKEN) unless None."""
 
-    def run(*args: str, server: Server | str | None = None, token: str | None = None, env: dict | None = None) -> Result:
+    def run(
+        *args: str, server: Server | str | None = None, token: str | None = None, env: dict | None = None
+    ) -> Result:
         environ = {"SPOTRL_CONFIG": str(config_file), "SPOTRL_SERVER": None, "SPOTRL_TOKEN": None, "COLUMNS": "200"}
         if server is not None:
             environ["SPOTRL_SERVER"] = server if isinstance(server, str) else server.url
@@ -165,9 +170,10 @@ def tiny_run(servers, tmp_path_factory: pytest.TempPathFactory, config_file: Pat
     (folder / "run.yaml").write_text(yaml.safe_dump(tiny_spec(name="remote-tiny", prompts="arithmetic.jsonl")))
     busy = servers["busy"]
     r = CliRunner().invoke(
-        spotrl, ["runs", "submit", str(folder / "run.yaml"), "-o", "json"],
+        spotrl,
+        ["runs", "submit", str(folder / "run.yaml"), "-o", "json"],
         env={"SPOTRL_SERVER": busy.url, "SPOTRL_TOKEN": busy.tokens["acme"], "SPOTRL_CONFIG": str(config_file)},
-    )  # fmt: skip
+    )
     assert r.exit_code == 0, r.output
     return r.stdout and json.loads(r.stdout)
 
@@ -198,7 +204,12 @@ def test_submit_json_then_get(servers, cli, tmp_path: Path) -> None:
     assert submitted.stdout.startswith(f"submitted {run_id} (PENDING)")
 
     as_json = cli("runs", "get", run_id, "-o", "json", server=idle, token=idle.tokens["acme"]).json()
-    assert (as_json["name"], as_json["status"], as_json["spec"]["iterations"], as_json["prompt_count"]) == ("from-json", "PENDING", 3, 8)
+    assert (as_json["name"], as_json["status"], as_json["spec"]["iterations"], as_json["prompt_count"]) == (
+        "from-json",
+        "PENDING",
+        3,
+        8,
+    )
     table = cli("runs", "get", run_id, server=idle, token=idle.tokens["acme"])
     assert table.code == 0 and run_id in table.stdout and "PENDING" in table.stdout and "from-json" in table.stdout
     assert RunStatus.PENDING.meaning in table.stdout  # what the status means, under it
@@ -211,7 +222,10 @@ def test_list_follows_every_page_and_shows_the_tenants_runs_only(servers, cli, t
     idle = servers["idle"]
     spec = tmp_path / "run.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec()))
-    mine = [cli("runs", "submit", str(spec), "-o", "json", server=idle, token=idle.tokens["globex"]).json()["id"] for _ in range(5)]
+    mine = [
+        cli("runs", "submit", str(spec), "-o", "json", server=idle, token=idle.tokens["globex"]).json()["id"]
+        for _ in range(5)
+    ]
 
     listed = cli("runs", "list", "--page-size", "2", "-o", "json", server=idle, token=idle.tokens["globex"])
     assert listed.code == 0, listed.stderr
@@ -234,7 +248,10 @@ def test_cancel_and_cost(servers, cli, tmp_path: Path) -> None:
 
     cancelled = cli("runs", "cancel", run_id, server=idle, token=idle.tokens["acme"])
     assert cancelled.code == 0 and cancelled.stdout.startswith(f"{run_id} CANCELLING (cancelled before it started)")
-    assert cli("runs", "get", run_id, "-o", "json", server=idle, token=idle.tokens["acme"]).json()["status"] == "CANCELLING"
+    assert (
+        cli("runs", "get", run_id, "-o", "json", server=idle, token=idle.tokens["acme"]).json()["status"]
+        == "CANCELLING"
+    )
 
 
 # --- errors, as the API gave them ----------------------------------------------------------------
@@ -349,8 +366,12 @@ def test_logs_follow_prints_every_pod_until_the_run_ends(tiny_run, servers) -> N
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPOTRL_SERVER": busy.url, "SPOTRL_TOKEN": busy.tokens["acme"]}
     out = subprocess.run(
         [sys.executable, "-m", "services.cli.main", "runs", "logs", tiny_run["id"], "--follow", "--interval", "0.5"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     prefixes = {line.split(" | ", 1)[0] for line in out.stdout.splitlines() if " | " in line}
     assert f"{tiny_run['id']}-rollout-0" in prefixes and f"{tiny_run['id']}-train-1" in prefixes, prefixes

@@ -27,13 +27,43 @@ def test_sft_then_reward_model_then_ppo_scored_by_it(tmp_path: Path, monkeypatch
         [{"prompt": f"q{i}", "chosen": "yes" * (1 + i % 3), "rejected": "no" * (1 + i % 3)} for i in range(16)],
     )
 
-    sft = runner.invoke(app, ["sft", "tiny", str(sft_data), str(tmp_path / "sft"), "--lr", "1e-2", "--epochs", "2",
-                              "--batch-size", "4", "--home", str(tmp_path / "home")])
+    sft = runner.invoke(
+        app,
+        [
+            "sft",
+            "tiny",
+            str(sft_data),
+            str(tmp_path / "sft"),
+            "--lr",
+            "1e-2",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "4",
+            "--home",
+            str(tmp_path / "home"),
+        ],
+    )
     assert sft.exit_code == 0, sft.output
     load_policy(tmp_path / "sft", cache_dir=tmp_path / "models")  # a policy directory a run can start from
 
-    rm = runner.invoke(app, ["train-rm", str(tmp_path / "sft"), str(prefs), str(tmp_path / "rm"), "--lr", "1e-3",
-                             "--epochs", "3", "--batch-size", "8", "--home", str(tmp_path / "home")])
+    rm = runner.invoke(
+        app,
+        [
+            "train-rm",
+            str(tmp_path / "sft"),
+            str(prefs),
+            str(tmp_path / "rm"),
+            "--lr",
+            "1e-3",
+            "--epochs",
+            "3",
+            "--batch-size",
+            "8",
+            "--home",
+            str(tmp_path / "home"),
+        ],
+    )
     assert rm.exit_code == 0, rm.output
     assert "pairwise accuracy" in rm.output
     RewardModel.load(tmp_path / "rm")
@@ -50,8 +80,9 @@ def test_sft_then_reward_model_then_ppo_scored_by_it(tmp_path: Path, monkeypatch
     }
     spec_file = tmp_path / "ppo.json"
     spec_file.write_text(json.dumps(spec))
-    ppo = runner.invoke(app, ["train", "--colocated", str(spec_file), "--out", str(tmp_path / "ppo"),
-                              "--home", str(tmp_path / "home")])
+    ppo = runner.invoke(
+        app, ["train", "--colocated", str(spec_file), "--out", str(tmp_path / "ppo"), "--home", str(tmp_path / "home")]
+    )
     assert ppo.exit_code == 0, ppo.output
     assert "iteration 1: mean reward" in ppo.output and "stopped: iterations" in ppo.output
     load_policy(tmp_path / "ppo" / "policy", cache_dir=tmp_path / "models")

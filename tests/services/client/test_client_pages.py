@@ -10,21 +10,32 @@ from rich.console import Console
 from starlette.testclient import TestClient
 
 from contracts.status import RunStatus
-from services.control.api.main import create_app
 from services.client.api import ApiClient, Target
 from services.client.view import run_details, run_progress
+from services.control.api.main import create_app
 
 
 def test_the_cost_of_a_long_run_is_read_page_by_page_and_its_iterations_said_to_be_the_latest(settings) -> None:
     with TestClient(create_app(settings, with_scheduler=False), base_url="http://spotrl") as app:
-        run_id = app.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}],
-                                            "batch_samples": 8, "iterations": 5}).json()["id"]  # fmt: skip
+        run_id = app.post(
+            "/v1/runs",
+            json={"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "batch_samples": 8, "iterations": 5},
+        ).json()["id"]
         state = app.app.state.backends.state
         for i in range(7):
             pod = f"{run_id}-rollout-{i}"
-            state.open_ledger(run_id=run_id, role="rollout", pod=pod, instance_type="g6.xlarge", capacity_type="spot",
-                              price_per_hour=0.5, price_source="test", started_at=1000.0 + i)  # fmt: skip
+            state.open_ledger(
+                run_id=run_id,
+                role="rollout",
+                pod=pod,
+                instance_type="g6.xlarge",
+                capacity_type="spot",
+                price_per_hour=0.5,
+                price_source="test",
+                started_at=1000.0 + i,
+            )
             state.close_ledger(pod, ended_at=1060.0 + i, outcome="succeeded")
+
         def to_app(request: httpx.Request) -> httpx.Response:  # the client's requests, to the app in this process
             r = app.request(request.method, str(request.url), headers=dict(request.headers), content=request.read())
             return httpx.Response(r.status_code, headers=list(r.headers.items()), content=r.content)
@@ -42,8 +53,10 @@ def test_the_cost_of_a_long_run_is_read_page_by_page_and_its_iterations_said_to_
 def test_a_runs_status_is_shown_with_its_meaning(settings) -> None:
     """`spotrl runs get` and `runs watch` say what the status means, under the status line."""
     with TestClient(create_app(settings, with_scheduler=False), base_url="http://spotrl") as app:
-        run_id = app.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}],
-                                            "batch_samples": 8, "iterations": 5}).json()["id"]  # fmt: skip
+        run_id = app.post(
+            "/v1/runs",
+            json={"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "batch_samples": 8, "iterations": 5},
+        ).json()["id"]
         run = app.get(f"/v1/runs/{run_id}").json()
 
     def shown(view) -> str:
@@ -58,6 +71,11 @@ def test_a_runs_status_is_shown_with_its_meaning(settings) -> None:
     assert RunStatus.PENDING.meaning not in ending
     # `runs watch` shows the latest held-out eval's figures, once a run has one.
     assert "held-out eval" not in ending
-    evaluated = {**run, "evals": [{"policy_version": 0, "metrics": {"mean": 0.1}},
-                                  {"policy_version": 2, "metrics": {"mean": 0.375, "pass@4": 0.5}}]}  # fmt: skip
+    evaluated = {
+        **run,
+        "evals": [
+            {"policy_version": 0, "metrics": {"mean": 0.1}},
+            {"policy_version": 2, "metrics": {"mean": 0.375, "pass@4": 0.5}},
+        ],
+    }
     assert "held-out eval of policy v2: mean 0.375 · pass@4 0.500" in shown(run_progress(evaluated))

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from services.control.api.main import create_app
 from services.client.api import ApiClient, ApiError, Target, read_spec_file, upload_local_prompts
+from services.control.api.main import create_app
 from services.domain.names import eval_prompts_key, prompts_key
 from services.domain.prompts import parse_jsonl
 from tests.services.domain.verl_rows import gsm8k_rows, jsonl, parquet
@@ -66,8 +66,12 @@ def test_the_specs_field_mapping_goes_with_each_upload(client_and_app, tmp_path:
     with pytest.raises(ApiError) as refused:  # unmapped, the rows hold no `prompt`
         upload_local_prompts(client, read_spec_file(spec_file), base_dir=laptop)
     assert refused.value.status == 422 and "row 1 is not a prompt row: prompt: Field required" in str(refused.value)
-    spec_file = write_spec(laptop, prompts="train.parquet", eval={"prompts": "test.jsonl"},
-                           dataset={"prompt_key": "question", "answer_key": "solution.final"})  # fmt: skip
+    spec_file = write_spec(
+        laptop,
+        prompts="train.parquet",
+        eval={"prompts": "test.jsonl"},
+        dataset={"prompt_key": "question", "answer_key": "solution.final"},
+    )
     spec = read_spec_file(spec_file)
     upload_local_prompts(client, spec, base_dir=laptop)
     run = client.submit(spec)

@@ -18,8 +18,8 @@ from services.data.colocated import (
     run_colocated,
     stop_reason,
 )
-from services.ports.prices.catalog import load_catalog
 from services.domain.runspec import RunSpec
+from services.ports.prices.catalog import load_catalog
 from trainer_core.models.checkpoint import list_checkpoints
 from trainer_core.models.loading import load_policy
 
@@ -44,11 +44,15 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> tuple[Path, list[IterationRecord], object]:
+def straight_run(
+    tmp_path_factory: pytest.TempPathFactory, model_cache: Path
+) -> tuple[Path, list[IterationRecord], object]:
     """An uninterrupted 2-iteration run, shared by the tests that compare against it."""
     out = tmp_path_factory.mktemp("straight")
     seen: list[IterationRecord] = []
-    result = run_colocated(RunSpec.model_validate(SPEC), out_dir=out, model_cache=model_cache, seed=5, on_iteration=seen.append)
+    result = run_colocated(
+        RunSpec.model_validate(SPEC), out_dir=out, model_cache=model_cache, seed=5, on_iteration=seen.append
+    )
     return out, seen, result
 
 
@@ -78,7 +82,11 @@ def test_a_colocated_run_checkpoints_every_iteration_and_writes_a_loadable_polic
 
     # Billed for its wall time on the spec's training instance, on-demand (the arithmetic: below).
     price = load_catalog().get("p4d.24xlarge").on_demand
-    assert (result.cost.instance_type, result.cost.price_per_hour, result.cost.currency) == ("p4d.24xlarge", price, "USD")
+    assert (result.cost.instance_type, result.cost.price_per_hour, result.cost.currency) == (
+        "p4d.24xlarge",
+        price,
+        "USD",
+    )
     assert result.cost.wall_seconds > 0
 
 
@@ -111,7 +119,9 @@ def test_a_resumed_run_ends_with_the_same_weights(
     torch.manual_seed(1234)  # as a new process would start: the run's RNG streams come from the checkpoint
     random.seed(1234)
     seen: list[IterationRecord] = []
-    result = run_colocated(spec, out_dir=tmp_path, model_cache=model_cache, resume=True, seed=5, on_iteration=seen.append)
+    result = run_colocated(
+        spec, out_dir=tmp_path, model_cache=model_cache, resume=True, seed=5, on_iteration=seen.append
+    )
     assert [r.iteration for r in seen] == [2]
     assert [r.iteration for r in result.iterations] == [1, 2]
 
@@ -191,7 +201,9 @@ def test_train_command(tmp_path: Path, model_cache: Path, monkeypatch: pytest.Mo
 
 
 def test_a_lora_run_checkpoints_the_adapter_and_writes_a_merged_policy(tmp_path: Path, model_cache: Path) -> None:
-    spec = RunSpec.model_validate(SPEC | {"iterations": 1, "training": SPEC["training"] | {"lora_rank": 4, "kl_coef": 0.1}})
+    spec = RunSpec.model_validate(
+        SPEC | {"iterations": 1, "training": SPEC["training"] | {"lora_rank": 4, "kl_coef": 0.1}}
+    )
     result = run_colocated(spec, out_dir=tmp_path, model_cache=model_cache, seed=5)
     checkpoint = list_checkpoints(tmp_path / "checkpoints")[-1] / "policy"
     assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()

@@ -9,7 +9,6 @@ import pytest
 
 from services.data.colocated import VLLM_ADAPTERS_DIR, run_colocated
 from services.domain.runspec import RunSpec
-
 from tests.trainer_core.engines import vllm_stand_in
 
 SPEC = {
@@ -50,7 +49,9 @@ def test_vllm_sleeps_while_the_trainer_updates_and_then_serves_the_new_weights(
         assert "model.embed_tokens.weight" in reloaded  # the trainer's model, by Hugging Face name
 
 
-def test_a_resumed_run_hands_vllm_the_checkpointed_weights_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_resumed_run_hands_vllm_the_checkpointed_weights_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     vllm_stand_in.install(monkeypatch)
     run_colocated(RunSpec.model_validate(SPEC | {"iterations": 1}), out_dir=tmp_path, model_cache=tmp_path / "models")
     run_colocated(RunSpec.model_validate(SPEC), out_dir=tmp_path, model_cache=tmp_path / "models", resume=True)

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from services.ports.objects.object_store import ObjectStore
-
-from services.ports.objects.local_object_store import LocalObjectStore
-from services.ports.objects.s3_object_store import S3ObjectStore
 from services.domain.names import policy_prefix, result_key, trainer_prefix
 from services.domain.policy_rotation import KEEP_VERSIONS, Rotated, rotate, versions_to_delete
+from services.ports.objects.local_object_store import LocalObjectStore
+from services.ports.objects.object_store import ObjectStore
+from services.ports.objects.s3_object_store import S3ObjectStore
 
 
 @pytest.mark.parametrize(
@@ -81,15 +80,26 @@ def test_rotation_through_the_port(store: ObjectStore) -> None:
     assert rotate(store, "r", latest=5, in_use=[1], keep=3) == Rotated(policies=[2], trainer_states=[2])
     assert _versions(store, "policy") == {v: state for v in (1, 3, 4, 5, 6)}
     assert _versions(store, "trainer") == {
-        1: ["optimizer.pt", *trainer], 2: ["result.json"], 3: trainer, 4: trainer, 5: trainer, 6: trainer
+        1: ["optimizer.pt", *trainer],
+        2: ["result.json"],
+        3: trainer,
+        4: trainer,
+        5: trainer,
+        6: trainer,
     }
     assert rotate(store, "r", latest=5, in_use=[1], keep=3) == Rotated(policies=[], trainer_states=[])  # idempotent
 
     # v6 recorded, no worker on v1 any more.
     assert rotate(store, "r", latest=6) == Rotated(policies=[1, 3], trainer_states=[1, 3])
     assert _versions(store, "policy") == {v: state for v in (4, 5, 6)}
-    assert _versions(store, "trainer") == {1: ["result.json"], 2: ["result.json"], 3: ["result.json"], 4: trainer,
-                                           5: trainer, 6: trainer}  # fmt: skip
+    assert _versions(store, "trainer") == {
+        1: ["result.json"],
+        2: ["result.json"],
+        3: ["result.json"],
+        4: trainer,
+        5: trainer,
+        6: trainer,
+    }
     assert store.exists("runs/r/prompts.jsonl")
     assert len(store.list("runs/r2/")) == 5
 

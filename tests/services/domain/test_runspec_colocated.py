@@ -9,9 +9,12 @@ from pydantic import ValidationError
 from services.domain.runspec import COLOCATED, RunSpec
 
 BASE = {
-    "model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}], "samples_per_prompt": 4, "batch_samples": 8,
+    "model": "tiny",
+    "prompts": [{"prompt": "1+1=", "answer": "2"}],
+    "samples_per_prompt": 4,
+    "batch_samples": 8,
     "iterations": 1,
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(
@@ -19,7 +22,10 @@ BASE = {
     [
         ({"dynamic_sampling": True}, ["training.dynamic_sampling"]),
         ({"adv_estimator": "remax"}, ["training.adv_estimator remax"]),
-        ({"dynamic_sampling": True, "adv_estimator": "remax"}, ["training.dynamic_sampling", "training.adv_estimator remax"]),
+        (
+            {"dynamic_sampling": True, "adv_estimator": "remax"},
+            ["training.dynamic_sampling", "training.adv_estimator remax"],
+        ),
     ],
     ids=["dynamic-sampling", "remax", "both"],
 )

@@ -57,8 +57,12 @@ def test_a_bad_item_is_refused_naming_the_field_not_the_content(row: dict, field
 def test_a_function_reward_names_a_python_file_and_function_or_a_service() -> None:
     assert RewardTerm(fn="function", path="/data/rewards/gsm8k.py:compute_score").path.endswith(":compute_score")
     assert RewardTerm(fn="function", url="http://rewards:8080").url
-    for bad in ({}, {"path": "/data/rewards/gsm8k.py"}, {"path": "/data/rewards/gsm8k.py:1st"},
-                {"path": "/data/r.py:f", "url": "http://rewards:8080"}):
+    for bad in (
+        {},
+        {"path": "/data/rewards/gsm8k.py"},
+        {"path": "/data/rewards/gsm8k.py:1st"},
+        {"path": "/data/r.py:f", "url": "http://rewards:8080"},
+    ):
         with pytest.raises(ValidationError, match="function reward"):
             RewardTerm(fn="function", **bad)
 
@@ -78,16 +82,25 @@ def test_a_reward_server_serves_exactly_one_term_with_a_path_and_the_rest_stay_i
     assert spec.reward_terms(None) == spec.reward  # no address yet: as written
     served = spec.reward_terms("http://10.0.0.7:8100")
     assert (served[1].path, served[1].url, served[0]) == (None, "http://10.0.0.7:8100", spec.reward[0])
-    for reward in ([{"fn": "math"}], [{"fn": "function", "path": "/d/a.py:f"}, {"fn": "reward_model", "path": "/d/rm"}]):
+    for reward in (
+        [{"fn": "math"}],
+        [{"fn": "function", "path": "/d/a.py:f"}, {"fn": "reward_model", "path": "/d/rm"}],
+    ):
         with pytest.raises(ValidationError, match="reward_server serves one reward term with a `path`"):
             RunSpec.model_validate({**base, "reward": reward})
     with pytest.raises(ValidationError, match="instance_type"):
-        RunSpec.model_validate({**base, "reward": [{"fn": "function", "path": "/d/r.py:f"}], "reward_server": {"instance_type": "t9.huge"}})
+        RunSpec.model_validate(
+            {**base, "reward": [{"fn": "function", "path": "/d/r.py:f"}], "reward_server": {"instance_type": "t9.huge"}}
+        )
 
 
 def test_a_run_cycles_over_its_prompt_set_keeping_each_prompt_id() -> None:
     items = [PromptItem(prompt=f"{i}+1", answer=str(i + 1)) for i in range(3)]
     messages = cycled_messages(items, 2, 5)  # the last of epoch 1, all of epoch 2, the first of epoch 3
     assert [(m.prompt_id, m.prompt) for m in messages] == [
-        ("2", "2+1"), ("0", "0+1"), ("1", "1+1"), ("2", "2+1"), ("0", "0+1"),
+        ("2", "2+1"),
+        ("0", "0+1"),
+        ("1", "1+1"),
+        ("2", "2+1"),
+        ("0", "0+1"),
     ]

@@ -45,7 +45,9 @@ def test_goals_come_before_the_budget(state: dict, expected: tuple[str, RunStatu
 
 def test_reasons_say_what_was_reached() -> None:
     assert run_end(SPEC, iterations_done=1, last_mean_reward=0.2, spent_dollars=5.0) == RunEnd(
-        "budget_dollars", RunStatus.FAILED, "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)"
+        "budget_dollars",
+        RunStatus.FAILED,
+        "budget exhausted: spent $5.00 of $5.00 after 1 iterations (policy v1 is published)",
     )
     assert run_end(SPEC, iterations_done=1, last_mean_reward=0.2, spent_dollars=0.0, best_eval=(1, 0.8)).reason == (
         "eval mean score 0.800 of policy v1 reached the target 0.8"

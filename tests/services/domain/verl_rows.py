@@ -20,13 +20,15 @@ def gsm8k_rows(n: int, split: str = "train") -> list[dict]:
         question = f"Natalia sold clips to {idx + 2} friends, 3 each. How many clips did she sell?"
         solution = str(3 * (idx + 2))
         answer_raw = f"She sold {idx + 2} * 3 = <<{idx + 2}*3={solution}>>{solution} clips.\n#### {solution}"
-        rows.append({
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": question + " " + INSTRUCTION}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": solution},
-            "extra_info": {"split": split, "index": idx, "answer": answer_raw, "question": question},
-        })  # fmt: skip
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": question + " " + INSTRUCTION}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": solution},
+                "extra_info": {"split": split, "index": idx, "answer": answer_raw, "question": question},
+            }
+        )
     return rows
 
 

@@ -17,12 +17,8 @@ def _right_padded_mask(lengths: list[int], width: int) -> torch.Tensor:
 def test_grpo_two_sample_group_gives_plus_minus_0_7071() -> None:
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])  # scalar reward on the last token
     mask = torch.ones_like(rewards)
-    advantages, returns = compute_advantages(
-        "grpo", token_rewards=rewards, response_mask=mask, group_ids=["g", "g"]
-    )
-    torch.testing.assert_close(
-        advantages, torch.tensor([[1.0, 1.0], [-1.0, -1.0]]) * 0.70710678, atol=1e-5, rtol=0
-    )
+    advantages, returns = compute_advantages("grpo", token_rewards=rewards, response_mask=mask, group_ids=["g", "g"])
+    torch.testing.assert_close(advantages, torch.tensor([[1.0, 1.0], [-1.0, -1.0]]) * 0.70710678, atol=1e-5, rtol=0)
     assert torch.equal(returns, advantages)
 
 
@@ -41,9 +37,7 @@ def _grpo_loop(scores: list[float], group_ids: list[str], eps: float = 1e-6) -> 
 
 def test_grpo_matches_plain_loop() -> None:
     gen = torch.Generator().manual_seed(0)
-    group_ids = (
-        ["a"] * 4 + ["b"] * 3 + ["c"] + ["d"] * 4 + ["a"] * 2
-    )  # interleaved, a singleton, a tie
+    group_ids = ["a"] * 4 + ["b"] * 3 + ["c"] + ["d"] * 4 + ["a"] * 2  # interleaved, a singleton, a tie
     lengths = torch.randint(1, 7, (len(group_ids),), generator=gen).tolist()
     mask = _right_padded_mask(lengths, 6)
     scores = torch.rand(len(group_ids), generator=gen)
@@ -61,9 +55,7 @@ def test_grpo_matches_plain_loop() -> None:
     torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=1e-5)
 
 
-def _gae_loop(
-    rewards: list[float], values: list[float], gamma: float, lam: float
-) -> tuple[list[float], list[float]]:
+def _gae_loop(rewards: list[float], values: list[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
     """GAE of one unpadded episode, straight from the definition."""
     n = len(rewards)
     advantages = []
@@ -103,14 +95,10 @@ def test_gae_matches_plain_loop() -> None:
 def test_every_estimator_is_registered_and_unknown_names_fail() -> None:
     assert set(ADV_ESTIMATORS) == set(AdvantageEstimator)
     with pytest.raises(ValueError):
-        compute_advantages(
-            "reinforce++", token_rewards=torch.zeros(1, 1), response_mask=torch.ones(1, 1)
-        )
+        compute_advantages("reinforce++", token_rewards=torch.zeros(1, 1), response_mask=torch.ones(1, 1))
 
 
-def _outcome_batch(
-    seed: int, group_ids: list[str], width: int = 6
-) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+def _outcome_batch(seed: int, group_ids: list[str], width: int = 6) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Random scalar rewards on each sample's last real token: (token_rewards, mask, scores)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, width + 1, (len(group_ids),), generator=gen).tolist()
@@ -134,9 +122,7 @@ def _whiten_loop(values: list[float]) -> list[float]:
 def test_dr_grpo_two_sample_group_gives_plus_minus_half() -> None:
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
     mask = torch.ones_like(rewards)
-    advantages, returns = compute_advantages(
-        "dr_grpo", token_rewards=rewards, response_mask=mask, group_ids=["g", "g"]
-    )
+    advantages, returns = compute_advantages("dr_grpo", token_rewards=rewards, response_mask=mask, group_ids=["g", "g"])
     torch.testing.assert_close(advantages, torch.tensor([[0.5, 0.5], [-0.5, -0.5]]))
     assert torch.equal(returns, advantages)
 
@@ -148,9 +134,7 @@ def test_rloo_known_values() -> None:
         AdvantageEstimator.RLOO, token_rewards=rewards, response_mask=mask, group_ids=[0] * 4
     )
     # 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
-    torch.testing.assert_close(
-        advantages, torch.tensor([[2 / 3], [-2 / 3], [-2 / 3], [2 / 3]]), atol=1e-6, rtol=0
-    )
+    torch.testing.assert_close(advantages, torch.tensor([[2 / 3], [-2 / 3], [-2 / 3], [2 / 3]]), atol=1e-6, rtol=0)
 
 
 def _group_loop(scores: list[float], group_ids: list[str], leave_one_out: bool) -> list[float]:
@@ -187,9 +171,7 @@ def test_reinforce_pp_matches_plain_loop() -> None:
     rewards = torch.randn(4, 5, generator=gen)  # garbage on padding must not leak in
     gamma = 0.9
 
-    advantages, returns = compute_advantages(
-        "reinforce_pp", token_rewards=rewards, response_mask=mask, gamma=gamma
-    )
+    advantages, returns = compute_advantages("reinforce_pp", token_rewards=rewards, response_mask=mask, gamma=gamma)
     raw, expected_returns = [], torch.zeros(4, 5)
     for row, n in enumerate(lengths):
         r = rewards[row, :n].tolist()
@@ -220,9 +202,7 @@ def test_reinforce_pp_baseline_matches_plain_loop() -> None:
 
 
 def test_new_estimators_are_registered() -> None:
-    assert {"dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(
-        AdvantageEstimator
-    )
+    assert {"dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(AdvantageEstimator)
 
 
 def test_reinforce_pp_returns_carry_across_mask_holes() -> None:
@@ -238,7 +218,10 @@ def test_reinforce_pp_returns_carry_across_mask_holes() -> None:
 def test_estimators_keep_the_input_dtype(name: str) -> None:
     token_rewards, mask, _ = _outcome_batch(7, ["a", "a", "b", "b"])
     advantages, returns = compute_advantages(
-        name, token_rewards=token_rewards.double(), response_mask=mask.double(), group_ids=["a", "a", "b", "b"],
+        name,
+        token_rewards=token_rewards.double(),
+        response_mask=mask.double(),
+        group_ids=["a", "a", "b", "b"],
         reward_baselines=torch.full((4,), 0.5, dtype=torch.float64),
     )
     assert advantages.dtype == returns.dtype == torch.float64
@@ -298,14 +281,18 @@ def test_grpo_passk_rewards_only_the_best_known_values() -> None:
     # a: (2 - 1) / (std [0, 2, 1] = 1, + 1e-6); b: a tie, the first best gets 1 - 1 = 0
     torch.testing.assert_close(advantages[:, 0], torch.tensor([0.0, 1 / (1 + 1e-6), 0.0, 0.0, 0.0]))
     with pytest.raises(ValueError, match="at least 2"):
-        compute_advantages("grpo_passk", token_rewards=scores[:1, None], response_mask=torch.ones(1, 1), group_ids=["a"])
+        compute_advantages(
+            "grpo_passk", token_rewards=scores[:1, None], response_mask=torch.ones(1, 1), group_ids=["a"]
+        )
 
 
 def test_grpo_passk_matches_verls_loop() -> None:
     group_ids = ["a"] * 4 + ["b"] * 3 + ["d"] * 4 + ["a"] * 2
     token_rewards, mask, _ = _outcome_batch(10, group_ids)
     token_rewards = token_rewards.round(decimals=1)  # ties
-    advantages, _ = compute_advantages("grpo_passk", token_rewards=token_rewards, response_mask=mask, group_ids=group_ids)
+    advantages, _ = compute_advantages(
+        "grpo_passk", token_rewards=token_rewards, response_mask=mask, group_ids=group_ids
+    )
     scores = token_rewards.sum(-1)
     expected = torch.zeros(len(group_ids))
     for g in dict.fromkeys(group_ids):  # verl: topk(2) per group, the first index of the best

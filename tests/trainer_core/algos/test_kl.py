@@ -10,9 +10,7 @@ import torch
 from trainer_core.algos import AdaptiveKLController, FixedKLController, kl_penalty
 
 
-@pytest.mark.parametrize(
-    ("kind", "expected"), [("k1", 0.5), ("k2", 0.125), ("k3", math.exp(-0.5) + 0.5 - 1)]
-)
+@pytest.mark.parametrize(("kind", "expected"), [("k1", 0.5), ("k2", 0.125), ("k3", math.exp(-0.5) + 0.5 - 1)])
 def test_kl_estimators_known_values(kind: str, expected: float) -> None:
     kl = kl_penalty(torch.tensor([-1.0]), torch.tensor([-1.5]), kind)
     assert kl.item() == pytest.approx(expected, abs=1e-6)
@@ -35,9 +33,7 @@ def test_fixed_kl_controller_never_moves() -> None:
     ("current_kl", "error"),
     [(9.0, 0.2), (6.6, 0.1), (6.0, 0.0), (5.4, -0.1), (0.0, -0.2)],  # clipped to +-0.2
 )
-def test_adaptive_kl_controller_moves_by_clipped_proportional_error(
-    current_kl: float, error: float
-) -> None:
+def test_adaptive_kl_controller_moves_by_clipped_proportional_error(current_kl: float, error: float) -> None:
     ctl = AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10000)
     ctl.update(current_kl=torch.tensor(current_kl), n_steps=256)
     assert ctl.value == pytest.approx(0.1 * (1 + error * 256 / 10000))
@@ -53,9 +49,7 @@ def test_adaptive_kl_controller_direction_over_steps() -> None:
     assert ctl.value == pytest.approx(high * 0.98)
 
 
-@pytest.mark.parametrize(
-    ("kind", "value"), [("abs", 0.5), ("k1+", 0.5), ("k3+", math.exp(-0.5) + 0.5 - 1)]
-)
+@pytest.mark.parametrize(("kind", "value"), [("abs", 0.5), ("k1+", 0.5), ("k3+", math.exp(-0.5) + 0.5 - 1)])
 def test_abs_and_straight_through_estimators_value_and_gradient(kind: str, value: float) -> None:
     logprob = torch.tensor([-1.0], requires_grad=True)
     kl = kl_penalty(logprob, torch.tensor([-1.5]), kind)
@@ -76,8 +70,12 @@ def test_kl_estimators_match_their_formulas_elementwise() -> None:
     gen = torch.Generator().manual_seed(1)
     logprob, ref = -torch.rand(3, 4, generator=gen) * 4, -torch.rand(3, 4, generator=gen) * 4
     formulas = {
-        "k1": lambda d: d, "abs": abs, "k2": lambda d: d * d / 2, "k3": lambda d: math.exp(-d) + d - 1,
-        "k1+": lambda d: d, "k3+": lambda d: math.exp(-d) + d - 1,
+        "k1": lambda d: d,
+        "abs": abs,
+        "k2": lambda d: d * d / 2,
+        "k3": lambda d: math.exp(-d) + d - 1,
+        "k1+": lambda d: d,
+        "k3+": lambda d: math.exp(-d) + d - 1,
     }
     for kind, formula in formulas.items():
         kl = kl_penalty(logprob, ref, kind)

@@ -8,16 +8,16 @@ import math
 import pytest
 import torch
 
-from trainer_core.algos.policy_losses import vanilla_policy_loss as policy_loss
 from trainer_core.algos import (
     LOSS_AGGREGATORS,
     LossAggMode,
+    PolicyLossParams,
     aggregate_loss,
     entropy_from_logits,
-    PolicyLossParams,
     truncated_is_weights,
     value_loss,
 )
+from trainer_core.algos.policy_losses import vanilla_policy_loss as policy_loss
 
 
 def _right_padded_mask(lengths: list[int], width: int) -> torch.Tensor:
@@ -170,9 +170,7 @@ def test_entropy_from_logits_matches_categorical_and_shape() -> None:
     logits = torch.randn(2, 3, 11, generator=gen) * 4
     entropy = entropy_from_logits(logits)
     assert entropy.shape == (2, 3)
-    torch.testing.assert_close(
-        entropy, torch.distributions.Categorical(logits=logits).entropy(), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=logits).entropy(), atol=1e-5, rtol=1e-5)
     assert entropy_from_logits(torch.zeros(7)).item() == pytest.approx(math.log(7))
 
 

@@ -86,7 +86,9 @@ def test_clip_cov_cuts_the_gradient_of_tokens_in_the_covariance_window() -> None
     torch.testing.assert_close(logprob.grad[0, :2], torch.tensor([-0.5, -0.25], dtype=torch.float64))
 
 
-@pytest.mark.parametrize(("advantage", "log_ratio", "field"), [(1.0, 0.05, "pg_clipfrac"), (-1.0, 0.1, "pg_clipfrac_lower")])
+@pytest.mark.parametrize(
+    ("advantage", "log_ratio", "field"), [(1.0, 0.05, "pg_clipfrac"), (-1.0, 0.1, "pg_clipfrac_lower")]
+)
 def test_geo_mean_clips_token_log_ratios_on_the_advantage_side(advantage: float, log_ratio: float, field: str) -> None:
     old = _one_row(-1.0, -1.0)
     logprob = old + _one_row(0.3, -0.1)

@@ -90,14 +90,21 @@ def _policy_inputs(seed: int, shape: tuple[int, int], dtype: torch.dtype, empty_
 def _actor_config(verl, p: PolicyLossParams):
     """verl's own ActorConfig (GSPO and CISPO assert its type), with spotrl's parameters."""
     return verl.ActorConfig(
-        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-        clip_ratio=p.clip_low, clip_ratio_low=p.clip_low, clip_ratio_high=p.clip_high,
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=p.clip_low,
+        clip_ratio_low=p.clip_low,
+        clip_ratio_high=p.clip_high,
         clip_ratio_c=math.inf if p.clip_c is None else p.clip_c,
         policy_loss=SimpleNamespace(
-            clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub,
-            kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef,
+            clip_cov_ratio=p.clip_cov_ratio,
+            clip_cov_lb=p.clip_cov_lb,
+            clip_cov_ub=p.clip_cov_ub,
+            kl_cov_ratio=p.kl_cov_ratio,
+            ppo_kl_coef=p.ppo_kl_coef,
         ),
-    )  # fmt: skip
+    )
 
 
 # Clip-/KL-Cov at their default ratio 0.0002 would touch one token of these small batches.

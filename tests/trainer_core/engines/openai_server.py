@@ -68,9 +68,7 @@ def llama_server(
         log.close()
 
 
-def _wait_until_serving(
-    proc: subprocess.Popen[bytes], address_file: Path, log_file: Path, timeout_s: float
-) -> str:
+def _wait_until_serving(proc: subprocess.Popen[bytes], address_file: Path, log_file: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -63,9 +63,7 @@ def test_logprobs_match_a_teacher_forced_pass(tiny_policy: Policy, params: Sampl
     assert len(completions) == len(prompts)
     for prompt, completion in zip(prompts, completions, strict=True):
         assert len(completion.token_ids) == len(completion.logprobs) == params.max_new_tokens
-        expected = _teacher_forced_logprobs(
-            tiny_policy.model, prompt, completion, params.temperature
-        )
+        expected = _teacher_forced_logprobs(tiny_policy.model, prompt, completion, params.temperature)
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0)
 
 
@@ -75,7 +73,9 @@ def test_bf16_autocast_records_its_own_logprobs_near_fp32_ones(tiny_policy: Poli
     params = SamplingParams(temperature=1.0, max_new_tokens=8)
     prompts = _prompts(tiny_policy)
     fp32 = HFEngine(tiny_policy.model, tiny_policy.tokenizer).generate(prompts, params, seed=0)
-    assert fp32 == HFEngine(tiny_policy.model, tiny_policy.tokenizer, autocast_bf16=False).generate(prompts, params, seed=0)
+    assert fp32 == HFEngine(tiny_policy.model, tiny_policy.tokenizer, autocast_bf16=False).generate(
+        prompts, params, seed=0
+    )
     bf16 = HFEngine(tiny_policy.model, tiny_policy.tokenizer, autocast_bf16=True).generate(prompts, params, seed=0)
     gaps = []
     for prompt, completion in zip(prompts, bf16, strict=True):
@@ -119,13 +119,8 @@ def test_each_sequence_stops_at_its_own_stop_token(tiny_policy: Policy) -> None:
         if completion.finish_reason == "stop":
             assert completion.token_ids[-1] == eos
         else:
-            assert (
-                len(completion.token_ids) == params.max_new_tokens
-                and eos not in completion.token_ids
-            )
-        expected = _teacher_forced_logprobs(
-            tiny_policy.model, prompt, completion, params.temperature
-        )
+            assert len(completion.token_ids) == params.max_new_tokens and eos not in completion.token_ids
+        expected = _teacher_forced_logprobs(tiny_policy.model, prompt, completion, params.temperature)
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0)
 
 
@@ -139,9 +134,7 @@ def test_all_stopped_ends_early(tiny_policy: Policy) -> None:
         calls += 1
         return False
 
-    completions = engine.generate(
-        _prompts(tiny_policy), SamplingParams(max_new_tokens=50), should_stop=should_stop
-    )
+    completions = engine.generate(_prompts(tiny_policy), SamplingParams(max_new_tokens=50), should_stop=should_stop)
     assert [c.token_ids for c in completions] == [[tiny_policy.tokenizer.eos_token_id]] * len(TEXTS)
     assert {c.finish_reason for c in completions} == {"stop"}
     assert calls == 1
@@ -156,18 +149,11 @@ def test_should_stop_abandons_the_batch(tiny_policy: Policy) -> None:
         calls += 1
         return calls == 3
 
-    assert (
-        engine.generate(
-            _prompts(tiny_policy), SamplingParams(max_new_tokens=50), should_stop=should_stop
-        )
-        is None
-    )
+    assert engine.generate(_prompts(tiny_policy), SamplingParams(max_new_tokens=50), should_stop=should_stop) is None
     assert calls == 3  # checked before every step, and nothing after the abort
 
 
-def test_set_model_switches_weights_and_mode_is_restored(
-    tiny_policy: Policy, model_cache: Path
-) -> None:
+def test_set_model_switches_weights_and_mode_is_restored(tiny_policy: Policy, model_cache: Path) -> None:
     engine = HFEngine(tiny_policy.model, tiny_policy.tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     prompts = _prompts(tiny_policy)

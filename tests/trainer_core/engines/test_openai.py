@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from openai_server import llama_server, smollm2_gguf
 
-from trainer_core.engines.hf import Completion, GenerationEngine, HFEngine, SamplingParams
-from trainer_core.models.loading import Policy, encode_prompt
-from trainer_core.engines.openai import OpenAIEngine, ServerError, parse_choice, to_completion
 from tests.servers.process import free_port
+from trainer_core.engines.hf import Completion, GenerationEngine, HFEngine, SamplingParams
+from trainer_core.engines.openai import OpenAIEngine, ServerError, parse_choice, to_completion
+from trainer_core.models.loading import Policy, encode_prompt
 
 TEXTS = ("What is 2+2?", "Name a colour.")
 MEAN_TOL = 0.1
@@ -95,9 +95,7 @@ def test_greedy_matches_hf_engine(engine: OpenAIEngine, smollm2: Policy) -> None
             assert theirs.logprobs[same] - forced[same] < MAX_TOL
 
 
-def test_token_ids_round_trip_through_the_hf_tokenizer(
-    engine: OpenAIEngine, smollm2: Policy, server_url: str
-) -> None:
+def test_token_ids_round_trip_through_the_hf_tokenizer(engine: OpenAIEngine, smollm2: Policy, server_url: str) -> None:
     prompt = _prompts(smollm2, ["Write one sentence about the sea."])[0]
     completion = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=16))[0]
     # The server's own text for the same greedy request, rendered with its GGUF vocabulary.
@@ -164,9 +162,7 @@ def test_should_stop_abandons_the_batch(engine: OpenAIEngine, smollm2: Policy) -
 
 async def test_generate_blocks_inside_a_running_event_loop(engine: OpenAIEngine, smollm2: Policy) -> None:
     # An async caller's loop is already running; the engine then runs its own loop in a thread.
-    completion = engine.generate(
-        _prompts(smollm2, [TEXTS[0]]), SamplingParams(temperature=0.0, max_new_tokens=4)
-    )
+    completion = engine.generate(_prompts(smollm2, [TEXTS[0]]), SamplingParams(temperature=0.0, max_new_tokens=4))
     assert completion is not None and len(completion[0].token_ids) == 4
 
 
@@ -179,15 +175,11 @@ def test_server_errors_say_what_to_do(server_url: str, smollm2: Policy) -> None:
     with pytest.raises(ServerError, match="HTTP 404.* base_url must be the root"):
         OpenAIEngine(f"{server_url}/nowhere", server="llama.cpp").generate(prompts, greedy)
     # A real answer to a request without `logprobs`.
-    answer = httpx.post(
-        f"{server_url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 2}, timeout=60
-    ).json()
+    answer = httpx.post(f"{server_url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 2}, timeout=60).json()
     with pytest.raises(ServerError, match="without per-token log-probs"):
         parse_choice(answer["choices"][0])
     with pytest.raises(ValueError, match="top_p=0.9 .* use top_p=1"):
-        OpenAIEngine(server_url, server="llama.cpp").generate(
-            prompts, SamplingParams(temperature=0.7, top_p=0.9)
-        )
+        OpenAIEngine(server_url, server="llama.cpp").generate(prompts, SamplingParams(temperature=0.7, top_p=0.9))
 
 
 # vLLM's completions answers (vllm/entrypoints/openai protocol, CompletionResponseChoice):

@@ -14,13 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.trainer_core.engines import vllm_stand_in
 from trainer_core.engines import make_engine
 from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
-from trainer_core.models.loading import Policy
 from trainer_core.engines.openai import OpenAIEngine
 from trainer_core.engines.vllm import VLLMEngine, completion_from_vllm, max_lora_rank_for, sampling_options
-
-from tests.trainer_core.engines import vllm_stand_in
+from trainer_core.models.loading import Policy
 
 
 @pytest.fixture
@@ -123,7 +122,9 @@ def test_a_full_weight_push_reloads_the_checkpoint_by_path_and_resets_the_prefix
         engine._reset_prefix_cache(timeout_s=0.1)
 
 
-def test_a_colocated_engine_pushes_tensors_in_process_and_sleeps(stand_in_vllm: types.ModuleType, tmp_path: Path) -> None:
+def test_a_colocated_engine_pushes_tensors_in_process_and_sleeps(
+    stand_in_vllm: types.ModuleType, tmp_path: Path
+) -> None:
     engine = VLLMEngine(_checkpoint(tmp_path / "m"), colocated=True, stop_ids=[2])
     llm = engine._llm
     assert llm.options["enable_sleep_mode"] and not llm.multiprocess
@@ -160,7 +161,11 @@ def test_lora_versions_sample_through_an_engine_built_for_their_rank(
     engine.set_lora(_adapter(tmp_path / "v1", 12))
     engine.set_lora(v2 := _adapter(tmp_path / "v2", 12))
     request = engine._lora_request
-    assert (request.lora_name, request.lora_int_id, request.lora_path) == ("policy-2", 2, str(v2))  # a new id per version
+    assert (request.lora_name, request.lora_int_id, request.lora_path) == (
+        "policy-2",
+        2,
+        str(v2),
+    )  # a new id per version
     assert [c.token_ids for c in engine.generate([[1]], SamplingParams(), seed=0)] == [[10, 2]]
     with pytest.raises(RuntimeError, match="pass lora_rank"):
         VLLMEngine(tmp_path / "m").set_lora(v2)
@@ -172,9 +177,7 @@ def test_make_engine_builds_each_engine_by_name(tiny_policy: Policy, no_vllm: No
     assert isinstance(served, OpenAIEngine) and served.server.value == "llama.cpp"
     with pytest.raises(ImportError, match="spotrl\\[gpu\\]"):
         make_engine("vllm", model="some/model")
-    with pytest.raises(
-        ValueError, match="unknown generation engine 'sglang': choose one of 'hf', 'openai', 'vllm'"
-    ):
+    with pytest.raises(ValueError, match="unknown generation engine 'sglang': choose one of 'hf', 'openai', 'vllm'"):
         make_engine("sglang")
 
 

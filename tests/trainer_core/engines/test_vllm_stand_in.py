@@ -45,9 +45,15 @@ def _prompt() -> TokensPrompt:
 def test_llm_takes_only_vllms_own_options_and_values(model: str) -> None:
     # Every option spotrl's engine and bench/vllm_gpu.py pass is one of LLM's or EngineArgs'.
     assert {
-        "dtype", "gpu_memory_utilization", "logprobs_mode", "enable_sleep_mode", "enable_lora", "max_lora_rank",
-        "max_model_len", "enforce_eager",
-    } <= vllm_stand_in.LLM_OPTIONS  # fmt: skip
+        "dtype",
+        "gpu_memory_utilization",
+        "logprobs_mode",
+        "enable_sleep_mode",
+        "enable_lora",
+        "max_lora_rank",
+        "max_model_len",
+        "enforce_eager",
+    } <= vllm_stand_in.LLM_OPTIONS
     LLM(model, dtype="float32", enable_lora=True, max_lora_rank=320, gpu_memory_utilization=1.0, enforce_eager=True)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['max_lora_ranks'\]"):
         LLM(model, max_lora_ranks=8)
@@ -167,8 +173,13 @@ def _earlier_engine_llm(
 def _earlier_add_request(vllm: types.ModuleType, llm: Any, lora_request: Any = None) -> None:
     """A request as the earlier `VLLMEngine.generate` added it."""
     options = {
-        "temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "logprobs": 0, "stop_token_ids": [2], "detokenize": False
-    }  # fmt: skip
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "max_tokens": 8,
+        "logprobs": 0,
+        "stop_token_ids": [2],
+        "detokenize": False,
+    }
     params = vllm.SamplingParams(**options)
     llm.llm_engine.add_request("spotrl-0", {"prompt_token_ids": [1, 2]}, params, lora_request=lora_request)
 

@@ -52,7 +52,8 @@ import pytest
 import torch
 
 LLM_OPTIONS = frozenset(
-    line for line in (Path(__file__).parent / "vllm_0_31_llm_options.txt").read_text().split("\n")
+    line
+    for line in (Path(__file__).parent / "vllm_0_31_llm_options.txt").read_text().split("\n")
     if line and not line.startswith("#")
 )
 MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -188,7 +189,9 @@ class LLM:
                 raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
             rank = json.loads((Path(lora_request.lora_path) / "adapter_config.json").read_text())["r"]
             if rank > self.options.get("max_lora_rank", 16):
-                raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {self.options.get('max_lora_rank', 16)}")
+                raise ValueError(
+                    f"LoRA rank {rank} is greater than max_lora_rank {self.options.get('max_lora_rank', 16)}"
+                )
         self.requests[request_id] = [params, [], lora_request]
         return request_id
 
@@ -211,8 +214,12 @@ class LLM:
                 self.intermediate_outputs += 1
             steps = [{t: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=None)} for t in tokens]
             out = SimpleNamespace(
-                index=0, text="", token_ids=list(tokens), logprobs=steps,
-                finish_reason="stop" if finished else None, stop_reason=None,
+                index=0,
+                text="",
+                token_ids=list(tokens),
+                logprobs=steps,
+                finish_reason="stop" if finished else None,
+                stop_reason=None,
             )
             outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[out]))
         return outputs
@@ -281,7 +288,9 @@ def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     lora = types.ModuleType("vllm.lora.request")
     lora.LoRARequest = LoRARequest  # type: ignore[attr-defined]
     for name, mod in [
-        ("vllm", module), ("vllm.sampling_params", sampling), ("vllm.lora", types.ModuleType("vllm.lora")),
+        ("vllm", module),
+        ("vllm.sampling_params", sampling),
+        ("vllm.lora", types.ModuleType("vllm.lora")),
         ("vllm.lora.request", lora),
     ]:
         monkeypatch.setitem(sys.modules, name, mod)

@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from trainer_core.models import checkpoint as ckpt
-from trainer_core.models.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from trainer_core.engines.hf import HFEngine, SamplingParams
-from trainer_core.models.lora import is_lora
-from trainer_core.models.loading import Policy, encode_prompt, load_policy
 from contracts.samples import Sample
 from contracts.training import TrainConfig
+from trainer_core.engines.hf import HFEngine, SamplingParams
+from trainer_core.models import checkpoint as ckpt
+from trainer_core.models.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer_core.models.loading import Policy, encode_prompt, load_policy
+from trainer_core.models.lora import is_lora
 from trainer_core.rl.critic import ValueHead
 from trainer_core.rl.strategy import build_optimizer
 from trainer_core.rl.update import train_on_batch

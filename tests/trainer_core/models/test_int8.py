@@ -44,7 +44,9 @@ def test_quantize_linears_int8_replaces_every_linear_and_quarters_their_bytes() 
     assert quantize_linears_int8(model) == 2
 
     assert not any(type(m) is nn.Linear for m in model.modules())
-    int8_bytes = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, Int8Linear) for b in m.buffers())
+    int8_bytes = sum(
+        b.numel() * b.element_size() for m in model.modules() if isinstance(m, Int8Linear) for b in m.buffers()
+    )
     assert int8_bytes == fp32_bytes / 4 * (1 + 4 / 64)  # 1 byte a weight, a 4-byte scale per 64
     with torch.no_grad():
         torch.testing.assert_close(model(x), want, rtol=0.02, atol=0.02)

@@ -26,14 +26,10 @@ def test_check_model_source_accepts_builtins_dirs_and_gguf(tmp_path: Path) -> No
         check_model_source(source)
 
 
-@pytest.mark.parametrize(
-    "source", ["gpt-17", "missing/dir", "{tmp}", "{tmp}/absent.gguf", "{tmp}/x.bin"]
-)
+@pytest.mark.parametrize("source", ["gpt-17", "missing/dir", "{tmp}", "{tmp}/absent.gguf", "{tmp}/x.bin"])
 def test_check_model_source_says_what_is_accepted(tmp_path: Path, source: str) -> None:
     (tmp_path / "x.bin").write_bytes(b"")
-    with pytest.raises(
-        ValueError, match=r"builtin name \(tiny, smollm2-135m\).*config\.json.*\.gguf"
-    ):
+    with pytest.raises(ValueError, match=r"builtin name \(tiny, smollm2-135m\).*config\.json.*\.gguf"):
         check_model_source(source.format(tmp=tmp_path))
 
 
@@ -63,7 +59,9 @@ def test_tiny_tokenizer_is_character_level_and_exact(tiny_policy: models.Policy)
     assert tiny_policy.model.config.vocab_size == len(tok)
 
 
-def test_chat_messages_are_rendered_with_the_models_template_and_refused_without_one(tiny_policy: models.Policy) -> None:
+def test_chat_messages_are_rendered_with_the_models_template_and_refused_without_one(
+    tiny_policy: models.Policy,
+) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
     tok = copy.deepcopy(tiny_policy.tokenizer)
     with pytest.raises(NoChatTemplateError, match="no chat template"):
@@ -133,8 +131,6 @@ def test_smollm2_converts_once_to_a_trainable_chat_model(smollm2_converted: mode
     assert torch.equal(policy.model.lm_head.weight, cached.model.lm_head.weight)
 
     tok = policy.tokenizer
-    assert tok.decode(encode_prompt(tok, "hi")).endswith(
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert tok.decode(encode_prompt(tok, "hi")).endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(tok)
     assert tok.pad_token is not None

@@ -12,12 +12,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer_core.engines.hf import HFEngine, SamplingParams
-from trainer_core.models.lora import LoraSettings, apply_lora, causal_lm, check_only_adapter_trains, is_lora, reference_policy
-from trainer_core.memory import frozen_parameter_audit
-from trainer_core.models.loading import Policy, encode_prompt
 from contracts.samples import Sample
 from contracts.training import TrainConfig
+from trainer_core.engines.hf import HFEngine, SamplingParams
+from trainer_core.memory import frozen_parameter_audit
+from trainer_core.models.loading import Policy, encode_prompt
+from trainer_core.models.lora import (
+    LoraSettings,
+    apply_lora,
+    causal_lm,
+    check_only_adapter_trains,
+    is_lora,
+    reference_policy,
+)
 from trainer_core.rl.batch import _score
 from trainer_core.rl.strategy import build_optimizer
 from trainer_core.rl.update import train_on_batch
@@ -29,8 +36,9 @@ def _samples(policy: Policy, make_sample: Callable[..., Sample], model: torch.nn
     prompts = [encode_prompt(policy.tokenizer, text) for text in ("ab:", "cd?") for _ in range(4)]
     completions = engine.generate(prompts, SamplingParams(max_new_tokens=6), seed=seed)
     return [
-        make_sample(prompt_ids=p, response_ids=c.token_ids, logprobs=c.logprobs,
-                    reward=float(i % 2), group_id=f"g{i // 4}")
+        make_sample(
+            prompt_ids=p, response_ids=c.token_ids, logprobs=c.logprobs, reward=float(i % 2), group_id=f"g{i // 4}"
+        )
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
     ]
 
@@ -65,9 +73,7 @@ def test_lora_trains_only_the_adapter_with_the_base_as_reference(
         assert not torch.allclose(_score(model, samples, 6, cfg), ref_logprob)
 
 
-def test_gradient_checkpointing_gives_the_same_update(
-    tiny_policy: Policy, make_sample: Callable[..., Sample]
-) -> None:
+def test_gradient_checkpointing_gives_the_same_update(tiny_policy: Policy, make_sample: Callable[..., Sample]) -> None:
     samples = _samples(tiny_policy, make_sample, tiny_policy.model)
     updated = []
     for checkpointing in (False, True):
@@ -114,9 +120,14 @@ def test_switching_modes_holds_no_second_copy_of_the_weights(
     """Weights big next to activations (2 layers of 256 x 1024): a second copy made for
     generation (a bf16 cast, a merged adapter, a deepcopy) would allocate MBs."""
     config = LlamaConfig(
-        vocab_size=len(tiny_policy.tokenizer), hidden_size=256, intermediate_size=1024,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        pad_token_id=tiny_policy.tokenizer.pad_token_id, eos_token_id=tiny_policy.tokenizer.eos_token_id,
+        vocab_size=len(tiny_policy.tokenizer),
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        pad_token_id=tiny_policy.tokenizer.pad_token_id,
+        eos_token_id=tiny_policy.tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

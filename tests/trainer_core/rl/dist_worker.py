@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer_core.models.loading import load_policy
 from contracts.samples import Sample
 from contracts.training import TrainConfig
+from trainer_core.models.loading import load_policy
 from trainer_core.rl.critic import ValueHead
 
 WORLD_SIZE = 2
@@ -48,7 +48,9 @@ SCENARIOS = {
 }
 
 
-def make_batch(vocab: int, n: int = 8, group_size: int = 2, seed: int = 0, shared_prompts: bool = False) -> list[Sample]:
+def make_batch(
+    vocab: int, n: int = 8, group_size: int = 2, seed: int = 0, shared_prompts: bool = False
+) -> list[Sample]:
     """`n` samples in groups of `group_size`, of varied lengths, with behaviour log-probs off the
     policy's (about -4.6 for the untrained tiny model) so that some ratios are clipped; with
     `shared_prompts` the samples of a group share their prompt, as a GRPO group's do."""
@@ -142,8 +144,8 @@ def single_process_order(samples: list[Sample], cfg: TrainConfig) -> list[Sample
 def main() -> None:
     from trainer_core.rl.distributed import exit_rank, init_distributed, shard_samples
     from trainer_core.rl.fsdp2 import FSDP2Strategy
-    from trainer_core.rl.zero import DeepSpeedStrategy
     from trainer_core.rl.update import train_on_batch
+    from trainer_core.rl.zero import DeepSpeedStrategy
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", required=True)  # fsdp2 | zero1 | zero2-offload | zero3-offload ...
@@ -168,11 +170,18 @@ def main() -> None:
         else:
             stage, _, offload = args.strategy.removeprefix("zero").partition("-")
             strategy = DeepSpeedStrategy(
-                model, cfg, zero_stage=int(stage), offload_optimizer=offload == "offload", value_head=value_head,
-                ref_model=ref_model, config_overrides=args.ds_config,
+                model,
+                cfg,
+                zero_stage=int(stage),
+                offload_optimizer=offload == "offload",
+                value_head=value_head,
+                ref_model=ref_model,
+                config_overrides=args.ds_config,
             )
             if ref_model is not None and stage == "3":  # partitioned like the policy
-                assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in ref_model.parameters()), "reference not partitioned"
+                assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in ref_model.parameters()), (
+                    "reference not partitioned"
+                )
         batch = make_batch(model.config.vocab_size, shared_prompts=SCENARIOS[scenario].shared_prompts)
         samples = shard_samples(batch, env.rank, env.world_size)
         metrics = train_on_batch(model, samples, cfg, strategy, ref_model=ref_model, value_head=value_head)

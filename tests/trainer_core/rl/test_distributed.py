@@ -25,14 +25,14 @@ from typing import Any
 
 import pytest
 import torch
-
 from dist_worker import SCENARIOS, WORLD_SIZE, build_models, make_batch, single_process_order, train_config
-from trainer_core.rl.distributed import init_distributed, shard_samples
-from trainer_core.rl.zero import _import_deepspeed, deepspeed_config
-from trainer_core.models.loading import load_policy
+
 from contracts.samples import Sample
+from trainer_core.models.loading import load_policy
+from trainer_core.rl.distributed import init_distributed, shard_samples
 from trainer_core.rl.strategy import build_optimizer
 from trainer_core.rl.update import train_on_batch
+from trainer_core.rl.zero import _import_deepspeed, deepspeed_config
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 REPO = Path(__file__).resolve().parents[3]
@@ -47,6 +47,7 @@ LAUNCHES: dict[str, tuple[list[str], dict[str, Any]]] = {
         {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
     ),
 }
+
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Callable[[str], dict[str, Any]]:
@@ -109,10 +110,23 @@ def _launch(strategy: str, model_cache: Path, out_dir: Path) -> dict[str, Any]:
     # 2 cores: cached with the virtual environment, so later runs load them in a second.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD_SIZE}",
-        str(WORKER), "--strategy", strategy, "--scenarios", *scenarios,
-        "--cache-dir", str(model_cache), "--out", str(out), "--ds-config", json.dumps(ds_config),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD_SIZE}",
+        str(WORKER),
+        "--strategy",
+        strategy,
+        "--scenarios",
+        *scenarios,
+        "--cache-dir",
+        str(model_cache),
+        "--out",
+        str(out),
+        "--ds-config",
+        json.dumps(ds_config),
+    ]
     run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
     output = "\n".join(line for line in (run.stdout + run.stderr).splitlines() if "Loading weights" not in line)
     assert run.returncode == 0, f"{strategy} ranks failed:\n{output[-8000:]}"

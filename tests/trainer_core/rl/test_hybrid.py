@@ -13,7 +13,9 @@ from trainer_core.models.loading import Policy, encode_prompt
 from trainer_core.rl.hybrid import HybridEngine
 
 
-def test_the_hybrid_engine_holds_one_copy_of_the_weights(tiny_policy: Policy, make_sample: Callable[..., Sample]) -> None:
+def test_the_hybrid_engine_holds_one_copy_of_the_weights(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
     policy = tiny_policy
     engine = HybridEngine(policy, TrainConfig(learning_rate=1e-2))
     assert engine.rollout._model is engine.model is policy.model
@@ -33,7 +35,9 @@ def test_the_hybrid_engine_holds_one_copy_of_the_weights(tiny_policy: Policy, ma
     assert any(not torch.equal(p, before[name]) for name, p in engine.rollout._model.named_parameters())
 
 
-def test_an_auto_micro_batch_is_sized_on_the_first_batch(tiny_policy: Policy, make_sample: Callable[..., Sample]) -> None:
+def test_an_auto_micro_batch_is_sized_on_the_first_batch(
+    tiny_policy: Policy, make_sample: Callable[..., Sample]
+) -> None:
     policy = tiny_policy
     engine = HybridEngine(policy, TrainConfig(micro_batch=0))
     prompt = encode_prompt(policy.tokenizer, "say a:")

@@ -69,7 +69,12 @@ def test_a_trial_pass_leaves_no_gradient_and_no_change(
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     reached = []
     model.model.layers[0].mlp.down_proj.weight.register_hook(lambda grad: reached.append(grad.abs().sum().item()))
-    _trial_pass(model, _random_samples(make_sample, len(tiny_policy.tokenizer), n=4), TrainConfig(algorithm=algorithm), value_head)
+    _trial_pass(
+        model,
+        _random_samples(make_sample, len(tiny_policy.tokenizer), n=4),
+        TrainConfig(algorithm=algorithm),
+        value_head,
+    )
     assert reached and reached[0] > 0, "the backward pass ran through the first layer"
     assert all(p.grad is None for p in model.parameters())
     assert value_head is None or all(p.grad is None for p in value_head.parameters())

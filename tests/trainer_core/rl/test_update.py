@@ -7,11 +7,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from trainer_core.engines.hf import HFEngine, SamplingParams
-from trainer_core.models.loading import Policy, encode_prompt
 from contracts.samples import Sample
 from contracts.training import TrainConfig
+from trainer_core.engines.hf import HFEngine, SamplingParams
 from trainer_core.logprobs import response_scores
+from trainer_core.models.loading import Policy, encode_prompt
 from trainer_core.rl.critic import ValueHead
 from trainer_core.rl.strategy import build_optimizer
 from trainer_core.rl.update import train_on_batch
@@ -37,9 +37,7 @@ GRPO_KEYS = {
 PPO_KEYS = GRPO_KEYS | {"critic/vf_loss", "critic/vf_clipfrac", "critic/explained_variance"}
 
 
-def _random_samples(
-    make_sample: Callable[..., Sample], vocab: int, n: int = 8, seed: int = 0
-) -> list[Sample]:
+def _random_samples(make_sample: Callable[..., Sample], vocab: int, n: int = 8, seed: int = 0) -> list[Sample]:
     """Samples of varied prompt and response lengths whose behaviour log-probs are off the
     policy's (about -4.6 for the untrained tiny model), so some ratios get clipped."""
     gen = torch.Generator().manual_seed(seed)
@@ -103,9 +101,7 @@ def test_micro_batching_does_not_change_the_update(
         # which magnifies float noise in near-zero gradients).
         trainable = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
         optimizer = torch.optim.SGD(trainable, lr=0.1)
-        metrics = train_on_batch(
-            model, samples, cfg, optimizer, ref_model=ref_model, value_head=value_head
-        )
+        metrics = train_on_batch(model, samples, cfg, optimizer, ref_model=ref_model, value_head=value_head)
         # Gradients are freed after the step: they would otherwise sit in memory through generation.
         assert all(p.grad is None for p in trainable)
         params = [p.detach().clone() for p in trainable]
@@ -118,7 +114,9 @@ def test_micro_batching_does_not_change_the_update(
         # The value head starts at zero: all values 0, so the GAE return of token t of a response
         # is (gamma * lam)^(tokens after t) * reward, and no value is clipped.
         decay = cfg.gamma * cfg.lam
-        returns = [decay ** (len(s.response_ids) - 1 - t) * s.reward for s in samples for t in range(len(s.response_ids))]
+        returns = [
+            decay ** (len(s.response_ids) - 1 - t) * s.reward for s in samples for t in range(len(s.response_ids))
+        ]
         assert m8["critic/vf_loss"] == pytest.approx(0.5 * sum(r * r for r in returns) / len(returns), rel=1e-5)
         assert m8["critic/vf_clipfrac"] == 0.0
     for m, p in results[::2]:
@@ -138,9 +136,7 @@ def test_fresh_samples_have_ratio_one(
     params = SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=12)
     samples = _generated_samples(tiny_policy, make_sample, params, seed=1, reward=len)
     cfg = TrainConfig(temperature=temperature, micro_batch=5)
-    metrics = train_on_batch(
-        tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg)
-    )
+    metrics = train_on_batch(tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg))
     assert abs(metrics["actor/ppo_kl"]) < 1e-5
     assert metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["perf/tokens"] == sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -148,9 +144,7 @@ def test_fresh_samples_have_ratio_one(
 
 
 @pytest.mark.parametrize("critic", ["shared", "separate"])
-def test_critic_never_disturbs_the_actor(
-    tiny_policy: Policy, make_sample: Callable[..., Sample], critic: str
-) -> None:
+def test_critic_never_disturbs_the_actor(tiny_policy: Policy, make_sample: Callable[..., Sample], critic: str) -> None:
     """Shared: on the policy's detached hidden states. Separate: on its own backbone, which the
     value loss trains."""
     samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
@@ -166,7 +160,10 @@ def test_critic_never_disturbs_the_actor(
         actors.append([p.detach().clone() for p in model.parameters()])
         if backbone is not None and vf_coef > 0:
             assert metrics["critic/vf_loss"] > 0
-            moved = [not torch.equal(a, b) for a, b in zip(backbone.parameters(), tiny_policy.model.parameters(), strict=True)]
+            moved = [
+                not torch.equal(a, b)
+                for a, b in zip(backbone.parameters(), tiny_policy.model.parameters(), strict=True)
+            ]
             assert any(moved), "the separate critic's backbone learns from the value loss"
     # SGD: identical actor updates mean identical actor gradients.
     for a, b in zip(*actors, strict=True):
@@ -177,30 +174,22 @@ def test_mini_batches_and_epochs_set_the_number_of_steps(
     tiny_policy: Policy, make_sample: Callable[..., Sample]
 ) -> None:
     samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=8)
-    cfg = TrainConfig(
-        mini_batch=3, micro_batch=2, epochs=2
-    )  # 3 + 3 + 2 samples per epoch
+    cfg = TrainConfig(mini_batch=3, micro_batch=2, epochs=2)  # 3 + 3 + 2 samples per epoch
     optimizer = build_optimizer(tiny_policy.model, cfg)
     train_on_batch(tiny_policy.model, samples, cfg, optimizer)
     assert {int(optimizer.state[p]["step"]) for p in tiny_policy.model.parameters()} == {6}
 
 
-def test_kl_to_an_identical_reference_is_zero(
-    tiny_policy: Policy, make_sample: Callable[..., Sample]
-) -> None:
+def test_kl_to_an_identical_reference_is_zero(tiny_policy: Policy, make_sample: Callable[..., Sample]) -> None:
     samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
     cfg = TrainConfig(kl_coef=0.5)
     ref = copy.deepcopy(tiny_policy.model)
-    metrics = train_on_batch(
-        tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg), ref_model=ref
-    )
+    metrics = train_on_batch(tiny_policy.model, samples, cfg, build_optimizer(tiny_policy.model, cfg), ref_model=ref)
     assert metrics["actor/kl_ref"] == pytest.approx(0.0, abs=1e-7)
     assert metrics["actor/loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
 
 
-def test_config_and_inputs_are_checked(
-    tiny_policy: Policy, make_sample: Callable[..., Sample]
-) -> None:
+def test_config_and_inputs_are_checked(tiny_policy: Policy, make_sample: Callable[..., Sample]) -> None:
     samples = _random_samples(make_sample, len(tiny_policy.tokenizer), n=2)
     model = tiny_policy.model
     with pytest.raises(ValueError):
@@ -230,9 +219,7 @@ def test_updates_raise_the_reward_on_a_toy_task(
     reward = _fraction_of_a(tiny_policy)
     rewards = []
     for iteration in range(16):
-        samples = _generated_samples(
-            tiny_policy, make_sample, SamplingParams(max_new_tokens=8), iteration, reward
-        )
+        samples = _generated_samples(tiny_policy, make_sample, SamplingParams(max_new_tokens=8), iteration, reward)
         metrics = train_on_batch(tiny_policy.model, samples, cfg, optimizer, value_head=value_head)
         rewards.append(metrics["reward/mean"])
     assert max(rewards[:3]) < 0.1
@@ -262,7 +249,9 @@ def test_configured_advantage_estimator_is_used(tiny_policy, make_sample) -> Non
         TrainConfig(algorithm="grpo", adv_estimator="gae")
 
 
-@pytest.mark.parametrize(("share", "pack"), [(True, False), (False, True), (True, True)], ids=["shared-kv", "packed", "packed-shared"])
+@pytest.mark.parametrize(
+    ("share", "pack"), [(True, False), (False, True), (True, True)], ids=["shared-kv", "packed", "packed-shared"]
+)
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_shared_prompts_and_packing_give_the_padded_full_pass_update(
     tiny_policy: Policy, make_sample: Callable[..., Sample], algorithm: str, share: bool, pack: bool
@@ -276,7 +265,10 @@ def test_shared_prompts_and_packing_give_the_padded_full_pass_update(
     samples = _generated_samples(tiny_policy, make_sample, params, seed=3, reward=len)
     samples += _random_samples(make_sample, len(tiny_policy.tokenizer))
     results = []
-    for layout in ({"share_prompt_prefix": False, "pack_max_tokens": 0}, {"share_prompt_prefix": share, "pack_max_tokens": 4096 if pack else 0}):
+    for layout in (
+        {"share_prompt_prefix": False, "pack_max_tokens": 0},
+        {"share_prompt_prefix": share, "pack_max_tokens": 4096 if pack else 0},
+    ):
         model = copy.deepcopy(tiny_policy.model)
         value_head = ValueHead(model.config.hidden_size) if algorithm == "ppo" else None
         cfg = TrainConfig(algorithm=algorithm, micro_batch=12, max_grad_norm=1e9, **layout)
@@ -402,7 +394,12 @@ def test_each_new_loss_and_estimator_raises_the_reward_on_the_toy_task(
 
 @pytest.mark.parametrize(
     "training",
-    [{"loss_agg": "token-sum"}, {"loss_agg": "seq-mean-token-sum-norm"}, {"policy_loss": "gspo"}, {"policy_loss": "geo_mean"}],
+    [
+        {"loss_agg": "token-sum"},
+        {"loss_agg": "seq-mean-token-sum-norm"},
+        {"policy_loss": "gspo"},
+        {"policy_loss": "geo_mean"},
+    ],
     ids=lambda t: next(iter(t.values())),
 )
 def test_micro_batching_does_not_change_the_update_of_the_sum_and_sequence_losses(
@@ -428,7 +425,10 @@ def test_mini_batches_are_a_seeded_permutation_of_the_groups(
 ) -> None:
     """shuffle: epoch 0 visits the groups (kept whole) in the order randperm(seed) draws; seed 1
     pairs the 4 groups into mini-batches other than in order ([1, 3] then [2, 0])."""
-    samples = [dataclasses.replace(s, group_id=f"g{i // 2}") for i, s in enumerate(_random_samples(make_sample, len(tiny_policy.tokenizer)))]
+    samples = [
+        dataclasses.replace(s, group_id=f"g{i // 2}")
+        for i, s in enumerate(_random_samples(make_sample, len(tiny_policy.tokenizer)))
+    ]
     order = torch.randperm(4, generator=torch.Generator().manual_seed(1)).tolist()
     assert {frozenset(order[:2]), frozenset(order[2:])} != {frozenset({0, 1}), frozenset({2, 3})}
     updated = []
@@ -455,12 +455,17 @@ def test_decoupled_is_metrics_and_overlong_shaping_reach_the_update(tiny_policy,
     the buffer before max_new_tokens (DAPO), which moves the loss of a lr-0 update."""
     samples = _random_samples(make_sample, len(tiny_policy.tokenizer))
     base = {"learning_rate": 0.0, "off_policy": "decoupled", "is_level": "sequence", "max_new_tokens": 11}
-    plain = train_on_batch(tiny_policy.model, samples, TrainConfig(**base), build_optimizer(tiny_policy.model, TrainConfig()))
+    plain = train_on_batch(
+        tiny_policy.model, samples, TrainConfig(**base), build_optimizer(tiny_policy.model, TrainConfig())
+    )
     assert 0 < plain["actor/is_weight_mean"] <= 2.0 and 0 <= plain["actor/is_capfrac"] <= 1
     assert plain["response_length/clip_ratio"] == pytest.approx(
         sum(len(s.response_ids) >= 11 for s in samples) / len(samples)
     )
     shaped = train_on_batch(
-        tiny_policy.model, samples, TrainConfig(**base, overlong_buffer=6), build_optimizer(tiny_policy.model, TrainConfig())
+        tiny_policy.model,
+        samples,
+        TrainConfig(**base, overlong_buffer=6),
+        build_optimizer(tiny_policy.model, TrainConfig()),
     )
     assert shaped["actor/pg_loss"] != pytest.approx(plain["actor/pg_loss"], abs=1e-6)

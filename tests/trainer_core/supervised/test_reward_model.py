@@ -25,7 +25,6 @@ TRAIN_WORDS = ["cat", "dog", "sun", "tree", "blue", "red", "fish", "car", "hat",
 HELD_OUT_WORDS = ["moon", "bird", "lamp", "rock", "gold", "snow"]
 
 
-
 def yes_no_pairs(words: list[str], n: int, seed: int) -> list[PreferencePair]:
     """Preferences where the chosen reply says "yes" and the rejected one "no", after the same
     filler word; prompts and fillers come from `words`."""
@@ -57,7 +56,9 @@ def test_reward_model_learns_a_synthetic_preference(tiny_policy: Policy) -> None
     held_out = yes_no_pairs(HELD_OUT_WORDS, 32, seed=1)
     before = evaluate_reward_model(rm, held_out)
 
-    metrics = train_reward_model(rm, train, RewardModelConfig(learning_rate=3e-4, epochs=3, batch_size=8, micro_batch_size=4))
+    metrics = train_reward_model(
+        rm, train, RewardModelConfig(learning_rate=3e-4, epochs=3, batch_size=8, micro_batch_size=4)
+    )
 
     after = evaluate_reward_model(rm, held_out)
     assert metrics["rm/steps"] == 3 * 64 / 8

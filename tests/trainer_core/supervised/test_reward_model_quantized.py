@@ -57,7 +57,11 @@ def test_int8_scores_stay_close_to_the_full_ones(rm_dir: Path) -> None:
     clear = margin_full.abs() > 0.1 * spread
     assert clear.sum() >= half // 2
     assert torch.equal(margin_int8[clear] > 0, margin_full[clear] > 0)
-    assert evaluate_reward_model(int8, held_out)["rm/accuracy"] == evaluate_reward_model(full, held_out)["rm/accuracy"] == 1.0
+    assert (
+        evaluate_reward_model(int8, held_out)["rm/accuracy"]
+        == evaluate_reward_model(full, held_out)["rm/accuracy"]
+        == 1.0
+    )
     # Only the weights are quantized: a score does not depend on the batch it is scored in.
     alone = torch.tensor([int8.score([p], [r])[0] for p, r in zip(prompts[:8], responses[:8], strict=True)])
     torch.testing.assert_close(alone, got[:8], rtol=0, atol=1e-4)
@@ -68,7 +72,9 @@ def test_int8_quantizes_the_backbone_linears_and_keeps_the_head_fp32(rm_dir: Pat
     full = RewardModel.load(rm_dir)
 
     quantized = [m for m in int8.backbone.modules() if isinstance(m, Int8Linear)]
-    assert len(quantized) == sum(isinstance(m, nn.Linear) for m in full.backbone.modules()) == 2 * 7  # q k v o gate up down
+    assert (
+        len(quantized) == sum(isinstance(m, nn.Linear) for m in full.backbone.modules()) == 2 * 7
+    )  # q k v o gate up down
     assert not any(type(m) is nn.Linear for m in int8.backbone.modules())
     assert quantized[0].qweight.dtype == torch.int8
     assert type(int8.head) is nn.Linear and int8.head.weight.dtype == torch.float32

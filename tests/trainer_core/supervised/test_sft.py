@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainer_core.engines.hf import HFEngine, SamplingParams
-from trainer_core.models.lora import LoraSettings, apply_lora, causal_lm
 from trainer_core.models.loading import Policy, encode_prompt, load_policy
+from trainer_core.models.lora import LoraSettings, apply_lora, causal_lm
 from trainer_core.supervised.sft import (
     SFT_CONFIG_FILE,
     SFTConfig,
@@ -32,16 +32,13 @@ MAPPING = [
 ]
 
 
-
 def _greedy(policy: Policy, prompts: list[str]) -> list[tuple[str, str]]:
     engine = HFEngine(policy.model, policy.tokenizer)
     completions = engine.generate(
         [encode_prompt(policy.tokenizer, p) for p in prompts], SamplingParams(temperature=0, max_new_tokens=12)
     )
     assert completions is not None
-    return [
-        (policy.tokenizer.decode(c.token_ids, skip_special_tokens=True), c.finish_reason) for c in completions
-    ]
+    return [(policy.tokenizer.decode(c.token_ids, skip_special_tokens=True), c.finish_reason) for c in completions]
 
 
 def test_sft_learns_a_fixed_mapping(tiny_policy: Policy) -> None:
@@ -100,7 +97,9 @@ def test_loss_is_over_response_tokens_only(tiny_policy: Policy) -> None:
     cfg = SFTConfig()
     example = SFTExample("what is red?", "a rose")
     prompt_ids = encode_prompt(tiny_policy.tokenizer, example.prompt)
-    input_ids = torch.tensor([prompt_ids + tiny_policy.tokenizer.encode(example.response) + [tiny_policy.tokenizer.eos_token_id]])
+    input_ids = torch.tensor(
+        [prompt_ids + tiny_policy.tokenizer.encode(example.response) + [tiny_policy.tokenizer.eos_token_id]]
+    )
     masked = input_ids.clone()
     masked[0, : len(prompt_ids)] = -100
 

@@ -26,20 +26,31 @@ DATASET_BODY = {
             }
         },
         PARQUET_MEDIA_TYPE: {
-            "schema": {"type": "string", "format": "binary", "description": "A Parquet file of the same rows (verl's layout)."}
+            "schema": {
+                "type": "string",
+                "format": "binary",
+                "description": "A Parquet file of the same rows (verl's layout).",
+            }
         },
     },
 }
 
 
 @router.post(
-    "", status_code=status.HTTP_201_CREATED, response_model=DatasetPublic, responses=errors(413, 422, 429),
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=DatasetPublic,
+    responses=errors(413, 422, 429),
     openapi_extra={"requestBody": DATASET_BODY},
-)  # fmt: skip
+)
 async def upload_dataset(
-    request: Request, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep,
-    fields: Annotated[DatasetFields, Query()], slots: UploadSlotsDep,
-) -> DatasetPublic:  # fmt: skip
+    request: Request,
+    backends: BackendsDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+    fields: Annotated[DatasetFields, Query()],
+    slots: UploadSlotsDep,
+) -> DatasetPublic:
     """Store a prompt set (at most SPOTRL_MAX_DATASET_BYTES, refused unread when it says it is
     larger, and as soon as it grows larger) as normalised JSONL, its rows mapped by `prompt_key`
     and `answer_key` as a run spec's `dataset` maps them. JSONL is parsed line by line as it
@@ -50,6 +61,11 @@ async def upload_dataset(
     Retry-After, unread."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     return await service.create_dataset(
-        backends=backends, principal=principal, body=request.stream(), max_bytes=settings.max_dataset_bytes,
-        media_type=media_type, fields=fields, slots=slots,
-    )  # fmt: skip
+        backends=backends,
+        principal=principal,
+        body=request.stream(),
+        max_bytes=settings.max_dataset_bytes,
+        media_type=media_type,
+        fields=fields,
+        slots=slots,
+    )

@@ -36,4 +36,6 @@ async def docs(request: Request) -> HTMLResponse:
 async def asset(name: str) -> FileResponse:
     if name not in ASSETS:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "Not Found")
-    return FileResponse(swagger_ui_path / name, media_type=ASSETS[name], headers={"Cache-Control": "public, max-age=86400"})
+    return FileResponse(
+        swagger_ui_path / name, media_type=ASSETS[name], headers={"Cache-Control": "public, max-age=86400"}
+    )

@@ -23,9 +23,10 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get(
-    "/readyz", response_class=PlainTextResponse,
+    "/readyz",
+    response_class=PlainTextResponse,
     responses={200: _text("`ready`"), 503: _text("What is not ready, one problem per `;`.")},
-)  # fmt: skip
+)
 async def readyz(backends: BackendsDep, request: Request) -> PlainTextResponse:
     def check() -> list[str]:
         problems = []
@@ -35,7 +36,9 @@ async def readyz(backends: BackendsDep, request: Request) -> PlainTextResponse:
             problems.append(f"state store: {type(e).__name__}")  # not the message: it may hold a URL with a password
         tokens = request.app.state.tokens
         if tokens is not None and tokens.problem() is not None:
-            problems.append("tokens file is missing or invalid (the server's log says why)")  # not its path: /readyz is open
+            problems.append(
+                "tokens file is missing or invalid (the server's log says why)"
+            )  # not its path: /readyz is open
         scheduler = request.app.state.scheduler_thread
         if scheduler is not None and not scheduler.is_alive():
             problems.append("scheduler loop is not running")
@@ -48,9 +51,11 @@ async def readyz(backends: BackendsDep, request: Request) -> PlainTextResponse:
 
 
 @router.get(
-    "/metrics", response_class=Response, dependencies=[Depends(require_admin)],
+    "/metrics",
+    response_class=Response,
+    dependencies=[Depends(require_admin)],
     responses={200: _text("Prometheus text exposition.", CONTENT_TYPE_LATEST), **errors(401, 403)},
-)  # fmt: skip
+)
 async def metrics(request: Request) -> Response:
     """Per-run operating figures (no prompts, no spec); needs an admin token when tokens are configured."""
     body = await run_in_threadpool(generate_latest, request.app.state.metrics_registry)

@@ -9,28 +9,37 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
 
 from services.control.api import service
-from services.control.api.responses import errors, json_errors
 from services.control.api.deps import BackendsDep, CatalogDep, PrincipalDep, SettingsDep
+from services.control.api.responses import errors, json_errors
 from services.control.api.schemas import CostPublic, PodLogPublic, PodsPublic, RunPublic, RunsPublic
 from services.control.cost.report_page import CSP
 from services.domain.runspec import SubmittedRunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=errors(401))
 
-RunId = Annotated[str, Path(max_length=64, pattern=r"^run-[0-9a-f]{1,40}$", description="A run's id, `run-` and hex digits.")]
+RunId = Annotated[
+    str, Path(max_length=64, pattern=r"^run-[0-9a-f]{1,40}$", description="A run's id, `run-` and hex digits.")
+]
 PodName = Annotated[
     str,
-    Path(max_length=63, pattern=r"^run-[0-9a-f]{1,40}-((train|rollout|eval|warm)-[0-9]{1,9}|reward)$",
-         description="A pod of the run: `<run>-rollout-<slot>`, `<run>-train-<iteration>`, `<run>-eval-<version>`, "
-         "`<run>-warm-<iteration>` or `<run>-reward` (GET the run's pods for them)."),
-]  # fmt: skip
+    Path(
+        max_length=63,
+        pattern=r"^run-[0-9a-f]{1,40}-((train|rollout|eval|warm)-[0-9]{1,9}|reward)$",
+        description="A pod of the run: `<run>-rollout-<slot>`, `<run>-train-<iteration>`, `<run>-eval-<version>`, "
+        "`<run>-warm-<iteration>` or `<run>-reward` (GET the run's pods for them).",
+    ),
+]
 # A kept log holds the last 2000 lines (services.control.scheduler.apply.LOG_LINES_KEPT): more is never there.
 MAX_TAIL = 2000
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic, responses=errors(400, 413))
-async def create_run(spec: SubmittedRunSpec, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep) -> RunPublic:
-    return await run_in_threadpool(service.create_run, backends=backends, settings=settings, principal=principal, spec=spec)
+async def create_run(
+    spec: SubmittedRunSpec, backends: BackendsDep, settings: SettingsDep, principal: PrincipalDep
+) -> RunPublic:
+    return await run_in_threadpool(
+        service.create_run, backends=backends, settings=settings, principal=principal, spec=spec
+    )
 
 
 @router.get("", response_model=RunsPublic, responses=errors(400))
@@ -40,7 +49,9 @@ async def list_runs(
     limit: Annotated[int, Query(ge=1, le=200, description="Runs per page.")] = 50,
     cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
 ) -> RunsPublic:
-    return await run_in_threadpool(service.list_runs, backends=backends, principal=principal, limit=limit, cursor=cursor)
+    return await run_in_threadpool(
+        service.list_runs, backends=backends, principal=principal, limit=limit, cursor=cursor
+    )
 
 
 @router.get("/{run_id}", response_model=RunPublic, responses=errors(404))
@@ -49,7 +60,12 @@ async def get_run(
     backends: BackendsDep,
     principal: PrincipalDep,
     iterations_limit: Annotated[
-        int, Query(ge=0, le=service.MAX_ITERATIONS_SHOWN, description="The latest iterations shown (`iterations_total` counts all).")
+        int,
+        Query(
+            ge=0,
+            le=service.MAX_ITERATIONS_SHOWN,
+            description="The latest iterations shown (`iterations_total` counts all).",
+        ),
     ] = service.DEFAULT_ITERATIONS_SHOWN,
 ) -> RunPublic:
     return await run_in_threadpool(
@@ -68,20 +84,32 @@ async def run_cost(
     backends: BackendsDep,
     catalog: CatalogDep,
     principal: PrincipalDep,
-    limit: Annotated[int, Query(ge=1, le=service.MAX_ENTRIES_PAGE, description="Ledger entries per page.")] = service.DEFAULT_ENTRIES_PAGE,
+    limit: Annotated[
+        int, Query(ge=1, le=service.MAX_ENTRIES_PAGE, description="Ledger entries per page.")
+    ] = service.DEFAULT_ENTRIES_PAGE,
     cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
 ) -> CostPublic:
     """The run's bill (totals over its whole ledger) and one page of its ledger entries."""
     return await run_in_threadpool(
-        service.run_cost, backends=backends, catalog=catalog, principal=principal, run_id=run_id, limit=limit, cursor=cursor
+        service.run_cost,
+        backends=backends,
+        catalog=catalog,
+        principal=principal,
+        run_id=run_id,
+        limit=limit,
+        cursor=cursor,
     )
 
 
 @router.get("/{run_id}/report", response_class=HTMLResponse, responses=json_errors(401, 404))
-async def run_report(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> HTMLResponse:
+async def run_report(
+    run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep
+) -> HTMLResponse:
     """The run's report page: one self-contained HTML page (reward by iteration, cumulative cost
     against always-on and the lower bound, pod timelines with preemptions marked) that loads nothing."""
-    page = await run_in_threadpool(service.run_report, backends=backends, catalog=catalog, principal=principal, run_id=run_id)
+    page = await run_in_threadpool(
+        service.run_report, backends=backends, catalog=catalog, principal=principal, run_id=run_id
+    )
     return HTMLResponse(page, headers={"Content-Security-Policy": CSP})
 
 
@@ -100,4 +128,6 @@ async def pod_logs(
     tail: Annotated[int, Query(ge=1, le=MAX_TAIL, description="Lines from the end of the log.")] = 100,
 ) -> PodLogPublic:
     """The last lines of a pod's log, from the launcher while it has the pod, else as kept when it ended."""
-    return await run_in_threadpool(service.pod_log, backends=backends, principal=principal, run_id=run_id, pod=pod, tail=tail)
+    return await run_in_threadpool(
+        service.pod_log, backends=backends, principal=principal, run_id=run_id, pod=pod, tail=tail
+    )

@@ -58,7 +58,9 @@ class _Case:
     passed: Callable[[SandboxResult], bool]
 
 
-def score(solution_str: str, tests: str | Mapping[str, Any] | list[str], *, limits: SandboxLimits = DEFAULT_LIMITS) -> float:
+def score(
+    solution_str: str, tests: str | Mapping[str, Any] | list[str], *, limits: SandboxLimits = DEFAULT_LIMITS
+) -> float:
     """The fraction of `tests` (any layout of the module's docstring) that the response's program passes.
     Raises RewardError if `tests` holds no test case, or the sandbox itself failed.
 
@@ -92,11 +94,15 @@ def _cases(program: str, tests: Any) -> list[_Case]:
         tests = tests["assert_case"]
     if isinstance(tests, list) and all(isinstance(t, str) for t in tests):
         cases = [_assert_case(program, t) for t in tests]
-    elif isinstance(tests, Mapping) and isinstance(tests.get("inputs"), list) and isinstance(tests.get("outputs"), list):
+    elif (
+        isinstance(tests, Mapping) and isinstance(tests.get("inputs"), list) and isinstance(tests.get("outputs"), list)
+    ):
         if len(tests["inputs"]) != len(tests["outputs"]):
             raise RewardError(f"test cases have {len(tests['inputs'])} inputs but {len(tests['outputs'])} outputs")
         make = _call_case if tests.get("fn_name") else _stdio_case
-        cases = [make(program, i, o, tests.get("fn_name")) for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
+        cases = [
+            make(program, i, o, tests.get("fn_name")) for i, o in zip(tests["inputs"], tests["outputs"], strict=True)
+        ]
     else:
         raise RewardError(f"test cases in no known layout: {str(tests)[:200]!r}")
     if not cases:
@@ -141,7 +147,9 @@ def _call_case(program: str, args: Any, expected: Any, fn_name: str) -> _Case:
         if not r.ok or not lines:
             return False
         got = json.loads(lines[-1][len(marker) :])
-        return _same_value(got, expected) or (isinstance(expected, list) and len(expected) == 1 and _same_value(got, expected[0]))
+        return _same_value(got, expected) or (
+            isinstance(expected, list) and len(expected) == 1 and _same_value(got, expected[0])
+        )
 
     return _Case(program + _CALL.format(fn_name=fn_name, args=json.dumps(args), marker=marker), "", passed)
 
@@ -150,7 +158,9 @@ def _assert_case(program: str, assertions: str) -> _Case:
     # Passing means printing, after the asserts, a marker the program is not told: a program that
     # exits early (`sys.exit(0)`) skips the asserts and the marker.
     marker = secrets.token_hex(16)
-    return _Case(f"{program}\n\n{assertions}\n\nprint({marker!r})\n", "", lambda r: r.ok and r.stdout.rstrip().endswith(marker))
+    return _Case(
+        f"{program}\n\n{assertions}\n\nprint({marker!r})\n", "", lambda r: r.ok and r.stdout.rstrip().endswith(marker)
+    )
 
 
 def _same_tokens(got: str, expected: str) -> bool:
@@ -170,7 +180,11 @@ def _close(x: str, y: str) -> bool:
 def _same_value(got: Any, expected: Any) -> bool:
     """Equality of JSON values (tuples arrive as lists), floats within 1e-6."""
     if isinstance(got, float) or isinstance(expected, float):
-        return isinstance(got, int | float) and isinstance(expected, int | float) and math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
+        return (
+            isinstance(got, int | float)
+            and isinstance(expected, int | float)
+            and math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
+        )
     if isinstance(got, list) and isinstance(expected, list):
         return len(got) == len(expected) and all(_same_value(g, e) for g, e in zip(got, expected, strict=True))
     if isinstance(got, dict) and isinstance(expected, dict):

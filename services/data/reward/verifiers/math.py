@@ -58,7 +58,9 @@ def score(solution_str: str, ground_truth: str, *, timeout_s: float = DEFAULT_TI
         worker = worker or _Worker()
         result = worker.ask(solution_str, ground_truth, timeout_s)
         if result is None:
-            log.warning("math-verify gave no score for a response within %g s (stopped, or failed); it scores 0.0", timeout_s)
+            log.warning(
+                "math-verify gave no score for a response within %g s (stopped, or failed); it scores 0.0", timeout_s
+            )
             worker.close()
             return 0.0
         with _lock:
@@ -72,12 +74,17 @@ class _Worker:
     def __init__(self) -> None:
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "from services.data.reward.verifiers.math import _serve; _serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=_ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=_ROOT,
         )
         self._buffer = b""
         if self._read_line(_STARTUP_TIMEOUT_S) != b"ready":
             self.close()
-            raise RewardError(f"the math-verify worker did not start within {_STARTUP_TIMEOUT_S:g} s (is math-verify installed?)")
+            raise RewardError(
+                f"the math-verify worker did not start within {_STARTUP_TIMEOUT_S:g} s (is math-verify installed?)"
+            )
 
     def ask(self, response: str, truth: str, timeout_s: float) -> float | None:
         """The score of `response`, or None if the worker did not answer within `timeout_s` (or died)."""
@@ -125,7 +132,9 @@ def _serve() -> None:
     gold_targets = [LatexExtractionConfig()]
     # The last \boxed{} only (math-verify's default takes every \boxed{} of the response as a set).
     # Several in a row, separated by a comma or "and", still make one answer: `\boxed{1}, \boxed{2}`.
-    last_boxed = NormalizationConfig(basic_latex=True, units=True, malformed_operators=True, nits=True, boxed="last", equations=False)
+    last_boxed = NormalizationConfig(
+        basic_latex=True, units=True, malformed_operators=True, nits=True, boxed="last", equations=False
+    )
     response_targets = [LatexExtractionConfig(normalization_config=last_boxed), ExprExtractionConfig()]
     print("ready", flush=True)
     for line in sys.stdin:

@@ -118,7 +118,9 @@ _GUARD = Path(__file__).with_name("sandbox_guard.py").read_text()
 _SWEEP = Path(__file__).with_name("sandbox_sweep.py").read_text()
 
 
-def run(program: str, stdin: str = "", limits: SandboxLimits = DEFAULT_LIMITS, *, isolation: Isolation | None = None) -> SandboxResult:
+def run(
+    program: str, stdin: str = "", limits: SandboxLimits = DEFAULT_LIMITS, *, isolation: Isolation | None = None
+) -> SandboxResult:
     """Run `program` (Python source) with `stdin`, isolated as `isolation` says (by default the most
     this host allows, `host_isolation()`). Raises SandboxError only if the sandbox itself failed.
 
@@ -129,7 +131,11 @@ def run(program: str, stdin: str = "", limits: SandboxLimits = DEFAULT_LIMITS, *
     argv = [isolation.python, "-I", "-S", "-B", "-X", "utf8"]
     # The guard also where the program would run as root: namespaces do not keep root from the host's files.
     argv += ["main.py"] if isolation.namespaces and isolation.uid_base is not None else ["-c", _GUARD, "main.py"]
-    with tempfile.TemporaryDirectory(prefix="spotrl-sandbox-") as workdir, _uid_slot(isolation) as uid, tempfile.TemporaryFile() as stdin_file:
+    with (
+        tempfile.TemporaryDirectory(prefix="spotrl-sandbox-") as workdir,
+        _uid_slot(isolation) as uid,
+        tempfile.TemporaryFile() as stdin_file,
+    ):
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(program)
         if uid is not None:
@@ -137,17 +143,29 @@ def run(program: str, stdin: str = "", limits: SandboxLimits = DEFAULT_LIMITS, *
         stdin_file.write(stdin.encode())
         stdin_file.seek(0)
         cfg = {
-            "namespaces": isolation.namespaces, "tmpfs_bytes": limits.file_bytes, "uid": uid, "argv": argv, "workdir": workdir,
-            "mark": _MARK, "failed": _LAUNCHER_FAILED,
+            "namespaces": isolation.namespaces,
+            "tmpfs_bytes": limits.file_bytes,
+            "uid": uid,
+            "argv": argv,
+            "workdir": workdir,
+            "mark": _MARK,
+            "failed": _LAUNCHER_FAILED,
             "rlimits": {
-                "RLIMIT_CPU": (limits.cpu_s, limits.cpu_s + 1), "RLIMIT_AS": (limits.memory_bytes,) * 2,
-                "RLIMIT_FSIZE": (limits.file_bytes,) * 2, "RLIMIT_NPROC": (limits.max_processes,) * 2,
+                "RLIMIT_CPU": (limits.cpu_s, limits.cpu_s + 1),
+                "RLIMIT_AS": (limits.memory_bytes,) * 2,
+                "RLIMIT_FSIZE": (limits.file_bytes,) * 2,
+                "RLIMIT_NPROC": (limits.max_processes,) * 2,
                 "RLIMIT_CORE": (0, 0),
             },
         }
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", _LAUNCHER, json.dumps(cfg)],
-            stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env={}, start_new_session=True,
+            stdin=stdin_file,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env={},
+            start_new_session=True,
         )
         try:
             stdout, stderr, killed = _collect(proc, limits)
@@ -160,7 +178,12 @@ def run(program: str, stdin: str = "", limits: SandboxLimits = DEFAULT_LIMITS, *
     err = stderr[-_STDERR_KEPT:].decode("utf-8", "replace")
     if proc.returncode == _LAUNCHER_FAILED and err.startswith(_MARK):
         raise SandboxError(f"the sandbox could not start a program: {err.strip()}")
-    return SandboxResult(stdout.decode("utf-8", "replace"), err, None if killed else proc.returncode, killed or _why_ended(proc.returncode, err))
+    return SandboxResult(
+        stdout.decode("utf-8", "replace"),
+        err,
+        None if killed else proc.returncode,
+        killed or _why_ended(proc.returncode, err),
+    )
 
 
 def _collect(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[bytes, bytes, Killed | None]:
@@ -209,7 +232,9 @@ def _why_ended(exit_code: int, stderr: str) -> Killed | None:
         return Killed.CPU
     if exit_code != 0 and "MemoryError" in stderr[-2000:]:
         return Killed.MEMORY
-    if exit_code == -signal.SIGXFSZ or (exit_code != 0 and ("File too large" in stderr[-2000:] or "No space left" in stderr[-2000:])):
+    if exit_code == -signal.SIGXFSZ or (
+        exit_code != 0 and ("File too large" in stderr[-2000:] or "No space left" in stderr[-2000:])
+    ):
         return Killed.FILE_SIZE  # Python ignores SIGXFSZ: the write fails with EFBIG (or ENOSPC on the private tmpfs)
     return None
 
@@ -246,7 +271,15 @@ def _sweep(uid: int, python: str) -> bool:
     """Kill every process of `uid` and remove its files in world-writable directories; whether that worked."""
     try:
         done = subprocess.run(
-            [python, "-I", "-S", "-c", _SWEEP, *PRIVATE_DIRS], check=False, user=uid, group=uid, extra_groups=[], env={}, cwd="/", capture_output=True, timeout=30
+            [python, "-I", "-S", "-c", _SWEEP, *PRIVATE_DIRS],
+            check=False,
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            env={},
+            cwd="/",
+            capture_output=True,
+            timeout=30,
         )
     except subprocess.TimeoutExpired:
         log.warning("could not sweep sandbox uid %d within 30 s", uid)
@@ -274,16 +307,34 @@ def host_isolation() -> Isolation:
         return Isolation(namespaces=False, uid_base=None, python=sys.executable)
     probe_uid = UID_BASE + UID_SLOTS
     # The server's own interpreter may lie where other uids cannot reach (/root/.pyenv/...).
-    candidates = dict.fromkeys([sys.executable, os.path.realpath(sys.executable), shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")])
+    candidates = dict.fromkeys(
+        [sys.executable, os.path.realpath(sys.executable), shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")]
+    )
     python = next((p for p in candidates if p and _runs_as(p, probe_uid)), None)
     with tempfile.TemporaryDirectory(prefix="spotrl-sandbox-") as workdir:
         open(os.path.join(workdir, "main.py"), "w").close()
-        cfg = {"namespaces": True, "tmpfs_bytes": 2**20, "uid": None, "argv": [sys.executable, "-I", "-S", "main.py"],
-               "workdir": workdir, "mark": _MARK, "failed": _LAUNCHER_FAILED, "rlimits": {}}
-        launched = subprocess.run([sys.executable, "-I", "-S", _LAUNCHER, json.dumps(cfg)], check=False, env={}, cwd=workdir, capture_output=True)
+        cfg = {
+            "namespaces": True,
+            "tmpfs_bytes": 2**20,
+            "uid": None,
+            "argv": [sys.executable, "-I", "-S", "main.py"],
+            "workdir": workdir,
+            "mark": _MARK,
+            "failed": _LAUNCHER_FAILED,
+            "rlimits": {},
+        }
+        launched = subprocess.run(
+            [sys.executable, "-I", "-S", _LAUNCHER, json.dumps(cfg)],
+            check=False,
+            env={},
+            cwd=workdir,
+            capture_output=True,
+        )
     namespaces = launched.returncode == 0
     if python is None:
-        log.warning("no interpreter runs under an unprivileged uid here: programs run as root, with RLIMIT_NPROC not enforced")
+        log.warning(
+            "no interpreter runs under an unprivileged uid here: programs run as root, with RLIMIT_NPROC not enforced"
+        )
         return Isolation(namespaces=namespaces, uid_base=None, python=sys.executable)
     return Isolation(namespaces=namespaces, uid_base=UID_BASE, python=python)
 
@@ -291,7 +342,16 @@ def host_isolation() -> Isolation:
 def _runs_as(python: str, uid: int) -> bool:
     """Whether `uid` can run the interpreter `python` (every directory on its path, and its library's)."""
     try:
-        done = subprocess.run([python, "-I", "-S", "-c", "pass"], check=False, user=uid, group=uid, extra_groups=[], env={}, cwd="/", capture_output=True)
+        done = subprocess.run(
+            [python, "-I", "-S", "-c", "pass"],
+            check=False,
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            env={},
+            cwd="/",
+            capture_output=True,
+        )
     except OSError:  # exec refused: a directory on the way is closed to the uid
         return False
     return done.returncode == 0

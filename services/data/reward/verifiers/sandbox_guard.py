@@ -19,8 +19,28 @@ def _install() -> None:
     library = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     readable = {home, real("/proc/self"), "/dev", *map(real, library)}
     writable = {home, "/dev/null"}
-    refused = ("socket.", "ctypes.", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.", "os.startfile")
-    changing = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.truncate", "os.chmod", "os.chown", "os.utime"}
+    refused = (
+        "socket.",
+        "ctypes.",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.system",
+        "subprocess.",
+        "os.startfile",
+    )
+    changing = {
+        "os.remove",
+        "os.rename",
+        "os.rmdir",
+        "os.mkdir",
+        "os.symlink",
+        "os.link",
+        "os.truncate",
+        "os.chmod",
+        "os.chown",
+        "os.utime",
+    }
     writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
     def inside(path: object, roots: set[str]) -> bool:
@@ -41,7 +61,9 @@ def _install() -> None:
                 raise PermissionError(f"the sandbox refuses {'writing' if writes else 'reading'} {path!r}")
         elif event in ("os.listdir", "os.scandir") and args[0] is not None and not inside(args[0], readable):
             raise PermissionError(f"the sandbox refuses listing {args[0]!r}")
-        elif event in changing and not all(inside(a, writable) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
+        elif event in changing and not all(
+            inside(a, writable) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))
+        ):
             raise PermissionError(f"the sandbox refuses {event} outside its directory")
 
     sys.addaudithook(hook)

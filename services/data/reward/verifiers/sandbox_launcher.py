@@ -39,7 +39,9 @@ def main(cfg: dict) -> None:
 
         libc = ctypes.CDLL(None, use_errno=True)
 
-        def mount(source: bytes | None, target: str, fstype: bytes | None, flags: int, data: bytes | None = None) -> None:
+        def mount(
+            source: bytes | None, target: str, fstype: bytes | None, flags: int, data: bytes | None = None
+        ) -> None:
             if libc.mount(source, target.encode(), fstype, flags, data) != 0:
                 raise OSError(ctypes.get_errno(), f"mount {target}")
 

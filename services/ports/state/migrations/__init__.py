@@ -47,9 +47,7 @@ def migrate(engine: Engine) -> None:
     """
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
-            conn.execute(
-                text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
-            )
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         config = alembic_config(conn)
         adopt_hand_rolled(conn, config)
         try:

@@ -28,9 +28,7 @@ def adopt_hand_rolled(conn: Connection, config: Config) -> None:
     tables = set(inspect(conn).get_table_names())
     if LEGACY_TABLE not in tables or "alembic_version" in tables:
         return
-    version = (
-        conn.execute(text(f"SELECT MAX(version) FROM {LEGACY_TABLE}")).scalar() or 0
-    )
+    version = conn.execute(text(f"SELECT MAX(version) FROM {LEGACY_TABLE}")).scalar() or 0
     if version >= 7 and "reward_failures" not in tables:
         command.stamp(config, _revision(6))
         command.upgrade(config, _revision(7))

@@ -9,9 +9,7 @@ from alembic import context
 
 from services.ports.state.state_schema import Base
 
-context.configure(
-    connection=context.config.attributes["connection"], target_metadata=Base.metadata
-)
+context.configure(connection=context.config.attributes["connection"], target_metadata=Base.metadata)
 # The connection is already in the store's transaction: this begins none of its own.
 with context.begin_transaction():
     context.run_migrations()

@@ -11,14 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.domain import prompts
 from services.control.api import service
 from services.control.api.auth import NO_AUTH
-from services.ports.state.state_schema import IterationRow
+from services.control.api.service import SpecFieldError, check_spec_for_server
+from services.domain import prompts
 from services.domain.names import tenant_object_key
 from services.domain.prompts import MAX_LINE_CHARS, MAX_PROMPTS, InvalidPromptsError, JsonlParser, parse_jsonl, to_jsonl
-from services.control.api.service import SpecFieldError, check_spec_for_server
 from services.domain.runspec import PromptItem, RunSpec
+from services.ports.state.state_schema import IterationRow
 from tests.app_client import app_client
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}]
@@ -48,7 +48,9 @@ def server_files(tmp_path: Path) -> dict[str, Path]:
     return {"credentials": credentials, "missing": outside / "nothing-here.json", "dir": outside}
 
 
-async def test_a_file_outside_the_data_dirs_is_neither_read_nor_told_apart(api: httpx.AsyncClient, server_files) -> None:
+async def test_a_file_outside_the_data_dirs_is_neither_read_nor_told_apart(
+    api: httpx.AsyncClient, server_files
+) -> None:
     answers = []
     for name in ("credentials", "missing", "dir"):
         body = await refused(api, spec(prompts=str(server_files[name])), "prompts", "SPOTRL_DATA_DIRS")
@@ -217,14 +219,21 @@ async def test_an_upload_is_refused_as_it_streams_without_the_body_limit_too(api
     assert pulled == 3
     pulled = 0
     with pytest.raises(SpecFieldError, match="line 1 is not a"):
-        await service.create_dataset(backends=backends, principal=NO_AUTH, body=body(b'{"question": "y"}\n'), max_bytes=64 << 20)
+        await service.create_dataset(
+            backends=backends, principal=NO_AUTH, body=body(b'{"question": "y"}\n'), max_bytes=64 << 20
+        )
     assert pulled < 5  # refused at the first piece parsed, not after the 10 MB
 
 
 def test_an_upload_parsed_piece_by_piece_is_the_file_parsed_whole() -> None:
-    items = [PromptItem(prompt=p, answer=a) for p, a in [("What is 2 + 3?", "5"), ("caf\u00e9 \U0001f600", None), ("a\u2028b\x0cc", "\u00e9")]]
+    items = [
+        PromptItem(prompt=p, answer=a)
+        for p, a in [("What is 2 + 3?", "5"), ("caf\u00e9 \U0001f600", None), ("a\u2028b\x0cc", "\u00e9")]
+    ]
     lines = to_jsonl(items).split(b"\n")
-    data = b"\n".join([lines[0], b"", b"  ", lines[1], b'  {"prompt": "spaced", "answer": "1"}  \r', lines[2]])  # no final newline
+    data = b"\n".join(
+        [lines[0], b"", b"  ", lines[1], b'  {"prompt": "spaced", "answer": "1"}  \r', lines[2]]
+    )  # no final newline
     whole = parse_jsonl(data, "the upload")
     assert [i.prompt for i in whole] == ["What is 2 + 3?", "caf\u00e9 \U0001f600", "spaced", "a\u2028b\x0cc"]
     for size in (1, 2, 3, 5, 64, len(data)):  # pieces cut inside characters, lines and line ends
@@ -239,7 +248,9 @@ async def test_an_uploaded_set_is_stored_as_the_set_parsed_whole(api: httpx.Asyn
     data = b'{"prompt": "1+1", "answer": "2"}\n\n{"prompt": "caf\xc3\xa9"}\n' * 50
     r = await api.post("/v1/datasets", content=chunked(data, 7), headers={"Content-Type": "application/x-ndjson"})
     assert (r.status_code, r.json()["prompts"], r.json()["bytes"]) == (201, 100, len(data)), r.text
-    stored = api.app.state.backends.objects.get_bytes(tenant_object_key(NO_AUTH.tenant, f"datasets/{r.json()['id']}.jsonl"))  # type: ignore[attr-defined]
+    stored = api.app.state.backends.objects.get_bytes(
+        tenant_object_key(NO_AUTH.tenant, f"datasets/{r.json()['id']}.jsonl")
+    )  # type: ignore[attr-defined]
     assert stored == to_jsonl(parse_jsonl(data, "the upload"))
 
 
@@ -264,14 +275,33 @@ async def long_run(api: httpx.AsyncClient, *, iterations: int, pods: int) -> str
     run_id = (await api.post("/v1/runs", json=spec(iterations=100_000))).json()["id"]
     state = api.app.state.backends.state  # type: ignore[attr-defined]
     for i in range(1, iterations + 1):
-        state.record_iteration(IterationRow(
-            run_id=run_id, iteration=i, policy_version=i, mean_reward=i / iterations, kl=0.01, loss=0.5, seconds=2.0,
-            samples_trained=8, samples_dropped=0, metrics={"actor/pg_clipfrac": 0.1}, ended_at=1000.0 + i,
-        ))  # fmt: skip
+        state.record_iteration(
+            IterationRow(
+                run_id=run_id,
+                iteration=i,
+                policy_version=i,
+                mean_reward=i / iterations,
+                kl=0.01,
+                loss=0.5,
+                seconds=2.0,
+                samples_trained=8,
+                samples_dropped=0,
+                metrics={"actor/pg_clipfrac": 0.1},
+                ended_at=1000.0 + i,
+            )
+        )
     for i in range(pods):
         pod = f"{run_id}-rollout-{i}"
-        state.open_ledger(run_id=run_id, role="rollout", pod=pod, instance_type="g6.xlarge", capacity_type="spot",
-                          price_per_hour=0.5, price_source="test", started_at=1000.0 + i)  # fmt: skip
+        state.open_ledger(
+            run_id=run_id,
+            role="rollout",
+            pod=pod,
+            instance_type="g6.xlarge",
+            capacity_type="spot",
+            price_per_hour=0.5,
+            price_source="test",
+            started_at=1000.0 + i,
+        )
         state.close_ledger(pod, ended_at=1100.0 + i, outcome="succeeded")
     return run_id
 
@@ -311,7 +341,9 @@ async def test_a_long_runs_ledger_is_read_in_pages_and_its_totals_over_all_of_it
     assert ([e["pod"] for e in entries], pages) == ([f"{run_id}-rollout-{i}" for i in range(120)], 3)
     assert first["total_dollars"] == pytest.approx(sum(e["dollars"] for e in entries))
     assert first["by_role"]["rollout"] == pytest.approx(first["total_dollars"])
-    runs_cursor = base64.urlsafe_b64encode(json.dumps([1000.0, run_id]).encode()).decode()  # GET /v1/runs's, not this one's
+    runs_cursor = base64.urlsafe_b64encode(
+        json.dumps([1000.0, run_id]).encode()
+    ).decode()  # GET /v1/runs's, not this one's
     for forged in ("not-a-cursor", runs_cursor, base64.urlsafe_b64encode(b'["ledger", true]').decode()):
         assert (await api.get(f"/v1/runs/{run_id}/cost", params={"cursor": forged})).status_code == 400, forged
     assert (await api.get(f"/v1/runs/{run_id}/cost", params={"limit": 1001})).status_code == 422
@@ -329,7 +361,10 @@ async def test_runs_are_listed_in_pages(api: httpx.AsyncClient) -> None:
         if cursor is None:
             break
     assert (seen, pages) == (ids, 3)
-    for forged in ("not-a-cursor", *(base64.urlsafe_b64encode(f'[{t}, "run-0"]'.encode()).decode() for t in ("NaN", "-Infinity", "true"))):
+    for forged in (
+        "not-a-cursor",
+        *(base64.urlsafe_b64encode(f'[{t}, "run-0"]'.encode()).decode() for t in ("NaN", "-Infinity", "true")),
+    ):
         assert (await api.get("/v1/runs", params={"cursor": forged})).status_code == 400, forged
     assert (await api.get("/v1/runs", params={"limit": 100_000})).status_code == 422
 
@@ -350,8 +385,10 @@ async def test_the_openapi_document_tells_what_each_operation_returns(api: httpx
     for path in ("/readyz", "/metrics"):
         assert "application/json" not in paths[path]["get"]["responses"]["200"]["content"], path
     assert doc["components"]["securitySchemes"]["bearer"] == {
-        "type": "http", "scheme": "bearer", "description": "A token the operator issued with `spotrl token add`."
-    }  # fmt: skip
+        "type": "http",
+        "scheme": "bearer",
+        "description": "A token the operator issued with `spotrl token add`.",
+    }
     assert {"bearer": []} in paths["/v1/runs"]["post"]["security"]
     assert "application/x-ndjson" in paths["/v1/datasets"]["post"]["requestBody"]["content"]
     assert (await api.get("/readyz")).headers["content-type"].startswith("text/plain")

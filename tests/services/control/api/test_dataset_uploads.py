@@ -20,7 +20,13 @@ PARQUET = {"Content-Type": PARQUET_MEDIA_TYPE}
 
 
 def spec(**changes) -> dict:
-    return {"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "batch_samples": 8, "iterations": 2, **changes}
+    return {
+        "model": "tiny",
+        "prompts": [{"prompt": "1+1", "answer": "2"}],
+        "batch_samples": 8,
+        "iterations": 2,
+        **changes,
+    }
 
 
 async def chunked(data: bytes, size: int):
@@ -38,7 +44,11 @@ async def test_a_parquet_upload_is_stored_as_the_normalised_jsonl_of_its_rows(ap
     data = parquet(rows, row_group_size=1000)
     expected = to_jsonl(parse_jsonl(jsonl(rows), "the same rows as JSONL"))
     # Told by its media type, or by its first bytes; sent whole, or streamed without a length.
-    for content, headers in ((data, PARQUET), (chunked(data, 50_000), PARQUET), (data, {"Content-Type": "application/octet-stream"})):
+    for content, headers in (
+        (data, PARQUET),
+        (chunked(data, 50_000), PARQUET),
+        (data, {"Content-Type": "application/octet-stream"}),
+    ):
         r = await api.post("/v1/datasets", content=content, headers=headers)
         assert (r.status_code, r.json()["prompts"], r.json()["bytes"]) == (201, 3000, len(data)), r.text
         assert stored(api, r.json()["uri"]) == expected
@@ -55,10 +65,14 @@ async def test_an_upload_maps_its_fields_as_the_query_says(api: httpx.AsyncClien
         r = await api.post("/v1/datasets?prompt_key=question&answer_key=solution.final", content=data)
         assert r.status_code == 201, r.text
         items = parse_jsonl(stored(api, r.json()["uri"]), "the stored set")
-        assert [(i.prompt, i.answer, i.extra_info) for i in items] == [(f"{i} + 1?", str(i + 1), {"level": 1}) for i in range(4)]
+        assert [(i.prompt, i.answer, i.extra_info) for i in items] == [
+            (f"{i} + 1?", str(i + 1), {"level": 1}) for i in range(4)
+        ]
         r = await api.post("/v1/datasets", content=data)  # no mapping: no `prompt`
         assert (r.status_code, r.json()["detail"][0]["loc"]) == (422, ["body"])
-        assert "row 1 is not a prompt row: prompt: Field required" in r.json()["detail"][0]["msg"].replace("line", "row")
+        assert "row 1 is not a prompt row: prompt: Field required" in r.json()["detail"][0]["msg"].replace(
+            "line", "row"
+        )
     r = await api.post("/v1/datasets?answer_key=a..b", content=parquet(rows))
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "answer_key"]
 
@@ -106,15 +120,20 @@ async def test_a_bad_parquet_upload_is_422_naming_the_row_and_field_not_the_cont
         assert SECRET not in r.text
 
 
-async def test_a_spec_names_parquet_and_saved_datasets_on_the_server_with_its_field_mapping(api: httpx.AsyncClient, tmp_path: Path) -> None:
+async def test_a_spec_names_parquet_and_saved_datasets_on_the_server_with_its_field_mapping(
+    api: httpx.AsyncClient, tmp_path: Path
+) -> None:
     import datasets
 
     data_dir = tmp_path / "data"
     rows = [{"question": f"{i} + 2?", "solution": {"final": str(i + 2)}} for i in range(6)]
     parquet(rows, data_dir / "train.parquet")
     datasets.Dataset.from_list(rows[:2]).save_to_disk(str(data_dir / "test"))
-    mapped = spec(prompts=str(data_dir / "train.parquet"), dataset={"prompt_key": "question", "answer_key": "solution.final"},
-                  eval={"prompts": str(data_dir / "test")})  # fmt: skip
+    mapped = spec(
+        prompts=str(data_dir / "train.parquet"),
+        dataset={"prompt_key": "question", "answer_key": "solution.final"},
+        eval={"prompts": str(data_dir / "test")},
+    )
     r = await api.post("/v1/runs", json=mapped)
     assert (r.status_code, r.json()["prompt_count"]) == (201, 6), r.text
     assert r.json()["spec"]["dataset"] == {"prompt_key": "question", "answer_key": "solution.final"}
@@ -126,10 +145,16 @@ async def test_a_spec_names_parquet_and_saved_datasets_on_the_server_with_its_fi
     r = await api.post("/v1/runs", json={**mapped, "dataset": {}})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "prompts"], r.text
     assert r.json()["detail"][0]["msg"] == "the prompt file row 1 is not a prompt row: prompt: Field required"
-    r = await api.post("/v1/runs", json={**mapped, "prompts": str(data_dir / "train.parquet"), "eval": {"prompts": str(data_dir)}})
+    r = await api.post(
+        "/v1/runs", json={**mapped, "prompts": str(data_dir / "train.parquet"), "eval": {"prompts": str(data_dir)}}
+    )
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "eval", "prompts"], r.text
     r = await api.post("/v1/runs", json={**mapped, "dataset": {"prompt_key": "question", "extra": 1}})
-    assert r.status_code == 422 and r.json()["detail"][0] == {"loc": ["body", "dataset"], "msg": "unknown field", "type": "extra_forbidden"}
+    assert r.status_code == 422 and r.json()["detail"][0] == {
+        "loc": ["body", "dataset"],
+        "msg": "unknown field",
+        "type": "extra_forbidden",
+    }
 
 
 async def test_the_openapi_document_offers_parquet_uploads(api: httpx.AsyncClient) -> None:

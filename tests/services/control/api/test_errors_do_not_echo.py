@@ -36,7 +36,9 @@ async def test_an_unknown_store_key_is_not_repeated(api: httpx.AsyncClient, wher
         ({"eval": {"prompts": PROMPTS, f"{SECRET}<script>" * 20: 1}}, ["body", "eval"]),
     ],
 )
-async def test_an_unknown_field_is_named_by_the_model_that_holds_it(api: httpx.AsyncClient, changes: dict, loc: list) -> None:
+async def test_an_unknown_field_is_named_by_the_model_that_holds_it(
+    api: httpx.AsyncClient, changes: dict, loc: list
+) -> None:
     r = await api.post("/v1/runs", json=spec(**changes))
     assert r.status_code == 422, r.text
     unknown = [d for d in r.json()["detail"] if d["type"] == "extra_forbidden"]

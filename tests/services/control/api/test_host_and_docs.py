@@ -56,7 +56,10 @@ async def test_docs_load_from_the_api_itself(client: httpx.AsyncClient) -> None:
     assert (await client.get(js)).headers["content-type"].startswith("text/javascript")
 
 
-@pytest.mark.parametrize("path", ["/redoc", "/docs/assets/index.html", "/docs/assets/swagger-initializer.js", "/docs/assets/..%2Fswagger-ui.css"])
+@pytest.mark.parametrize(
+    "path",
+    ["/redoc", "/docs/assets/index.html", "/docs/assets/swagger-initializer.js", "/docs/assets/..%2Fswagger-ui.css"],
+)
 async def test_no_other_docs_page_or_file_is_served(client: httpx.AsyncClient, path: str) -> None:
     # ReDoc's page and Swagger UI's sample page load scripts and documents from other origins.
     assert (await client.get(path)).status_code == 404

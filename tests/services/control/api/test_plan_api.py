@@ -12,8 +12,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from services.control.api.auth import add_token
 from services.cli.main import app as cli
+from services.control.api.auth import add_token
 from tests.app_client import app_client
 
 SEED_FILE = Path(__file__).parents[4] / "examples" / "plan-seed.yaml"
@@ -69,12 +69,26 @@ async def test_the_plan_needs_a_token(client) -> None:
 async def test_every_input_is_bounded_finite_and_known(client) -> None:
     await refused(client, {**SEED, "surprise": MARKER}, "body", "unknown field")
     await refused(client, {**SEED, "rollout": [{**SEED["rollout"][0], "colour": MARKER}]}, "rollout", "unknown field")
-    await refused(client, json.dumps(SEED).replace('"samples_per_update": 12000', '"samples_per_update": 1e400'), "samples_per_update", "")
-    await refused(client, json.dumps(SEED).replace('"price_per_hour": 10', '"price_per_hour": NaN'), "price_per_hour", "finite")
+    await refused(
+        client,
+        json.dumps(SEED).replace('"samples_per_update": 12000', '"samples_per_update": 1e400'),
+        "samples_per_update",
+        "",
+    )
+    await refused(
+        client, json.dumps(SEED).replace('"price_per_hour": 10', '"price_per_hour": NaN'), "price_per_hour", "finite"
+    )
     await refused(client, {**SEED, "model_params": -1}, "model_params", "greater than or equal")
     await refused(client, {**SEED, "rollout": [SEED["rollout"][0]] * 33}, "rollout", "at most 32")
-    await refused(client, {**SEED, "overheads": {"node_start_seconds": 1e9}}, "node_start_seconds", "less than or equal")
-    await refused(client, {**SEED, "training": [{**SEED["training"][0], "instance_type": MARKER * 10}]}, "instance_type", "at most 64")
+    await refused(
+        client, {**SEED, "overheads": {"node_start_seconds": 1e9}}, "node_start_seconds", "less than or equal"
+    )
+    await refused(
+        client,
+        {**SEED, "training": [{**SEED["training"][0], "instance_type": MARKER * 10}]},
+        "instance_type",
+        "at most 64",
+    )
 
 
 async def test_a_plan_that_cannot_be_made_names_the_field_not_the_value(client) -> None:

@@ -10,10 +10,10 @@ import pytest
 
 from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
-from services.ports.launcher.launcher import PodSpec
+from services.control.scheduler.loop import Scheduler
 from services.domain.names import eval_prompts_key
 from services.domain.prompts import parse_jsonl
-from services.control.scheduler.loop import Scheduler
+from services.ports.launcher.launcher import PodSpec
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "What is 1 + 1?", "answer": "2"}]
 
@@ -31,16 +31,25 @@ async def test_submit_get_list(api: httpx.AsyncClient) -> None:
     assert run["status"] == "PENDING"
     assert run["id"].startswith("run-")
     assert run["spec"]["batch_samples"] == 8
-    assert run["spec"]["rollout"] == {"instance_type": "g6.xlarge", "spot": True, "min_workers": 2, "max_workers": 10,
-                                      "prompts_per_batch": 8, "engine": "hf", "vllm_dtype": None,
-                                      "vllm_gpu_memory_utilization": None}
+    assert run["spec"]["rollout"] == {
+        "instance_type": "g6.xlarge",
+        "spot": True,
+        "min_workers": 2,
+        "max_workers": 10,
+        "prompts_per_batch": 8,
+        "engine": "hf",
+        "vllm_dtype": None,
+        "vllm_gpu_memory_utilization": None,
+    }
     got = (await api.get(f"/v1/runs/{run['id']}")).json()
     assert got["name"] == "first"
     assert got["samples"] == {"produced": 0, "trained": 0, "dropped": 0, "filtered": 0}
     (listed,) = (await api.get("/v1/runs")).json()["runs"]
     assert listed["id"] == run["id"]
     # A listing is a summary: the spec and the iterations are for GET of the run.
-    assert {"spec", "iterations"}.isdisjoint(listed) and listed["status"] == "PENDING" and listed["spent_dollars"] == 0.0
+    assert (
+        {"spec", "iterations"}.isdisjoint(listed) and listed["status"] == "PENDING" and listed["spent_dollars"] == 0.0
+    )
 
 
 async def test_prompts_from_jsonl_file_in_a_data_dir(api: httpx.AsyncClient, tmp_path: Path) -> None:
@@ -73,7 +82,9 @@ async def test_prompts_from_jsonl_file_in_a_data_dir(api: httpx.AsyncClient, tmp
         ({"training": {"adv_estimator": "magic"}}, "adv_estimator", "rloo"),
     ],
 )
-async def test_invalid_spec_is_422_and_changes_nothing(api: httpx.AsyncClient, changes: dict, field: str, reason: str) -> None:
+async def test_invalid_spec_is_422_and_changes_nothing(
+    api: httpx.AsyncClient, changes: dict, field: str, reason: str
+) -> None:
     r = await api.post("/v1/runs", json=spec(**changes))
     assert r.status_code == 422, r.text
     detail = r.json()["detail"]
@@ -90,15 +101,22 @@ async def test_bad_jsonl_line_is_named(api: httpx.AsyncClient, tmp_path: Path) -
 
 
 async def test_unknown_run_is_404(api: httpx.AsyncClient) -> None:
-    for r in (await api.get("/v1/runs/run-0123456789"), await api.post("/v1/runs/run-0123456789/cancel"),
-              await api.get("/v1/runs/run-0123456789/cost")):
+    for r in (
+        await api.get("/v1/runs/run-0123456789"),
+        await api.post("/v1/runs/run-0123456789/cancel"),
+        await api.get("/v1/runs/run-0123456789/cost"),
+    ):
         assert r.status_code == 404
 
 
 async def test_cancel_then_cancel_finished_is_409(api: httpx.AsyncClient) -> None:
     run_id = (await api.post("/v1/runs", json=spec())).json()["id"]
     r = await api.post(f"/v1/runs/{run_id}/cancel")
-    assert (r.status_code, r.json()["status"], r.json()["status_reason"]) == (200, "CANCELLING", "cancelled before it started")
+    assert (r.status_code, r.json()["status"], r.json()["status_reason"]) == (
+        200,
+        "CANCELLING",
+        "cancelled before it started",
+    )
     api.app.state.backends.state.set_status(run_id, RunStatus.CANCELLED)  # what the scheduler does next
     r = await api.post(f"/v1/runs/{run_id}/cancel")
     assert r.status_code == 409
@@ -131,8 +149,11 @@ async def test_a_server_path_is_checked_inside_the_data_dirs_only(api: httpx.Asy
 
 
 async def test_prompts_uploaded_as_a_dataset(api: httpx.AsyncClient) -> None:
-    up = await api.post("/v1/datasets", content=b'{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": "4"}\n',
-                        headers={"Content-Type": "application/x-ndjson"})
+    up = await api.post(
+        "/v1/datasets",
+        content=b'{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": "4"}\n',
+        headers={"Content-Type": "application/x-ndjson"},
+    )
     assert up.status_code == 201, up.text
     dataset = up.json()
     assert (dataset["prompts"], dataset["uri"]) == (2, f"store://datasets/{dataset['id']}.jsonl")
@@ -143,8 +164,9 @@ async def test_prompts_uploaded_as_a_dataset(api: httpx.AsyncClient) -> None:
     assert "no such object among this tenant's objects" in r.json()["detail"][0]["msg"]
 
 
-async def test_cancelled_run_reads_cancelling_until_its_pods_are_gone(api: httpx.AsyncClient, settings, tmp_path: Path,
-                                                                       wait_for) -> None:
+async def test_cancelled_run_reads_cancelling_until_its_pods_are_gone(
+    api: httpx.AsyncClient, settings, tmp_path: Path, wait_for
+) -> None:
     backends = api.app.state.backends
     scheduler = Scheduler(backends, settings)  # ticked by the test, step by step
     run_id = (await api.post("/v1/runs", json=spec())).json()["id"]
@@ -153,8 +175,18 @@ async def test_cancelled_run_reads_cancelling_until_its_pods_are_gone(api: httpx
     # A stand-in rollout pod that ignores SIGTERM and exits once the test opens its gate.
     gate = tmp_path / "gate"
     wait = f"import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)"
-    backends.launcher.launch(PodSpec(name=f"{run_id}-rollout-0", run_id=run_id, role="rollout", command=[sys.executable, "-c", wait],
-                                     env={}, instance_type="g6.xlarge", capacity_type="spot", labels={"slot": "0"}))
+    backends.launcher.launch(
+        PodSpec(
+            name=f"{run_id}-rollout-0",
+            run_id=run_id,
+            role="rollout",
+            command=[sys.executable, "-c", wait],
+            env={},
+            instance_type="g6.xlarge",
+            capacity_type="spot",
+            labels={"slot": "0"},
+        )
+    )
     backends.state.update_run(run_id, worker_slots_used=1)
 
     assert (await api.post(f"/v1/runs/{run_id}/cancel")).json()["status"] == "CANCELLING"
@@ -164,8 +196,10 @@ async def test_cancelled_run_reads_cancelling_until_its_pods_are_gone(api: httpx
     assert [p.name for p in backends.launcher.list(run_id)] == [f"{run_id}-rollout-0"]
 
     gate.touch()
-    wait_for(lambda: scheduler.tick() or RunStatus(backends.state.get_run(run_id).status).is_terminal(),
-             message="the run ended once its pod was gone")
+    wait_for(
+        lambda: scheduler.tick() or RunStatus(backends.state.get_run(run_id).status).is_terminal(),
+        message="the run ended once its pod was gone",
+    )
     run = (await api.get(f"/v1/runs/{run_id}")).json()
     assert (run["status"], run["status_reason"]) == ("CANCELLED", "cancelled by the user")
     assert backends.launcher.list(run_id) == []
@@ -185,20 +219,25 @@ async def test_a_method_the_path_does_not_serve_is_405_naming_those_it_does(api:
         r = await api.delete(path)
         assert (r.status_code, r.headers.get("allow")) == (405, allowed), path
 
+
 async def test_openapi_run_spec_is_one_schema_sent_and_shown(api: httpx.AsyncClient) -> None:
     """RunPublic.spec is the typed spec model, the very schema a client posts, not a free object."""
     doc = (await api.get("/openapi.json")).json()
     posted = doc["paths"]["/v1/runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert posted == {"$ref": "#/components/schemas/RunSpec"}
     assert doc["components"]["schemas"]["RunPublic"]["properties"]["spec"]["$ref"] == posted["$ref"]
-    assert doc["components"]["schemas"]["RunSpec"]["properties"]["training"]["$ref"] == "#/components/schemas/TrainConfig"
+    assert (
+        doc["components"]["schemas"]["RunSpec"]["properties"]["training"]["$ref"] == "#/components/schemas/TrainConfig"
+    )
 
 
 HELD_OUT = [{"prompt": "What is 4 + 4?", "answer": "8"}, {"prompt": "What is 3 + 3?", "answer": "6"}]
 
 
 async def test_a_held_out_set_is_stored_beside_the_run_and_its_evals_are_shown(api: httpx.AsyncClient) -> None:
-    r = await api.post("/v1/runs", json=spec(eval={"prompts": HELD_OUT, "samples_per_prompt": 2, "metrics": ["mean", "pass@2"]}))
+    r = await api.post(
+        "/v1/runs", json=spec(eval={"prompts": HELD_OUT, "samples_per_prompt": 2, "metrics": ["mean", "pass@2"]})
+    )
     assert r.status_code == 201, r.text
     run = r.json()
     assert (run["spec"]["eval"]["prompts"], run["spec"]["eval"]["every_iterations"], run["evals"]) == ("inline", 1, [])
@@ -208,11 +247,16 @@ async def test_a_held_out_set_is_stored_beside_the_run_and_its_evals_are_shown(a
 
     metrics = {"mean": 0.375, "pass@2": 0.5}  # as the scheduler records an eval pod's result
     backends.state.open_eval(run["id"], 0, launched_at=1.0)
-    backends.state.record_eval(run["id"], EvalResult(policy_version=0, mean_score=0.375, metrics=metrics, prompts=2, samples=4,
-                                                     seconds=2.0, ended_at=3.0))  # fmt: skip
+    backends.state.record_eval(
+        run["id"],
+        EvalResult(
+            policy_version=0, mean_score=0.375, metrics=metrics, prompts=2, samples=4, seconds=2.0, ended_at=3.0
+        ),
+    )
     got = (await api.get(f"/v1/runs/{run['id']}")).json()
-    assert got["evals"] == [{"policy_version": 0, "mean_score": 0.375, "metrics": metrics, "prompts": 2, "seconds": 2.0,
-                             "ended_at": 3.0}]  # fmt: skip
+    assert got["evals"] == [
+        {"policy_version": 0, "mean_score": 0.375, "metrics": metrics, "prompts": 2, "seconds": 2.0, "ended_at": 3.0}
+    ]
     text = (await api.get("/metrics")).text
     assert f'spotrl_eval_score{{metric="pass@2",run="{run["id"]}"}} 0.5' in text
     assert f'spotrl_eval_policy_version{{run="{run["id"]}"}} 0.0' in text
@@ -228,10 +272,12 @@ async def test_a_held_out_set_is_stored_beside_the_run_and_its_evals_are_shown(a
         ({"eval": {"prompts": HELD_OUT, "every": 2}}, ["body", "eval"], "unknown field"),
     ],
 )
-async def test_a_bad_eval_section_is_422_naming_it(api: httpx.AsyncClient, changes: dict, loc: list[str], reason: str) -> None:
+async def test_a_bad_eval_section_is_422_naming_it(
+    api: httpx.AsyncClient, changes: dict, loc: list[str], reason: str
+) -> None:
     r = await api.post("/v1/runs", json=spec(**changes))
     assert r.status_code == 422, r.text
-    assert any(d["loc"][:len(loc)] == loc and reason in d["msg"] for d in r.json()["detail"]), r.json()["detail"]
+    assert any(d["loc"][: len(loc)] == loc and reason in d["msg"] for d in r.json()["detail"]), r.json()["detail"]
     assert (await api.get("/v1/runs")).json()["runs"] == []
 
 
@@ -240,9 +286,16 @@ async def test_an_eval_target_alone_is_a_goal(api: httpx.AsyncClient) -> None:
     assert r.status_code == 201, r.text
 
 
-async def test_a_run_whose_trackers_the_operator_has_not_configured_is_refused_naming_the_setting(api: httpx.AsyncClient) -> None:
-    spec = {"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "iterations": 1, "batch_samples": 4,
-            "tracking": {"tensorboard": True, "mlflow": {"experiment": "gsm8k"}}}  # fmt: skip
+async def test_a_run_whose_trackers_the_operator_has_not_configured_is_refused_naming_the_setting(
+    api: httpx.AsyncClient,
+) -> None:
+    spec = {
+        "model": "tiny",
+        "prompts": [{"prompt": "1+1", "answer": "2"}],
+        "iterations": 1,
+        "batch_samples": 4,
+        "tracking": {"tensorboard": True, "mlflow": {"experiment": "gsm8k"}},
+    }
     r = await api.post("/v1/runs", json=spec)
     assert r.status_code == 422, r.text
     assert r.json()["detail"][0]["loc"] == ["body", "tracking"]

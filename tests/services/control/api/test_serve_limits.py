@@ -37,8 +37,12 @@ def serving(tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen, http
     port = free_port()
     log = tmp_path / "serve.log"
     environ = {**os.environ, "SPOTRL_HOME": str(tmp_path / "home"), **env}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--no-scheduler", "--port", str(port)],
-                            env=environ, stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "serve", "--no-scheduler", "--port", str(port)],
+        env=environ,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     try:
         wait_until_it_answers(proc, "spotrl serve", lambda: client.get("/readyz").status_code == 200, log, timeout_s=60)
@@ -87,7 +91,10 @@ def test_an_uploads_peak_memory_is_a_constant_not_a_multiple_of_its_size(tmp_pat
 @pytest.mark.slow
 def test_silent_connections_are_closed_and_requests_are_served_meanwhile(tmp_path: Path) -> None:
     timeout_s = 2.0
-    with serving(tmp_path, SPOTRL_API_REQUEST_HEAD_TIMEOUT_S=str(timeout_s), SPOTRL_API_KEEP_ALIVE_S="1") as (proc, client):
+    with serving(tmp_path, SPOTRL_API_REQUEST_HEAD_TIMEOUT_S=str(timeout_s), SPOTRL_API_KEEP_ALIVE_S="1") as (
+        proc,
+        client,
+    ):
         port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
         silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]
         trickling = socket.create_connection(("127.0.0.1", port))
@@ -136,6 +143,12 @@ async def test_uploads_beyond_the_tenants_and_the_servers_slots_are_429_unread(s
         assert pulled == 0  # refused before a byte is read
         # A failed upload gives its slot back.
         with pytest.raises(service.SpecFieldError):
-            await service.create_dataset(backends=backends, principal=NO_AUTH, body=body(), max_bytes=MiB, slots=slots,
-                                         fields=service.DatasetFields(prompt_key="question"))  # fmt: skip
+            await service.create_dataset(
+                backends=backends,
+                principal=NO_AUTH,
+                body=body(),
+                max_bytes=MiB,
+                slots=slots,
+                fields=service.DatasetFields(prompt_key="question"),
+            )
         assert slots.held == 0

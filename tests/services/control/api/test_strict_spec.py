@@ -34,11 +34,18 @@ async def test_a_value_of_the_wrong_json_type_is_422_naming_the_field(
 
 
 async def test_enums_as_strings_and_integers_for_floats_are_accepted(api: httpx.AsyncClient) -> None:
-    r = await api.post("/v1/runs", json=spec(
-        algorithm="grpo", cost_policy="threshold", rollout={"engine": "hf", "min_workers": 0},
-        reward=[{"fn": "exact_match", "weight": 2}], training={"learning_rate": 1, "loss_agg": "seq-mean-token-mean"},
-        sampling={"temperature": 1, "top_p": 1}, budget_dollars=5,
-    ))  # fmt: skip
+    r = await api.post(
+        "/v1/runs",
+        json=spec(
+            algorithm="grpo",
+            cost_policy="threshold",
+            rollout={"engine": "hf", "min_workers": 0},
+            reward=[{"fn": "exact_match", "weight": 2}],
+            training={"learning_rate": 1, "loss_agg": "seq-mean-token-mean"},
+            sampling={"temperature": 1, "top_p": 1},
+            budget_dollars=5,
+        ),
+    )
     assert r.status_code == 201, r.text
     got = r.json()["spec"]
     assert (got["cost_policy"], got["training"]["learning_rate"], got["reward"][0]["weight"]) == ("threshold", 1.0, 2.0)

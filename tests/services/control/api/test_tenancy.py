@@ -12,9 +12,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from services.cli.main import app as cli
 from services.control.api.auth import TokenBook, TokensFileError, add_token, hash_token
 from services.domain.names import pod_log_key
-from services.cli.main import app as cli
 from tests.app_client import app_client
 
 SPEC = {"model": "tiny", "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}], "batch_samples": 8, "iterations": 2}
@@ -58,8 +58,12 @@ PLACEHOLDERS = {"run_id": "run-0123456789", "pod": "run-0123456789-train-1"}
 def _operations(app) -> list[tuple[str, str]]:
     """Every (method, path) the OpenAPI document lists, path parameters filled in: a new route is
     covered without being named here."""
-    return [(method.upper(), path.format(**PLACEHOLDERS)) for path, item in app.openapi()["paths"].items()
-            for method in item if path not in OPEN]  # fmt: skip
+    return [
+        (method.upper(), path.format(**PLACEHOLDERS))
+        for path, item in app.openapi()["paths"].items()
+        for method in item
+        if path not in OPEN
+    ]
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer srl_wrong"}, {"Authorization": "Basic YTpi"}])
@@ -80,9 +84,16 @@ async def test_a_tenant_sees_its_own_runs_only(client: httpx.AsyncClient, tokens
     assert (acme["tenant"], globex["tenant"]) == ("acme", "globex")
 
     pod = f"{acme['id']}-train-1"
-    client.app.state.backends.objects.put_bytes(pod_log_key(acme["id"], pod), b"loss 0.1\n")  # as the scheduler keeps it
-    for path in (f"/v1/runs/{acme['id']}", f"/v1/runs/{acme['id']}/cost", f"/v1/runs/{acme['id']}/pods",
-                 f"/v1/runs/{acme['id']}/pods/{pod}/logs", f"/v1/runs/{acme['id']}/report"):  # fmt: skip
+    client.app.state.backends.objects.put_bytes(
+        pod_log_key(acme["id"], pod), b"loss 0.1\n"
+    )  # as the scheduler keeps it
+    for path in (
+        f"/v1/runs/{acme['id']}",
+        f"/v1/runs/{acme['id']}/cost",
+        f"/v1/runs/{acme['id']}/pods",
+        f"/v1/runs/{acme['id']}/pods/{pod}/logs",
+        f"/v1/runs/{acme['id']}/report",
+    ):
         mine = await client.get(path, headers=auth(tokens["acme"]))
         theirs = await client.get(path, headers=auth(tokens["globex"]))
         nobody = await client.get(path.replace(acme["id"], "run-0123456789"), headers=auth(tokens["globex"]))
@@ -93,8 +104,10 @@ async def test_a_tenant_sees_its_own_runs_only(client: httpx.AsyncClient, tokens
     assert r.status_code == 404
     assert (await client.get(f"/v1/runs/{acme['id']}", headers=auth(tokens["acme"]))).json()["status"] == "PENDING"
 
-    listed = {who: [r["id"] for r in (await client.get("/v1/runs", headers=auth(tokens[who]))).json()["runs"]]
-              for who in ("acme", "globex", "admin")}  # fmt: skip
+    listed = {
+        who: [r["id"] for r in (await client.get("/v1/runs", headers=auth(tokens[who]))).json()["runs"]]
+        for who in ("acme", "globex", "admin")
+    }
     assert listed == {"acme": [acme["id"]], "globex": [globex["id"]], "admin": [acme["id"], globex["id"]]}
     # An admin reads and cancels any tenant's run.
     assert (await client.get(f"/v1/runs/{acme['id']}/cost", headers=auth(tokens["admin"]))).status_code == 200
@@ -119,13 +132,17 @@ async def test_metrics_are_for_admins_and_carry_no_prompts(client: httpx.AsyncCl
     assert secret_prompt not in text
 
 
-async def test_no_token_is_logged_or_echoed(client: httpx.AsyncClient, tokens, caplog: pytest.LogCaptureFixture) -> None:
+async def test_no_token_is_logged_or_echoed(
+    client: httpx.AsyncClient, tokens, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     seen = []
     for token in (tokens["acme"], tokens["acme"] + "x", "srl_" + "y" * 43):
-        for r in (await client.get("/v1/runs", headers=auth(token)),
-                  await client.post("/v1/runs", json={**SPEC, "iterations": 0}, headers=auth(token)),
-                  await client.get("/metrics", headers=auth(token))):  # fmt: skip
+        for r in (
+            await client.get("/v1/runs", headers=auth(token)),
+            await client.post("/v1/runs", json={**SPEC, "iterations": 0}, headers=auth(token)),
+            await client.get("/metrics", headers=auth(token)),
+        ):
             seen.append(r.text + json.dumps(dict(r.headers)))
         seen.append((await client.get("/metrics", headers=auth(tokens["admin"]))).text)
         for text in seen + [caplog.text]:
@@ -208,7 +225,9 @@ async def test_a_missing_or_invalid_tokens_file_refuses_every_token_until_it_is_
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
 
 
-async def test_each_change_to_a_still_invalid_file_is_logged_once(client: httpx.AsyncClient, tokens, caplog: pytest.LogCaptureFixture) -> None:
+async def test_each_change_to_a_still_invalid_file_is_logged_once(
+    client: httpx.AsyncClient, tokens, caplog: pytest.LogCaptureFixture
+) -> None:
     path = Path(tokens["file"])
     caplog.set_level(logging.ERROR, logger="services.control.api.auth")
     path.unlink()

@@ -101,10 +101,21 @@ async def test_every_field_reaches_the_spec_a_pod_reads(api: httpx.AsyncClient) 
 
 
 async def test_the_run_sets_algorithm_and_temperature_not_the_section(api: httpx.AsyncClient) -> None:
-    for name, source in (("algorithm", "algorithm"), ("temperature", "sampling.temperature"),
-                         ("max_new_tokens", "sampling.max_new_tokens")):  # fmt: skip
-        r = await api.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "a"}], "batch_samples": 8,
-                                             "iterations": 1, "training": {name: "ppo" if name == "algorithm" else 0.5}})
+    for name, source in (
+        ("algorithm", "algorithm"),
+        ("temperature", "sampling.temperature"),
+        ("max_new_tokens", "sampling.max_new_tokens"),
+    ):
+        r = await api.post(
+            "/v1/runs",
+            json={
+                "model": "tiny",
+                "prompts": [{"prompt": "a"}],
+                "batch_samples": 8,
+                "iterations": 1,
+                "training": {name: "ppo" if name == "algorithm" else 0.5},
+            },
+        )
         assert r.status_code == 422
         assert any(f"`{source}`" in d["msg"] for d in r.json()["detail"]), r.json()
 
@@ -115,7 +126,11 @@ def test_the_openapi_section_has_enums_and_no_derived_fields(api: httpx.AsyncCli
     assert DERIVED.isdisjoint(section)
     assert set(section) == set(NON_DEFAULT)
     assert schema["LossAggMode"]["enum"] == [
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum-norm"
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "token-sum",
+        "seq-mean-token-sum-norm",
     ]
     assert "gspo" in schema["PolicyLoss"]["enum"] and section["policy_loss"]["$ref"].endswith("/PolicyLoss")
     assert section["loss_agg"]["$ref"].endswith("/LossAggMode")

@@ -26,7 +26,10 @@ async def test_an_unknown_field_of_a_chat_message_is_refused_without_its_name(ap
         (parquet(rows), PARQUET_MEDIA_TYPE, "row 2"),
     ):
         r = await api.post("/v1/datasets", content=data, headers={"Content-Type": media_type})
-        assert refusal(r) == f"the upload {row} is not a prompt row: prompt.0.(field 3): unknown field; remove it from the file"
+        assert (
+            refusal(r)
+            == f"the upload {row} is not a prompt row: prompt.0.(field 3): unknown field; remove it from the file"
+        )
         assert "script" not in r.text and "evil" not in r.text
 
 
@@ -34,7 +37,9 @@ async def test_a_column_of_no_json_type_is_refused_by_its_position(api: httpx.As
     table = pa.table({"prompt": ["a", "b"], EVIL: pa.array([1, 2], pa.timestamp("s"))})
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
-    r = await api.post("/v1/datasets", content=sink.getvalue().to_pybytes(), headers={"Content-Type": PARQUET_MEDIA_TYPE})
+    r = await api.post(
+        "/v1/datasets", content=sink.getvalue().to_pybytes(), headers={"Content-Type": PARQUET_MEDIA_TYPE}
+    )
     assert refusal(r) == "the upload row 1 is not a prompt row: (field 2): input was not a valid JSON value"
     assert "script" not in r.text and "evil" not in r.text
 

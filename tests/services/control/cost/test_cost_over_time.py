@@ -27,13 +27,25 @@ def test_the_curves_bend_where_pods_start_and_end_and_end_at_the_bill(catalog) -
 
 
 def test_an_open_entry_accrues_up_to_now_and_a_long_ledger_is_sampled(catalog) -> None:  # noqa: F811
-    curve = cost_over_time([entry(catalog, "rollout", "small", "spot", 100, None)], catalog=catalog,
-                           training_instance_type="big", run_started_at=0, run_ended_at=None, now=3700)  # fmt: skip
+    curve = cost_over_time(
+        [entry(catalog, "rollout", "small", "spot", 100, None)],
+        catalog=catalog,
+        training_instance_type="big",
+        run_started_at=0,
+        run_ended_at=None,
+        now=3700,
+    )
     assert [c.at for c in curve] == [0, 100, 3700]
     assert curve[-1].report.total_dollars == pytest.approx(0.80)  # 1 h of spot so far
     many = [entry(catalog, "rollout", "small", "spot", i, i + 0.5) for i in range(MAX_INSTANTS)]  # 2 instants each
-    curve = cost_over_time(many, catalog=catalog, training_instance_type="big", run_started_at=0,
-                           run_ended_at=MAX_INSTANTS, now=MAX_INSTANTS)  # fmt: skip
+    curve = cost_over_time(
+        many,
+        catalog=catalog,
+        training_instance_type="big",
+        run_started_at=0,
+        run_ended_at=MAX_INSTANTS,
+        now=MAX_INSTANTS,
+    )
     assert len(curve) == MAX_INSTANTS
     assert (curve[0].at, curve[-1].at) == (0, MAX_INSTANTS)
     # each half-second pod is billed AWS's 60 s minimum (services/control/cost/billing.py)

@@ -8,16 +8,38 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.ports.prices.catalog import parse_catalog
 from services.control.cost.plan_schemas import PlanRequest, plan_request
 from services.control.cost.planner import PlanError
+from services.ports.prices.catalog import parse_catalog
 
 SEED = yaml.safe_load((Path(__file__).parents[4] / "examples" / "plan-seed.yaml").read_text())
-CATALOG = parse_catalog({"currency": "USD", "instances": {
-    "l4": {"gpu": "L4", "gpus": 1, "provider": "t", "region": "t", "on_demand": 2.0, "spot": 0.8, "source": "t", "date": "t"},
-    "a100x8": {"gpu": "A100-80GB", "gpus": 8, "provider": "t", "region": "t", "on_demand": 32.0, "spot": 16.0,
-               "source": "t", "date": "t"},
-}})  # fmt: skip
+CATALOG = parse_catalog(
+    {
+        "currency": "USD",
+        "instances": {
+            "l4": {
+                "gpu": "L4",
+                "gpus": 1,
+                "provider": "t",
+                "region": "t",
+                "on_demand": 2.0,
+                "spot": 0.8,
+                "source": "t",
+                "date": "t",
+            },
+            "a100x8": {
+                "gpu": "A100-80GB",
+                "gpus": 8,
+                "provider": "t",
+                "region": "t",
+                "on_demand": 32.0,
+                "spot": 16.0,
+                "source": "t",
+                "date": "t",
+            },
+        },
+    }
+)
 
 
 def plan(**changes):
@@ -70,7 +92,9 @@ def test_a_restart_is_paid_when_the_gap_is_longer_than_the_start_up() -> None:
 
 
 def test_training_seconds_are_derived_and_shapes_that_cannot_hold_the_model_are_left_out() -> None:
-    training = [{"instance_type": f"a100x{n}", "gpu": "A100-80GB", "gpus": n, "price_per_hour": 120.0 * n} for n in (1, 2, 4)]
+    training = [
+        {"instance_type": f"a100x{n}", "gpu": "A100-80GB", "gpus": n, "price_per_hour": 120.0 * n} for n in (1, 2, 4)
+    ]
     p = plan(training=training, tokens_per_sample=1024, training_mfu=0.35, overheads={"node_start_seconds": 90})
     # 7e9 parameters x 16 bytes = 112 GB: one A100-80GB (64 GB usable) cannot hold it. Two and four
     # cost the same per batch (ideal scaling: 3151 s or 1575 s), but four pay twice the start-up.
@@ -83,17 +107,28 @@ def test_training_seconds_are_derived_and_shapes_that_cannot_hold_the_model_are_
 
 
 def test_the_rollout_gpu_cheapest_per_sample_wins() -> None:
-    a10 = {"instance_type": "a10", "gpu": "A10", "gpus": 1, "price_per_hour": 8, "samples_per_hour_per_gpu": 2000, "max_instances": 4}
+    a10 = {
+        "instance_type": "a10",
+        "gpu": "A10",
+        "gpus": 1,
+        "price_per_hour": 8,
+        "samples_per_hour_per_gpu": 2000,
+        "max_instances": 4,
+    }
     assert plan(rollout=[a10, SEED["rollout"][0]]).rollout.gpu == "L20"  # CNY 10 / 3000 beats CNY 8 / 2000
-    assert plan(rollout=[{**a10, "price_per_hour": 6}, SEED["rollout"][0]]).rollout.gpu == "A10"  # 6 / 2000 beats 10 / 3000
+    assert (
+        plan(rollout=[{**a10, "price_per_hour": 6}, SEED["rollout"][0]]).rollout.gpu == "A10"
+    )  # 6 / 2000 beats 10 / 3000
 
 
 def test_catalog_prices_and_the_default_always_on_cluster() -> None:
     p = plan(
-        currency=None, always_on=None, model_params=1e9,
+        currency=None,
+        always_on=None,
+        model_params=1e9,
         rollout=[{"instance_type": "l4", "samples_per_second_per_gpu": 1.0, "max_instances": 2}],
         training=[{"instance_type": "a100x8", "seconds_per_batch": 1800}],
-    )  # fmt: skip
+    )
     assert p.currency == "USD"
     assert (p.rollout.price_per_hour, p.training.price_per_hour) == (0.8, 32.0)  # spot rollout, on-demand training
     # 12,000 samples at 2 x 3600/h: 6000 s per update; always-on: both shapes on-demand that long.

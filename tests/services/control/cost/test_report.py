@@ -2,10 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.ports.state.state_ledger import LedgerEntry
-from services.ports.prices.catalog import UnknownInstanceTypeError, load_catalog
 from services.control.cost.report import cost_report
-
+from services.ports.prices.catalog import UnknownInstanceTypeError, load_catalog
+from services.ports.state.state_ledger import LedgerEntry
 
 # Round prices, so that every figure below is worked out by hand.
 CATALOG = """{"currency": "USD", "instances": {
@@ -24,8 +23,18 @@ def catalog(tmp_path):
 
 def entry(catalog, role: str, instance: str, capacity: str, start: float, end: float | None) -> LedgerEntry:
     price = catalog.get(instance).price(capacity)
-    return LedgerEntry(id=0, run_id="r", role=role, pod=f"p-{start}", instance_type=instance, capacity_type=capacity,
-                       price_per_hour=price, price_source="test", started_at=start, ended_at=end)
+    return LedgerEntry(
+        id=0,
+        run_id="r",
+        role=role,
+        pod=f"p-{start}",
+        instance_type=instance,
+        capacity_type=capacity,
+        price_per_hour=price,
+        price_source="test",
+        started_at=start,
+        ended_at=end,
+    )
 
 
 def test_report_against_always_on_and_lower_bound(catalog) -> None:
@@ -34,8 +43,9 @@ def test_report_against_always_on_and_lower_bound(catalog) -> None:
         entry(catalog, "rollout", "small", "on-demand", 0, 1800),  # 1800 s at $2.00/h = $1.00
         entry(catalog, "training", "big", "on-demand", 600, 900),  # 300 s at $12.00/h = $1.00
     ]
-    r = cost_report(entries, catalog=catalog, training_instance_type="big", run_started_at=0,
-                    run_ended_at=3600, now=9999)
+    r = cost_report(
+        entries, catalog=catalog, training_instance_type="big", run_started_at=0, run_ended_at=3600, now=9999
+    )
     assert r.by_role == pytest.approx({"rollout": 1.80, "training": 1.00})
     assert r.by_capacity_type == pytest.approx({"spot": 0.80, "on-demand": 2.00})
     assert r.total_dollars == pytest.approx(2.80)
@@ -50,8 +60,14 @@ def test_report_against_always_on_and_lower_bound(catalog) -> None:
 
 
 def test_open_entries_are_billed_up_to_now(catalog) -> None:
-    r = cost_report([entry(catalog, "rollout", "small", "spot", 0, None)], catalog=catalog,
-                    training_instance_type="big", run_started_at=0, run_ended_at=None, now=7200)
+    r = cost_report(
+        [entry(catalog, "rollout", "small", "spot", 0, None)],
+        catalog=catalog,
+        training_instance_type="big",
+        run_started_at=0,
+        run_ended_at=None,
+        now=7200,
+    )
     assert r.total_dollars == pytest.approx(1.60)  # 2 h at $0.80/h
     assert r.wall_seconds == 7200
     assert r.always_on_dollars == pytest.approx(28.00)  # 2 h at $12.00/h + 2 h at $2.00/h

@@ -16,48 +16,92 @@ from typer.testing import CliRunner
 
 from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
-from services.ports.state.state_schema import IterationRow
-from services.ports.state.state_store import StateStore
 from services.cli.main import app as cli
 from services.control.cost import report_page
-from services.ports.prices.catalog import PriceCatalog
 from services.control.cost.svg_charts import MARK_COLOR
+from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_schema import IterationRow
+from services.ports.state.state_store import StateStore
 from tests.servers.chromium import ensure_chromium, headless
 
 # The run's record, in seconds from its start: rollout slot 0 on spot is preempted at 300 s and
 # relaunched at 360 s; slot 1 falls back to on-demand for a while; three training jobs, one per iteration.
 WALL = 1000.0
-ROLLOUT = [("rollout-0", "spot", 0, 300, "preempted"), ("rollout-0", "spot", 360, 1000, "killed"),
-           ("rollout-1", "spot", 0, 450, "preempted"), ("rollout-1", "on-demand", 470, 1000, "killed")]  # fmt: skip
-TRAINING = [("train-1", "on-demand", 200, 320, "succeeded"), ("train-2", "on-demand", 500, 620, "succeeded"),
-            ("train-3", "on-demand", 800, 920, "succeeded")]  # fmt: skip
+ROLLOUT = [
+    ("rollout-0", "spot", 0, 300, "preempted"),
+    ("rollout-0", "spot", 360, 1000, "killed"),
+    ("rollout-1", "spot", 0, 450, "preempted"),
+    ("rollout-1", "on-demand", 470, 1000, "killed"),
+]
+TRAINING = [
+    ("train-1", "on-demand", 200, 320, "succeeded"),
+    ("train-2", "on-demand", 500, 620, "succeeded"),
+    ("train-3", "on-demand", 800, 920, "succeeded"),
+]
 REWARDS = [0.2, 0.45, 0.7]
 # The held-out evals of the base model and of v2: mean score and pass@2, dashed beside the reward.
 EVALS = {0: {"mean": 0.1, "pass@2": 0.3}, 2: {"mean": 0.5, "pass@2": 0.8}}
 # Where the cost curves bend: the run's start and end and every pod's start and end.
 INSTANTS = {0, 300, 360, 1000, 450, 470, 200, 320, 500, 620, 800, 920}
 HOSTILE_NAME = "<script>alert('name')</script>"
-SPEC = {"model": "tiny", "name": HOSTILE_NAME, "prompts": [{"prompt": "<img src=x onerror=alert(1)>", "answer": "5"}],
-        "batch_samples": 8, "iterations": 3}  # fmt: skip
+SPEC = {
+    "model": "tiny",
+    "name": HOSTILE_NAME,
+    "prompts": [{"prompt": "<img src=x onerror=alert(1)>", "answer": "5"}],
+    "batch_samples": 8,
+    "iterations": 3,
+}
 WINDOW = (1000, 1500)
 
 
-def record_run(state: StateStore, catalog: PriceCatalog, run_id: str, *, rollout_instance: str, training_instance: str) -> None:
+def record_run(
+    state: StateStore, catalog: PriceCatalog, run_id: str, *, rollout_instance: str, training_instance: str
+) -> None:
     """What the scheduler would have written for the run above, through the state store's API."""
     state.set_status(run_id, RunStatus.RUNNING)
     t0 = state.get_run(run_id).started_at - 2 * WALL  # in the past: nothing of it is "now"
     for entries, role, instance in ((ROLLOUT, "rollout", rollout_instance), (TRAINING, "training", training_instance)):
         for pod, capacity, start, end, outcome in entries:
-            state.open_ledger(run_id=run_id, role=role, pod=f"{run_id}-{pod}", instance_type=instance, capacity_type=capacity,
-                              price_per_hour=catalog.get(instance).price(capacity), price_source="test", started_at=t0 + start)  # fmt: skip
+            state.open_ledger(
+                run_id=run_id,
+                role=role,
+                pod=f"{run_id}-{pod}",
+                instance_type=instance,
+                capacity_type=capacity,
+                price_per_hour=catalog.get(instance).price(capacity),
+                price_source="test",
+                started_at=t0 + start,
+            )
             state.close_ledger(f"{run_id}-{pod}", ended_at=t0 + end, outcome=outcome)
     for i, reward in enumerate(REWARDS, start=1):
-        state.record_iteration(IterationRow(run_id=run_id, iteration=i, policy_version=i, mean_reward=reward, kl=0.0,
-                                            loss=0.0, seconds=120.0, samples_trained=8, samples_dropped=0, metrics={},
-                                            ended_at=t0 + TRAINING[i - 1][3]))  # fmt: skip
+        state.record_iteration(
+            IterationRow(
+                run_id=run_id,
+                iteration=i,
+                policy_version=i,
+                mean_reward=reward,
+                kl=0.0,
+                loss=0.0,
+                seconds=120.0,
+                samples_trained=8,
+                samples_dropped=0,
+                metrics={},
+                ended_at=t0 + TRAINING[i - 1][3],
+            )
+        )
     for version, metrics in EVALS.items():
-        state.record_eval(run_id, EvalResult(policy_version=version, mean_score=metrics["mean"], metrics=metrics, prompts=4,
-                                             samples=8, seconds=30.0, ended_at=t0 + 100 * (version + 1)))  # fmt: skip
+        state.record_eval(
+            run_id,
+            EvalResult(
+                policy_version=version,
+                mean_score=metrics["mean"],
+                metrics=metrics,
+                prompts=4,
+                samples=8,
+                seconds=30.0,
+                ended_at=t0 + 100 * (version + 1),
+            ),
+        )
     state.begin_ending(run_id, RunStatus.SUCCEEDED, "reached its iterations")
     state.set_status(run_id, RunStatus.SUCCEEDED)
     state.update_run(run_id, started_at=t0, ended_at=t0 + WALL)
@@ -85,10 +129,14 @@ class Figures(HTMLParser):
             self._figure = None
 
     def count(self, figure: str, tag: str, css: str | None = None) -> int:
-        return sum(1 for t, a in self.elements[figure] if t == tag and (css is None or css in a.get("class", "").split()))
+        return sum(
+            1 for t, a in self.elements[figure] if t == tag and (css is None or css in a.get("class", "").split())
+        )
 
     def series_points(self, figure: str) -> dict[str, int]:
-        return {a["data-series"]: int(a["data-points"]) for t, a in self.elements[figure] if t == "g" and "data-series" in a}
+        return {
+            a["data-series"]: int(a["data-points"]) for t, a in self.elements[figure] if t == "g" and "data-series" in a
+        }
 
 
 @pytest.fixture
@@ -96,8 +144,13 @@ async def report(api: httpx.AsyncClient, tmp_path: Path) -> tuple[str, str, Path
     """(run id, the page GET /v1/runs/{id}/report returned, the home of the run's stores)."""
     run = (await api.post("/v1/runs", json=SPEC)).json()
     app = api.app  # type: ignore[attr-defined]
-    record_run(app.state.backends.state, app.state.catalog, run["id"], rollout_instance=run["spec"]["rollout"]["instance_type"],
-               training_instance=run["spec"]["training"]["instance_type"])  # fmt: skip
+    record_run(
+        app.state.backends.state,
+        app.state.catalog,
+        run["id"],
+        rollout_instance=run["spec"]["rollout"]["instance_type"],
+        training_instance=run["spec"]["training"]["instance_type"],
+    )
     assert (await api.get(f"/v1/runs/{run['id']}")).json()["report_url"] == f"/v1/runs/{run['id']}/report"
     r = await api.get(f"/v1/runs/{run['id']}/report")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -134,21 +187,38 @@ def test_chromium_renders_every_figure(report, tmp_path: Path) -> None:
     # probe script that measures the figures' boxes (the page has no script, and its policy,
     # kept here, would block one); the probe writes an attribute and changes nothing drawn.
     probe = tmp_path / "probe.html"
-    script = ("<script>document.body.dataset.boxes = JSON.stringify([...document.querySelectorAll('figure svg')]"
-              ".map(s => { const r = s.getBoundingClientRect(); return [s.parentNode.id, r.left, r.top, r.right, r.bottom]; }));</script>")  # fmt: skip
-    probe.write_text(page.replace(report_page.CSP, report_page.CSP + "; script-src 'unsafe-inline'").replace("</body>", script + "</body>"))
+    script = (
+        "<script>document.body.dataset.boxes = JSON.stringify([...document.querySelectorAll('figure svg')]"
+        ".map(s => { const r = s.getBoundingClientRect(); return [s.parentNode.id, r.left, r.top, r.right, r.bottom]; }));</script>"
+    )
+    probe.write_text(
+        page.replace(report_page.CSP, report_page.CSP + "; script-src 'unsafe-inline'").replace(
+            "</body>", script + "</body>"
+        )
+    )
     shot = tmp_path / "report.png"
-    dom = headless(ensure_chromium(), probe.as_uri(), f"--window-size={WINDOW[0]},{WINDOW[1]}", "--force-device-scale-factor=1",
-                   f"--screenshot={shot}", "--dump-dom").stdout  # fmt: skip
+    dom = headless(
+        ensure_chromium(),
+        probe.as_uri(),
+        f"--window-size={WINDOW[0]},{WINDOW[1]}",
+        "--force-device-scale-factor=1",
+        f"--screenshot={shot}",
+        "--dump-dom",
+    ).stdout
 
     figures = Figures(dom)
     assert list(figures.elements) == ["reward", "cost", "rollout-timeline", "training-timeline"]
     assert figures.count("reward", "circle", "point") == len(REWARDS) + 2 * len(EVALS)
-    assert figures.series_points("reward") == {"mean reward": len(REWARDS), "held-out mean": len(EVALS),
-                                               "held-out pass@2": len(EVALS)}  # fmt: skip
+    assert figures.series_points("reward") == {
+        "mean reward": len(REWARDS),
+        "held-out mean": len(EVALS),
+        "held-out pass@2": len(EVALS),
+    }
     # A line per (role, capacity type), spent, always-on and the lower bound, each bending at every instant.
     assert figures.series_points("cost") == dict.fromkeys(
-        ["rollout spot", "rollout on-demand", "training on-demand", "spent", "always-on on-demand", "lower bound"], len(INSTANTS))
+        ["rollout spot", "rollout on-demand", "training on-demand", "spent", "always-on on-demand", "lower bound"],
+        len(INSTANTS),
+    )
     assert figures.count("rollout-timeline", "rect", "bar") == len(ROLLOUT)
     assert figures.count("rollout-timeline", "rect", "spot") == 3
     assert figures.count("rollout-timeline", "path", "mark") == 2  # the two preemptions

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from services.ports.launcher.launcher import PodPhase, PodSpec, PodStatus
 from services.core.config import Settings
 from services.domain.names import prompts_key
 from services.domain.prompts import to_jsonl
 from services.domain.runspec import RunSpec
+from services.ports.launcher.launcher import PodPhase, PodSpec, PodStatus
 from services.ports.wiring import Backends, open_backends
 
 
@@ -48,9 +48,17 @@ class ScriptedLauncher:
             raise self.error
         if spec.name not in self.pods:
             self.pods[spec.name] = PodStatus(
-                name=spec.name, run_id=spec.run_id, role=spec.role, instance_type=spec.instance_type,
-                capacity_type=spec.capacity_type, labels=dict(spec.labels), phase=PodPhase.RUNNING, exit_code=None,
-                started_at=time.time(), ended_at=None, pid=None,
+                name=spec.name,
+                run_id=spec.run_id,
+                role=spec.role,
+                instance_type=spec.instance_type,
+                capacity_type=spec.capacity_type,
+                labels=dict(spec.labels),
+                phase=PodPhase.RUNNING,
+                exit_code=None,
+                started_at=time.time(),
+                ended_at=None,
+                pid=None,
             )
         if self.error is not None:
             raise self.error

@@ -14,22 +14,34 @@ import pytest
 from contracts.job_result import JobResult
 from contracts.samples import Sample, decode_group, encode_group
 from contracts.status import RunStatus
-from services.tooling.run_audit import audit_run
-from services.core.config import Settings
-from services.ports.launcher.launcher import PodSpec
 from services.control.cost.billing import NODE_BOOT_SECONDS
-from services.domain.names import TRAINER_GROUP, policy_prefix, prompts_topic, result_key, rollout_pod_name, samples_topic
-from services.domain.runspec import RunSpec
 from services.control.scheduler.loop import Scheduler
 from services.control.scheduler.plan import MAX_PROMPTS_PER_TICK
+from services.core.config import Settings
 from services.domain.backlog import read_backlog, take_batch, trainer_consumer
+from services.domain.names import (
+    TRAINER_GROUP,
+    policy_prefix,
+    prompts_topic,
+    result_key,
+    rollout_pod_name,
+    samples_topic,
+)
+from services.domain.runspec import RunSpec
+from services.ports.launcher.launcher import PodSpec
 from services.ports.wiring import Backends
+from services.tooling.run_audit import audit_run
 
-SPEC = RunSpec.model_validate({
-    "model": "tiny", "prompts": [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(4)],
-    "samples_per_prompt": 4, "batch_samples": 8, "iterations": 4,
-    "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
-})
+SPEC = RunSpec.model_validate(
+    {
+        "model": "tiny",
+        "prompts": [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(4)],
+        "samples_per_prompt": 4,
+        "batch_samples": 8,
+        "iterations": 4,
+        "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
+    }
+)
 
 
 def produce(backends: Backends, run_id: str, groups: int) -> None:
@@ -37,9 +49,21 @@ def produce(backends: Backends, run_id: str, groups: int) -> None:
     for g in range(groups):
         group = uuid.uuid4().hex
         samples = [
-            Sample(sample_id=uuid.uuid4().hex, run_id=run_id, prompt_id=str(g % 4), group_id=group, prompt_ids=[5, 6],
-                   response_ids=[7, 8 + k], logprobs=[-1.0, -1.0], reward=float(k % 2), reward_source="rule",
-                   policy_version=0, worker_id="w", generation_seconds=0.0, created_at=float(g))
+            Sample(
+                sample_id=uuid.uuid4().hex,
+                run_id=run_id,
+                prompt_id=str(g % 4),
+                group_id=group,
+                prompt_ids=[5, 6],
+                response_ids=[7, 8 + k],
+                logprobs=[-1.0, -1.0],
+                reward=float(k % 2),
+                reward_source="rule",
+                policy_version=0,
+                worker_id="w",
+                generation_seconds=0.0,
+                created_at=float(g),
+            )
             for k in range(4)
         ]
         backends.queue.produce(samples_topic(run_id), [encode_group(samples)], keys=[group.encode()])
@@ -53,8 +77,15 @@ def publish(backends: Backends, run_id: str, iteration: int, *, commit: bool) ->
         records, offsets = take_batch(read_backlog(backends.queue, consumer, run_id)[0], SPEC.batch_samples // 4)
         samples = [s for r in records for s in decode_group(r.value)]
         result = JobResult(
-            iteration=iteration, policy_version=iteration, mean_reward=0.5, metrics={}, samples_read=len(samples),
-            trained_ids=[s.sample_id for s in samples], offsets=offsets, seconds=1.0, ended_at=0.0,
+            iteration=iteration,
+            policy_version=iteration,
+            mean_reward=0.5,
+            metrics={},
+            samples_read=len(samples),
+            trained_ids=[s.sample_id for s in samples],
+            offsets=offsets,
+            seconds=1.0,
+            ended_at=0.0,
         )
         backends.objects.put_bytes(policy_prefix(run_id, iteration) + "config.json", b"{}")
         backends.objects.put_bytes(result_key(run_id, iteration), result.to_json())
@@ -227,7 +258,12 @@ def test_one_tick_publishes_a_bounded_chunk_of_a_huge_batch_and_reconciles_the_o
         # The other run was reconciled in the same tick: its prompts and its worker.
         assert sum(b.queue.end_offsets(prompts_topic(small)).values()) == 2
         assert b.launcher.running(small, "rollout")
-    assert published == [MAX_PROMPTS_PER_TICK, 2 * MAX_PROMPTS_PER_TICK, 3 * MAX_PROMPTS_PER_TICK, 3 * MAX_PROMPTS_PER_TICK]
+    assert published == [
+        MAX_PROMPTS_PER_TICK,
+        2 * MAX_PROMPTS_PER_TICK,
+        3 * MAX_PROMPTS_PER_TICK,
+        3 * MAX_PROMPTS_PER_TICK,
+    ]
     assert b.state.get_run(huge).prompts_published == 3 * MAX_PROMPTS_PER_TICK
 
 
@@ -254,7 +290,9 @@ def test_leftovers_at_the_end_are_dropped_a_bounded_chunk_per_tick(
     assert audit_run(b, run_id).problems == []
 
 
-def test_recorded_iterations_rotate_the_stored_policy_versions(scripted_backends: Backends, settings: Settings, submit) -> None:
+def test_recorded_iterations_rotate_the_stored_policy_versions(
+    scripted_backends: Backends, settings: Settings, submit
+) -> None:
     """Each recorded iteration deletes the policy versions (and trainer states) beyond the last
     `keep_policy_versions`; every version's result stays."""
     b, launcher = scripted_backends, scripted_backends.launcher
@@ -271,7 +309,12 @@ def test_recorded_iterations_rotate_the_stored_policy_versions(scripted_backends
         scheduler.tick()  # records it, and rotates
         stored.append(sorted({int(k.split("/")[3][1:]) for k in b.objects.list(f"runs/{run_id}/policy/")}))
     assert stored == [[1], [1, 2], [2, 3], [3, 4]]
-    assert [b.objects.exists(f"runs/{run_id}/trainer/v{v}/value_head.pt") for v in (1, 2, 3, 4)] == [False, False, True, True]
+    assert [b.objects.exists(f"runs/{run_id}/trainer/v{v}/value_head.pt") for v in (1, 2, 3, 4)] == [
+        False,
+        False,
+        True,
+        True,
+    ]
     assert all(b.objects.exists(result_key(run_id, v)) for v in (1, 2, 3, 4))
 
 
@@ -312,8 +355,16 @@ def test_a_worker_waiting_for_a_node_is_not_billed_for_the_wait(
     # Worker 0 as the scheduler launched it an hour ago: its entry opened, then the pod created.
     name = rollout_pod_name(run_id, 0)
     b.state.update_run(run_id, worker_slots_used=1)
-    b.state.open_ledger(run_id=run_id, role="rollout", pod=name, instance_type="g6.xlarge", capacity_type="spot",
-                        price_per_hour=0.35, price_source="test", started_at=time.time() - 3600)
+    b.state.open_ledger(
+        run_id=run_id,
+        role="rollout",
+        pod=name,
+        instance_type="g6.xlarge",
+        capacity_type="spot",
+        price_per_hour=0.35,
+        price_source="test",
+        started_at=time.time() - 3600,
+    )
     launcher.launch(PodSpec(name, run_id, "rollout", ["worker"], {}, "g6.xlarge", "spot", {"slot": "0"}))
     launcher.pods[name] = dataclasses.replace(launcher.pods[name], waiting_for_node=True)  # no spot capacity yet
     scheduler.tick()

@@ -15,17 +15,19 @@ from contracts.samples import Sample, encode_group
 from contracts.status import RunStatus
 from services.control.api.metrics import RunCollector
 from services.control.api.service import run_public
-from services.ports.queue.queue import next_offsets
-from services.core.config import Settings
-from services.domain.names import ROLLOUT_GROUP, prompts_topic, samples_topic
-from services.data.rollout.dynamic_sampling import informative_groups
-from services.tooling.run_audit import audit_run
-from services.domain.runspec import RunSpec
 from services.control.scheduler.loop import Scheduler
+from services.core.config import Settings
+from services.data.rollout.dynamic_sampling import informative_groups
+from services.domain.names import ROLLOUT_GROUP, prompts_topic, samples_topic
+from services.domain.runspec import RunSpec
+from services.ports.queue.queue import next_offsets
 from services.ports.wiring import Backends
+from services.tooling.run_audit import audit_run
 from tests.services.control.scheduler.test_accounting import SPEC, job, publish
 
-DAPO = RunSpec.model_validate({**SPEC.model_dump(), "iterations": 1, "training": {**SPEC.training.model_dump(), "dynamic_sampling": True}})
+DAPO = RunSpec.model_validate(
+    {**SPEC.model_dump(), "iterations": 1, "training": {**SPEC.training.model_dump(), "dynamic_sampling": True}}
+)
 
 
 def generate(b: Backends, run_id: str) -> int:
@@ -40,16 +42,30 @@ def generate(b: Backends, run_id: str) -> int:
             prompt_id, group = PromptMessage.decode(r.value).prompt_id, uuid.uuid4().hex
             mixed = int(prompt_id) % 2 == 1
             samples += [
-                Sample(sample_id=uuid.uuid4().hex, run_id=run_id, prompt_id=prompt_id, group_id=group, prompt_ids=[5],
-                       response_ids=[7, k], logprobs=[-1.0, -1.0], reward=float(k % 2) if mixed else 0.0,
-                       reward_source="rule", policy_version=0, worker_id="worker", generation_seconds=0.0, created_at=0.0)
+                Sample(
+                    sample_id=uuid.uuid4().hex,
+                    run_id=run_id,
+                    prompt_id=prompt_id,
+                    group_id=group,
+                    prompt_ids=[5],
+                    response_ids=[7, k],
+                    logprobs=[-1.0, -1.0],
+                    reward=float(k % 2) if mixed else 0.0,
+                    reward_source="rule",
+                    policy_version=0,
+                    worker_id="worker",
+                    generation_seconds=0.0,
+                    created_at=0.0,
+                )
                 for k in range(4)
-            ]  # fmt: skip
+            ]
         groups, dropped = informative_groups(samples)
         if dropped:
             b.state.count_filtered_samples(run_id, dropped)
         if groups:
-            b.queue.produce(samples_topic(run_id), [encode_group(g) for g in groups], keys=[g[0].group_id.encode() for g in groups])
+            b.queue.produce(
+                samples_topic(run_id), [encode_group(g) for g in groups], keys=[g[0].group_id.encode() for g in groups]
+            )
         if records:
             consumer.commit(next_offsets(records))
         return len(records)
@@ -89,8 +105,10 @@ def test_dynamic_sampling_drops_are_counted_apart_and_survive_the_runs_end(
 
     registry = CollectorRegistry()
     registry.register(RunCollector(b))
-    by_reason = {reason: registry.get_sample_value("spotrl_samples_dropped_by_reason_total", {"run": run_id, "reason": reason})
-                 for reason in ("dynamic_sampling", "run_ended")}  # fmt: skip
+    by_reason = {
+        reason: registry.get_sample_value("spotrl_samples_dropped_by_reason_total", {"run": run_id, "reason": reason})
+        for reason in ("dynamic_sampling", "run_ended")
+    }
     assert by_reason == {"dynamic_sampling": 8, "run_ended": 0}
     assert registry.get_sample_value("spotrl_samples_dropped_total", {"run": run_id}) == 0
 

@@ -8,16 +8,22 @@ import logging
 import pytest
 
 from contracts.status import RunStatus
+from services.control.scheduler.loop import Scheduler
 from services.core.config import Settings
 from services.core.errors import PermanentError, TemporaryError
 from services.domain.runspec import RunSpec
-from services.control.scheduler.loop import Scheduler
 from services.ports.wiring import Backends
 
-SPEC = RunSpec.model_validate({
-    "model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}], "samples_per_prompt": 4, "batch_samples": 8,
-    "iterations": 1, "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
-})
+SPEC = RunSpec.model_validate(
+    {
+        "model": "tiny",
+        "prompts": [{"prompt": "1+1=", "answer": "2"}],
+        "samples_per_prompt": 4,
+        "batch_samples": 8,
+        "iterations": 1,
+        "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
+    }
+)
 
 
 @pytest.fixture
@@ -39,8 +45,9 @@ def run_id(backends: Backends, scheduler: Scheduler, submit) -> str:
     return run_id
 
 
-def test_temporary_error_backs_off_doubling_and_shows_its_reason(backends: Backends, scheduler: Scheduler, run_id: str,
-                                                                 caplog: pytest.LogCaptureFixture, wait_for) -> None:
+def test_temporary_error_backs_off_doubling_and_shows_its_reason(
+    backends: Backends, scheduler: Scheduler, run_id: str, caplog: pytest.LogCaptureFixture, wait_for
+) -> None:
     launcher = backends.launcher
     launcher.error = TemporaryError("no spot capacity in us-east-1a", delay=1.0)
     with caplog.at_level(logging.WARNING, logger="services.control.scheduler.loop"):
@@ -93,7 +100,11 @@ def test_unexpected_error_is_logged_once_per_distinct_error_and_retried_every_ti
 
 
 def test_a_stop_the_plan_repeats_until_the_pod_ends_is_logged_once(
-    backends: Backends, scheduler: Scheduler, run_id: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    backends: Backends,
+    scheduler: Scheduler,
+    run_id: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     scheduler.tick()  # launches the worker
     (worker,) = backends.launcher.running(run_id, "rollout")

@@ -8,23 +8,35 @@ import time
 
 from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
+from services.control.scheduler.evals import EVAL_MAX_RETRIES
+from services.control.scheduler.loop import Scheduler
 from services.core.config import Settings
 from services.domain.names import eval_pod_name, eval_result_key
-from services.tooling.run_audit import audit_run
 from services.domain.runspec import RunSpec
-from services.control.scheduler.loop import Scheduler
-from services.control.scheduler.evals import EVAL_MAX_RETRIES
 from services.ports.wiring import Backends
+from services.tooling.run_audit import audit_run
 from tests.services.control.scheduler.test_accounting import SPEC, job, produce, publish
 
-EVAL_SPEC = RunSpec.model_validate({**SPEC.model_dump(mode="json"), "iterations": 2,
-                                    "eval": {"prompts": [{"prompt": "2+2=", "answer": "4"}], "samples_per_prompt": 2}})  # fmt: skip
+EVAL_SPEC = RunSpec.model_validate(
+    {
+        **SPEC.model_dump(mode="json"),
+        "iterations": 2,
+        "eval": {"prompts": [{"prompt": "2+2=", "answer": "4"}], "samples_per_prompt": 2},
+    }
+)
 
 
 def write_result(b: Backends, run_id: str, version: int, mean: float) -> None:
     """What the eval pod of ``version`` writes last."""
-    result = EvalResult(policy_version=version, mean_score=mean, metrics={"mean": mean}, prompts=1, samples=2, seconds=1.0,
-                        ended_at=time.time())  # fmt: skip
+    result = EvalResult(
+        policy_version=version,
+        mean_score=mean,
+        metrics={"mean": mean},
+        prompts=1,
+        samples=2,
+        seconds=1.0,
+        ended_at=time.time(),
+    )
     b.objects.put_bytes(eval_result_key(run_id, version), result.to_json())
 
 
@@ -73,7 +85,9 @@ def test_each_version_is_evaluated_once_and_a_failing_eval_never_fails_the_run(
     scheduler.tick()  # a clean tick keeps the reason on show
     run = b.state.get_run(run_id)
     assert launcher.attempts.count(name) == 2
-    assert run.status == RunStatus.RUNNING and run.last_error.startswith(f"eval of policy v1 failed {EVAL_MAX_RETRIES + 1} times")
+    assert run.status == RunStatus.RUNNING and run.last_error.startswith(
+        f"eval of policy v1 failed {EVAL_MAX_RETRIES + 1} times"
+    )
 
     train(b, scheduler, run_id, 2)  # the run's last iteration: it ends, and evaluates v2 before it does
     for _ in range(3):

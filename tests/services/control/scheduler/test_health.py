@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.core.config import Settings
 from services.control.scheduler.health import Heartbeat, serve_health
+from services.core.config import Settings
 from tests.servers.process import free_port
 
 
@@ -50,8 +50,12 @@ def test_the_scheduler_command_serves_its_health(settings: Settings, tmp_path: P
     port = free_port()
     env = {**os.environ, **settings.pod_env(), "SPOTRL_TICK_SECONDS": "0.2", "SPOTRL_LEASE_SECONDS": "2"}
     with (tmp_path / "scheduler.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "scheduler", "--health-port", str(port)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.main", "scheduler", "--health-port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(lambda: status(f"http://127.0.0.1:{port}/readyz") == 200, message="the scheduler has ticked")
         assert status(f"http://127.0.0.1:{port}/healthz") == 200

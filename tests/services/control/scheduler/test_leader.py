@@ -13,20 +13,25 @@ from pathlib import Path
 import pytest
 
 from contracts.status import RunStatus
-from services.ports.launcher.launcher import PodPhase
+from services.control.scheduler.lease import SCHEDULER_LEASE
 from services.core.config import Settings
 from services.domain.runspec import RunSpec
-from services.control.scheduler.lease import SCHEDULER_LEASE
+from services.ports.launcher.launcher import PodPhase
 from services.ports.wiring import Backends, open_backends
 
 pytestmark = pytest.mark.slow
 
-SPEC = RunSpec.model_validate({
-    "model": "tiny",
-    "prompts": [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)],
-    "samples_per_prompt": 4, "sampling": {"max_new_tokens": 6}, "batch_samples": 8, "iterations": 2,
-    "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
-})
+SPEC = RunSpec.model_validate(
+    {
+        "model": "tiny",
+        "prompts": [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)],
+        "samples_per_prompt": 4,
+        "sampling": {"max_new_tokens": 6},
+        "batch_samples": 8,
+        "iterations": 2,
+        "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
+    }
+)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -50,14 +55,19 @@ def backends(settings: Settings) -> Iterator[Backends]:
 
 @pytest.fixture
 def start_scheduler(settings: Settings, tmp_path: Path) -> Iterator:
-    env = {**os.environ, **settings.pod_env(), "SPOTRL_TICK_SECONDS": str(settings.tick_seconds),
-           "SPOTRL_LEASE_SECONDS": str(settings.lease_seconds)}
+    env = {
+        **os.environ,
+        **settings.pod_env(),
+        "SPOTRL_TICK_SECONDS": str(settings.tick_seconds),
+        "SPOTRL_LEASE_SECONDS": str(settings.lease_seconds),
+    }
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(name: str) -> subprocess.Popen[bytes]:
         log = (tmp_path / f"{name}.log").open("wb")
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "scheduler"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.main", "scheduler"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         procs.append(proc)
         return proc
 
@@ -80,16 +90,23 @@ def test_standby_takes_over_from_killed_leader_and_launches_nothing_twice(
     wait_for(lambda: leader_pid(backends) == first.pid, timeout_s=60, message="the first scheduler leads")
     second = start_scheduler("second")
     run_id = submit(backends, SPEC)  # at once: the second process starts while the first launches the run's pods
-    wait_for(lambda: "stands by" in (tmp_path / "second.log").read_text(), timeout_s=60,
-             message="the second scheduler stands by")
-    wait_for(lambda: any(p.role == "training" for p in backends.launcher.list(run_id)), timeout_s=120,
-             message="the first training job was launched")
+    wait_for(
+        lambda: "stands by" in (tmp_path / "second.log").read_text(),
+        timeout_s=60,
+        message="the second scheduler stands by",
+    )
+    wait_for(
+        lambda: any(p.role == "training" for p in backends.launcher.list(run_id)),
+        timeout_s=120,
+        message="the first training job was launched",
+    )
     first.send_signal(signal.SIGKILL)  # mid-run, with its pods running
     first.wait()
 
     wait_for(lambda: leader_pid(backends) == second.pid, timeout_s=30, message="the standby took the lease over")
-    wait_for(lambda: RunStatus(backends.state.get_run(run_id).status).is_terminal(), timeout_s=180,
-             message="the run ended")
+    wait_for(
+        lambda: RunStatus(backends.state.get_run(run_id).status).is_terminal(), timeout_s=180, message="the run ended"
+    )
     run = backends.state.get_run(run_id)
     assert run.status == RunStatus.SUCCEEDED, run.status_reason
     assert run.iterations_done == 2

@@ -7,21 +7,26 @@ import time
 import pytest
 
 from contracts.status import RunStatus
+from services.control.scheduler.loop import Scheduler
 from services.core.config import Settings
 from services.domain.runspec import RunSpec
-from services.control.scheduler.loop import Scheduler
 from services.ports.wiring import open_backends
 
 pytestmark = pytest.mark.slow
 
 
 def test_restarted_scheduler_resumes_and_launches_nothing_twice(settings: Settings, submit) -> None:
-    spec = RunSpec.model_validate({
-        "model": "tiny",
-        "prompts": [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)],
-        "samples_per_prompt": 4, "sampling": {"max_new_tokens": 6}, "batch_samples": 8, "iterations": 2,
-        "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
-    })
+    spec = RunSpec.model_validate(
+        {
+            "model": "tiny",
+            "prompts": [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)],
+            "samples_per_prompt": 4,
+            "sampling": {"max_new_tokens": 6},
+            "batch_samples": 8,
+            "iterations": 2,
+            "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 2},
+        }
+    )
     first = open_backends(settings)
     run_id = submit(first, spec)
     scheduler = Scheduler(first, settings)

@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 
 from contracts.status import RunStatus
-from services.ports.launcher.launcher import PodPhase, PodStatus
-from services.domain.runspec import RunSpec
 from services.control.scheduler.plan import LaunchStandby, LaunchTraining, LaunchWorker, PublishPrompts, StopPod, plan
-from services.control.scheduler.run_state import Observed, RunState
 from services.control.scheduler.policies import Estimates, measured
+from services.control.scheduler.run_state import Observed, RunState
+from services.domain.runspec import RunSpec
+from services.ports.launcher.launcher import PodPhase, PodStatus
 
 NOW = 10_000.0
 # One worker makes 1 sample/s, a job takes 50 s: two workers make a batch of 100 as a job trains it.
@@ -19,23 +19,47 @@ MEASURED = Estimates(rollout_samples_per_s=1.0, training_seconds=50.0, startup_s
 
 
 def spec(policy: str, **changes) -> RunSpec:
-    return RunSpec.model_validate({
-        "model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "samples_per_prompt": 4,
-        "batch_samples": 100, "iterations": 5, "cost_policy": policy,
-        "rollout": {"min_workers": 0, "max_workers": 8, "prompts_per_batch": 25}, **changes,
-    })
+    return RunSpec.model_validate(
+        {
+            "model": "tiny",
+            "prompts": [{"prompt": "1+1", "answer": "2"}],
+            "samples_per_prompt": 4,
+            "batch_samples": 100,
+            "iterations": 5,
+            "cost_policy": policy,
+            "rollout": {"min_workers": 0, "max_workers": 8, "prompts_per_batch": 25},
+            **changes,
+        }
+    )
 
 
 def state(policy: str, worker_slots_used: int = 2, **changes) -> RunState:
     return RunState(
-        run_id="r", status=RunStatus.RUNNING, spec=spec(policy, **changes), iterations_done=1, prompts_published=50,
-        worker_slots_used=worker_slots_used, samples_produced=200, started_at=NOW - 1000,
+        run_id="r",
+        status=RunStatus.RUNNING,
+        spec=spec(policy, **changes),
+        iterations_done=1,
+        prompts_published=50,
+        worker_slots_used=worker_slots_used,
+        samples_produced=200,
+        started_at=NOW - 1000,
     )
 
 
 def pod(name: str, role: str, capacity: str = "spot", **labels: str) -> PodStatus:
-    return PodStatus(name=name, run_id="r", role=role, instance_type="g6.xlarge", capacity_type=capacity, labels=labels,
-                     phase=PodPhase.RUNNING, exit_code=None, started_at=NOW - 100, ended_at=None, pid=None)
+    return PodStatus(
+        name=name,
+        run_id="r",
+        role=role,
+        instance_type="g6.xlarge",
+        capacity_type=capacity,
+        labels=labels,
+        phase=PodPhase.RUNNING,
+        exit_code=None,
+        started_at=NOW - 100,
+        ended_at=None,
+        pid=None,
+    )
 
 
 WORKERS = [pod("r-rollout-0", "rollout", slot="0"), pod("r-rollout-1", "rollout", slot="1")]
@@ -44,24 +68,37 @@ STANDBY = pod("r-warm-1", "standby", "on-demand", after_iteration="1")
 
 
 def world(pods, prompts: int, samples: int, estimates: Estimates = MEASURED, produced: int = 200) -> Observed:
-    return Observed(pods=pods, prompt_backlog=prompts, sample_backlog=samples, samples_produced=produced,
-                    spent_dollars=0.0, billed=frozenset(p.name for p in pods),
-                    open_entries={p.name: p.started_at for p in pods}, now=NOW, estimates=estimates)
+    return Observed(
+        pods=pods,
+        prompt_backlog=prompts,
+        sample_backlog=samples,
+        samples_produced=produced,
+        spent_dollars=0.0,
+        billed=frozenset(p.name for p in pods),
+        open_entries={p.name: p.started_at for p in pods},
+        now=NOW,
+        estimates=estimates,
+    )
 
 
 def launched(actions) -> list:
-    return [a for a in actions if isinstance(a, LaunchWorker | LaunchStandby | LaunchTraining | StopPod | PublishPrompts)]
+    return [
+        a for a in actions if isinstance(a, LaunchWorker | LaunchStandby | LaunchTraining | StopPod | PublishPrompts)
+    ]
 
 
 # Workers at half MEASURED's pace: 64 samples to go at 1/s is a 64 s wait.
 SLOW = Estimates(rollout_samples_per_s=0.5, training_seconds=50.0, startup_seconds=90.0)
 
 
-@pytest.mark.parametrize(("policy", "expected"), [
-    ("cost-aware", [LaunchStandby("r", 1)]),  # a 64 s wait: the node, up in 90 s, is ready as the batch comes
-    ("threshold", []),  # the node goes once the job ends
-    ("always-on", [LaunchStandby("r", 1)]),
-])
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        ("cost-aware", [LaunchStandby("r", 1)]),  # a 64 s wait: the node, up in 90 s, is ready as the batch comes
+        ("threshold", []),  # the node goes once the job ends
+        ("always-on", [LaunchStandby("r", 1)]),
+    ],
+)
 def test_a_batch_due_within_a_restart_keeps_the_training_node_warm(policy: str, expected: list) -> None:
     actions = plan(state(policy), world(WORKERS, prompts=16, samples=36, estimates=SLOW))
     assert [a for a in actions if isinstance(a, LaunchStandby)] == expected
@@ -79,8 +116,9 @@ def test_cost_aware_launches_no_standby_billed_beyond_its_use(samples: int) -> N
 def test_cost_aware_lets_the_node_go_when_the_wait_costs_more_than_a_restart() -> None:
     # 100 samples to go at 2/s: 50 s; with a 30 s start-up the restart is cheaper.
     short_start = Estimates(1.0, 50.0, startup_seconds=30.0)
-    assert launched(plan(state("cost-aware"), world(WORKERS + [STANDBY], prompts=25, samples=0, estimates=short_start))) == [
-        StopPod("r-warm-1")]
+    assert launched(
+        plan(state("cost-aware"), world(WORKERS + [STANDBY], prompts=25, samples=0, estimates=short_start))
+    ) == [StopPod("r-warm-1")]
 
 
 def test_the_job_takes_the_warm_nodes_place() -> None:
@@ -95,7 +133,12 @@ def test_cost_aware_sizes_the_pool_so_the_next_batch_is_ready_as_the_job_ends() 
     actions = launched(plan(state("cost-aware", worker_slots_used=1), world(one + [JOB], prompts=25, samples=100)))
     assert actions == [LaunchWorker("r", 1)]
     slow_trainer = Estimates(1.0, 12.5, 90.0)  # 8 workers to keep up with it: the pool's maximum
-    actions = launched(plan(state("cost-aware", worker_slots_used=1), world(one + [JOB], prompts=25, samples=100, estimates=slow_trainer)))
+    actions = launched(
+        plan(
+            state("cost-aware", worker_slots_used=1),
+            world(one + [JOB], prompts=25, samples=100, estimates=slow_trainer),
+        )
+    )
     assert [a.slot for a in actions if isinstance(a, LaunchWorker)] == [1, 2, 3, 4, 5, 6, 7]
     # threshold: one worker batch of prompts, one worker
     assert launched(plan(state("threshold", worker_slots_used=1), world(one + [JOB], prompts=25, samples=100))) == []
@@ -120,10 +163,18 @@ def test_cost_aware_turns_to_on_demand_rollout_only_to_meet_the_deadline(deadlin
 @pytest.mark.parametrize(("elapsed", "on_demand"), [(200.0, False), (999.0, False), (1000.0, True)])
 def test_cost_aware_without_a_sample_waits_a_quarter_of_the_deadline_for_spot(elapsed: float, on_demand: bool) -> None:
     # Nothing produced yet (no spot capacity): no pace to project, so a quarter of the 4000 s deadline.
-    run = replace(state("cost-aware", worker_slots_used=0, deadline_seconds=4000.0), started_at=NOW - elapsed,
-                  iterations_done=0, prompts_published=25, samples_produced=0)
-    actions = [a for a in plan(run, world([], prompts=25, samples=0, estimates=Estimates(None, None), produced=0))
-               if isinstance(a, LaunchWorker)]
+    run = replace(
+        state("cost-aware", worker_slots_used=0, deadline_seconds=4000.0),
+        started_at=NOW - elapsed,
+        iterations_done=0,
+        prompts_published=25,
+        samples_produced=0,
+    )
+    actions = [
+        a
+        for a in plan(run, world([], prompts=25, samples=0, estimates=Estimates(None, None), produced=0))
+        if isinstance(a, LaunchWorker)
+    ]
     assert actions and all(a.on_demand is on_demand for a in actions)
 
 
@@ -132,10 +183,19 @@ def test_spot_workers_waiting_for_a_node_give_their_slots_to_on_demand_ones() ->
     run = state("cost-aware", deadline_seconds=1500.0)
     waiting = [replace(w, waiting_for_node=True) for w in WORKERS]
     actions = launched(plan(run, world(waiting + [JOB], prompts=25, samples=100)))
-    assert actions == [StopPod("r-rollout-0"), StopPod("r-rollout-1"),
-                       LaunchWorker("r", 2, on_demand=True), LaunchWorker("r", 3, on_demand=True)]
+    assert actions == [
+        StopPod("r-rollout-0"),
+        StopPod("r-rollout-1"),
+        LaunchWorker("r", 2, on_demand=True),
+        LaunchWorker("r", 3, on_demand=True),
+    ]
     # With time to spare they keep waiting for spot.
-    assert launched(plan(state("cost-aware", deadline_seconds=1_000_000.0), world(waiting + [JOB], prompts=25, samples=100))) == []
+    assert (
+        launched(
+            plan(state("cost-aware", deadline_seconds=1_000_000.0), world(waiting + [JOB], prompts=25, samples=100))
+        )
+        == []
+    )
 
 
 def test_workers_waiting_for_a_node_make_no_batch_worth_a_warm_node() -> None:
@@ -155,8 +215,11 @@ def test_a_smaller_pool_stops_the_workers_waiting_for_a_node_first() -> None:
 
 
 def test_always_on_rollout_is_on_demand() -> None:
-    actions = [a for a in plan(state("always-on", worker_slots_used=0), world([JOB], prompts=25, samples=100))
-               if isinstance(a, LaunchWorker)]
+    actions = [
+        a
+        for a in plan(state("always-on", worker_slots_used=0), world([JOB], prompts=25, samples=100))
+        if isinstance(a, LaunchWorker)
+    ]
     assert actions and all(a.on_demand for a in actions)
 
 
@@ -166,30 +229,41 @@ def test_estimates_come_from_what_the_workers_and_jobs_measured() -> None:
     assert e.rollout_samples_per_s == 2.0 and e.training_seconds == 40.0  # the last five jobs
 
 
-@pytest.mark.parametrize(("policy", "iterations_done", "kept"), [
-    ("cost-aware", 1, True),  # the next batch's prompts come next tick: a tick idle, not a restart each
-    ("cost-aware", 4, False),  # the last batch: nothing more to make
-    ("threshold", 1, False),  # the threshold pool follows the backlog, empty for that tick
-])
-def test_cost_aware_keeps_the_pool_up_as_the_batch_goes_to_its_job(policy: str, iterations_done: int, kept: bool) -> None:
+@pytest.mark.parametrize(
+    ("policy", "iterations_done", "kept"),
+    [
+        ("cost-aware", 1, True),  # the next batch's prompts come next tick: a tick idle, not a restart each
+        ("cost-aware", 4, False),  # the last batch: nothing more to make
+        ("threshold", 1, False),  # the threshold pool follows the backlog, empty for that tick
+    ],
+)
+def test_cost_aware_keeps_the_pool_up_as_the_batch_goes_to_its_job(
+    policy: str, iterations_done: int, kept: bool
+) -> None:
     run = replace(state(policy), iterations_done=iterations_done)
     actions = plan(run, world(WORKERS, prompts=0, samples=100))
     assert LaunchTraining("r", iterations_done + 1) in actions
     assert any(isinstance(a, StopPod) and "rollout" in a.name for a in actions) is not kept
 
 
-@pytest.mark.parametrize(("policy", "training_seconds", "iterations_done", "kept"), [
-    ("cost-aware", 50.0, 1, True),  # the job ends in 40 s, under a worker's 90 s start-up: idle until then
-    ("cost-aware", 500.0, 1, False),  # in 490 s: stopping and coming back costs less
-    ("cost-aware", 50.0, 3, False),  # the complete batch is the run's last
-    ("threshold", 50.0, 1, False),  # the threshold pool follows the backlog, empty now
-])
+@pytest.mark.parametrize(
+    ("policy", "training_seconds", "iterations_done", "kept"),
+    [
+        ("cost-aware", 50.0, 1, True),  # the job ends in 40 s, under a worker's 90 s start-up: idle until then
+        ("cost-aware", 500.0, 1, False),  # in 490 s: stopping and coming back costs less
+        ("cost-aware", 50.0, 3, False),  # the complete batch is the run's last
+        ("threshold", 50.0, 1, False),  # the threshold pool follows the backlog, empty now
+    ],
+)
 def test_cost_aware_keeps_a_pool_a_batch_ahead_while_the_job_ends_within_a_start_up(
     policy: str, training_seconds: float, iterations_done: int, kept: bool
 ) -> None:
     # The job (started 10 s ago) holds its batch, and the next batch is complete: no prompt to publish before it ends.
     job = replace(JOB, started_at=NOW - 10, labels={"iteration": str(iterations_done + 1)})
     estimates = replace(MEASURED, training_seconds=training_seconds)
-    actions = plan(replace(state(policy), iterations_done=iterations_done), world(WORKERS + [job], prompts=0, samples=200, estimates=estimates))
+    actions = plan(
+        replace(state(policy), iterations_done=iterations_done),
+        world(WORKERS + [job], prompts=0, samples=200, estimates=estimates),
+    )
     assert not any(isinstance(a, PublishPrompts | LaunchTraining) for a in actions)
     assert any(isinstance(a, StopPod) and "rollout" in a.name for a in actions) is not kept

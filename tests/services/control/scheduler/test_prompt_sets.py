@@ -5,19 +5,24 @@ from __future__ import annotations
 
 from contracts.messages import PromptMessage
 from contracts.status import RunStatus
+from services.control.scheduler.loop import Scheduler
 from services.core.config import Settings
 from services.domain.names import prompts_key, prompts_topic
 from services.domain.runspec import RunSpec
-from services.control.scheduler.loop import Scheduler
 from services.ports.wiring import Backends
 
 # Line and paragraph separators and NEL: JSON leaves them unescaped, `str.splitlines` cuts at them.
 PROMPTS = ["a\u2028b", "c\u2029d", "e\x85f", "g\x0ch=", "plain"]
-SPEC = RunSpec.model_validate({
-    "model": "tiny", "prompts": [{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS)],
-    "samples_per_prompt": 2, "batch_samples": 2 * len(PROMPTS), "iterations": 1,
-    "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 1},
-})
+SPEC = RunSpec.model_validate(
+    {
+        "model": "tiny",
+        "prompts": [{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS)],
+        "samples_per_prompt": 2,
+        "batch_samples": 2 * len(PROMPTS),
+        "iterations": 1,
+        "rollout": {"min_workers": 1, "max_workers": 1, "prompts_per_batch": 1},
+    }
+)
 
 
 def queued_prompts(b: Backends, run_id: str) -> list[PromptMessage]:

@@ -14,7 +14,18 @@ from services.cli.main import app
 REPO = Path(__file__).resolve().parents[4]
 ONE_INSTANCE = {"metadata": {"gap_seconds": 60}, "data": [1] * 10}
 CNY_TYPES = ["--rollout-instance-type", "ecs.gn8is-4x.16xlarge", "--training-instance-type", "ecs.gn7e-c16g1.32xlarge"]
-SMALL_RUN = ["--batch-samples", "40", "--iterations", "1", "--workers", "1", "--max-workers", "1", "--training-minutes", "2"]
+SMALL_RUN = [
+    "--batch-samples",
+    "40",
+    "--iterations",
+    "1",
+    "--workers",
+    "1",
+    "--max-workers",
+    "1",
+    "--training-minutes",
+    "2",
+]
 
 
 def test_spotrl_simulate_reports_the_runs_currency(tmp_path: Path) -> None:
@@ -29,8 +40,19 @@ def test_spotrl_simulate_reports_the_runs_currency(tmp_path: Path) -> None:
 def test_spotrl_simulate_refuses_instance_types_of_two_currencies(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps(ONE_INSTANCE))
-    result = CliRunner().invoke(app, ["simulate", "--trace", str(trace), *SMALL_RUN,
-                                      "--rollout-instance-type", "g6.xlarge", "--training-instance-type", "ecs.gn7e-c16g1.32xlarge"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--trace",
+            str(trace),
+            *SMALL_RUN,
+            "--rollout-instance-type",
+            "g6.xlarge",
+            "--training-instance-type",
+            "ecs.gn7e-c16g1.32xlarge",
+        ],
+    )
     assert result.exit_code != 0 and "different currencies" in result.output
 
 

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from services.domain.runspec import CostPolicy, RunSpec
 from services.control.scheduler import loop
 from services.control.scheduler import plan as plan_module
 from services.control.scheduler.policies import POLICIES, cost_aware
 from services.control.simulate import world
 from services.control.simulate.traces import parse_trace
 from services.control.simulate.world import Workload, simulate
+from services.domain.runspec import CostPolicy, RunSpec
 
 TRACE = parse_trace("steady", {"metadata": {"gap_seconds": 60}, "data": [4]})
-SMALL = Workload(batch_samples=40, iterations=2, workers=2, max_workers=2, worker_samples_per_hour=3600.0,
-                 training_minutes=2.0, startup_seconds=60.0, horizon_days=0.05)
+SMALL = Workload(
+    batch_samples=40,
+    iterations=2,
+    workers=2,
+    max_workers=2,
+    worker_samples_per_hour=3600.0,
+    training_minutes=2.0,
+    startup_seconds=60.0,
+    horizon_days=0.05,
+)
 
 
 def test_a_run_spec_without_cost_policy_gets_cost_aware() -> None:

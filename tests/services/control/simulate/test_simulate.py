@@ -10,17 +10,25 @@ from typer.testing import CliRunner
 
 from services.cli.main import app
 from services.control.cost.billing import NODE_BOOT_SECONDS
-from services.ports.prices.catalog import load_catalog
-from services.domain.runspec import CostPolicy
 from services.control.scheduler.ledger_match import DEFER_STEP_SECONDS
 from services.control.simulate.traces import parse_trace
 from services.control.simulate.world import Workload, simulate
+from services.domain.runspec import CostPolicy
+from services.ports.prices.catalog import load_catalog
 
 # 4 spot instances, down to 1 for 20 minutes from minute 10, then back.
 TRACE = {"metadata": {"gap_seconds": 60}, "data": [4] * 10 + [1] * 20 + [4] * 200}
 # 3 batches of 400 samples; 4 workers at 1 sample/s; 5 min of training per batch, 60 s start-up.
-SMALL = Workload(batch_samples=400, iterations=3, workers=4, max_workers=8, worker_samples_per_hour=3600.0,
-                 training_minutes=5.0, startup_seconds=60.0, spot_notice_seconds=30.0)
+SMALL = Workload(
+    batch_samples=400,
+    iterations=3,
+    workers=4,
+    max_workers=8,
+    worker_samples_per_hour=3600.0,
+    training_minutes=5.0,
+    startup_seconds=60.0,
+    spot_notice_seconds=30.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +102,38 @@ def test_the_cli_writes_the_figures(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps(TRACE))
     out = tmp_path / "out.json"
-    result = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--policy", "threshold", "--json", str(out),
-                                      "--batch-samples", "400", "--iterations", "2", "--training-minutes", "5"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--trace",
+            str(trace),
+            "--policy",
+            "threshold",
+            "--json",
+            str(out),
+            "--batch-samples",
+            "400",
+            "--iterations",
+            "2",
+            "--training-minutes",
+            "5",
+        ],
+    )
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
-    assert set(figures) == {"policy", "currency", "dollars", "wall_seconds", "lower_bound_dollars", "always_on_dollars",
-                            "samples_trained", "samples_dropped_stale", "preemptions", "training_busy_fraction",
-                            "deadline_met"}
+    assert set(figures) == {
+        "policy",
+        "currency",
+        "dollars",
+        "wall_seconds",
+        "lower_bound_dollars",
+        "always_on_dollars",
+        "samples_trained",
+        "samples_dropped_stale",
+        "preemptions",
+        "training_busy_fraction",
+        "deadline_met",
+    }
     assert figures["policy"] == "threshold" and figures["samples_trained"] == 800
     assert figures["currency"] == "USD"  # g6.xlarge and p4d.24xlarge, the defaults

@@ -4,21 +4,50 @@ from __future__ import annotations
 
 import pytest
 
-from services.ports.prices.catalog import parse_catalog
-from services.domain.runspec import CostPolicy
 from services.control.simulate.traces import parse_trace
 from services.control.simulate.world import Workload, simulate
+from services.domain.runspec import CostPolicy
+from services.ports.prices.catalog import parse_catalog
 
 # Training free, rollout 3.6/h on spot (0.001 a second), so that the bill is the rollout's seconds.
-CATALOG = parse_catalog({"currency": "USD", "instances": {
-    "g6.xlarge": {"gpu": "L4", "gpus": 1, "provider": "aws", "region": "test", "on_demand": 7.2, "spot": 3.6,
-                  "source": "test", "date": "2025-06"},
-    "p4d.24xlarge": {"gpu": "A100-40GB", "gpus": 8, "provider": "aws", "region": "test", "on_demand": 0.0, "spot": 0.0,
-                     "source": "test", "date": "2025-06"},
-}})
+CATALOG = parse_catalog(
+    {
+        "currency": "USD",
+        "instances": {
+            "g6.xlarge": {
+                "gpu": "L4",
+                "gpus": 1,
+                "provider": "aws",
+                "region": "test",
+                "on_demand": 7.2,
+                "spot": 3.6,
+                "source": "test",
+                "date": "2025-06",
+            },
+            "p4d.24xlarge": {
+                "gpu": "A100-40GB",
+                "gpus": 8,
+                "provider": "aws",
+                "region": "test",
+                "on_demand": 0.0,
+                "spot": 0.0,
+                "source": "test",
+                "date": "2025-06",
+            },
+        },
+    }
+)
 # One worker makes the one batch: a group of 4 samples at 1 sample/s, after a 60 s start-up.
-ONE_BATCH = Workload(batch_samples=4, samples_per_prompt=4, iterations=1, workers=1, max_workers=1,
-                     worker_samples_per_hour=3600.0, training_minutes=1.0, startup_seconds=60.0)
+ONE_BATCH = Workload(
+    batch_samples=4,
+    samples_per_prompt=4,
+    iterations=1,
+    workers=1,
+    max_workers=1,
+    worker_samples_per_hour=3600.0,
+    training_minutes=1.0,
+    startup_seconds=60.0,
+)
 ONE_INSTANCE = {"metadata": {"gap_seconds": 60}, "data": [1] * 10}
 
 

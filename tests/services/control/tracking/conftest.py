@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.ports.state.state_store import StateStore
 from services.ports.prices.catalog import PriceCatalog, load_catalog
+from services.ports.state.state_store import StateStore
 from tests.servers.mlflow import mlflow_auth_server, mlflow_server  # noqa: F401 - the fixtures
 
 

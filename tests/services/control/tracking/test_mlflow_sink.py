@@ -44,11 +44,17 @@ def test_a_restarted_sink_repeats_no_value(mlflow_server: MlflowTestServer) -> N
     MlflowSink(first, experiment).write("run-b", points(range(1, 4)))
     first.close()  # the scheduler dies before advancing its cursor
     again = MlflowServer(mlflow_server.url)
-    MlflowSink(again, experiment).write("run-b", [*points(range(1, 6), shift=0.5), Point(2, 1900.0, {"eval/mean_score": 0.5})])
+    MlflowSink(again, experiment).write(
+        "run-b", [*points(range(1, 6), shift=0.5), Point(2, 1900.0, {"eval/mean_score": 0.5})]
+    )
     mlflow_id = mlflow_server.run_of(experiment, "run-b")["info"]["run_id"]  # one run: found again by its tag
     assert [(s, v) for s, v, _ in mlflow_server.history(mlflow_id, "reward/mean")] == [
-        (1, 0.25), (2, 0.5), (3, 0.75), (4, 1.5), (5, 1.75)
-    ]  # fmt: skip
+        (1, 0.25),
+        (2, 0.5),
+        (3, 0.75),
+        (4, 1.5),
+        (5, 1.75),
+    ]
     assert [s for s, _, _ in mlflow_server.history(mlflow_id, "eval/mean_score")] == [2]
     again.close()
 
@@ -82,7 +88,9 @@ def test_errors_name_the_server_never_its_credentials(mlflow_server: MlflowTestS
 def test_a_deleted_experiment_is_named_in_the_error(mlflow_server: MlflowTestServer) -> None:
     experiment = f"exp-{uuid.uuid4().hex[:8]}"
     created = mlflow_server.client.post("/experiments/create", json={"name": experiment}).raise_for_status().json()
-    mlflow_server.client.post("/experiments/delete", json={"experiment_id": created["experiment_id"]}).raise_for_status()
+    mlflow_server.client.post(
+        "/experiments/delete", json={"experiment_id": created["experiment_id"]}
+    ).raise_for_status()
     server = MlflowServer(mlflow_server.url)
     with pytest.raises(TrackingError, match=f"experiment '{experiment}' is deleted"):
         MlflowSink(server, experiment).write("run-d", points(range(1, 2)))

@@ -11,16 +11,24 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboards_masked_crc32c
 
-from services.ports.objects.local_object_store import LocalObjectStore
 from services.control.tracking.points import Point
-from services.control.tracking.tensorboard_sink import TensorBoardSink, crc32c, event_file, masked_crc32c, tensorboard_prefix
+from services.control.tracking.tensorboard_sink import (
+    TensorBoardSink,
+    crc32c,
+    event_file,
+    masked_crc32c,
+    tensorboard_prefix,
+)
+from services.ports.objects.local_object_store import LocalObjectStore
 
 
 def scalars(logdir: Path) -> dict[str, list[tuple[int, float, float]]]:
     """Every scalar TensorBoard finds in ``logdir``: tag -> [(step, value, wall_time)]."""
     accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})  # 0: keep every event
     accumulator.Reload()
-    return {tag: [(e.step, e.value, e.wall_time) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    return {
+        tag: [(e.step, e.value, e.wall_time) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
 
 
 def logged_steps(logdir: Path, tag: str) -> list[int]:
@@ -44,7 +52,10 @@ def test_crc32c_matches_its_check_value_and_tensorboards_own() -> None:
 def test_points_read_back_as_tensorboard_scalars(tmp_path: Path) -> None:
     objects = LocalObjectStore(tmp_path / "objects")
     sink = TensorBoardSink(objects)
-    train = [Point(i, 1000.0 + i, {"actor/pg_loss": 0.5 / i, "reward/mean": 0.25 * i, "cost/dollars_so_far": 0.01 * i}) for i in (1, 2, 3)]
+    train = [
+        Point(i, 1000.0 + i, {"actor/pg_loss": 0.5 / i, "reward/mean": 0.25 * i, "cost/dollars_so_far": 0.01 * i})
+        for i in (1, 2, 3)
+    ]
     sink.write("r1", [*train[:2], Point(1, 1500.0, {"eval/mean_score": 0.125, "eval/pass@4": 0.5})])
     sink.write("r1", [train[2], Point(3, 1600.0, {"eval/mean_score": 0.375, "eval/pass@4": 0.75})])
     got = scalars(objects.root / tensorboard_prefix("r1"))
@@ -55,9 +66,11 @@ def test_points_read_back_as_tensorboard_scalars(tmp_path: Path) -> None:
     assert set(got) == {"actor/pg_loss", "reward/mean", "cost/dollars_so_far", "eval/mean_score", "eval/pass@4"}
     # A file per kind and sync, named by its first step.
     assert [k.rsplit("/", 1)[1] for k in objects.list(tensorboard_prefix("r1"))] == [
-        "events.out.tfevents.0000000001.spotrl-eval", "events.out.tfevents.0000000001.spotrl-train",
-        "events.out.tfevents.0000000003.spotrl-eval", "events.out.tfevents.0000000003.spotrl-train",
-    ]  # fmt: skip
+        "events.out.tfevents.0000000001.spotrl-eval",
+        "events.out.tfevents.0000000001.spotrl-train",
+        "events.out.tfevents.0000000003.spotrl-eval",
+        "events.out.tfevents.0000000003.spotrl-train",
+    ]
 
 
 def test_a_write_repeated_from_the_same_step_overwrites_its_file(tmp_path: Path) -> None:
@@ -69,8 +82,12 @@ def test_a_write_repeated_from_the_same_step_overwrites_its_file(tmp_path: Path)
     first = objects.get_bytes(objects.list("runs/r1/")[0])
     TensorBoardSink(objects).write("r1", points)  # a new process: the same batch and two newer points
     assert len(objects.list("runs/r1/")) == 1
-    assert objects.get_bytes(objects.list("runs/r1/")[0]).startswith(first)  # a reader that read the first sees an append
-    assert scalars(objects.root / tensorboard_prefix("r1"))["reward/mean"] == [(i, float(i), 1000.0 + i) for i in range(1, 6)]
+    assert objects.get_bytes(objects.list("runs/r1/")[0]).startswith(
+        first
+    )  # a reader that read the first sees an append
+    assert scalars(objects.root / tensorboard_prefix("r1"))["reward/mean"] == [
+        (i, float(i), 1000.0 + i) for i in range(1, 6)
+    ]
     assert logged_steps(objects.root / tensorboard_prefix("r1"), "reward/mean") == [1, 2, 3, 4, 5]
 
 

@@ -14,7 +14,11 @@ from tests.services.control.tracking.tracking_support import end_run, make_run
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
-    url = f"sqlite:///{tmp_path / 'state.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres").new_database()
+    url = (
+        f"sqlite:///{tmp_path / 'state.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres").new_database()
+    )
     s = StateStore(url)
     yield s
     s.close()

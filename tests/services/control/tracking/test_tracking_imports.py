@@ -32,7 +32,9 @@ TRACKER_PACKAGES = ("wandb", "tensorboard", "tensorboardX", "mlflow", "numpy", "
 
 
 def test_the_scheduler_loads_wandb_only_for_a_run_that_asks_for_it(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tmp_path)], check=True, capture_output=True, text=True
+    ).stdout
     loaded = json.loads(out.strip().splitlines()[-1])
     assert "services" in loaded["without_wandb"], "the probe imported the control plane"
     assert [m for m in TRACKER_PACKAGES if m in loaded["without_wandb"]] == []

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.ports.state.state_store import StateStore
-from services.ports.prices.catalog import PriceCatalog
 from services.control.cost.report import cost_report
 from services.control.tracking.points import Point, dollars_at, eval_point, iteration_point
+from services.ports.prices.catalog import PriceCatalog
+from services.ports.state.state_store import StateStore
 from tests.services.control.tracking.tracking_support import T0, job_metrics, make_run, record
 
 
@@ -37,8 +37,16 @@ def test_reward_mean_falls_back_to_the_iterations_mean_reward(store: StateStore)
 
 def test_the_cost_so_far_is_the_cost_reports_figure_at_that_instant(store: StateStore, catalog: PriceCatalog) -> None:
     make_run(store, "r1")
-    store.open_ledger(run_id="r1", role="training", pod="r1-train-1", instance_type="p4d.24xlarge",
-                      capacity_type="on-demand", price_per_hour=21.96, price_source="test", started_at=T0 + 50)  # fmt: skip
+    store.open_ledger(
+        run_id="r1",
+        role="training",
+        pod="r1-train-1",
+        instance_type="p4d.24xlarge",
+        capacity_type="on-demand",
+        price_per_hour=21.96,
+        price_source="test",
+        started_at=T0 + 50,
+    )
     store.close_ledger("r1-train-1", ended_at=T0 + 80)
     entries = store.ledger("r1")
     # At T0 + 30 only the rollout worker ran, 30 s, billed AWS's 60 s minimum.
@@ -46,8 +54,14 @@ def test_the_cost_so_far_is_the_cost_reports_figure_at_that_instant(store: State
     # At T0 + 500: the worker's 500 s and the training job's 30 s billed as 60 s.
     assert dollars_at(entries, catalog, T0 + 500) == pytest.approx(500 * 0.35 / 3600 + 60 * 21.96 / 3600)
     # The same figure as the run's cost report then.
-    report = cost_report(entries, catalog=catalog, training_instance_type="p4d.24xlarge", run_started_at=T0,
-                         run_ended_at=T0 + 500, now=T0 + 500)  # fmt: skip
+    report = cost_report(
+        entries,
+        catalog=catalog,
+        training_instance_type="p4d.24xlarge",
+        run_started_at=T0,
+        run_ended_at=T0 + 500,
+        now=T0 + 500,
+    )
     assert dollars_at(entries, catalog, T0 + 500) == pytest.approx(report.total_dollars)
 
 

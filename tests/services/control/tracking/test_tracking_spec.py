@@ -11,10 +11,22 @@ BASE = {"model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}], "iterat
 
 
 def test_a_spec_names_its_trackers() -> None:
-    spec = RunSpec.model_validate({**BASE, "tracking": {"tensorboard": True, "mlflow": {"experiment": "gsm8k grpo"},
-                                                        "wandb": {"project": "spotrl", "entity": "my-team"}}})  # fmt: skip
+    spec = RunSpec.model_validate(
+        {
+            **BASE,
+            "tracking": {
+                "tensorboard": True,
+                "mlflow": {"experiment": "gsm8k grpo"},
+                "wandb": {"project": "spotrl", "entity": "my-team"},
+            },
+        }
+    )
     assert spec.tracking == Tracking.model_validate(spec.model_dump()["tracking"])  # stored and read back alike
-    assert (spec.tracking.tensorboard, spec.tracking.mlflow.experiment, spec.tracking.wandb.entity) == (True, "gsm8k grpo", "my-team")
+    assert (spec.tracking.tensorboard, spec.tracking.mlflow.experiment, spec.tracking.wandb.entity) == (
+        True,
+        "gsm8k grpo",
+        "my-team",
+    )
     assert RunSpec.model_validate(BASE).tracking is None
 
 

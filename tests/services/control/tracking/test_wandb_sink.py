@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from services.control.tracking.points import Point
-from services.control.tracking.wandb_sink import EVAL_STEP, WandbSession, WandbSink, history_rows, offline_logs, transaction_records
+from services.control.tracking.wandb_sink import (
+    EVAL_STEP,
+    WandbSession,
+    WandbSink,
+    history_rows,
+    offline_logs,
+    transaction_records,
+)
 
 
 def train(steps: range) -> list[Point]:
@@ -67,12 +74,17 @@ def test_a_restarted_session_repeats_no_point(session, tmp_path: Path) -> None:
     """A scheduler that died after writing and before advancing its cursor writes the same points
     again from a new process: the new offline folder holds only what the earlier ones lack."""
     first = session()
-    WandbSink(first, project="p", entity=None).write("run-b", [*train(range(1, 4)), Point(2, 1500.0, {"eval/mean_score": 0.5})])
+    WandbSink(first, project="p", entity=None).write(
+        "run-b", [*train(range(1, 4)), Point(2, 1500.0, {"eval/mean_score": 0.5})]
+    )
     first.close()  # the process stops; its run is left open (marked preempting) for the next to resume
     sessions_before = offline_logs(tmp_path / "wandb", "run-b")
     again_session = session()
     again = WandbSink(again_session, project="p", entity=None)
-    again.write("run-b", [*train(range(1, 6)), Point(2, 1500.0, {"eval/mean_score": 0.5}), Point(4, 1600.0, {"eval/mean_score": 0.75})])
+    again.write(
+        "run-b",
+        [*train(range(1, 6)), Point(2, 1500.0, {"eval/mean_score": 0.5}), Point(4, 1600.0, {"eval/mean_score": 0.75})],
+    )
     again.end_run("run-b", "FAILED", 2000.0)
     again_session.close()
     assert len(offline_logs(tmp_path / "wandb", "run-b")) == len(sessions_before) + 1

@@ -52,7 +52,9 @@ def pids_of(outcomes: list[Outcome]) -> set[int]:
 
 
 @pytest.mark.parametrize("misbehaviour", list(MISBEHAVIOURS))
-def test_a_misbehaving_call_scores_0_with_its_reason_and_the_pool_answers_on(hostile: FunctionPool, misbehaviour: str) -> None:
+def test_a_misbehaving_call_scores_0_with_its_reason_and_the_pool_answers_on(
+    hostile: FunctionPool, misbehaviour: str
+) -> None:
     items = [Item("42", "42"), Item("42", "42", misbehaviour), *good_items()]
 
     outcomes = hostile.score(items)

@@ -8,7 +8,14 @@ from services.domain.runspec import RewardFn, RewardTerm
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("The answer is 42.", 42.0), ("3 + 4 = 7", 7.0), ("-5", -5.0), ("1,234 apples", 1234.0), ("none", None), ("2.50", 2.5)],
+    [
+        ("The answer is 42.", 42.0),
+        ("3 + 4 = 7", 7.0),
+        ("-5", -5.0),
+        ("1,234 apples", 1234.0),
+        ("none", None),
+        ("2.50", 2.5),
+    ],
 )
 def test_last_number(text: str, expected: float | None) -> None:
     assert last_number(text) == expected
@@ -41,7 +48,9 @@ BACKTRACKING = r"(\w+\s?)+$"  # exponential on a long word followed by a non-wor
 
 
 def reward_model_term(weight: float = 1.0) -> RewardTerm:
-    return RewardTerm.model_construct(fn=RewardFn.REWARD_MODEL, weight=weight, pattern=None, target_tokens=None, path="/rm")
+    return RewardTerm.model_construct(
+        fn=RewardFn.REWARD_MODEL, weight=weight, pattern=None, target_tokens=None, path="/rm"
+    )
 
 
 def test_a_regex_that_times_out_scores_0_for_that_response_only() -> None:
@@ -54,7 +63,9 @@ def test_a_regex_that_times_out_scores_0_for_that_response_only() -> None:
     assert scores.totals == [3.0, 1.0]
     assert scores.failed == [False, True]
     assert scores.failures == {"regex:timeout": 1}
-    assert scores.reason is not None and scores.reason.startswith("regex: pattern ") and "did not decide" in scores.reason
+    assert (
+        scores.reason is not None and scores.reason.startswith("regex: pattern ") and "did not decide" in scores.reason
+    )
 
 
 def test_the_pattern_of_the_report_scores_0_on_a_long_response() -> None:
@@ -105,7 +116,9 @@ def test_total_rewards_scores_a_failure_0_and_logs_it(caplog: pytest.LogCaptureF
 
 
 def test_no_failures_no_reason() -> None:
-    scores = score_batch([RewardTerm(fn="regex", pattern="yes")], [RewardInput("", "yes", 1, None), RewardInput("", "no", 1, None)])
+    scores = score_batch(
+        [RewardTerm(fn="regex", pattern="yes")], [RewardInput("", "yes", 1, None), RewardInput("", "no", 1, None)]
+    )
     assert (scores.totals, scores.failed, scores.failures, scores.reason) == ([1.0, 0.0], [False, False], {}, None)
 
 
@@ -115,10 +128,16 @@ def test_the_verifiers_score_through_the_run_spec_s_terms() -> None:
     think = "<think>2 and 3 make 5</think>\n<answer>\\boxed{5}</answer>"
     scores = score_batch(
         [RewardTerm(fn="math"), RewardTerm(fn="format", weight=0.1)],
-        [RewardInput("2+3?", think, 9, "5"), RewardInput("2+3?", "\\boxed{\\frac{10}{2}}", 9, "5"), RewardInput("2+3?", "6", 1, "5")],
+        [
+            RewardInput("2+3?", think, 9, "5"),
+            RewardInput("2+3?", "\\boxed{\\frac{10}{2}}", 9, "5"),
+            RewardInput("2+3?", "6", 1, "5"),
+        ],
     )
     assert scores.totals == pytest.approx([1.1, 1.0, 0.0])
-    code = score_batch([RewardTerm(fn="code")], [RewardInput("add", program, 9, tests), RewardInput("add", "print(5)", 2, tests)])
+    code = score_batch(
+        [RewardTerm(fn="code")], [RewardInput("add", program, 9, tests), RewardInput("add", "print(5)", 2, tests)]
+    )
     assert code.totals == [1.0, 0.5]
     missing = score_batch([RewardTerm(fn="code")], [RewardInput("add", program, 9, None)])
     assert missing.failures == {"code:invalid": 1}

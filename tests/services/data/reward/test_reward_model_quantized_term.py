@@ -62,26 +62,45 @@ def test_cached_rewards_of_the_int8_model_are_kept_apart(rm_dir: Path) -> None:
 
     with TestClient(create_reward_app(rm_dir, quantize="8bit")) as client:
         health = client.get("/healthz").json()
-        scores = client.post("/v1/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES)]}).json()
+        scores = client.post(
+            "/v1/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES)]}
+        ).json()
     assert health["fingerprint"] == model_fingerprint(rm_dir) + ";quantize=8bit"
-    assert scores["scores"] == pytest.approx(RewardModel.load(rm_dir, quantize="8bit").score(PROMPTS, RESPONSES), abs=1e-6)
+    assert scores["scores"] == pytest.approx(
+        RewardModel.load(rm_dir, quantize="8bit").score(PROMPTS, RESPONSES), abs=1e-6
+    )
 
 
 def test_spotrl_reward_server_serves_the_int8_model(rm_dir: Path) -> None:
     with reward_server("--model", str(rm_dir), "--quantize", "8bit") as (_, url, health):
-        scored = httpx.post(f"{url}/v1/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES)]})
+        scored = httpx.post(
+            f"{url}/v1/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES)]}
+        )
     assert health["fingerprint"].endswith(";quantize=8bit")
-    assert scored.json()["scores"] == pytest.approx(RewardModel.load(rm_dir, quantize="8bit").score(PROMPTS, RESPONSES), abs=1e-6)
+    assert scored.json()["scores"] == pytest.approx(
+        RewardModel.load(rm_dir, quantize="8bit").score(PROMPTS, RESPONSES), abs=1e-6
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--function", "rewards.py:f", "--quantize", "8bit"], "--quantize is for a reward model (--model)"),
-     (["--model", "/rm", "--quantize", "3bit"], "'3bit' is not one of '4bit', '8bit'"),
-     (["--model", "/rm", "--quantize", "4bit"], "4bit needs a CUDA GPU, and the reward server loads the model on the CPU: use 8bit")],
-)  # fmt: skip
+    [
+        (["--function", "rewards.py:f", "--quantize", "8bit"], "--quantize is for a reward model (--model)"),
+        (["--model", "/rm", "--quantize", "3bit"], "'3bit' is not one of '4bit', '8bit'"),
+        (
+            ["--model", "/rm", "--quantize", "4bit"],
+            "4bit needs a CUDA GPU, and the reward server loads the model on the CPU: use 8bit",
+        ),
+    ],
+)
 def test_spotrl_reward_server_refuses_a_quantize_it_cannot_use(args: list[str], message: str) -> None:
     env = {**os.environ, "COLUMNS": "500"}  # the error on one line
-    done = subprocess.run([sys.executable, "-m", "services.cli.main", "reward-server", *args], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "reward-server", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 2
     assert message in done.stderr

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services.ports.reward_cache.sqlite_reward_cache import InProcessRewardCache
-from services.data.reward.functions import REWARD_FUNCTIONS, RewardInput, load_reward_model, total_rewards
 from contracts.messages import PromptMessage
+from services.data.reward.functions import REWARD_FUNCTIONS, RewardInput, load_reward_model, total_rewards
 from services.data.rollout.worker import RolloutWorker, StopSignal
 from services.domain.runspec import RewardTerm, RunSpec
+from services.ports.reward_cache.sqlite_reward_cache import InProcessRewardCache
 from tests.services.data.reward.reward_servers import serve, train_reward_model
 from trainer_core.supervised.reward_model import RewardModel
-
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +62,9 @@ def test_reward_term_needs_a_path_and_the_server_checks_what_is_there(rm_dir: Pa
 
     def spec(path: Path) -> RunSpec:
         reward = [{"fn": "reward_model", "path": str(path)}]
-        return RunSpec.model_validate({"model": "tiny", "prompts": [{"prompt": "cat?"}], "iterations": 1, "batch_samples": 4, "reward": reward})
+        return RunSpec.model_validate(
+            {"model": "tiny", "prompts": [{"prompt": "cat?"}], "iterations": 1, "batch_samples": 4, "reward": reward}
+        )
 
     # The spec checks the form only: a stored spec reads back even if the directory has gone.
     gone = spec(tmp_path / "gone")
@@ -117,7 +118,9 @@ def test_the_cache_fingerprint_changes_when_the_reward_model_is_retrained(tmp_pa
     from services.data.reward.functions import terms_fingerprint
 
     (tmp_path / "head.safetensors").write_bytes(b"v1")
-    terms = [RewardTerm.model_construct(fn="reward_model", weight=1.0, pattern=None, target_tokens=None, path=str(tmp_path))]
+    terms = [
+        RewardTerm.model_construct(fn="reward_model", weight=1.0, pattern=None, target_tokens=None, path=str(tmp_path))
+    ]
     before = terms_fingerprint(terms)
     assert terms_fingerprint(terms) == before
     (tmp_path / "head.safetensors").write_bytes(b"v2 retrained")
@@ -153,8 +156,15 @@ def test_a_run_names_a_reward_service_the_operator_allows(reward_service: str, s
 
     with pytest.raises(ValidationError, match="one of the two"):
         RewardTerm(fn="reward_model", path="/rm", url=reward_service)
-    spec = RunSpec.model_validate({"model": "tiny", "prompts": [{"prompt": "cat?"}], "iterations": 1, "batch_samples": 4,
-                                   "reward": [{"fn": "reward_model", "url": reward_service}]})  # fmt: skip
+    spec = RunSpec.model_validate(
+        {
+            "model": "tiny",
+            "prompts": [{"prompt": "cat?"}],
+            "iterations": 1,
+            "batch_samples": 4,
+            "reward": [{"fn": "reward_model", "url": reward_service}],
+        }
+    )
     with pytest.raises(SpecFieldError, match="SPOTRL_REWARD_SERVICE_URLS"):
         check_spec_for_server(spec, settings)
     check_spec_for_server(spec, settings.model_copy(update={"reward_service_urls": reward_service}))

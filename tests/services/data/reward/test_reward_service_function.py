@@ -38,8 +38,14 @@ def test_a_batch_is_scored_with_failures_counted_by_reason(service: str, hostile
     responses = ["42", "42", "42", "42", "42", "42", "42", "41", "[1, 2]"]
     truths: list[object] = ["42"] * 8 + [[1, 2]]
 
-    scores = score_remote(service, ["q"] * len(responses), responses, data_sources=sources, ground_truths=truths,
-                          extra_infos=[{"index": k} for k in range(len(responses))])  # fmt: skip
+    scores = score_remote(
+        service,
+        ["q"] * len(responses),
+        responses,
+        data_sources=sources,
+        ground_truths=truths,
+        extra_infos=[{"index": k} for k in range(len(responses))],
+    )
 
     assert list(scores) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert scores.failures == [None, "exception", "timeout", "crash", "memory", "invalid", "invalid", None, None]
@@ -86,7 +92,11 @@ def test_the_app_serves_a_model_or_a_function(hostile_path: Path) -> None:
 
 def test_spotrl_reward_server_serves_a_verl_reward_file(tmp_path: Path) -> None:
     path = write(tmp_path, "gsm8k.py", GSM8K)
-    with reward_server("--function", f"{path}:compute_score", "--workers", "2", "--timeout-s", "2") as (proc, url, health):
+    with reward_server("--function", f"{path}:compute_score", "--workers", "2", "--timeout-s", "2") as (
+        proc,
+        url,
+        health,
+    ):
         assert health == {"status": "ok", "fingerprint": resolve(f"{path}:compute_score").fingerprint}
         scores = score_remote(url, ["q"] * 3, ["#### 42", "#### 41", "42"], ground_truths=["42"] * 3)
         assert list(scores) == [1.0, 0.0, 0.0] and scores.failures == [None] * 3
@@ -98,11 +108,17 @@ def test_spotrl_reward_server_serves_a_verl_reward_file(tmp_path: Path) -> None:
     [
         ("raise RuntimeError('SECRET-USER-TEXT')\n", "{path}", "does not import (RuntimeError)"),
         ("SECRET = 1\n", "{path}:score", "the module defines no `score`"),
-        ("def compute_score(solution, SECRET):\n    return 1.0\n", "{path}", "it should take (data_source, solution_str"),
+        (
+            "def compute_score(solution, SECRET):\n    return 1.0\n",
+            "{path}",
+            "it should take (data_source, solution_str",
+        ),
     ],
     ids=["does not import", "missing function", "wrong signature"],
 )
-def test_spotrl_reward_server_says_why_it_cannot_serve_a_function(tmp_path: Path, source: str, reference: str, message: str) -> None:
+def test_spotrl_reward_server_says_why_it_cannot_serve_a_function(
+    tmp_path: Path, source: str, reference: str, message: str
+) -> None:
     path = write(tmp_path, "broken.py", source)
     command = [*SPOTRL, "reward-server", "--function", reference.format(path=path), "--port", str(free_port())]
     env = {**os.environ, "COLUMNS": "500"}  # the error on one line
@@ -113,5 +129,7 @@ def test_spotrl_reward_server_says_why_it_cannot_serve_a_function(tmp_path: Path
 
 
 def test_spotrl_reward_server_takes_a_model_or_a_function() -> None:
-    done = subprocess.run([*SPOTRL, "reward-server"], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "500"})
+    done = subprocess.run(
+        [*SPOTRL, "reward-server"], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "500"}
+    )
     assert done.returncode == 2 and "give exactly one of --model and --function" in done.stderr

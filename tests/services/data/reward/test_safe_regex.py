@@ -6,7 +6,14 @@ import re
 
 import pytest
 
-from services.core.safe_regex import MAX_PATTERN_CHARS, MAX_REPEAT_COUNT, RewardError, RewardTimeoutError, check_pattern, search
+from services.core.safe_regex import (
+    MAX_PATTERN_CHARS,
+    MAX_REPEAT_COUNT,
+    RewardError,
+    RewardTimeoutError,
+    check_pattern,
+    search,
+)
 
 # Patterns that backtrack exponentially in the engine too: no answer within any short limit.
 BACKTRACKING = [(r"(\w+\s?)+$", "word" * 500 + "!"), (r"^(a|aa)+$", "a" * 2000 + "b"), (r"^(.|\s|\S)*(?!)", "x" * 60)]
@@ -14,8 +21,15 @@ BACKTRACKING = [(r"(\w+\s?)+$", "word" * 500 + "!"), (r"^(a|aa)+$", "a" * 2000 +
 
 @pytest.mark.parametrize(
     "pattern",
-    [r"^\d+$", r"(?s)<think>.*?</think>\s*<answer>.*?</answer>\s*$", r"\\boxed\{[^}]*\}", r"(?<=answer: )\w+", r"(\w)\1",
-     r"^\d{1,3}(,\d{3})*$", "(?:a{100}){100}"],
+    [
+        r"^\d+$",
+        r"(?s)<think>.*?</think>\s*<answer>.*?</answer>\s*$",
+        r"\\boxed\{[^}]*\}",
+        r"(?<=answer: )\w+",
+        r"(\w)\1",
+        r"^\d{1,3}(,\d{3})*$",
+        "(?:a{100}){100}",
+    ],
 )
 def test_ordinary_patterns_are_accepted(pattern: str) -> None:
     check_pattern(pattern)
@@ -33,7 +47,15 @@ def test_ordinary_patterns_are_accepted(pattern: str) -> None:
         ("a{9999}" * 140, f"at most {MAX_REPEAT_COUNT}"),
         ("(?:x|y{20000})", f"at most {MAX_REPEAT_COUNT}"),
     ],
-    ids=["unbalanced", "not re syntax", "too long", "huge repeat", "nested repeats", "many repeats", "repeat in a branch"],
+    ids=[
+        "unbalanced",
+        "not re syntax",
+        "too long",
+        "huge repeat",
+        "nested repeats",
+        "many repeats",
+        "repeat in a branch",
+    ],
 )
 def test_check_pattern_says_why_a_pattern_is_refused(pattern: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -59,5 +59,9 @@ def test_no_private_standard_library_module_is_imported() -> None:
     tree = ast.parse(Path(safe_regex.__file__).read_text())
     names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-    private = [name for name in names if name.startswith("sre_") or any(part[:1] == "_" != part[1:2] for part in name.split("."))]
+    private = [
+        name
+        for name in names
+        if name.startswith("sre_") or any(part[:1] == "_" != part[1:2] for part in name.split("."))
+    ]
     assert not private

@@ -34,7 +34,12 @@ def score(reference: str, items: list[Item], batched: bool | None = None) -> lis
 
 def test_a_verl_gsm8k_reward_file_scores_unchanged(tmp_path: Path) -> None:
     path = write(tmp_path, "gsm8k.py", GSM8K)
-    items = [Item("so 6 * 7 = 42\n#### 42", "42", "openai/gsm8k"), Item("#### 41", "42"), Item("it is 42", "42"), Item("#### 1,000", "1000")]
+    items = [
+        Item("so 6 * 7 = 42\n#### 42", "42", "openai/gsm8k"),
+        Item("#### 41", "42"),
+        Item("it is 42", "42"),
+        Item("#### 1,000", "1000"),
+    ]
 
     outcomes = score(str(path), items)  # the name defaults to compute_score
 
@@ -90,7 +95,10 @@ def test_an_async_function_and_one_without_extra_info(tmp_path: Path) -> None:
 def test_extra_info_reaches_the_function_as_verl_passes_it(tmp_path: Path) -> None:
     source = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {'score': extra_info.get('index', -1), 'turns': extra_info['num_turns'] is None}\n"
     path = write(tmp_path, "extra.py", source)
-    assert score(str(path), [Item("x", extra_info={"index": 7}), Item("x")]) == [Outcome(7.0, {"turns": 1.0}), Outcome(-1.0, {"turns": 1.0})]
+    assert score(str(path), [Item("x", extra_info={"index": 7}), Item("x")]) == [
+        Outcome(7.0, {"turns": 1.0}),
+        Outcome(-1.0, {"turns": 1.0}),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -131,7 +139,9 @@ def test_the_fingerprint_is_the_files_sha256_and_changes_with_an_edit(tmp_path: 
     assert score(f"{path}:compute_score", item) == [Outcome(0.5)]
 
 
-def test_a_package_module_is_fingerprinted_without_importing_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_package_module_is_fingerprinted_without_importing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     package = f"rewards_{uuid.uuid4().hex[:8]}"
     (tmp_path / package).mkdir()
     marker = tmp_path / "imported"
@@ -158,17 +168,35 @@ def test_a_package_module_is_fingerprinted_without_importing_it(tmp_path: Path, 
 @pytest.mark.parametrize(
     ("source", "reference", "message"),
     [
-        ("raise RuntimeError('SECRET-USER-TEXT')\n", "{path}:compute_score", r"`{path}:compute_score` does not import \(RuntimeError\)"),
-        ("def compute_score(x:\n  'SECRET-USER-TEXT'\n", "{path}", r"does not import \(SyntaxError\): run it with python to see why"),
+        (
+            "raise RuntimeError('SECRET-USER-TEXT')\n",
+            "{path}:compute_score",
+            r"`{path}:compute_score` does not import \(RuntimeError\)",
+        ),
+        (
+            "def compute_score(x:\n  'SECRET-USER-TEXT'\n",
+            "{path}",
+            r"does not import \(SyntaxError\): run it with python to see why",
+        ),
         ("import spotrl_no_such_module_SECRET\n", "{path}", r"does not import \(ModuleNotFoundError\)"),
         ("SECRET = 1\n", "{path}:score_it", r"the module defines no `score_it`"),
         ("compute_score = 'SECRET-USER-TEXT'\n", "{path}", r"`compute_score` is not a function"),
-        ("def compute_score(a, b):\n    return 'SECRET'\n", "{path}", r"takes \(a, b\); it should take \(data_source, solution_str, ground_truth, extra_info=None\), or for a batch"),
-        ("def compute_score(data_source, solution_str, ground_truth, extra_info, tokenizer):\n    pass\n", "{path}", r"needs arguments verl does not pass"),
+        (
+            "def compute_score(a, b):\n    return 'SECRET'\n",
+            "{path}",
+            r"takes \(a, b\); it should take \(data_source, solution_str, ground_truth, extra_info=None\), or for a batch",
+        ),
+        (
+            "def compute_score(data_source, solution_str, ground_truth, extra_info, tokenizer):\n    pass\n",
+            "{path}",
+            r"needs arguments verl does not pass",
+        ),
     ],
     ids=["raises", "syntax", "missing import", "missing function", "not callable", "wrong signature", "extra argument"],
 )
-def test_a_function_that_cannot_be_served_is_named_never_shown(tmp_path: Path, source: str, reference: str, message: str) -> None:
+def test_a_function_that_cannot_be_served_is_named_never_shown(
+    tmp_path: Path, source: str, reference: str, message: str
+) -> None:
     path = write(tmp_path, "broken.py", source)
     ref = reference.format(path=path)
     with pytest.raises(UserFunctionError, match=message.format(path=path)) as info:
@@ -194,7 +222,10 @@ def test_batched_against_the_parameter_names(tmp_path: Path) -> None:
         ("missing.py:compute_score", "reward function file `missing.py` does not exist"),
         ("rewards.py:not-a-name", "is not a reward function reference"),
         (":compute_score", "is not a reward function reference"),
-        ("spotrl_no_such_package.rewards:compute_score", "cannot find module `spotrl_no_such_package.rewards` on the Python path"),
+        (
+            "spotrl_no_such_package.rewards:compute_score",
+            "cannot find module `spotrl_no_such_package.rewards` on the Python path",
+        ),
     ],
 )
 def test_a_reference_that_names_nothing(reference: str, message: str) -> None:

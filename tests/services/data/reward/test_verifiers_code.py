@@ -56,7 +56,7 @@ def test_a_program_that_crashes_after_the_right_output_fails() -> None:
 def test_call_based_cases_in_prime_and_apps_layouts() -> None:
     program = fenced("def add(a, b):\n    return a + b")
     # PRIME: each input is one JSON value per line, each output a JSON string.
-    prime = {"fn_name": "add", "inputs": ["1\n2", "[1]\n[2, 3]", "\"x\"\n\"y\""], "outputs": ["3", "[1, 2, 3]", "\"xy\""]}
+    prime = {"fn_name": "add", "inputs": ["1\n2", "[1]\n[2, 3]", '"x"\n"y"'], "outputs": ["3", "[1, 2, 3]", '"xy"']}
     assert score(program, prime, limits=LIMITS) == 1.0
     # APPS: each input a list of arguments, each output wrapped in a list.
     apps = {"fn_name": "add", "inputs": [[1, 2], [0.1, 0.2]], "outputs": [[3], [0.3]]}
@@ -65,8 +65,10 @@ def test_call_based_cases_in_prime_and_apps_layouts() -> None:
 
 
 def test_call_based_cases_find_a_method_of_solution() -> None:
-    program = "class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n        for i, n in enumerate(nums):\n" \
-              "            if target - n in seen:\n                return [seen[target - n], i]\n            seen[n] = i"
+    program = (
+        "class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n        for i, n in enumerate(nums):\n"
+        "            if target - n in seen:\n                return [seen[target - n], i]\n            seen[n] = i"
+    )
     tests = {"fn_name": "twoSum", "inputs": ["[2, 7, 11, 15]\n9", "[3, 2, 4]\n6"], "outputs": ["[0, 1]", "[1, 2]"]}
     assert score(fenced(program), tests, limits=LIMITS) == 1.0
     assert score(fenced("class Solution:\n    pass"), tests, limits=LIMITS) == 0.0
@@ -76,7 +78,9 @@ def test_assert_cases_as_a_list_and_as_sandbox_fusion_assert_case() -> None:
     program = fenced("def is_even(n):\n    return n % 2 == 0")
     asserts = ["assert is_even(2)", "assert not is_even(3)", "assert is_even(5)"]
     assert score(program, asserts, limits=LIMITS) == pytest.approx(2 / 3)
-    assert score(program, {"assert_case": asserts, "inputs": ["", "", ""], "outputs": [None, None, None]}, limits=LIMITS) == pytest.approx(2 / 3)
+    assert score(
+        program, {"assert_case": asserts, "inputs": ["", "", ""], "outputs": [None, None, None]}, limits=LIMITS
+    ) == pytest.approx(2 / 3)
     assert score(program, "assert is_even(4)\nassert not is_even(7)", limits=LIMITS) == 1.0  # one block, not JSON
 
 
@@ -85,7 +89,9 @@ def test_exiting_early_does_not_skip_the_asserts() -> None:
     assert score(fenced("import os\nos._exit(0)"), ["assert False"], limits=LIMITS) == 0.0
 
 
-@pytest.mark.parametrize("tests", [{}, {"inputs": ["1"]}, [], {"inputs": [], "outputs": []}, 42, {"inputs": ["1"], "outputs": []}])
+@pytest.mark.parametrize(
+    "tests", [{}, {"inputs": ["1"]}, [], {"inputs": [], "outputs": []}, 42, {"inputs": ["1"], "outputs": []}]
+)
 def test_test_cases_in_no_known_layout_are_a_reward_error(tests: object) -> None:
     with pytest.raises(RewardError):
         score("print(1)", tests, limits=LIMITS)  # type: ignore[arg-type]
@@ -164,11 +170,18 @@ def test_a_program_cannot_write_outside_its_directory(tmp_path: Path, isolation:
     result = run(program, "", LIMITS, isolation=isolation)
     assert "written" not in result.stdout and not target.exists()
     # Its own directory is writable.
-    assert run("open('notes.txt', 'w').write('ok')\nprint(open('notes.txt').read())", "", LIMITS, isolation=isolation).stdout == "ok\n"
+    assert (
+        run(
+            "open('notes.txt', 'w').write('ok')\nprint(open('notes.txt').read())", "", LIMITS, isolation=isolation
+        ).stdout
+        == "ok\n"
+    )
 
 
 @pytest.mark.parametrize("isolation", [None, HOOK_ONLY], ids=["host", "hook only"])
-def test_the_server_environment_does_not_reach_a_program(monkeypatch: pytest.MonkeyPatch, isolation: Isolation | None) -> None:
+def test_the_server_environment_does_not_reach_a_program(
+    monkeypatch: pytest.MonkeyPatch, isolation: Isolation | None
+) -> None:
     secret = f"secret-{uuid.uuid4().hex}"
     monkeypatch.setenv("SPOTRL_TEST_SECRET", secret)
     program = "import os\nprint(os.environ.get('SPOTRL_TEST_SECRET', 'none'))"

@@ -33,13 +33,17 @@ def test_equivalent_answers_score_one_and_others_zero(response: str, ground_trut
 
 
 def test_only_the_last_boxed_answer_counts() -> None:
-    response = "With 3 boxes of 4 we get \\boxed{12}. No: the box was counted twice. So the answer is \\boxed{8}, not 12 or 3."
+    response = (
+        "With 3 boxes of 4 we get \\boxed{12}. No: the box was counted twice. So the answer is \\boxed{8}, not 12 or 3."
+    )
     assert score(response, "8") == 1.0
     assert score(response, "12") == 0.0
     assert score(response, "3") == 0.0
 
 
-@pytest.mark.parametrize(("response", "ground_truth"), [("", "1"), ("   \n", "1"), ("I could not solve it.", "1"), ("\\boxed{1}", "")])
+@pytest.mark.parametrize(
+    ("response", "ground_truth"), [("", "1"), ("   \n", "1"), ("I could not solve it.", "1"), ("\\boxed{1}", "")]
+)
 def test_no_answer_scores_zero(response: str, ground_truth: str) -> None:
     assert score(response, ground_truth) == 0.0
 

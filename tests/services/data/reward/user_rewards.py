@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # Shaped as verl's utils/reward_score/gsm8k.py, behind the custom-reward signature.
-GSM8K = '''
+GSM8K = """
 import re
 
 _SOLUTION_CLIP_CHARS = 300
@@ -35,10 +35,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, meth
     if answer == ground_truth:
         return score
     return format_score
-'''
+"""
 
 # verl's BatchRewardManager form; "n" says how many items the call was given.
-BATCHED = '''
+BATCHED = """
 import os
 
 
@@ -49,15 +49,15 @@ def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwa
         return [1.0]
     n = len(solution_strs)
     return [{"score": float(s.strip() == g), "n": n, "pid": os.getpid()} for s, g in zip(solution_strs, ground_truths)]
-'''
+"""
 
-DICT = '''
+DICT = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     correct = solution_str.strip() == ground_truth
     return {"score": 2.0 if correct else -1.0, "acc": correct, "pred": solution_str, "format": 1, "bad": float("nan")}
-'''
+"""
 
-HOSTILE = '''
+HOSTILE = """
 import math
 import os
 import subprocess
@@ -94,7 +94,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if data_source in returned:
         return returned[data_source]
     return {"score": float(solution_str.strip() == str(ground_truth)), "pid": os.getpid()}
-'''
+"""
 
 # Each misbehaviour and the failure it is reported as.
 MISBEHAVIOURS = {

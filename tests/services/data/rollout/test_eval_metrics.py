@@ -15,7 +15,11 @@ def test_pass_at_k_is_one_minus_the_binomial_ratio() -> None:
     for n in range(1, 21):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12), (n, c, k)
+                assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12), (
+                    n,
+                    c,
+                    k,
+                )
 
 
 def test_pass_at_k_is_the_share_of_k_subsets_holding_a_pass() -> None:

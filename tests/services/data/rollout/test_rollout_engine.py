@@ -12,11 +12,10 @@ from services.data.policy_store import publish_policy
 from services.data.rollout.worker import RolloutWorker, StopSignal, rollout_engine
 from services.domain.runspec import RunSpec
 from services.ports.wiring import open_backends
+from tests.trainer_core.engines import vllm_stand_in
 from trainer_core.engines.hf import HFEngine
 from trainer_core.models.loading import Policy, load_policy
 from trainer_core.models.lora import LoraSettings, apply_lora
-
-from tests.trainer_core.engines import vllm_stand_in
 
 
 def _spec(**fields: object) -> RunSpec:
@@ -56,9 +55,17 @@ def test_a_vllm_worker_reloads_full_versions_from_disk_and_swaps_adapters(
         spec = _spec(rollout={"engine": "vllm", "vllm_gpu_memory_utilization": 0.6}, training=training)
         b.state.create_run(run, name=None, spec=spec.model_dump(mode="json"))
         worker = RolloutWorker(
-            run_id=run, worker_id="w0", spec=spec, state=b.state, queue=b.queue, objects=b.objects, rewards=b.rewards,
-            model_cache=settings.resolved_model_cache(), session_timeout_s=60.0, stop=StopSignal(1.0),
-        )  # fmt: skip
+            run_id=run,
+            worker_id="w0",
+            spec=spec,
+            state=b.state,
+            queue=b.queue,
+            objects=b.objects,
+            rewards=b.rewards,
+            model_cache=settings.resolved_model_cache(),
+            session_timeout_s=60.0,
+            stop=StopSignal(1.0),
+        )
         worker._load_latest_policy()
         llm = worker.engine._llm
         options = {k: llm.options.get(k) for k in ("dtype", "gpu_memory_utilization", "enable_lora", "max_lora_rank")}

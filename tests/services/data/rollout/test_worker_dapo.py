@@ -7,23 +7,35 @@ import threading
 from contracts.messages import PromptMessage
 from contracts.samples import Sample
 from services.core.config import Settings
-from services.domain.names import prompts_topic, samples_topic
 from services.data.rollout.dynamic_sampling import informative_groups
+from services.domain.names import prompts_topic, samples_topic
 from services.ports.wiring import open_backends
 from tests.services.data.rollout.test_worker_rewards import RUN, make_worker, spec_with
 
 
 def _sample(group_id: str, reward: float) -> Sample:
     return Sample(
-        sample_id=f"{group_id}-{reward}", run_id=RUN, prompt_id=group_id, group_id=group_id, prompt_ids=[1],
-        response_ids=[2], logprobs=[0.0], reward=reward, reward_source="test", policy_version=0, worker_id="w0",
-        generation_seconds=0.1, created_at=0.0,
-    )  # fmt: skip
+        sample_id=f"{group_id}-{reward}",
+        run_id=RUN,
+        prompt_id=group_id,
+        group_id=group_id,
+        prompt_ids=[1],
+        response_ids=[2],
+        logprobs=[0.0],
+        reward=reward,
+        reward_source="test",
+        policy_version=0,
+        worker_id="w0",
+        generation_seconds=0.1,
+        created_at=0.0,
+    )
 
 
 def test_informative_groups_drop_all_equal_groups_and_count_their_samples() -> None:
-    samples = [_sample(g, r) for g, r in
-               [("a", 1.0), ("a", 0.0), ("b", 0.5), ("b", 0.5), ("b", 0.5), ("c", 1.0), ("d", 0.0), ("d", 1.0)]]  # fmt: skip
+    samples = [
+        _sample(g, r)
+        for g, r in [("a", 1.0), ("a", 0.0), ("b", 0.5), ("b", 0.5), ("b", 0.5), ("c", 1.0), ("d", 0.0), ("d", 1.0)]
+    ]
     kept, dropped = informative_groups(samples)
     assert [[s.group_id for s in g] for g in kept] == [["a", "a"], ["d", "d"]]
     assert dropped == 4  # b's three (all 0.5) and the singleton c
@@ -35,7 +47,8 @@ def test_a_remax_worker_scores_a_greedy_response_per_prompt_and_drops_uninformat
     b = open_backends(settings)
     spec = spec_with(
         [{"fn": "regex", "pattern": "(?!)"}],  # never matches: every reward 0, every group all-equal
-        sampling={"max_new_tokens": 4}, training={"adv_estimator": "remax", "dynamic_sampling": True},
+        sampling={"max_new_tokens": 4},
+        training={"adv_estimator": "remax", "dynamic_sampling": True},
     )
     b.queue.create_topic(prompts_topic(RUN), 1)
     b.queue.create_topic(samples_topic(RUN), 1)
@@ -50,12 +63,18 @@ def test_a_remax_worker_scores_a_greedy_response_per_prompt_and_drops_uninformat
     thread = threading.Thread(target=worker.run, daemon=True)  # the rollout group's own pass
     thread.start()
     try:
-        wait_for(lambda: b.state.get_run(RUN).samples_filtered >= 4, timeout_s=60,
-                 message="the worker dropped the 2 all-equal groups")  # fmt: skip
+        wait_for(
+            lambda: b.state.get_run(RUN).samples_filtered >= 4,
+            timeout_s=60,
+            message="the worker dropped the 2 all-equal groups",
+        )
     finally:
         worker.stop.set()
         thread.join(timeout=60)
     run = b.state.get_run(RUN)
-    assert (run.samples_filtered, run.samples_dropped) == (4, 0)  # dropped before queueing: not the queued samples' drops
+    assert (run.samples_filtered, run.samples_dropped) == (
+        4,
+        0,
+    )  # dropped before queueing: not the queued samples' drops
     assert sum(b.queue.end_offsets(samples_topic(RUN)).values()) == 0  # nothing queued
     b.close()

@@ -9,12 +9,12 @@ import pytest
 
 from contracts.messages import PromptMessage
 from contracts.samples import decode_group
-from services.ports.reward_cache.reward_cache import reward_cache_key
 from services.core.config import Settings
-from services.domain.names import prompts_topic, samples_topic
 from services.data.reward.functions import RewardInput, reward_key
 from services.data.rollout.worker import RolloutWorker, StopSignal
+from services.domain.names import prompts_topic, samples_topic
 from services.domain.runspec import RewardFn, RewardTerm, RunSpec
+from services.ports.reward_cache.reward_cache import reward_cache_key
 from services.ports.wiring import Backends, open_backends
 
 RUN = "run-rewards"
@@ -27,16 +27,31 @@ BACKTRACKING = r"(\w+\s?)+$"
 def make_worker(b: Backends, settings: Settings, spec: RunSpec) -> RolloutWorker:
     b.state.create_run(RUN, name=None, spec=spec.model_dump(mode="json"))
     return RolloutWorker(
-        run_id=RUN, worker_id="w0", spec=spec, state=b.state, queue=b.queue, objects=b.objects, rewards=b.rewards,
-        model_cache=settings.resolved_model_cache(), session_timeout_s=60.0, stop=StopSignal(5.0),
-    )  # fmt: skip
+        run_id=RUN,
+        worker_id="w0",
+        spec=spec,
+        state=b.state,
+        queue=b.queue,
+        objects=b.objects,
+        rewards=b.rewards,
+        model_cache=settings.resolved_model_cache(),
+        session_timeout_s=60.0,
+        stop=StopSignal(5.0),
+    )
 
 
 def spec_with(reward: list[dict], **fields: object) -> RunSpec:
     return RunSpec.model_validate(
-        {"model": "tiny", "prompts": [{"prompt": "x"}], "iterations": 1, "samples_per_prompt": 2, "batch_samples": 4,
-         "reward": reward} | fields
-    )  # fmt: skip
+        {
+            "model": "tiny",
+            "prompts": [{"prompt": "x"}],
+            "iterations": 1,
+            "samples_per_prompt": 2,
+            "batch_samples": 4,
+            "reward": reward,
+        }
+        | fields
+    )
 
 
 def test_a_failed_reward_is_counted_on_the_run_logged_once_and_not_cached(
@@ -58,7 +73,9 @@ def test_a_failed_reward_is_counted_on_the_run_logged_once_and_not_cached(
     assert row.reward_failures == 2  # scored again the second time: a failure is not cached
     assert b.state.reward_failures(RUN) == {"regex:timeout": 2}
     assert row.last_reward_error.startswith("regex: pattern ") and "did not decide" in row.last_reward_error
-    keys = [reward_cache_key(worker._terms_key, reward_key(RewardInput.of(prompts[0], t, n))) for t, n in zip(texts, [1, 8])]
+    keys = [
+        reward_cache_key(worker._terms_key, reward_key(RewardInput.of(prompts[0], t, n))) for t, n in zip(texts, [1, 8])
+    ]
     assert set(b.rewards.get_many(keys)) == {keys[0]}
     warnings = [r for r in caplog.records if "a reward failed" in r.getMessage()]
     assert len(warnings) == 1, "one warning per distinct reason, not per batch"
@@ -69,8 +86,9 @@ def test_a_reward_model_that_has_gone_scores_0_and_is_reported(settings: Setting
     b = open_backends(settings)
     spec = spec_with([{"fn": "regex", "pattern": "yes"}])
     # As a stored spec holds it: the directory was checked on submission, and has since been deleted.
-    gone = RewardTerm.model_construct(fn=RewardFn.REWARD_MODEL, weight=1.0, pattern=None, target_tokens=None,
-                                      path=str(settings.home / "rm-deleted"))  # fmt: skip
+    gone = RewardTerm.model_construct(
+        fn=RewardFn.REWARD_MODEL, weight=1.0, pattern=None, target_tokens=None, path=str(settings.home / "rm-deleted")
+    )
     spec.reward.append(gone)
     worker = make_worker(b, settings, spec)
 
@@ -102,8 +120,11 @@ def test_a_worker_whose_regex_reward_times_out_still_produces_samples(settings: 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        wait_for(lambda: sum(b.queue.end_offsets(samples_topic(RUN)).values()) >= 1 or errors,  # a group
-                 timeout_s=120, message="the worker queued the 4 samples of its 2 prompts")  # fmt: skip
+        wait_for(
+            lambda: sum(b.queue.end_offsets(samples_topic(RUN)).values()) >= 1 or errors,  # a group
+            timeout_s=120,
+            message="the worker queued the 4 samples of its 2 prompts",
+        )
     finally:
         worker.stop.set()
         thread.join(timeout=60)
@@ -126,7 +147,7 @@ def test_a_worker_whose_regex_reward_times_out_still_produces_samples(settings: 
         ({"fn": "function", "path": "{data}/broken.py:compute_score"}, "x", "does not import"),
         ({"fn": "exact_match"}, [{"role": "user", "content": "2+3?"}], "no chat template"),
     ],
-)  # fmt: skip
+)
 def test_a_run_its_worker_cannot_serve_fails_at_once_with_the_reason(
     settings: Settings, monkeypatch: pytest.MonkeyPatch, reward: dict, prompt: object, said: str
 ) -> None:

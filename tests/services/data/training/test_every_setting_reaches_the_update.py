@@ -17,15 +17,14 @@ import torch
 
 from contracts.samples import Sample
 from contracts.training import TrainConfig
+from services.data.training.job import run_training_job
+from services.domain.names import samples_topic
 from services.ports.objects.local_object_store import LocalObjectStore
 from services.ports.queue.sqlite_queue import SqliteQueue
-from services.domain.names import samples_topic
-from services.data.training.job import run_training_job
+from tests.services.data.training.test_job import RUN, produce_groups, spec
 from trainer_core.models.loading import load_policy
 from trainer_core.rl.critic import ValueHead
 from trainer_core.rl.update import train_on_batch
-
-from tests.services.data.training.test_job import RUN, produce_groups, spec
 
 # Read before any job process runs, or only by a data-parallel one (test_job_data_parallel.py).
 READ_ELSEWHERE = {
@@ -59,13 +58,26 @@ def test_the_job_reads_every_field_but_the_pods_shape(tmp_path: Path, off_policy
     queue = SqliteQueue(tmp_path / "queue.db")
     queue.create_topic(samples_topic(RUN), 2)
     produce_groups(queue, 2, version=0)
-    section = {"kl_coef": 0.05, "kl_target": 0.1, "entropy_coef": 0.01, "lora_rank": 4, "off_policy": off_policy,
-               "overlong_buffer": 2, "mini_batch": 4}  # fmt: skip
+    section = {
+        "kl_coef": 0.05,
+        "kl_target": 0.1,
+        "entropy_coef": 0.01,
+        "lora_rank": 4,
+        "off_policy": off_policy,
+        "overlong_buffer": 2,
+        "mini_batch": 4,
+    }
     run_spec = spec(algorithm="ppo", training=section)
     read: set[str] = set()
     run_spec = run_spec.model_copy(update={"training": _recording(run_spec.training, read)})
-    run_training_job(run_id=RUN, iteration=1, spec=run_spec, queue=queue, objects=LocalObjectStore(tmp_path / "objects"),
-                     model_cache=tmp_path / "models")
+    run_training_job(
+        run_id=RUN,
+        iteration=1,
+        spec=run_spec,
+        queue=queue,
+        objects=LocalObjectStore(tmp_path / "objects"),
+        model_cache=tmp_path / "models",
+    )
     queue.close()
     unweighted = {"is_cap", "is_level", "is_batch_normalize"} if off_policy == "behaviour" else set()
     assert set(TrainConfig.model_fields) - read == set(READ_ELSEWHERE) | unweighted
@@ -74,12 +86,19 @@ def test_the_job_reads_every_field_but_the_pods_shape(tmp_path: Path, off_policy
 def _sample(i: int, gen: torch.Generator, vocab: int) -> Sample:
     n_prompt, n_response = (int(x) for x in torch.randint(2, 8, (2,), generator=gen))
     return Sample(
-        sample_id=uuid.uuid4().hex, run_id=RUN, prompt_id=f"p{i % 2}", group_id=f"g{i % 2}",
+        sample_id=uuid.uuid4().hex,
+        run_id=RUN,
+        prompt_id=f"p{i % 2}",
+        group_id=f"g{i % 2}",
         prompt_ids=torch.randint(3, vocab, (n_prompt,), generator=gen).tolist(),
         response_ids=torch.randint(3, vocab, (n_response,), generator=gen).tolist(),
         logprobs=(-4.6 + 0.3 * torch.randn(n_response, generator=gen)).tolist(),
-        reward=float(torch.rand((), generator=gen)), reward_source="rule", policy_version=0, worker_id="w",
-        generation_seconds=0.0, created_at=0.0,
+        reward=float(torch.rand((), generator=gen)),
+        reward_source="rule",
+        policy_version=0,
+        worker_id="w",
+        generation_seconds=0.0,
+        created_at=0.0,
     )
 
 
@@ -97,13 +116,17 @@ def test_each_ppo_hyper_parameter_changes_the_update(tmp_path: Path) -> None:
         model = copy.deepcopy(policy.model)
         value_head = ValueHead(model.config.hidden_size)
         trainable = list(model.parameters()) + list(value_head.parameters())
-        train_on_batch(model, samples, TrainConfig(**base | change), torch.optim.SGD(trainable, lr=0.1),
-                       value_head=value_head)
+        train_on_batch(
+            model, samples, TrainConfig(**base | change), torch.optim.SGD(trainable, lr=0.1), value_head=value_head
+        )
         return [p.detach().clone() for p in trainable]
 
     reference = trained()
     assert all(torch.equal(a, b) for a, b in zip(trained(), reference, strict=True)), "the update is deterministic"
     changes = {"gamma": 0.5, "lam": 0.5, "vf_coef": 5.0, "value_clip": 1e-4, "max_grad_norm": 1e-3, "entropy_coef": 0.5}
-    unchanged = [name for name, value in changes.items()
-                 if all(torch.equal(a, b) for a, b in zip(trained(**{name: value}), reference, strict=True))]
+    unchanged = [
+        name
+        for name, value in changes.items()
+        if all(torch.equal(a, b) for a, b in zip(trained(**{name: value}), reference, strict=True))
+    ]
     assert unchanged == []

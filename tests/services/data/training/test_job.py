@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from contracts.job_result import JobResult
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
+from contracts.job_result import JobResult
+from contracts.samples import Sample, encode_group
+from services.data.policy_store import fetch_policy, load_version, policy_dir
+from services.data.training.job import run_training_job
+from services.domain.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
+from services.domain.runspec import RunSpec
 from services.ports.objects.local_object_store import LocalObjectStore
 from services.ports.queue.sqlite_queue import SqliteQueue
-from services.domain.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
-from services.data.policy_store import fetch_policy, load_version, policy_dir
-from services.domain.runspec import RunSpec
-from services.data.training.job import run_training_job
-from trainer_core.models.lora import is_lora
 from trainer_core.models.loading import load_policy
-from contracts.samples import Sample, encode_group
+from trainer_core.models.lora import is_lora
 
 RUN = "run-job"
 
@@ -32,9 +32,21 @@ def produce_groups(queue: SqliteQueue, groups: int, version: int) -> list[str]:
     for g in range(groups):
         group = uuid.uuid4().hex
         samples = [
-            Sample(sample_id=uuid.uuid4().hex, run_id=RUN, prompt_id=str(g), group_id=group, prompt_ids=[5, 6, 7],
-                   response_ids=[8, 9, 10 + k], logprobs=[-4.0, -4.0, -4.0], reward=float(k % 2), reward_source="rule",
-                   policy_version=version, worker_id="w", generation_seconds=0.0, created_at=0.0)
+            Sample(
+                sample_id=uuid.uuid4().hex,
+                run_id=RUN,
+                prompt_id=str(g),
+                group_id=group,
+                prompt_ids=[5, 6, 7],
+                response_ids=[8, 9, 10 + k],
+                logprobs=[-4.0, -4.0, -4.0],
+                reward=float(k % 2),
+                reward_source="rule",
+                policy_version=version,
+                worker_id="w",
+                generation_seconds=0.0,
+                created_at=0.0,
+            )
             for k in range(4)
         ]
         queue.produce(samples_topic(RUN), [encode_group(samples)], keys=[group.encode()])
@@ -83,12 +95,13 @@ def test_stale_samples_are_dropped_and_counted(world) -> None:
 
 
 def test_lora_runs_publish_adapters_and_continue_training_them(world) -> None:
-
     queue, objects, models = world
     lora = spec(training={"lora_rank": 4, "kl_coef": 0.1, "learning_rate": 1e-2})
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
-        result = run_training_job(run_id=RUN, iteration=iteration, spec=lora, queue=queue, objects=objects, model_cache=models)
+        result = run_training_job(
+            run_id=RUN, iteration=iteration, spec=lora, queue=queue, objects=objects, model_cache=models
+        )
     assert result.metrics["actor/kl_ref"] > 0, "v1's adapter moved the policy away from the base"
     published = objects.list(policy_prefix(RUN, 2))
     assert any(k.endswith("adapter_config.json") for k in published)
@@ -103,8 +116,11 @@ def test_lora_runs_publish_adapters_and_continue_training_them(world) -> None:
     for version in (1, 2):
         served = load_version(served, policy_dir(objects, RUN, version, models))
     assert is_lora(served) and not any(p.requires_grad for p in served.parameters())
-    assert {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.data_ptr()
-            for n, p in served.named_parameters() if "lora_" not in n} == base_storage
+    assert {
+        n.removeprefix("base_model.model.").replace(".base_layer", ""): p.data_ptr()
+        for n, p in served.named_parameters()
+        if "lora_" not in n
+    } == base_storage
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         torch.testing.assert_close(served(ids).logits, trainable.model(ids).logits, atol=1e-5, rtol=1e-4)
@@ -114,8 +130,14 @@ def test_a_worker_loads_full_weight_versions_into_its_model_in_place(world) -> N
     queue, objects, models = world
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
-        run_training_job(run_id=RUN, iteration=iteration, spec=spec(training={"learning_rate": 1e-2}), queue=queue,
-                         objects=objects, model_cache=models)  # fmt: skip
+        run_training_job(
+            run_id=RUN,
+            iteration=iteration,
+            spec=spec(training={"learning_rate": 1e-2}),
+            queue=queue,
+            objects=objects,
+            model_cache=models,
+        )
     served = load_policy("tiny", cache_dir=models).model
     storage = [p.data_ptr() for p in served.parameters()]
     for version in (1, 2):
@@ -133,8 +155,17 @@ def test_a_job_finding_its_version_published_only_commits(world) -> None:
     queue, objects, models = world
     ids = produce_groups(queue, 2, version=0)
     end = queue.end_offsets(samples_topic(RUN))
-    published = JobResult(iteration=1, policy_version=1, mean_reward=0.5, metrics={"marker": 1.0}, samples_read=len(ids),
-                          trained_ids=ids, offsets=end, seconds=1.0, ended_at=1.0)
+    published = JobResult(
+        iteration=1,
+        policy_version=1,
+        mean_reward=0.5,
+        metrics={"marker": 1.0},
+        samples_read=len(ids),
+        trained_ids=ids,
+        offsets=end,
+        seconds=1.0,
+        ended_at=1.0,
+    )
     objects.put_bytes(result_key(RUN, 1), published.to_json())
     result = run_training_job(run_id=RUN, iteration=1, spec=spec(), queue=queue, objects=objects, model_cache=models)
     assert result == published
@@ -162,7 +193,9 @@ def test_ppo_carries_its_critic_and_optimizer_across_iterations(world, critic: s
     vf_losses = []
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
-        result = run_training_job(run_id=RUN, iteration=iteration, spec=ppo, queue=queue, objects=objects, model_cache=models)
+        result = run_training_job(
+            run_id=RUN, iteration=iteration, spec=ppo, queue=queue, objects=objects, model_cache=models
+        )
         vf_losses.append(result.metrics["critic/vf_loss"])
     # v1: the head starts at zero, so every value is 0 and a 3-token response of reward R has the
     # GAE returns (0.95^2 R, 0.95 R, R) (gamma 1, lam 0.95). Rewards 0, 1, 0, 1 over 4 x 3 tokens:
@@ -180,11 +213,15 @@ def test_ppo_carries_its_critic_and_optimizer_across_iterations(world, critic: s
 
 def test_an_adaptive_kl_coefficient_carries_across_iterations(world) -> None:
     queue, objects, models = world
-    adaptive = spec(training={"lora_rank": 4, "kl_coef": 0.1, "kl_target": 1e-9, "kl_horizon": 8, "learning_rate": 1e-2})
+    adaptive = spec(
+        training={"lora_rank": 4, "kl_coef": 0.1, "kl_target": 1e-9, "kl_horizon": 8, "learning_rate": 1e-2}
+    )
     coefs = []
     for iteration in (1, 2):
         produce_groups(queue, 2, version=iteration - 1)
-        result = run_training_job(run_id=RUN, iteration=iteration, spec=adaptive, queue=queue, objects=objects, model_cache=models)
+        result = run_training_job(
+            run_id=RUN, iteration=iteration, spec=adaptive, queue=queue, objects=objects, model_cache=models
+        )
         coefs.append(result.metrics["actor/kl_coef"])
     # v1 starts at the reference (KL 0 < target: x0.8 over a horizon of 8 samples); v2 starts from
     # v1's coefficient and, with the policy moved, KL > target: x1.2.
@@ -210,8 +247,9 @@ def test_the_next_iteration_continues_the_stored_optimizer_state(world) -> None:
             objects.put_bytes(trainer_prefix(RUN, 1) + "optimizer.pt", objects.get_bytes(stored))
             objects.delete_prefix(trainer_prefix(RUN, 1) + "optimizer/")
         run_training_job(run_id=RUN, iteration=iteration, spec=spec(), queue=queue, objects=objects, model_cache=models)
-        state = torch.load(io.BytesIO(objects.get_bytes(trainer_prefix(RUN, iteration) + "optimizer/optimizer.pt")),
-                           weights_only=True)  # fmt: skip
+        state = torch.load(
+            io.BytesIO(objects.get_bytes(trainer_prefix(RUN, iteration) + "optimizer/optimizer.pt")), weights_only=True
+        )
         assert {int(s["step"]) for s in state["state"].values()} == {iteration}
     assert not objects.list(trainer_prefix(RUN, 1) + "optimizer")
 
@@ -225,11 +263,30 @@ def test_the_job_trains_with_the_specs_training_section(world, monkeypatch: pyte
     queue, objects, models = world
     produce_groups(queue, 2, version=0)
     training = {
-        "learning_rate": 3e-5, "epochs": 2, "mini_batch": 4, "micro_batch": 2, "clip_ratio": 0.3, "clip_ratio_high": 0.28,
-        "dual_clip": 3.0, "loss_agg": "seq-mean-token-sum", "adv_estimator": "rloo", "entropy_coef": 0.01,
-        "max_grad_norm": 0.5, "kl_coef": 0.05, "kl_estimator": "k2", "kl_mode": "reward", "kl_target": 0.1,
-        "kl_horizon": 500, "off_policy": "decoupled", "is_cap": 3.0, "lora_rank": 4, "lora_alpha": 16.0,
-        "gradient_checkpointing": True, "logprob_chunk_tokens": 2, "share_prompt_prefix": False, "pack_max_tokens": 16,
+        "learning_rate": 3e-5,
+        "epochs": 2,
+        "mini_batch": 4,
+        "micro_batch": 2,
+        "clip_ratio": 0.3,
+        "clip_ratio_high": 0.28,
+        "dual_clip": 3.0,
+        "loss_agg": "seq-mean-token-sum",
+        "adv_estimator": "rloo",
+        "entropy_coef": 0.01,
+        "max_grad_norm": 0.5,
+        "kl_coef": 0.05,
+        "kl_estimator": "k2",
+        "kl_mode": "reward",
+        "kl_target": 0.1,
+        "kl_horizon": 500,
+        "off_policy": "decoupled",
+        "is_cap": 3.0,
+        "lora_rank": 4,
+        "lora_alpha": 16.0,
+        "gradient_checkpointing": True,
+        "logprob_chunk_tokens": 2,
+        "share_prompt_prefix": False,
+        "pack_max_tokens": 16,
     }
     run_spec = spec(sampling={"temperature": 0.7}, training=training)
     seen = []

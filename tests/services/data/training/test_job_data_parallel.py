@@ -21,17 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.ports.launcher.launcher import cli_command
-from services.core.config import Settings
 from contracts.job_result import JobResult
-from services.domain.names import result_key, samples_topic
+from contracts.samples import Sample, encode_group
+from services.core.config import Settings
 from services.data.policy_store import fetch_policy
-from services.domain.runspec import RunSpec
 from services.data.training.job import run_training_job
 from services.data.training.selection import even_shares
+from services.domain.names import result_key, samples_topic
+from services.domain.runspec import RunSpec
+from services.ports.launcher.launcher import cli_command
 from services.ports.wiring import Backends, open_backends
 from trainer_core.models.loading import load_policy
-from contracts.samples import Sample, encode_group
 
 REPO = Path(__file__).resolve().parents[4]
 LR = 1e-3
@@ -40,11 +40,16 @@ GROUPS, GROUP_SIZE = 4, 4
 
 
 def spec(**training) -> RunSpec:
-    return RunSpec.model_validate({
-        "model": "tiny", "prompts": [{"prompt": "x"}], "samples_per_prompt": GROUP_SIZE,
-        "batch_samples": GROUPS * GROUP_SIZE, "iterations": ITERATIONS,
-        "training": {"learning_rate": LR, "micro_batch": 4, "kl_coef": 0.05} | training,
-    })  # fmt: skip
+    return RunSpec.model_validate(
+        {
+            "model": "tiny",
+            "prompts": [{"prompt": "x"}],
+            "samples_per_prompt": GROUP_SIZE,
+            "batch_samples": GROUPS * GROUP_SIZE,
+            "iterations": ITERATIONS,
+            "training": {"learning_rate": LR, "micro_batch": 4, "kl_coef": 0.05} | training,
+        }
+    )
 
 
 def batch(run_id: str, iteration: int) -> list[Sample]:
@@ -55,12 +60,23 @@ def batch(run_id: str, iteration: int) -> list[Sample]:
         prompt = torch.randint(3, 99, (3 + g,), generator=gen).tolist()
         for k in range(GROUP_SIZE):
             n = 2 + int(torch.randint(0, 6, (), generator=gen))
-            samples.append(Sample(
-                sample_id=f"{iteration}-{g}-{k}", run_id=run_id, prompt_id=str(g), group_id=f"{iteration}-{g}",
-                prompt_ids=prompt, response_ids=torch.randint(3, 99, (n,), generator=gen).tolist(),
-                logprobs=[-4.6] * n, reward=float(k % 2 + g), reward_source="rule", policy_version=iteration - 1,
-                worker_id="w", generation_seconds=0.0, created_at=float(iteration),
-            ))  # fmt: skip
+            samples.append(
+                Sample(
+                    sample_id=f"{iteration}-{g}-{k}",
+                    run_id=run_id,
+                    prompt_id=str(g),
+                    group_id=f"{iteration}-{g}",
+                    prompt_ids=prompt,
+                    response_ids=torch.randint(3, 99, (n,), generator=gen).tolist(),
+                    logprobs=[-4.6] * n,
+                    reward=float(k % 2 + g),
+                    reward_source="rule",
+                    policy_version=iteration - 1,
+                    worker_id="w",
+                    generation_seconds=0.0,
+                    created_at=float(iteration),
+                )
+            )
     return samples
 
 
@@ -95,8 +111,14 @@ def one_process(tmp_path_factory: pytest.TempPathFactory, model_cache: Path):
             _, backends = open_world(tmp_path_factory.mktemp("one"), run_id, run_spec, model_cache)
             for iteration in range(1, ITERATIONS + 1):
                 produce(backends, run_id, iteration)
-                run_training_job(run_id=run_id, iteration=iteration, spec=run_spec, queue=backends.queue,
-                                 objects=backends.objects, model_cache=model_cache)  # fmt: skip
+                run_training_job(
+                    run_id=run_id,
+                    iteration=iteration,
+                    spec=run_spec,
+                    queue=backends.queue,
+                    objects=backends.objects,
+                    model_cache=model_cache,
+                )
             runs[lora_rank] = backends, run_id
         return runs[lora_rank]
 
@@ -159,8 +181,11 @@ def test_a_two_process_job_publishes_what_one_process_does(
         torch.testing.assert_close(got[name], value, atol=0.02 * LR, rtol=0, msg=name)
     if run_spec.training.lora_rank:  # the adapter trained (B starts at zero), the base did not
         assert all(want[n].abs().max() > LR for n in want if "lora_B" in n)
-        assert all(torch.equal(want[n], initial[n.removeprefix("base_model.model.").replace(".base_layer", "")])
-                   for n in want if "lora_" not in n)
+        assert all(
+            torch.equal(want[n], initial[n.removeprefix("base_model.model.").replace(".base_layer", "")])
+            for n in want
+            if "lora_" not in n
+        )
     backends.close()
 
 
@@ -175,6 +200,14 @@ def test_even_shares_leave_out_trailing_groups_until_every_rank_has_as_many() ->
 def test_a_training_pod_of_several_processes_runs_under_torchrun() -> None:
     assert cli_command(["train-job", "r", "3"], python="py") == ["py", "-m", "services.cli.main", "train-job", "r", "3"]
     assert cli_command(["train-job", "r", "3"], processes=8, python="py") == [
-        "py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-        "-m", "services.cli.main", "train-job", "r", "3",
-    ]  # fmt: skip
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=8",
+        "-m",
+        "services.cli.main",
+        "train-job",
+        "r",
+        "3",
+    ]

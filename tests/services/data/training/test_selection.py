@@ -8,9 +8,21 @@ from services.data.training.selection import reward_metrics, select_samples
 
 
 def sample(sid: str, version: int) -> Sample:
-    return Sample(sample_id=sid, run_id="r", prompt_id="0", group_id="g", prompt_ids=[1], response_ids=[2],
-                  logprobs=[-0.1], reward=1.0, reward_source="rule", policy_version=version, worker_id="w",
-                  generation_seconds=0.1, created_at=0.0)
+    return Sample(
+        sample_id=sid,
+        run_id="r",
+        prompt_id="0",
+        group_id="g",
+        prompt_ids=[1],
+        response_ids=[2],
+        logprobs=[-0.1],
+        reward=1.0,
+        reward_source="rule",
+        policy_version=version,
+        worker_id="w",
+        generation_seconds=0.1,
+        created_at=0.0,
+    )
 
 
 def test_drops_duplicates_and_stale_samples() -> None:

@@ -21,14 +21,20 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 
 from services.control.api.metrics import RunCollector
+from services.core.config import Settings, get_settings
+from services.domain.names import rollout_pod_name
 from services.ports.launcher.kubernetes_launcher import KubernetesLauncher, Watched
 from services.ports.launcher.kubernetes_objects import (
-    FINALIZER, KubernetesConfig, Machine, job_manifest, machine_from_catalog, pod_manifest, status_of,
-)  # fmt: skip
+    FINALIZER,
+    KubernetesConfig,
+    Machine,
+    job_manifest,
+    machine_from_catalog,
+    pod_manifest,
+    status_of,
+)
 from services.ports.launcher.launcher import PodPhase, PodSpec, cli_command
-from services.core.config import Settings, get_settings
 from services.ports.prices.catalog import load_catalog
-from services.domain.names import rollout_pod_name
 from services.ports.wiring import open_backends, open_launcher
 from tests.app_client import app_client
 from tests.pod_security import restricted_violations
@@ -41,31 +47,60 @@ CURRENT_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
 ROOT = Path(__file__).resolve().parents[4]
 CFG = KubernetesConfig(namespace="spotrl", image="registry.example/spotrl-worker:1.0")
 # Everything the chart configures: its Secrets, catalog, identity, pull secrets, labels.
-CHART_CFG = KubernetesConfig(namespace="spotrl", images={"rollout": "r.example/spotrl-rollout:2"}, image_pull_policy="Always",
-                             image_pull_secrets=("pull",), service_account="spotrl-workload", env_secrets=("backends",),
-                             price_catalog_configmap="prices", pod_labels={"app.kubernetes.io/instance": "spotrl"})  # fmt: skip
-CHART_ENV = {"SPOTRL_STATE_URL": "postgresql+psycopg://u:p@db/spotrl", "SPOTRL_PRICE_CATALOG": "/etc/spotrl/catalog/catalog.json"}
+CHART_CFG = KubernetesConfig(
+    namespace="spotrl",
+    images={"rollout": "r.example/spotrl-rollout:2"},
+    image_pull_policy="Always",
+    image_pull_secrets=("pull",),
+    service_account="spotrl-workload",
+    env_secrets=("backends",),
+    price_catalog_configmap="prices",
+    pod_labels={"app.kubernetes.io/instance": "spotrl"},
+)
+CHART_ENV = {
+    "SPOTRL_STATE_URL": "postgresql+psycopg://u:p@db/spotrl",
+    "SPOTRL_PRICE_CATALOG": "/etc/spotrl/catalog/catalog.json",
+}
 G5 = Machine(gpus=1, vcpus=4, memory_gib=16)  # g5.xlarge
 P4D = Machine(gpus=8, vcpus=96, memory_gib=1152)  # p4d.24xlarge
 
 
 def training_spec(name: str = "run-1-train-3", *, command: list[str] | None = None, processes: int = 8) -> PodSpec:
-    return PodSpec(name=name, run_id="run-1", role="training",
-                   command=command or cli_command(["train-job", "run-1", "3"], processes=processes),
-                   env={"SPOTRL_STATE_URL": "postgresql+psycopg://db/spotrl"}, instance_type="p4d.24xlarge",
-                   capacity_type="on-demand", labels={"iteration": "3"})  # fmt: skip
+    return PodSpec(
+        name=name,
+        run_id="run-1",
+        role="training",
+        command=command or cli_command(["train-job", "run-1", "3"], processes=processes),
+        env={"SPOTRL_STATE_URL": "postgresql+psycopg://db/spotrl"},
+        instance_type="p4d.24xlarge",
+        capacity_type="on-demand",
+        labels={"iteration": "3"},
+    )
 
 
 def rollout_spec(name: str = "run-1-rollout-0", *, command: list[str] | None = None, spot: bool = True) -> PodSpec:
-    return PodSpec(name=name, run_id="run-1", role="rollout",
-                   command=command or cli_command(["worker", "run-1", "--worker-id", name]),
-                   env={}, instance_type="g5.xlarge", capacity_type="spot" if spot else "on-demand",
-                   labels={"slot": "0"})  # fmt: skip
+    return PodSpec(
+        name=name,
+        run_id="run-1",
+        role="rollout",
+        command=command or cli_command(["worker", "run-1", "--worker-id", name]),
+        env={},
+        instance_type="g5.xlarge",
+        capacity_type="spot" if spot else "on-demand",
+        labels={"slot": "0"},
+    )
 
 
 def reward_spec() -> PodSpec:
-    return PodSpec(name="run-1-reward", run_id="run-1", role="reward", command=["python", "-m", "services.cli.main", "reward-pod", "run-1"],
-                   env={}, instance_type="g4dn.xlarge", capacity_type="on-demand")
+    return PodSpec(
+        name="run-1-reward",
+        run_id="run-1",
+        role="reward",
+        command=["python", "-m", "services.cli.main", "reward-pod", "run-1"],
+        env={},
+        instance_type="g4dn.xlarge",
+        capacity_type="on-demand",
+    )
 
 
 def python(code: str) -> list[str]:
@@ -111,41 +146,78 @@ def test_every_pod_is_admitted_by_the_restricted_pod_security_standard(manifest:
 
 def test_the_restricted_check_finds_what_the_standard_forbids() -> None:
     """The check above, on a pod that breaks each control of the profile once."""
-    pod = {"metadata": {"annotations": {"container.apparmor.security.beta.kubernetes.io/main": "unconfined"}},
-           "spec": {"hostNetwork": True, "hostPID": False,
-                    "securityContext": {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"},
-                                        "sysctls": [{"name": "kernel.msgmax", "value": "1"}, {"name": "net.ipv4.tcp_syncookies", "value": "1"}]},
-                    "volumes": [{"name": "host", "hostPath": {"path": "/"}}, {"name": "scratch", "emptyDir": {}}],
-                    "containers": [{"name": "main", "ports": [{"containerPort": 80, "hostPort": 80}],
-                                    "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN", "NET_BIND_SERVICE"]},
-                                                        "seLinuxOptions": {"type": "spc_t"}, "procMount": "Unmasked"}}],
-                    "initContainers": [{"name": "init", "securityContext": {
-                        "allowPrivilegeEscalation": False, "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
-                        "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}}]}}  # fmt: skip
+    pod = {
+        "metadata": {"annotations": {"container.apparmor.security.beta.kubernetes.io/main": "unconfined"}},
+        "spec": {
+            "hostNetwork": True,
+            "hostPID": False,
+            "securityContext": {
+                "runAsUser": 0,
+                "seccompProfile": {"type": "Unconfined"},
+                "sysctls": [{"name": "kernel.msgmax", "value": "1"}, {"name": "net.ipv4.tcp_syncookies", "value": "1"}],
+            },
+            "volumes": [{"name": "host", "hostPath": {"path": "/"}}, {"name": "scratch", "emptyDir": {}}],
+            "containers": [
+                {
+                    "name": "main",
+                    "ports": [{"containerPort": 80, "hostPort": 80}],
+                    "securityContext": {
+                        "privileged": True,
+                        "capabilities": {"add": ["SYS_ADMIN", "NET_BIND_SERVICE"]},
+                        "seLinuxOptions": {"type": "spc_t"},
+                        "procMount": "Unmasked",
+                    },
+                }
+            ],
+            "initContainers": [
+                {
+                    "name": "init",
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "runAsNonRoot": True,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                        "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+                    },
+                }
+            ],
+        },
+    }
     # The init container sets each of its own right: none of its fields is named.
     assert set(restricted_violations(pod)) == {
-        "metadata.annotations[container.apparmor.security.beta.kubernetes.io/main]", "spec.hostNetwork",
-        "spec.securityContext.runAsUser", "spec.securityContext.seccompProfile.type", "spec.securityContext.sysctls[kernel.msgmax]",
-        "spec.volumes[host].hostPath", "spec.containers[main].ports[0].hostPort", "spec.containers[main].securityContext.privileged",
-        "spec.containers[main].securityContext.capabilities.add", "spec.containers[main].securityContext.capabilities.drop",
-        "spec.containers[main].securityContext.seLinuxOptions.type", "spec.containers[main].securityContext.procMount",
-        "spec.containers[main].securityContext.allowPrivilegeEscalation", "spec.containers[main].securityContext.runAsNonRoot",
+        "metadata.annotations[container.apparmor.security.beta.kubernetes.io/main]",
+        "spec.hostNetwork",
+        "spec.securityContext.runAsUser",
+        "spec.securityContext.seccompProfile.type",
+        "spec.securityContext.sysctls[kernel.msgmax]",
+        "spec.volumes[host].hostPath",
+        "spec.containers[main].ports[0].hostPort",
+        "spec.containers[main].securityContext.privileged",
+        "spec.containers[main].securityContext.capabilities.add",
+        "spec.containers[main].securityContext.capabilities.drop",
+        "spec.containers[main].securityContext.seLinuxOptions.type",
+        "spec.containers[main].securityContext.procMount",
+        "spec.containers[main].securityContext.allowPrivilegeEscalation",
+        "spec.containers[main].securityContext.runAsNonRoot",
         "spec.containers[main].securityContext.seccompProfile.type",
-    }  # fmt: skip
+    }
 
 
 def test_each_pod_requests_a_share_of_its_machine_and_gets_a_memory_backed_shm() -> None:
     job = job_manifest(training_spec(), CFG, P4D, {})["spec"]["template"]["spec"]
     (container,) = job["containers"]
     # Half its 96 vCPUs and 1152 GiB: Burstable, not BestEffort; all 8 GPUs, requested and limited.
-    assert container["resources"] == {"requests": {"cpu": "48000m", "memory": "589824Mi", "nvidia.com/gpu": "8"},
-                                      "limits": {"nvidia.com/gpu": "8"}}  # fmt: skip
+    assert container["resources"] == {
+        "requests": {"cpu": "48000m", "memory": "589824Mi", "nvidia.com/gpu": "8"},
+        "limits": {"nvidia.com/gpu": "8"},
+    }
     # torchrun's 8 ranks talk over NCCL's shared memory: /dev/shm in memory, up to a quarter of the machine's.
     (shm,) = [v for v in job["volumes"] if v["name"] == "dshm"]
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "294912Mi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     # Where the catalog gives no size: the smallest GPU machine's, 4 vCPUs and 16 GiB; the fractions are settings.
-    pod = pod_manifest(rollout_spec(), KubernetesConfig(request_fraction=0.25, shm_fraction=0.5), Machine(gpus=1), {})["spec"]
+    pod = pod_manifest(rollout_spec(), KubernetesConfig(request_fraction=0.25, shm_fraction=0.5), Machine(gpus=1), {})[
+        "spec"
+    ]
     assert pod["containers"][0]["resources"]["requests"] == {"cpu": "1000m", "memory": "4096Mi", "nvidia.com/gpu": "1"}
     assert [v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if v["name"] == "dshm"] == ["8192Mi"]
     # The launcher sizes a pod by the price catalog's entry of its instance type.
@@ -158,11 +230,19 @@ def test_a_training_job_manifest() -> None:
 
     assert job["metadata"]["name"] == "run-1-train-3"  # deterministic: a retried launch finds it
     assert job["metadata"]["labels"]["spotrl.dev/run"] == "run-1"
-    assert spec["podFailurePolicy"] == {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
-    assert (spec["backoffLimit"], spec["activeDeadlineSeconds"], spec["ttlSecondsAfterFinished"]) == (0, 6 * 3600, 86400)
+    assert spec["podFailurePolicy"] == {
+        "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    }
+    assert (spec["backoffLimit"], spec["activeDeadlineSeconds"], spec["ttlSecondsAfterFinished"]) == (
+        0,
+        6 * 3600,
+        86400,
+    )
     assert pod["restartPolicy"] == "Never"  # what podFailurePolicy requires
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p4d.24xlarge", "spotrl.dev/pool": "training"}
-    assert {"key": "spotrl.dev/pool", "operator": "Equal", "value": "training", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"key": "spotrl.dev/pool", "operator": "Equal", "value": "training", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
     (container,) = pod["containers"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     # torchrun starts the 8 ranks; the image's python runs it, not the scheduler's interpreter.
@@ -179,7 +259,9 @@ def test_a_spot_rollout_pod_manifest() -> None:
 
     assert pod["metadata"]["name"] == "run-1-rollout-0" and pod["metadata"]["finalizers"] == [FINALIZER]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 120  # the spot notice
-    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
     assert terms == [  # ORed: any one provider's spot label
         {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]},
         {"matchExpressions": [{"key": "example.com/pool", "operator": "In", "values": ["cheap"]}]},
@@ -188,38 +270,62 @@ def test_a_spot_rollout_pod_manifest() -> None:
 
 
 def test_each_role_has_its_image_and_pool_and_the_pod_its_own_capacity_type() -> None:
-    cfg = KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2"},
-                           node_selectors={"rollout": {"spotrl.dev/pool": "rollout", "karpenter.sh/capacity-type": "spot"}},
-                           tolerations={"rollout": [{"key": "spot", "operator": "Exists"}]},
-                           pod_labels={"app.kubernetes.io/instance": "spotrl", "spotrl.dev/run": "not-this"})  # fmt: skip
+    cfg = KubernetesConfig(
+        images={"rollout": "r.example/spotrl-rollout:2"},
+        node_selectors={"rollout": {"spotrl.dev/pool": "rollout", "karpenter.sh/capacity-type": "spot"}},
+        tolerations={"rollout": [{"key": "spot", "operator": "Exists"}]},
+        pod_labels={"app.kubernetes.io/instance": "spotrl", "spotrl.dev/run": "not-this"},
+    )
     pod = pod_manifest(rollout_spec(spot=False), cfg, G5, {})
     # The pool's spot label would leave an on-demand pod no node: its capacity is its affinity's.
-    assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "rollout", "node.kubernetes.io/instance-type": "g5.xlarge"}
+    assert pod["spec"]["nodeSelector"] == {
+        "spotrl.dev/pool": "rollout",
+        "node.kubernetes.io/instance-type": "g5.xlarge",
+    }
     assert pod["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists"}]
     assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-rollout:2"
     assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "spotrl"
     assert pod["metadata"]["labels"]["spotrl.dev/run"] == "run-1"  # the launcher's own labels win
-    assert job_manifest(training_spec(), cfg, P4D, {})["spec"]["template"]["spec"]["containers"][0]["image"] == cfg.image
+    assert (
+        job_manifest(training_spec(), cfg, P4D, {})["spec"]["template"]["spec"]["containers"][0]["image"] == cfg.image
+    )
     # No Secrets named: the values are the pod's (a development cluster).
     (container,) = pod_manifest(rollout_spec(), cfg, G5, {"SPOTRL_QUEUE_URL": "kafka://k:9092"})["spec"]["containers"]
     assert container["env"] == [{"name": "SPOTRL_QUEUE_URL", "value": "kafka://k:9092"}] and "envFrom" not in container
 
 
 def test_a_standby_holds_a_node_of_the_training_pool() -> None:
-    cfg = KubernetesConfig(images={"training": "r.example/spotrl-training:2"},
-                           node_selectors={"training": {"spotrl.dev/pool": "training"}})  # fmt: skip
-    standby = PodSpec(name="run-1-warm-2", run_id="run-1", role="standby", command=["python", "-m", "services.control.scheduler.standby"],
-                      env={}, instance_type="p4d.24xlarge", capacity_type="on-demand", labels={"after_iteration": "2"})
+    cfg = KubernetesConfig(
+        images={"training": "r.example/spotrl-training:2"}, node_selectors={"training": {"spotrl.dev/pool": "training"}}
+    )
+    standby = PodSpec(
+        name="run-1-warm-2",
+        run_id="run-1",
+        role="standby",
+        command=["python", "-m", "services.control.scheduler.standby"],
+        env={},
+        instance_type="p4d.24xlarge",
+        capacity_type="on-demand",
+        labels={"after_iteration": "2"},
+    )
     pod = pod_manifest(standby, cfg, P4D, {})
-    assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "training", "node.kubernetes.io/instance-type": "p4d.24xlarge"}
+    assert pod["spec"]["nodeSelector"] == {
+        "spotrl.dev/pool": "training",
+        "node.kubernetes.io/instance-type": "p4d.24xlarge",
+    }
     assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-training:2"
     assert pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "8"  # the node's GPUs, held
 
 
 def test_a_runs_reward_server_runs_on_the_reward_pool_and_says_its_address() -> None:
     pod = pod_manifest(reward_spec(), KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2"}), G5, {})
-    assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "reward", "node.kubernetes.io/instance-type": "g4dn.xlarge"}
-    assert {"key": "spotrl.dev/pool", "operator": "Equal", "value": "reward", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+    assert pod["spec"]["nodeSelector"] == {
+        "spotrl.dev/pool": "reward",
+        "node.kubernetes.io/instance-type": "g4dn.xlarge",
+    }
+    assert {"key": "spotrl.dev/pool", "operator": "Equal", "value": "reward", "effect": "NoSchedule"} in pod["spec"][
+        "tolerations"
+    ]
     [container] = pod["spec"]["containers"]
     assert container["image"] == "r.example/spotrl-rollout:2"  # no reward image of its own: the rollout image
     assert {"name": "SPOTRL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
@@ -230,16 +336,32 @@ def test_a_runs_reward_server_runs_on_the_reward_pool_and_says_its_address() -> 
 
 
 def test_an_eval_pod_runs_on_the_rollout_pool() -> None:
-    cfg = KubernetesConfig(images={"rollout": "r.example/spotrl-rollout:2"},
-                           node_selectors={"rollout": {"spotrl.dev/pool": "rollout"}},
-                           tolerations={"rollout": [{"key": "spot", "operator": "Exists"}]})  # fmt: skip
-    evaluation = PodSpec(name="run-1-eval-2", run_id="run-1", role="eval", command=["python", "-m", "services.cli.main", "eval-job"],
-                         env={}, instance_type="g5.xlarge", capacity_type="spot", labels={"version": "2"})
+    cfg = KubernetesConfig(
+        images={"rollout": "r.example/spotrl-rollout:2"},
+        node_selectors={"rollout": {"spotrl.dev/pool": "rollout"}},
+        tolerations={"rollout": [{"key": "spot", "operator": "Exists"}]},
+    )
+    evaluation = PodSpec(
+        name="run-1-eval-2",
+        run_id="run-1",
+        role="eval",
+        command=["python", "-m", "services.cli.main", "eval-job"],
+        env={},
+        instance_type="g5.xlarge",
+        capacity_type="spot",
+        labels={"version": "2"},
+    )
     pod = pod_manifest(evaluation, cfg, G5, {})
-    assert pod["spec"]["nodeSelector"] == {"spotrl.dev/pool": "rollout", "node.kubernetes.io/instance-type": "g5.xlarge"}
+    assert pod["spec"]["nodeSelector"] == {
+        "spotrl.dev/pool": "rollout",
+        "node.kubernetes.io/instance-type": "g5.xlarge",
+    }
     assert pod["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists"}]
     assert pod["spec"]["containers"][0]["image"] == "r.example/spotrl-rollout:2"
-    assert pod["metadata"]["labels"]["spotrl.dev/role"] == "eval" and pod["metadata"]["labels"]["spotrl.dev/version"] == "2"
+    assert (
+        pod["metadata"]["labels"]["spotrl.dev/role"] == "eval"
+        and pod["metadata"]["labels"]["spotrl.dev/version"] == "2"
+    )
 
 
 def node_status(node_labels: dict[str, str], pod_status: dict[str, Any], cfg: KubernetesConfig = CFG) -> Any:
@@ -252,24 +374,37 @@ def node_status(node_labels: dict[str, str], pod_status: dict[str, Any], cfg: Ku
 
 def test_the_node_labels_give_instance_and_capacity_type() -> None:
     running = {"phase": "Running", "startTime": "2026-12-01T10:00:05Z"}
-    eks_spot = node_status({"node.kubernetes.io/instance-type": "g6.xlarge", "eks.amazonaws.com/capacityType": "SPOT"},
-                           running)  # fmt: skip
+    eks_spot = node_status(
+        {"node.kubernetes.io/instance-type": "g6.xlarge", "eks.amazonaws.com/capacityType": "SPOT"}, running
+    )
     assert (eks_spot.instance_type, eks_spot.capacity_type, eks_spot.phase) == ("g6.xlarge", "spot", PodPhase.RUNNING)
-    gke = node_status({"node.kubernetes.io/instance-type": "g2-standard-4", "cloud.google.com/gke-spot": "true"}, running)
+    gke = node_status(
+        {"node.kubernetes.io/instance-type": "g2-standard-4", "cloud.google.com/gke-spot": "true"}, running
+    )
     assert gke.capacity_type == "spot"
-    on_demand = node_status({"node.kubernetes.io/instance-type": "g5.xlarge", "karpenter.sh/capacity-type": "on-demand"},
-                            running)  # fmt: skip
+    on_demand = node_status(
+        {"node.kubernetes.io/instance-type": "g5.xlarge", "karpenter.sh/capacity-type": "on-demand"}, running
+    )
     assert on_demand.capacity_type == "on-demand"
     assert on_demand.started_at == 1796119205.0  # status.startTime
 
 
 def test_a_pod_ended_by_a_disruption_is_preempted_and_a_signal_death_is_negative() -> None:
-    ended = {"phase": "Failed", "startTime": "2026-12-01T10:00:05Z",
-             "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}],
-             "containerStatuses": [{"name": "main", "state": {"terminated": {
-                 "exitCode": 143, "finishedAt": "2026-12-01T10:07:00Z"}}}]}  # fmt: skip
+    ended = {
+        "phase": "Failed",
+        "startTime": "2026-12-01T10:00:05Z",
+        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}],
+        "containerStatuses": [
+            {"name": "main", "state": {"terminated": {"exitCode": 143, "finishedAt": "2026-12-01T10:07:00Z"}}}
+        ],
+    }
     pod = node_status({"node.kubernetes.io/instance-type": "g5.xlarge"}, ended)
-    assert (pod.phase, pod.preempted, pod.exit_code, pod.ended_at) == (PodPhase.FAILED, True, -signal.SIGTERM, 1796119620.0)
+    assert (pod.phase, pod.preempted, pod.exit_code, pod.ended_at) == (
+        PodPhase.FAILED,
+        True,
+        -signal.SIGTERM,
+        1796119620.0,
+    )
 
     ended["conditions"] = []
     assert node_status({}, ended).preempted is False
@@ -306,8 +441,10 @@ def test_a_preempted_training_pod_is_retried_by_the_job_not_failed(
     launcher = open_launcher_on()
     # The first pod sleeps until preempted; its successor finds the marker and succeeds.
     marker = tmp_path / "first-ran"
-    code = f"import os, time, pathlib; p = pathlib.Path({str(marker)!r})\nif p.exists(): print('second'); raise SystemExit(0)\n" \
-           "p.touch(); print('ready', flush=True); time.sleep(60)"  # fmt: skip
+    code = (
+        f"import os, time, pathlib; p = pathlib.Path({str(marker)!r})\nif p.exists(): print('second'); raise SystemExit(0)\n"
+        "p.touch(); print('ready', flush=True); time.sleep(60)"
+    )
     launcher.launch(training_spec("t-spot", command=python(code)))
     wait_for_log(launcher, "t-spot", "ready")
     (first,) = [p["metadata"]["name"] for p in launcher.pods.snapshot()]
@@ -362,7 +499,9 @@ def test_a_spot_pod_without_capacity_waits_for_a_node_and_then_says_when_its_nod
     kube_cluster.kubelet.spot_capacity.set()  # capacity comes back: a node is made for the pod
     wait_for_log(launcher, "r-wait", "ready")
     placed = wait_for(lambda: [p for p in launcher.list() if not p.waiting_for_node], message="the pod is on a node")[0]
-    assert placed.node_joined_at is not None and placed.node_joined_at >= int(launched)  # the API's stamps are whole seconds
+    assert placed.node_joined_at is not None and placed.node_joined_at >= int(
+        launched
+    )  # the API's stamps are whole seconds
     assert placed.capacity_type == "spot"
 
 
@@ -414,21 +553,30 @@ def test_the_watch_resumes_from_its_version_and_lists_again_only_when_it_is_gone
 def read_back(cluster: Cluster, kind: str, name: str) -> dict[str, Any]:
     """The object as the API server stores it (not the launcher's cache)."""
     with cluster.server.api_client() as api:
-        read = client.BatchV1Api(api).read_namespaced_job if kind == "Job" else client.CoreV1Api(api).read_namespaced_pod
+        read = (
+            client.BatchV1Api(api).read_namespaced_job if kind == "Job" else client.CoreV1Api(api).read_namespaced_pod
+        )
         response = read(name, cluster.namespace, _preload_content=False)
         return json.loads(response.data)
 
 
 def test_secret_settings_reach_pods_only_from_secrets_and_the_price_catalog_is_mounted(
-    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster, monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path, request: pytest.FixtureRequest,
+    open_launcher_on: Callable[..., KubernetesLauncher],
+    kube_cluster: Cluster,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     state_url = "postgresql+psycopg://spotrl:db-password-3f9a@db:5432/spotrl"
     kafka_password = "kafka-password-77c1"
     with kube_cluster.server.api_client() as api:  # the operator's Secret, as the chart's envFrom reads it
-        client.CoreV1Api(api).create_namespaced_secret(kube_cluster.namespace, {
-            "metadata": {"name": "backends"},
-            "stringData": {"SPOTRL_STATE_URL": state_url, "SPOTRL_KAFKA_SASL_PLAIN_PASSWORD": kafka_password}})  # fmt: skip
+        client.CoreV1Api(api).create_namespaced_secret(
+            kube_cluster.namespace,
+            {
+                "metadata": {"name": "backends"},
+                "stringData": {"SPOTRL_STATE_URL": state_url, "SPOTRL_KAFKA_SASL_PLAIN_PASSWORD": kafka_password},
+            },
+        )
     # The scheduler's environment: the Secret's values, and the catalog file its own pod mounts.
     monkeypatch.setenv("SPOTRL_STATE_URL", state_url)
     monkeypatch.setenv("SPOTRL_KAFKA_SASL_PLAIN_PASSWORD", kafka_password)
@@ -441,13 +589,18 @@ def test_secret_settings_reach_pods_only_from_secrets_and_the_price_catalog_is_m
     launcher = open_launcher_on(env_secrets=("backends",), price_catalog_configmap="prices")
     show = "import os; print('got', os.environ['SPOTRL_STATE_URL'], os.environ['SPOTRL_KAFKA_SASL_PLAIN_PASSWORD'])"
     launcher.launch(rollout_spec("r-secret", command=python(show)))
-    launcher.launch(PodSpec("t-secret", "run-1", "training", python(show), {"SPOTRL_STATE_URL": state_url}, "p4d.24xlarge",
-                            "on-demand"))  # fmt: skip
+    launcher.launch(
+        PodSpec(
+            "t-secret", "run-1", "training", python(show), {"SPOTRL_STATE_URL": state_url}, "p4d.24xlarge", "on-demand"
+        )
+    )
 
     for name in ("r-secret", "t-secret"):
         wait_until_ended(launcher, name)
         assert f"got {state_url} {kafka_password}" in launcher.logs(name)  # the kubelet read them from the Secret
-    (job_pod,) = [p["metadata"]["name"] for p in launcher.pods.snapshot() if p["metadata"]["name"].startswith("t-secret-")]
+    (job_pod,) = [
+        p["metadata"]["name"] for p in launcher.pods.snapshot() if p["metadata"]["name"].startswith("t-secret-")
+    ]
     for kind, name in (("Pod", "r-secret"), ("Job", "t-secret"), ("Pod", job_pod)):
         stored = read_back(kube_cluster, kind, name)
         text = json.dumps(stored)
@@ -456,7 +609,9 @@ def test_secret_settings_reach_pods_only_from_secrets_and_the_price_catalog_is_m
         (container,) = pod["containers"]
         assert container["envFrom"] == [{"secretRef": {"name": "backends"}}]
         assert {"name": "price-catalog", "configMap": {"name": "prices", "defaultMode": 420}} in pod["volumes"]
-        assert {"name": "price-catalog", "mountPath": str(catalog.parent), "readOnly": True} in container["volumeMounts"]
+        assert {"name": "price-catalog", "mountPath": str(catalog.parent), "readOnly": True} in container[
+            "volumeMounts"
+        ]
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["SPOTRL_PRICE_CATALOG"] == str(catalog)  # the same path as the scheduler's
 
@@ -464,8 +619,12 @@ def test_secret_settings_reach_pods_only_from_secrets_and_the_price_catalog_is_m
 def test_a_jobs_status_names_the_pod_the_gpu_exporter_labels(kube_cluster: Cluster, tmp_path: Path) -> None:
     """spotrl_pod_info{pod} is the Job's Kubernetes pod (``<job>-xxxxx``), as dcgm-exporter's
     DCGM_FI_DEV_GPU_UTIL{pod} has it; the PodStatus keeps the Job's name."""
-    settings = Settings(home=tmp_path, launcher="kubernetes", kube_config=kube_cluster.server.kubeconfig,
-                        kube_namespace=kube_cluster.namespace)  # fmt: skip
+    settings = Settings(
+        home=tmp_path,
+        launcher="kubernetes",
+        kube_config=kube_cluster.server.kubeconfig,
+        kube_namespace=kube_cluster.namespace,
+    )
     backends = open_backends(settings)
     launcher = backends.launcher
     assert isinstance(launcher, KubernetesLauncher)
@@ -487,20 +646,30 @@ def test_a_jobs_status_names_the_pod_the_gpu_exporter_labels(kube_cluster: Clust
     assert not launcher.pods._thread.is_alive() and not launcher.jobs._thread.is_alive()
 
 
-def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespace: str, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_settings_select_the_kubernetes_launcher(
+    kube: KubeServer, kube_namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # As the chart passes them: names comma-separated, maps and lists as JSON.
-    for key, value in {"LAUNCHER": "kubernetes", "KUBE_CONFIG": str(kube.kubeconfig), "KUBE_NAMESPACE": kube_namespace,
-                       "KUBE_SPOT_LABELS": "example.com/spot=yes", "KUBE_ROLLOUT_IMAGE": "r.example/spotrl-rollout:2",
-                       "KUBE_TRAINING_IMAGE": "r.example/spotrl-training:2", "KUBE_IMAGE_PULL_POLICY": "Always",
-                       "KUBE_IMAGE_PULL_SECRETS": "pull-a, pull-b", "KUBE_SERVICE_ACCOUNT": "spotrl-workload",
-                       "KUBE_ENV_SECRETS": "backends,s3-keys", "KUBE_PRICE_CATALOG_CONFIGMAP": "spotrl-price-catalog",
-                       "KUBE_POD_LABELS": '{"app.kubernetes.io/instance": "spotrl"}',
-                       "KUBE_ROLLOUT_NODE_SELECTOR": '{"example.com/pool": "gpu-spot"}',
-                       "KUBE_TRAINING_TOLERATIONS": '[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]',
-                       "KUBE_REQUEST_FRACTION": "0.6", "KUBE_SHM_FRACTION": "0.1", "KUBE_RUN_AS_USER": "2000",
-                       "KUBE_READ_ONLY_ROOT": "false",
-                       }.items():  # fmt: skip
+    for key, value in {
+        "LAUNCHER": "kubernetes",
+        "KUBE_CONFIG": str(kube.kubeconfig),
+        "KUBE_NAMESPACE": kube_namespace,
+        "KUBE_SPOT_LABELS": "example.com/spot=yes",
+        "KUBE_ROLLOUT_IMAGE": "r.example/spotrl-rollout:2",
+        "KUBE_TRAINING_IMAGE": "r.example/spotrl-training:2",
+        "KUBE_IMAGE_PULL_POLICY": "Always",
+        "KUBE_IMAGE_PULL_SECRETS": "pull-a, pull-b",
+        "KUBE_SERVICE_ACCOUNT": "spotrl-workload",
+        "KUBE_ENV_SECRETS": "backends,s3-keys",
+        "KUBE_PRICE_CATALOG_CONFIGMAP": "spotrl-price-catalog",
+        "KUBE_POD_LABELS": '{"app.kubernetes.io/instance": "spotrl"}',
+        "KUBE_ROLLOUT_NODE_SELECTOR": '{"example.com/pool": "gpu-spot"}',
+        "KUBE_TRAINING_TOLERATIONS": '[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]',
+        "KUBE_REQUEST_FRACTION": "0.6",
+        "KUBE_SHM_FRACTION": "0.1",
+        "KUBE_RUN_AS_USER": "2000",
+        "KUBE_READ_ONLY_ROOT": "false",
+    }.items():
         monkeypatch.setenv(f"SPOTRL_{key}", value)
     settings = Settings(home=tmp_path)
     launcher = open_launcher(settings, tmp_path)
@@ -509,13 +678,20 @@ def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespac
         cfg = launcher.cfg
         assert cfg.namespace == kube_namespace and cfg.spot_labels == {"example.com/spot": "yes"}
         assert cfg.images == {"rollout": "r.example/spotrl-rollout:2", "training": "r.example/spotrl-training:2"}
-        assert (cfg.image_pull_policy, cfg.image_pull_secrets, cfg.service_account) == ("Always", ("pull-a", "pull-b"), "spotrl-workload")
+        assert (cfg.image_pull_policy, cfg.image_pull_secrets, cfg.service_account) == (
+            "Always",
+            ("pull-a", "pull-b"),
+            "spotrl-workload",
+        )
         assert (cfg.env_secrets, cfg.price_catalog_configmap) == (("backends", "s3-keys"), "spotrl-price-catalog")
         assert cfg.pod_labels == {"app.kubernetes.io/instance": "spotrl"}
         assert (cfg.request_fraction, cfg.shm_fraction, cfg.run_as_user, cfg.read_only_root) == (0.6, 0.1, 2000, False)
         defaults = KubernetesConfig()
         assert cfg.node_selectors == {**defaults.node_selectors, "rollout": {"example.com/pool": "gpu-spot"}}
-        assert cfg.tolerations == {**defaults.tolerations, "training": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]}
+        assert cfg.tolerations == {
+            **defaults.tolerations,
+            "training": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        }
         assert launcher.list() == []
     finally:
         launcher.close()
@@ -523,15 +699,22 @@ def test_settings_select_the_kubernetes_launcher(kube: KubeServer, kube_namespac
 
 async def test_the_api_lists_and_counts_a_pod_that_waits_for_a_node(kube_cluster: Cluster, settings: Settings) -> None:
     kube_cluster.kubelet.spot_capacity.clear()
-    async with app_client(settings, launcher="kubernetes", kube_config=kube_cluster.server.kubeconfig,
-                          kube_namespace=kube_cluster.namespace) as client:  # fmt: skip
-        run = await client.post("/v1/runs", json={"model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}],
-                                                  "batch_samples": 8, "iterations": 1})
+    async with app_client(
+        settings,
+        launcher="kubernetes",
+        kube_config=kube_cluster.server.kubeconfig,
+        kube_namespace=kube_cluster.namespace,
+    ) as client:
+        run = await client.post(
+            "/v1/runs",
+            json={"model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}], "batch_samples": 8, "iterations": 1},
+        )
         assert run.status_code == 201, run.text
         run_id = run.json()["id"]
         pod = rollout_pod_name(run_id, 0)
         client.app.state.backends.launcher.launch(  # type: ignore[attr-defined]
-            PodSpec(pod, run_id, "rollout", python(SLEEPS), {}, "g6.xlarge", "spot", {"slot": "0"}))
+            PodSpec(pod, run_id, "rollout", python(SLEEPS), {}, "g6.xlarge", "spot", {"slot": "0"})
+        )
         listed = (await client.get(f"/v1/runs/{run_id}/pods")).json()["pods"]
         metrics = (await client.get("/metrics")).text
     assert listed == [{"name": pod, "role": "rollout", "running": True, "waiting_for_node": True}]

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from services.ports.launcher.launcher import Launcher, PodNotFoundError, PodPhase, PodSpec, PodStatus
-
 from services.ports.launcher.local_launcher import LocalLauncher
 
 
@@ -38,7 +37,8 @@ def kubernetes_adapter(request: pytest.FixtureRequest) -> Adapter:
 
 # Each makes the adapter for one test (the Kubernetes one starts that test's namespace and kubelet).
 ADAPTERS: dict[str, Callable[[pytest.FixtureRequest], Adapter]] = {
-    "local": local_adapter, "kubernetes": kubernetes_adapter,
+    "local": local_adapter,
+    "kubernetes": kubernetes_adapter,
 }
 
 
@@ -77,6 +77,7 @@ time.sleep(60)
 print("child", child.pid, flush=True)
 child.wait()
 """
+
 
 @pytest.fixture(params=sorted(ADAPTERS))
 def adapter(request: pytest.FixtureRequest) -> Adapter:

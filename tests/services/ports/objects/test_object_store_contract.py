@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.ports.objects.object_store import ObjectNotFoundError, ObjectStore
-
 from services.ports.objects.local_object_store import LocalObjectStore
+from services.ports.objects.object_store import ObjectNotFoundError, ObjectStore
 from services.ports.objects.s3_object_store import S3ObjectStore
 
 # adapter name -> (the test's request, for a server fixture; a folder for its state) -> a client.
@@ -167,8 +166,9 @@ def test_a_marker_put_after_upload_dir_is_seen_with_every_file(
             if reader.exists(marker):
                 target = tmp_path / f"read-{len(seen)}"
                 reader.download_dir("runs/r/policy/v1/", target)
-                seen.append({p.relative_to(target).as_posix(): p.read_bytes()
-                             for p in target.rglob("*") if p.is_file()})  # fmt: skip
+                seen.append(
+                    {p.relative_to(target).as_posix(): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+                )
                 return
 
     thread = threading.Thread(target=read)

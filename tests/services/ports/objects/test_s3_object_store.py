@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 from botocore.stub import Stubber
 
-from services.ports.objects.object_store import ObjectNotFoundError, ObjectStore
-
-from services.ports.objects.local_object_store import LocalObjectStore
-from services.ports.objects.s3_errors import ObjectStoreConfigError, ObjectStoreUnavailableError
-from services.ports.objects.s3_object_store import S3ObjectStore
 from services.core.errors import PermanentError, TemporaryError
 from services.domain.names import policy_prefix, result_key
+from services.ports.objects.local_object_store import LocalObjectStore
+from services.ports.objects.object_store import ObjectNotFoundError, ObjectStore
+from services.ports.objects.s3_errors import ObjectStoreConfigError, ObjectStoreUnavailableError
+from services.ports.objects.s3_object_store import S3ObjectStore
 from services.ports.wiring import open_object_store
 from tests.servers.process import half_closed
 from tests.servers.s3 import S3Bucket
@@ -168,7 +167,9 @@ def test_publishing_fails_cleanly_when_s3_stays_unreachable(
     store = _small_parts(s3_bucket, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=2)
     source, files = _policy_dir(tmp_path)
     asked: list[str] = []  # the key of every request the store sent
-    store._client.meta.events.register("before-parameter-build.s3", lambda params, **_: asked.append(params.get("Key", "")))
+    store._client.meta.events.register(
+        "before-parameter-build.s3", lambda params, **_: asked.append(params.get("Key", ""))
+    )
     resumed = unreachable_for(8.0)
     with pytest.raises(ObjectStoreUnavailableError) as caught:
         _publish(store, source)
@@ -263,8 +264,9 @@ def test_errors_say_what_to_do_and_show_no_secret(
         store.get_bytes("none")
     errors.append(not_found.value)
 
-    closed = S3ObjectStore.from_url(s3_bucket.url, endpoint_url="http://127.0.0.1:9", max_attempts=2,
-                                    connect_timeout_s=1.0)  # fmt: skip
+    closed = S3ObjectStore.from_url(
+        s3_bucket.url, endpoint_url="http://127.0.0.1:9", max_attempts=2, connect_timeout_s=1.0
+    )
     with pytest.raises(ObjectStoreUnavailableError, match="127.0.0.1:9.*reachable") as unreachable:
         closed.list("")
     errors.append(unreachable.value)
@@ -290,14 +292,20 @@ def test_errors_say_what_to_do_and_show_no_secret(
             rotated_env.setenv("AWS_ACCESS_KEY_ID", writer_key)
             rotated_env.setenv("AWS_SECRET_ACCESS_KEY", "old-" + writer_secret)
             rotated_env.delenv("AWS_SESSION_TOKEN")
-            with pytest.raises(ObjectStoreConfigError, match="refused the credentials .SignatureDoesNotMatch") as rotated:
+            with pytest.raises(
+                ObjectStoreConfigError, match="refused the credentials .SignatureDoesNotMatch"
+            ) as rotated:
                 S3ObjectStore.from_url(s3_bucket.url).get_bytes("k")
         errors.append(rotated.value)
     # moto never throttles: S3's 503 SlowDown comes from botocore's Stubber. Its message quotes
     # the secret, which S3 never receives: the scrub is a second line.
     with Stubber(store._client) as stub:
-        stub.add_client_error("get_object", service_error_code="SlowDown", http_status_code=503,
-                              service_message=f"answer quoting {s3_bucket.secret_key}")  # fmt: skip
+        stub.add_client_error(
+            "get_object",
+            service_error_code="SlowDown",
+            http_status_code=503,
+            service_message=f"answer quoting {s3_bucket.secret_key}",
+        )
         with pytest.raises(ObjectStoreUnavailableError, match="SlowDown.*retried later") as slow_down:
             store.get_bytes("k")
     errors.append(slow_down.value)

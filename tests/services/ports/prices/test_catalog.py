@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from services.ports.prices.catalog import MixedCurrencyError, QuotedRange, load_catalog, parse_catalog
 from services.domain.runspec import RunSpec
+from services.ports.prices.catalog import MixedCurrencyError, QuotedRange, load_catalog, parse_catalog
 
 SHIPPED = load_catalog()
 
@@ -22,13 +22,18 @@ def test_every_shipped_figure_names_its_source_date_and_currency() -> None:
     assert (p4de.gpu, p4de.gpus, p4de.provider, p4de.currency) == ("A100-80GB", 8, "aws", "USD")
 
 
-@pytest.mark.parametrize(("instance_type", "gpu", "low", "high"), [
-    ("ecs.gn7i-4x.8xlarge", "A10", 15, 35),  # the seed: rollout A10/L20, 2-4 cards, CNY 15-35/h
-    ("ecs.gn8is-4x.16xlarge", "L20", 15, 35),
-    ("ecs.gn7e-c16g1.32xlarge", "A100-80GB", 120, 320),  # training A100/H100 80G, 4-8 cards, CNY 120-320/h
-    ("ecs.gn7i-c8g1.2xlarge", "A10", 8, 25),  # reward T4/L4/A10, 1-2 cards, CNY 8-25/h
-])
-def test_alibaba_prices_are_the_seeds_quoted_ranges_in_cny(instance_type: str, gpu: str, low: float, high: float) -> None:
+@pytest.mark.parametrize(
+    ("instance_type", "gpu", "low", "high"),
+    [
+        ("ecs.gn7i-4x.8xlarge", "A10", 15, 35),  # the seed: rollout A10/L20, 2-4 cards, CNY 15-35/h
+        ("ecs.gn8is-4x.16xlarge", "L20", 15, 35),
+        ("ecs.gn7e-c16g1.32xlarge", "A100-80GB", 120, 320),  # training A100/H100 80G, 4-8 cards, CNY 120-320/h
+        ("ecs.gn7i-c8g1.2xlarge", "A10", 8, 25),  # reward T4/L4/A10, 1-2 cards, CNY 8-25/h
+    ],
+)
+def test_alibaba_prices_are_the_seeds_quoted_ranges_in_cny(
+    instance_type: str, gpu: str, low: float, high: float
+) -> None:
     price = SHIPPED.get(instance_type)
     assert (price.provider, price.currency, price.gpu) == ("alibaba", "CNY", gpu)
     for capacity in ("on-demand", "spot"):
@@ -49,8 +54,23 @@ def test_a_quoted_range_whose_point_lies_outside_is_refused() -> None:
 
 
 def test_an_instance_without_a_currency_takes_the_files() -> None:
-    catalog = parse_catalog({"currency": "EUR", "instances": {"x": {
-        "gpu": "L4", "gpus": 1, "provider": "test", "region": "r", "on_demand": 2, "spot": 1, "source": "s", "date": "d"}}})
+    catalog = parse_catalog(
+        {
+            "currency": "EUR",
+            "instances": {
+                "x": {
+                    "gpu": "L4",
+                    "gpus": 1,
+                    "provider": "test",
+                    "region": "r",
+                    "on_demand": 2,
+                    "spot": 1,
+                    "source": "s",
+                    "date": "d",
+                }
+            },
+        }
+    )
     assert catalog.get("x").currency == "EUR" == catalog.currency_of(["x"])
 
 
@@ -62,8 +82,13 @@ def test_a_run_is_in_its_instances_one_currency() -> None:
 
 
 def test_a_run_spec_mixing_currencies_is_refused_with_what_to_do() -> None:
-    spec = {"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "iterations": 1,
-            "rollout": {"instance_type": "g6.xlarge"}, "training": {"instance_type": "ecs.gn7e-c16g1.32xlarge"}}
+    spec = {
+        "model": "tiny",
+        "prompts": [{"prompt": "1+1", "answer": "2"}],
+        "iterations": 1,
+        "rollout": {"instance_type": "g6.xlarge"},
+        "training": {"instance_type": "ecs.gn7e-c16g1.32xlarge"},
+    }
     with pytest.raises(ValidationError, match="different currencies.*use instance types of one provider"):
         RunSpec.model_validate(spec)
     spec["rollout"]["instance_type"] = "ecs.gn8is-4x.16xlarge"

@@ -12,8 +12,8 @@ import pytest
 
 from services.core.config import Settings
 from services.ports.prices.catalog import load_catalog, parse_catalog
-from services.ports.wiring import open_prices
 from services.ports.prices.live_prices import AwsSpotPrices, LivePriceCatalog
+from services.ports.wiring import open_prices
 from tests.servers.process import free_port
 from tests.servers.s3 import S3Server
 
@@ -69,9 +69,23 @@ def test_a_live_price_is_reused_for_its_ttl(ec2: S3Server) -> None:
 
 
 def test_a_type_ec2_does_not_know_falls_back_to_the_catalog_saying_so(ec2: S3Server, caplog) -> None:
-    own = parse_catalog({"currency": "USD", "instances": {"x9.huge": {
-        "gpu": "L4", "gpus": 1, "provider": "aws", "region": "us-east-1", "on_demand": 2.0, "spot": 0.7,
-        "source": "mine", "date": "2025-06"}}})
+    own = parse_catalog(
+        {
+            "currency": "USD",
+            "instances": {
+                "x9.huge": {
+                    "gpu": "L4",
+                    "gpus": 1,
+                    "provider": "aws",
+                    "region": "us-east-1",
+                    "on_demand": 2.0,
+                    "spot": 0.7,
+                    "source": "mine",
+                    "date": "2025-06",
+                }
+            },
+        }
+    )
     catalog = LivePriceCatalog(own.currency, own.instances, AwsSpotPrices(300.0, Clock()))
     with caplog.at_level(logging.WARNING, logger="services.ports.prices.live_prices"):
         price = catalog.get("x9.huge")
@@ -91,7 +105,10 @@ def test_without_credentials_or_with_ec2_unreachable_the_catalog_is_used(
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     anonymous = live().get("g5.xlarge")
-    assert (anonymous.spot, anonymous.origin) == (catalog_spot, "catalog spot price: no live price (no AWS credentials in the environment)")
+    assert (anonymous.spot, anonymous.origin) == (
+        catalog_spot,
+        "catalog spot price: no live price (no AWS credentials in the environment)",
+    )
 
 
 def test_live_prices_are_a_setting(ec2: S3Server) -> None:

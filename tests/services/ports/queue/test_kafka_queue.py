@@ -20,10 +20,10 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.partitioner import DefaultPartitioner
 
 from contracts.samples import Sample, decode_group, encode_group
+from services.domain.backlog import read_backlog, take_batch, trainer_consumer
+from services.domain.names import TRAINER_GROUP, samples_topic
 from services.ports.queue.kafka_queue import KafkaQueue, KafkaUnavailableError, _partition_for_key
 from services.ports.queue.kafka_settings import KafkaSettings
-from services.domain.names import TRAINER_GROUP, samples_topic
-from services.domain.backlog import read_backlog, take_batch, trainer_consumer
 from services.ports.wiring import open_queue
 from tests.servers.kafka import KafkaBroker
 
@@ -154,13 +154,23 @@ def test_no_password_in_errors_reprs_or_logs(
 
 
 def test_settings_from_the_url_and_the_environment() -> None:
-    env = {"SPOTRL_KAFKA_SECURITY_PROTOCOL": "sasl_ssl", "SPOTRL_KAFKA_SASL_MECHANISM": "SCRAM-SHA-256",
-           "SPOTRL_KAFKA_SASL_PLAIN_USERNAME": "u", "SPOTRL_KAFKA_SASL_PLAIN_PASSWORD": "p",
-           "SPOTRL_KAFKA_SSL_CAFILE": "/etc/ca.pem", "SPOTRL_KAFKA_RETENTION_MS": "1000"}  # fmt: skip
+    env = {
+        "SPOTRL_KAFKA_SECURITY_PROTOCOL": "sasl_ssl",
+        "SPOTRL_KAFKA_SASL_MECHANISM": "SCRAM-SHA-256",
+        "SPOTRL_KAFKA_SASL_PLAIN_USERNAME": "u",
+        "SPOTRL_KAFKA_SASL_PLAIN_PASSWORD": "p",
+        "SPOTRL_KAFKA_SSL_CAFILE": "/etc/ca.pem",
+        "SPOTRL_KAFKA_RETENTION_MS": "1000",
+    }
     settings = KafkaSettings.from_url("kafka://b1:9092,b2:9093?retention_ms=2000&replication_factor=3", env=env)
     assert settings.bootstrap_servers == ["b1:9092", "b2:9093"]
-    assert settings.security == {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-256",
-                                 "sasl_plain_username": "u", "sasl_plain_password": "p", "ssl_cafile": "/etc/ca.pem"}
+    assert settings.security == {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "SCRAM-SHA-256",
+        "sasl_plain_username": "u",
+        "sasl_plain_password": "p",
+        "ssl_cafile": "/etc/ca.pem",
+    }
     assert (settings.retention_ms, settings.replication_factor) == (2000, 3)  # the URL wins over the environment
     assert KafkaSettings.from_url("kafka://b:9092", env={}).security == {"security_protocol": "PLAINTEXT"}
     for url, message in [
@@ -229,11 +239,20 @@ def test_a_deleted_topic_takes_its_groups_offsets_with_it(queue: KafkaQueue) -> 
 
 def sample(run_id: str, group: int, i: int, tokens: int = 256) -> Sample:
     return Sample(
-        sample_id=uuid.uuid4().hex, run_id=run_id, prompt_id=f"p{group}", group_id=f"g{group}",
-        prompt_ids=list(range(64)), response_ids=list(range(tokens)), logprobs=[-0.5] * tokens,
-        reward=float(i % 2), reward_source="rule", policy_version=0, worker_id="w0",
-        generation_seconds=1.0, created_at=time.time(),
-    )  # fmt: skip
+        sample_id=uuid.uuid4().hex,
+        run_id=run_id,
+        prompt_id=f"p{group}",
+        group_id=f"g{group}",
+        prompt_ids=list(range(64)),
+        response_ids=list(range(tokens)),
+        logprobs=[-0.5] * tokens,
+        reward=float(i % 2),
+        reward_source="rule",
+        policy_version=0,
+        worker_id="w0",
+        generation_seconds=1.0,
+        created_at=time.time(),
+    )
 
 
 def test_the_training_job_reads_and_commits_its_batch_on_kafka(queue: KafkaQueue) -> None:

@@ -175,8 +175,12 @@ def test_two_members_split_the_partitions_and_share_no_record(queue: Queue, topi
     b = queue.consumer(topic, "g", member_id="b")
     deadline = time.monotonic() + 30
     # Both join before anything is produced: neither can have read a record of the other's partitions.
-    while not (a.assignment() and b.assignment() and not a.assignment() & b.assignment()
-               and a.assignment() | b.assignment() == set(range(PARTITIONS))):
+    while not (
+        a.assignment()
+        and b.assignment()
+        and not a.assignment() & b.assignment()
+        and a.assignment() | b.assignment() == set(range(PARTITIONS))
+    ):
         assert time.monotonic() < deadline, "the group never settled"
         a.poll(1, timeout_s=0.1)
         b.poll(1, timeout_s=0.1)

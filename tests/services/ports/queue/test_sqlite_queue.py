@@ -85,9 +85,7 @@ def test_a_sigkilled_consumers_records_go_to_another_member_after_its_session(tm
     queue = SqliteQueue(path)
     queue.create_topic("t", 4)
     queue.produce("t", [f"v{i}".encode() for i in range(20)])
-    doomed = subprocess.Popen(
-        [sys.executable, "-c", CONSUMER, str(path), "20"], stdout=subprocess.PIPE, text=True
-    )
+    doomed = subprocess.Popen([sys.executable, "-c", CONSUMER, str(path), "20"], stdout=subprocess.PIPE, text=True)
     assert doomed.stdout is not None
     assert doomed.stdout.readline().strip() == "20"
     doomed.kill()

@@ -145,7 +145,9 @@ def test_counters_count_hits_misses_and_errors(cache: RedisRewardCache) -> None:
     assert b'spotrl_reward_cache_requests_total{result="hit"}' in generate_latest(REGISTRY)
 
 
-def test_redis_unreachable_a_while_then_back(redis_url: str, redis_server, sends: list[int], caplog, wait_for, clock) -> None:
+def test_redis_unreachable_a_while_then_back(
+    redis_url: str, redis_server, sends: list[int], caplog, wait_for, clock
+) -> None:
     """A hung Redis (SIGSTOP: connections accepted, nothing answers): worker-style calls miss and
     drop their writes, neither raising nor trying more than once (one timeout at most), with one
     warning; Redis is left alone until retry_after_s has passed, then tried once again; once it

@@ -30,16 +30,13 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine
 
 from contracts.status import RunStatus
-from services.ports.state.state_engine import WRITE_OPTION, create_state_engine
 from services.ports.state.migrations import SCRIPT_LOCATION, alembic_config
+from services.ports.state.state_engine import WRITE_OPTION, create_state_engine
 from services.ports.state.state_schema import Base, EvalRow, TrackingCursorRow
 from services.ports.state.state_store import StateStore
 
 HEAD = ScriptDirectory(SCRIPT_LOCATION).get_current_head()
-REVISIONS = [
-    r.revision
-    for r in reversed(list(ScriptDirectory(SCRIPT_LOCATION).walk_revisions()))
-]
+REVISIONS = [r.revision for r in reversed(list(ScriptDirectory(SCRIPT_LOCATION).walk_revisions()))]
 # The tables each revision adds, beside runs, iterations and ledger (0001's).
 TABLE_REVISIONS = {
     "leases": 2,
@@ -84,11 +81,7 @@ def _insert(conn: Connection, table_name: str, /, **values: Any) -> None:
             else column(key)
         )
 
-    conn.execute(
-        table(table_name, *(typed(k, v) for k, v in values.items()))
-        .insert()
-        .values(**values)
-    )
+    conn.execute(table(table_name, *(typed(k, v) for k, v in values.items())).insert().values(**values))
 
 
 def _fill(conn: Connection, at: int) -> None:
@@ -157,9 +150,7 @@ def _fill(conn: Connection, at: int) -> None:
             reported_at=3.0,
         ),
         "reward_failures": dict(run_id="r1", reason="function:timeout", count=2),
-        "tracking_cursors": dict(
-            run_id="r1", sink="tensorboard", iteration=1, eval_version=-1, ended=False
-        ),
+        "tracking_cursors": dict(run_id="r1", sink="tensorboard", iteration=1, eval_version=-1, ended=False),
         "evals": dict(
             run_id="r1",
             policy_version=1,
@@ -186,11 +177,7 @@ def _assert_filled_at(url: str, at: int) -> None:
     """Every row ``_fill(at)`` wrote is there, and the columns added since read their defaults."""
     with closing(StateStore(url)) as s:
         run = s.get_run("r1")
-        stopping = (
-            ("CANCELLING", "CANCELLED", "cancelled by the user")
-            if at == 1
-            else ("RUNNING", None, None)
-        )
+        stopping = ("CANCELLING", "CANCELLED", "cancelled by the user") if at == 1 else ("RUNNING", None, None)
         assert (run.status, run.ending_status, run.ending_reason) == stopping
         assert (
             run.name,
@@ -211,10 +198,9 @@ def _assert_filled_at(url: str, at: int) -> None:
             0,
             None,
         )
-        assert [
-            (i.iteration, i.metrics)
-            for i in s.run_view("r1", latest=5, now=10.0).latest
-        ] == [(1, {"actor/pg_loss": 0.2})]
+        assert [(i.iteration, i.metrics) for i in s.run_view("r1", latest=5, now=10.0).latest] == [
+            (1, {"actor/pg_loss": 0.2})
+        ]
         (entry,) = s.ledger("r1")
         assert (entry.pod, entry.started_at, entry.ended_at, entry.outcome) == (
             "r1-rollout-0",
@@ -236,9 +222,7 @@ def _differences(engine: Engine) -> list[Any]:
 
 
 @pytest.mark.parametrize("at", range(1, len(REVISIONS)))
-def test_store_at_an_earlier_revision_upgrades_with_its_rows(
-    store_url: str, engine: Engine, at: int
-) -> None:
+def test_store_at_an_earlier_revision_upgrades_with_its_rows(store_url: str, engine: Engine, at: int) -> None:
     _upgrade(engine, REVISIONS[at - 1])
     with engine.begin() as conn:
         _fill(conn, at)
@@ -251,9 +235,7 @@ def test_new_store_is_at_head_and_reopens(store_url: str, engine: Engine) -> Non
     StateStore(store_url).close()
     StateStore(store_url).close()  # a second open applies nothing
     with engine.connect() as conn:
-        assert conn.execute(
-            text("SELECT version_num FROM alembic_version")
-        ).scalars().all() == [HEAD]
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == [HEAD]
 
 
 def test_head_schema_is_the_models(store_url: str, engine: Engine) -> None:
@@ -270,15 +252,11 @@ def _as_hand_rolled(engine: Engine, version: int) -> None:
         conn.execute(text("DROP TABLE alembic_version"))
         conn.execute(text("CREATE TABLE schema_version (version INTEGER NOT NULL)"))
         for v in range(1, version + 1):
-            conn.execute(
-                text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": v}
-            )
+            conn.execute(text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": v})
 
 
 @pytest.mark.parametrize("version", [1, 6, 11])
-def test_store_of_the_hand_rolled_migrations_is_adopted(
-    store_url: str, engine: Engine, version: int
-) -> None:
+def test_store_of_the_hand_rolled_migrations_is_adopted(store_url: str, engine: Engine, version: int) -> None:
     _upgrade(engine, REVISIONS[version - 1])
     with engine.begin() as conn:
         _fill(conn, version)
@@ -301,9 +279,7 @@ def test_store_that_numbered_tracking_cursors_7_gets_reward_failures(
             conn.execute(text("DROP TABLE reward_failures"))
     else:
         _upgrade(engine, "0006")
-        with (
-            engine.begin() as conn
-        ):  # what the hand-rolled tracking_cursors and evals migrations created
+        with engine.begin() as conn:  # what the hand-rolled tracking_cursors and evals migrations created
             _fill(conn, 6)
             TrackingCursorRow.__table__.create(conn)
             if version == 8:
@@ -311,22 +287,16 @@ def test_store_that_numbered_tracking_cursors_7_gets_reward_failures(
     _as_hand_rolled(engine, version)
     with closing(StateStore(store_url)) as s:
         s.count_reward_failures("r1", {"function:timeout": 1}, "timeout")
-        assert s.run_view("r1", latest=1, now=10.0).reward_failures == {
-            "function:timeout": 1
-        }
+        assert s.run_view("r1", latest=1, now=10.0).reward_failures == {"function:timeout": 1}
         assert s.get_run("r1").status == RunStatus.RUNNING.value
     assert _differences(engine) == []
     with engine.connect() as conn:
         assert MigrationContext.configure(conn).get_current_revision() == HEAD
 
 
-def test_store_of_a_newer_spotrl_is_refused_with_what_to_do(
-    store_url: str, engine: Engine
-) -> None:
+def test_store_of_a_newer_spotrl_is_refused_with_what_to_do(store_url: str, engine: Engine) -> None:
     StateStore(store_url).close()
     with engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
-    with pytest.raises(
-        RuntimeError, match="a newer spotrl has upgraded it; run that version"
-    ):
+    with pytest.raises(RuntimeError, match="a newer spotrl has upgraded it; run that version"):
         StateStore(store_url)

@@ -98,8 +98,19 @@ def test_first_ending_stands_but_a_failure_replaces_it(store: StateStore) -> Non
 
 def test_record_iteration_is_atomic_and_idempotent(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
-    row = dict(run_id="r1", iteration=1, policy_version=1, mean_reward=0.5, kl=0.01, loss=0.1, seconds=3.0,
-               samples_trained=8, samples_dropped=2, metrics={}, ended_at=1.0)
+    row = dict(
+        run_id="r1",
+        iteration=1,
+        policy_version=1,
+        mean_reward=0.5,
+        kl=0.01,
+        loss=0.1,
+        seconds=3.0,
+        samples_trained=8,
+        samples_dropped=2,
+        metrics={},
+        ended_at=1.0,
+    )
     store.record_iteration(IterationRow(**row))
     store.record_iteration(IterationRow(**row))
     run = store.get_run("r1")
@@ -110,8 +121,14 @@ def test_record_iteration_is_atomic_and_idempotent(store: StateStore) -> None:
 
 def test_ledger_open_close(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
-    kw = dict(run_id="r1", role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6,
-              price_source="test")
+    kw = dict(
+        run_id="r1",
+        role="rollout",
+        instance_type="g6.xlarge",
+        capacity_type="spot",
+        price_per_hour=3.6,
+        price_source="test",
+    )
     store.open_ledger(pod="p1", started_at=100.0, **kw)
     store.open_ledger(pod="p1", started_at=105.0, **kw)  # idempotent while open
     assert store.open_ledger_count("r1") == 1
@@ -130,8 +147,16 @@ def test_worker_reports_add_up_per_worker(store: StateStore) -> None:
     store.report_worker("r1", "w0", samples=4, generation_seconds=1.5, reward_cache={"hit": 1, "miss": 3, "error": 0})
     store.report_worker("r1", "w0", samples=2, generation_seconds=0.5, reward_cache={"miss": 2, "error": 2})
     store.report_worker("r1", "w1", samples=8, generation_seconds=2.0, reward_cache={})
-    got = {w.worker: (w.samples_produced, w.generation_seconds, w.reward_cache_hits, w.reward_cache_misses,
-                      w.reward_cache_errors) for w in store.worker_stats("r1")}  # fmt: skip
+    got = {
+        w.worker: (
+            w.samples_produced,
+            w.generation_seconds,
+            w.reward_cache_hits,
+            w.reward_cache_misses,
+            w.reward_cache_errors,
+        )
+        for w in store.worker_stats("r1")
+    }
     assert got == {"w0": (6, 2.0, 1, 5, 2), "w1": (8, 2.0, 0, 0, 0)}
     assert store.worker_stats("other") == []
 
@@ -150,8 +175,9 @@ def test_a_page_of_runs_comes_with_what_their_ledgers_bill(store: StateStore) ->
     spent = {row.id: dollars for row, dollars in page}
     assert spent == pytest.approx({"r1": 0.1 + 0.1, "r2": 0.0, "r3": 0.0})
     assert spent["r1"] == pytest.approx(sum(e.dollars(200.0) for e in store.ledger("r1")))
-    first, second = store.runs_page(tenant=None, limit=2, after=None, now=200.0), store.runs_page(
-        tenant=None, limit=2, after=(page[1][0].created_at, page[1][0].id), now=200.0
+    first, second = (
+        store.runs_page(tenant=None, limit=2, after=None, now=200.0),
+        store.runs_page(tenant=None, limit=2, after=(page[1][0].created_at, page[1][0].id), now=200.0),
     )
     assert [r.id for r, _ in first + second] == [r.id for r, _ in page]
     assert store.runs_page(tenant="another", limit=10, after=None, now=200.0) == []
@@ -160,10 +186,31 @@ def test_a_page_of_runs_comes_with_what_their_ledgers_bill(store: StateStore) ->
 def test_a_run_view_is_its_latest_iterations_their_count_and_its_spend(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
     for n in (1, 2, 3):
-        store.record_iteration(IterationRow(run_id="r1", iteration=n, policy_version=n, mean_reward=n / 10, kl=0.0, loss=0.0,
-                                            seconds=1.0, samples_trained=4, samples_dropped=0, metrics={}, ended_at=float(n)))  # fmt: skip
-    store.open_ledger(run_id="r1", pod="a", started_at=100.0, price_per_hour=3.6, role="train", instance_type="x",
-                      capacity_type="on-demand", price_source="test")  # fmt: skip
+        store.record_iteration(
+            IterationRow(
+                run_id="r1",
+                iteration=n,
+                policy_version=n,
+                mean_reward=n / 10,
+                kl=0.0,
+                loss=0.0,
+                seconds=1.0,
+                samples_trained=4,
+                samples_dropped=0,
+                metrics={},
+                ended_at=float(n),
+            )
+        )
+    store.open_ledger(
+        run_id="r1",
+        pod="a",
+        started_at=100.0,
+        price_per_hour=3.6,
+        role="train",
+        instance_type="x",
+        capacity_type="on-demand",
+        price_source="test",
+    )
     view = store.run_view("r1", latest=2, now=200.0)
     assert (view.run.id, view.run.iterations_done) == ("r1", 3)
     assert [it.iteration for it in view.latest] == [2, 3]  # the latest two, oldest first
@@ -221,8 +268,12 @@ def test_long_messages_are_clipped_to_their_columns(store: StateStore) -> None:
     store.begin_ending("r1", RunStatus.FAILED, "f" * 2000)
     row = store.get_run("r1")
     assert (row.status, row.ending_status) == ("ENDING", "FAILED")
-    assert (row.last_error, row.last_reward_error, row.status_reason, row.ending_reason) == \
-        ("e" * 500, "r" * 500, "f" * 500, "f" * 500)
+    assert (row.last_error, row.last_reward_error, row.status_reason, row.ending_reason) == (
+        "e" * 500,
+        "r" * 500,
+        "f" * 500,
+        "f" * 500,
+    )
     store.set_status("r1", RunStatus.FAILED, "g" * 2000)
     assert store.get_run("r1").status_reason == "g" * 500
     assert store.reward_failures("r1") == {"r" * 64: 1}
@@ -242,9 +293,19 @@ def test_reward_failures_add_up_by_reason(store: StateStore) -> None:
 def test_non_finite_numbers_in_json_are_stored_as_null(store: StateStore) -> None:
     """JSON has no NaN (PostgreSQL refuses it): a NaN metric must not lose the iteration."""
     store.create_run("r1", name=None, spec={"budget": float("inf")})
-    row = IterationRow(run_id="r1", iteration=1, policy_version=1, mean_reward=0.5, kl=0.0, loss=0.0,
-                       seconds=1.0, samples_trained=8, samples_dropped=0, ended_at=1.0,
-                       metrics={"actor/pg_clipfrac": float("nan"), "critic/vf_loss": -float("inf"), "ok": [1.5, float("nan")]})
+    row = IterationRow(
+        run_id="r1",
+        iteration=1,
+        policy_version=1,
+        mean_reward=0.5,
+        kl=0.0,
+        loss=0.0,
+        seconds=1.0,
+        samples_trained=8,
+        samples_dropped=0,
+        ended_at=1.0,
+        metrics={"actor/pg_clipfrac": float("nan"), "critic/vf_loss": -float("inf"), "ok": [1.5, float("nan")]},
+    )
     store.record_iteration(row)
     (stored,) = store.iterations("r1")
     assert stored.metrics == {"actor/pg_clipfrac": None, "critic/vf_loss": None, "ok": [1.5, None]}
@@ -253,8 +314,14 @@ def test_non_finite_numbers_in_json_are_stored_as_null(store: StateStore) -> Non
 
 def test_timestamps_keep_their_microseconds(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
-    kw = dict(run_id="r1", role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6,
-              price_source="test")
+    kw = dict(
+        run_id="r1",
+        role="rollout",
+        instance_type="g6.xlarge",
+        capacity_type="spot",
+        price_per_hour=3.6,
+        price_source="test",
+    )
     started = 1_790_000_000.123456
     store.open_ledger(pod="p1", started_at=started, **kw)
     store.close_ledger("p1", ended_at=started + 0.000001)
@@ -264,8 +331,16 @@ def test_timestamps_keep_their_microseconds(store: StateStore) -> None:
 
 def test_closing_before_the_start_bills_nothing(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
-    store.open_ledger(pod="p1", started_at=100.0, run_id="r1", role="rollout", instance_type="g6.xlarge",
-                      capacity_type="spot", price_per_hour=3.6, price_source="test")
+    store.open_ledger(
+        pod="p1",
+        started_at=100.0,
+        run_id="r1",
+        role="rollout",
+        instance_type="g6.xlarge",
+        capacity_type="spot",
+        price_per_hour=3.6,
+        price_source="test",
+    )
     store.close_ledger("p1", ended_at=90.0)  # a clock behind the pod's start
     assert store.ledger("r1")[0].ended_at == 100.0
 
@@ -280,9 +355,12 @@ def test_postgresql_url_password_is_never_shown(postgres) -> None:
     secret = "not-the-password-0xC0FFEE"
     wrong = url.replace(postgres.password, secret)
     closed_port = f"postgresql+psycopg://postgres:{secret}@127.0.0.1:1/db"
-    for bad, error in ((wrong, "password authentication failed"), (closed_port, "Connection refused"),
-                       (closed_port.replace(":1/", ":notaport/"), "invalid literal"),
-                       (closed_port + "?connect_timeout=x", "connect_timeout")):
+    for bad, error in (
+        (wrong, "password authentication failed"),
+        (closed_port, "Connection refused"),
+        (closed_port.replace(":1/", ":notaport/"), "invalid literal"),
+        (closed_port + "?connect_timeout=x", "connect_timeout"),
+    ):
         with pytest.raises(Exception, match=error) as failure:
             StateStore(bad)
         shown = f"{failure.value} {failure.value!r} {failure.value.__cause__!r}"
@@ -291,15 +369,24 @@ def test_postgresql_url_password_is_never_shown(postgres) -> None:
 
 def test_deferring_an_entry_only_ever_starts_an_open_one_later(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
-    kw = dict(run_id="r1", role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6,
-              price_source="test")
+    kw = dict(
+        run_id="r1",
+        role="rollout",
+        instance_type="g6.xlarge",
+        capacity_type="spot",
+        price_per_hour=3.6,
+        price_source="test",
+    )
     store.open_ledger(pod="waited", started_at=100.0, **kw)
     store.defer_ledger("waited", started_at=160.0)  # its node came: billed from then
     store.defer_ledger("waited", started_at=130.0)  # an older figure: kept at 160
     store.open_ledger(pod="ran", started_at=100.0, **kw)
     store.close_ledger("ran", ended_at=200.0)
     store.defer_ledger("ran", started_at=150.0)  # closed: its bill stands
-    assert [(e.pod, e.started_at, e.ended_at) for e in store.ledger("r1")] == [("waited", 160.0, None), ("ran", 100.0, 200.0)]
+    assert [(e.pod, e.started_at, e.ended_at) for e in store.ledger("r1")] == [
+        ("waited", 160.0, None),
+        ("ran", 100.0, 200.0),
+    ]
 
 
 def test_an_eval_is_opened_once_recorded_once_and_failed_until_given_up(store: StateStore) -> None:
@@ -309,11 +396,21 @@ def test_an_eval_is_opened_once_recorded_once_and_failed_until_given_up(store: S
     store.open_eval("r1", 0, launched_at=2.0)  # a relaunch (or a second scheduler): the eval stays as opened
     store.open_eval("r1", 2, launched_at=3.0)
     progress = store.eval_progress("r1")
-    assert progress.launched_through == 2 and [(e.policy_version, e.launched_at) for e in progress.open] == [(0, 1.0), (2, 3.0)]
+    assert progress.launched_through == 2 and [(e.policy_version, e.launched_at) for e in progress.open] == [
+        (0, 1.0),
+        (2, 3.0),
+    ]
 
     def result(version: int, mean: float) -> EvalResult:
-        return EvalResult(policy_version=version, mean_score=mean, metrics={"mean": mean, "pass@2": 0.5}, prompts=2, samples=4,
-                          seconds=1.5, ended_at=10.0)  # fmt: skip
+        return EvalResult(
+            policy_version=version,
+            mean_score=mean,
+            metrics={"mean": mean, "pass@2": 0.5},
+            prompts=2,
+            samples=4,
+            seconds=1.5,
+            ended_at=10.0,
+        )
 
     store.record_eval("r1", result(0, 0.25))
     store.record_eval("r1", result(0, 0.9))  # recorded once: a second scheduler's record changes nothing
@@ -322,14 +419,18 @@ def test_an_eval_is_opened_once_recorded_once_and_failed_until_given_up(store: S
     assert [(e.policy_version, e.failures, e.retry_at) for e in progress.open] == [(2, 1, 20.0)]
     assert (progress.best.policy_version, progress.best.mean_score, progress.given_up) == (0, 0.25, None)
 
-    store.fail_eval("r1", 2, failures=3, retry_at=0.0, gave_up="x" * 600)  # PostgreSQL refuses a longer error than its column
+    store.fail_eval(
+        "r1", 2, failures=3, retry_at=0.0, gave_up="x" * 600
+    )  # PostgreSQL refuses a longer error than its column
     progress = store.eval_progress("r1")
     assert progress.open == [] and progress.launched_through == 2
     assert (progress.given_up.policy_version, progress.given_up.error) == (2, "x" * 500)
     store.record_eval("r1", result(4, 0.5))  # a result without an opened eval (its row lost) is recorded all the same
     assert store.eval_progress("r1").best.policy_version == 4
     assert [(e.policy_version, e.mean_score, e.metrics, e.prompts, e.seconds) for e in store.evals("r1")] == [
-        (0, 0.25, {"mean": 0.25, "pass@2": 0.5}, 2, 1.5), (4, 0.5, {"mean": 0.5, "pass@2": 0.5}, 2, 1.5)]
+        (0, 0.25, {"mean": 0.25, "pass@2": 0.5}, 2, 1.5),
+        (4, 0.5, {"mean": 0.5, "pass@2": 0.5}, 2, 1.5),
+    ]
     # The run's view holds its latest recorded evals, read in the run's transaction.
     assert [e.policy_version for e in store.run_view("r1", latest=1, now=0.0).evals] == [4]
     assert [e.policy_version for e in store.run_view("r1", latest=10, now=0.0).evals] == [0, 4]
@@ -343,6 +444,8 @@ def test_pod_memory_reports_are_read_back_in_order_within_a_window(store: StateS
     store.report_memory("r1", "r1-train-1", "training", at=12.0, current=2e9, peak=2e9)
     rows = store.pod_memory("r1")
     assert [(r.pod, r.role, r.at, r.bytes, r.peak_bytes) for r in rows] == [
-        ("r1-rollout-0", "rollout", 10.0, 1e9, 1.5e9), ("r1-train-1", "training", 12.0, 2e9, 2e9)]
+        ("r1-rollout-0", "rollout", 10.0, 1e9, 1.5e9),
+        ("r1-train-1", "training", 12.0, 2e9, 2e9),
+    ]
     assert [r.pod for r in store.pod_memory("r1", since=10.0)] == ["r1-train-1"]
     assert [r.pod for r in store.pod_memory("r1", until=11.9)] == ["r1-rollout-0"]

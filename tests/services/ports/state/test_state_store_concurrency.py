@@ -107,8 +107,10 @@ class Contention:
         has finished: a contender that takes no lock runs through, and the test's assertions say so."""
         self.futures.append(self.pool.submit(call))
         started = len(self.futures)
-        self.wait_for(lambda: self.waiting() + sum(f.done() for f in self.futures) >= started,
-                      message=f"{started} contenders wait at the gate")
+        self.wait_for(
+            lambda: self.waiting() + sum(f.done() for f in self.futures) >= started,
+            message=f"{started} contenders wait at the gate",
+        )
 
     def outcomes(self) -> list[Any]:
         """Each contender's return value, or the exception it raised."""
@@ -147,8 +149,19 @@ both_adapters = pytest.mark.parametrize("contention", ["postgresql", "sqlite"], 
 
 
 def _iteration(samples_trained: int = 8) -> IterationRow:
-    return IterationRow(run_id="r1", iteration=1, policy_version=1, mean_reward=0.5, kl=0.01, loss=0.1, seconds=3.0,
-                        samples_trained=samples_trained, samples_dropped=2, metrics={}, ended_at=1.0)
+    return IterationRow(
+        run_id="r1",
+        iteration=1,
+        policy_version=1,
+        mean_reward=0.5,
+        kl=0.01,
+        loss=0.1,
+        seconds=3.0,
+        samples_trained=samples_trained,
+        samples_dropped=2,
+        metrics={},
+        ended_at=1.0,
+    )
 
 
 @both_adapters
@@ -188,8 +201,9 @@ def test_lease_contenders_at_once_get_one_holder(contention: Contention, lease: 
         setup.acquire_lease("scheduler", "dead", seconds=-1.0)
         gate = contention.gate("SELECT 1 FROM leases WHERE name = 'scheduler' FOR UPDATE")
     else:  # an uncommitted lease row: each contender's INSERT waits for the key, then the gate rolls back
-        gate = contention.gate("INSERT INTO leases (name, holder, expires_at) VALUES ('scheduler', 'gate', 0)",
-                               release="ROLLBACK")
+        gate = contention.gate(
+            "INSERT INTO leases (name, holder, expires_at) VALUES ('scheduler', 'gate', 0)", release="ROLLBACK"
+        )
     stores = [contention.store() for _ in range(CONTENDERS)]
     with gate:
         for i, store in enumerate(stores):
@@ -201,8 +215,9 @@ def test_lease_contenders_at_once_get_one_holder(contention: Contention, lease: 
     (winner,) = won
     assert setup.lease_holder("scheduler") == f"holder-{winner}"
     # Still one holder: the others' next tries fail, the winner's renewal succeeds.
-    assert [stores[i].acquire_lease("scheduler", f"holder-{i}", seconds=60) for i in range(CONTENDERS)] == \
-        [i == winner for i in range(CONTENDERS)]
+    assert [stores[i].acquire_lease("scheduler", f"holder-{i}", seconds=60) for i in range(CONTENDERS)] == [
+        i == winner for i in range(CONTENDERS)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -211,12 +226,17 @@ def test_lease_contenders_at_once_get_one_holder(contention: Contention, lease: 
         # A failure replaces a cancel that came first, and a cancel after a failure changes nothing.
         (("begin_ending", RunStatus.FAILED, "broken"), ("request_cancel",), ("ENDING", "FAILED", "broken")),
         # The first decision stands: an end condition met after a cancel changes nothing.
-        (("request_cancel",), ("begin_ending", RunStatus.SUCCEEDED, "done"), ("CANCELLING", "CANCELLED", "cancelled by the user")),
+        (
+            ("request_cancel",),
+            ("begin_ending", RunStatus.SUCCEEDED, "done"),
+            ("CANCELLING", "CANCELLED", "cancelled by the user"),
+        ),
     ],
     ids=["failure-then-cancel", "cancel-then-success"],
 )
-def test_status_decisions_at_once_are_not_lost(contention: Contention, first: tuple, second: tuple,
-                                               expected: tuple) -> None:
+def test_status_decisions_at_once_are_not_lost(
+    contention: Contention, first: tuple, second: tuple, expected: tuple
+) -> None:
     """An API replica cancels while a scheduler ends the run and another updates its counters:
     each decides on what the one before it wrote, so the status that stands is the one the rules
     say (``_begin_ending``), whatever the second read before the first committed."""
@@ -242,8 +262,11 @@ def test_same_pod_opened_at_once_has_one_open_entry(contention: Contention) -> N
     stores = [contention.store() for _ in range(CONTENDERS)]
     with contention.gate("SELECT 1 FROM runs WHERE id = 'r1' FOR UPDATE"):
         for i, store in enumerate(stores):
-            contention.start(lambda i=i, store=store: store.open_ledger(run_id="r1", pod="r1-rollout-0",
-                                                                        started_at=100.0 + i, **LEDGER))
+            contention.start(
+                lambda i=i, store=store: store.open_ledger(
+                    run_id="r1", pod="r1-rollout-0", started_at=100.0 + i, **LEDGER
+                )
+            )
     assert contention.outcomes() == [None] * CONTENDERS
     assert setup.open_ledger_count("r1") == 1
     (entry,) = setup.ledger("r1")  # whichever came first

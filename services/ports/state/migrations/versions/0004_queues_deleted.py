@@ -16,7 +16,5 @@ depends_on = None
 def upgrade() -> None:
     op.add_column(
         "runs",
-        sa.Column(
-            "queues_deleted", sa.Boolean(), nullable=False, server_default=sa.false()
-        ),
+        sa.Column("queues_deleted", sa.Boolean(), nullable=False, server_default=sa.false()),
     )
