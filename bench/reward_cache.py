@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -79,6 +80,20 @@ def median_seconds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[st
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def raw_pipelined_get(raw: redis.Redis, keys: list[str]) -> list:
+    pipe = raw.pipeline(transaction=False)
+    for key in keys:
+        pipe.get(key)
+    return pipe.execute()
+
+
+def raw_pipelined_set(raw: redis.Redis, keys: list[str], values: list[float]) -> list:
+    pipe = raw.pipeline(transaction=False)
+    for key, value in zip(keys, values, strict=True):
+        pipe.set(key, repr(value), ex=DEFAULT_TTL_S)
+    return pipe.execute()
+
+
 def bench(url: str, batches: list[int], rounds: int) -> list[dict]:
     cache = RedisRewardCache(url)
     raw = redis.Redis.from_url(url)
@@ -90,25 +105,13 @@ def bench(url: str, batches: list[int], rounds: int) -> list[dict]:
         cache.put_many(items)
         assert cache.get_many(keys) == items  # every lookup of the benchmark is a hit
 
-        def raw_get() -> list:
-            pipe = raw.pipeline(transaction=False)
-            for key in prefixed:
-                pipe.get(key)
-            return pipe.execute()
-
-        def raw_set() -> list:
-            pipe = raw.pipeline(transaction=False)
-            for key, value in zip(prefixed, items.values(), strict=True):
-                pipe.set(key, repr(value), ex=DEFAULT_TTL_S)
-            return pipe.execute()
-
         t = median_seconds(
             {
-                "get_many": lambda: cache.get_many(keys),
-                "raw_pipelined_get": raw_get,
-                "raw_mget": lambda: raw.mget(prefixed),
-                "put_many": lambda: cache.put_many(items),
-                "raw_pipelined_set_ex": raw_set,
+                "get_many": functools.partial(cache.get_many, keys),
+                "raw_pipelined_get": functools.partial(raw_pipelined_get, raw, prefixed),
+                "raw_mget": functools.partial(raw.mget, prefixed),
+                "put_many": functools.partial(cache.put_many, items),
+                "raw_pipelined_set_ex": functools.partial(raw_pipelined_set, raw, prefixed, list(items.values())),
             },
             rounds,
         )

@@ -17,7 +17,9 @@ async def app_client(settings: Settings, **updates: Any) -> AsyncIterator[httpx.
     """The API on ``settings`` with ``updates``, without its scheduler loop (validation and
     bookkeeping only); the client's ``app`` is the app, for a test that reaches its backends."""
     app = create_app(settings.model_copy(update=updates), with_scheduler=False)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as client:
-            client.app = app  # type: ignore[attr-defined]
-            yield client
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://spotrl") as client,
+    ):
+        client.app = app  # type: ignore[attr-defined]
+        yield client

@@ -30,6 +30,7 @@ production adapters the caller hands it the levers of their servers (tests/test_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -417,10 +418,8 @@ def _computing(pid: int, looks: int = 2, apart_s: float = 0.005) -> bool:
 
 
 def _kill(pid: int, signum: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
         os.kill(pid, signum)
-    except ProcessLookupError:  # it ended meanwhile
-        pass
 
 
 def _ended(backends: Backends, pod: str) -> bool:

@@ -19,6 +19,7 @@ folder in the test's temporary directory (the path is printed), for a reviewer t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -82,10 +83,8 @@ class FakeDcgmExporter:
 
     def _refresh(self) -> None:
         while not self._stop.wait(0.5):
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # the API is busy or stopping: keep the last answer
                 self.text = self.render(self.api.get("/metrics").text)
-            except httpx.HTTPError:
-                pass  # the API is busy or stopping: keep the last answer
 
     @staticmethod
     def render(api_metrics: str) -> str:
@@ -256,20 +255,24 @@ def _api_scraped_after(prom: Prometheus, after: float, timeout_s: float) -> floa
         time.sleep(0.05)
 
 
-def _kill_a_worker_once_it_serves(served: Served, run_id: str) -> str:
+def _kill_a_worker_once_it_serves(serving: Served, run_id: str) -> str:
     """SIGKILL one rollout worker's process as soon as it serves the base policy: to the local
     launcher, a spot pod killed unasked (what a reclaim without notice looks like). At once, not
     later: the tiny model generates the whole batch in a second or two, and a worker killed after
     the scheduler asked it to stop would not be a preemption."""
-    launcher = LocalLauncher(served.home / "pods")
+    launcher = LocalLauncher(serving.home / "pods")
     deadline = time.monotonic() + 120
     while True:
         assert time.monotonic() < deadline, "no rollout worker started serving"
         for pod in launcher.list(run_id):
-            if pod.role == "rollout" and pod.phase == PodPhase.RUNNING and pod.pid:
-                if "serving policy v0" in launcher.logs(pod.name, tail=50):
-                    os.kill(pod.pid, signal.SIGKILL)
-                    return pod.name
+            if (
+                pod.role == "rollout"
+                and pod.phase == PodPhase.RUNNING
+                and pod.pid
+                and "serving policy v0" in launcher.logs(pod.name, tail=50)
+            ):
+                os.kill(pod.pid, signal.SIGKILL)
+                return pod.name
         time.sleep(0.05)
 
 
@@ -286,7 +289,7 @@ def _render(results: dict[tuple[str, str], list[tuple[str, list[dict]]]], out: P
             for s in series:
                 xs = [float(t) - t0 for t, _ in s["values"]]
                 ys = [float(v) for _, v in s["values"]]
-                name = re.sub(r"\{\{(\w+)\}\}", lambda m: s["metric"].get(m.group(1), ""), legend or "")
+                name = re.sub(r"\{\{(\w+)\}\}", lambda m, labels=s["metric"]: labels.get(m.group(1), ""), legend or "")
                 ax.plot(xs, ys, label=name if name and name != "__auto" else None)
         ax.set_title(f"{stem}: {title}  (run {run_id})", fontsize=10)
         ax.set_xlabel("seconds since the run was submitted")

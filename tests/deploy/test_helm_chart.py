@@ -212,7 +212,7 @@ def test_selectors_match_their_pods(rendered) -> None:
     """Selectors carry name, instance and component only; every Service, PDB and NetworkPolicy selects a Deployment's pods."""
     _, docs = rendered
     pods = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in by_kind(docs, "Deployment").items()}
-    for name, d in by_kind(docs, "Deployment").items():
+    for d in by_kind(docs, "Deployment").values():
         assert set(d["spec"]["selector"]["matchLabels"]) == {
             "app.kubernetes.io/name",
             "app.kubernetes.io/instance",
@@ -432,9 +432,12 @@ def test_price_catalog_ships_spotrl_catalog_with_user_prices() -> None:
     # Changed prices roll the pods (a checksum of the catalog in their template).
     cheaper = json.loads(json.dumps(values))
     cheaper["priceCatalog"]["instances"]["g5.xlarge"]["spot"] = 0.30
-    checksum = lambda docs: by_kind(docs, "Deployment")["spotrl-scheduler"]["spec"]["template"]["metadata"][
-        "annotations"
-    ]["checksum/price-catalog"]  # noqa: E731
+
+    def checksum(docs: list[dict[str, Any]]) -> str:
+        return by_kind(docs, "Deployment")["spotrl-scheduler"]["spec"]["template"]["metadata"]["annotations"][
+            "checksum/price-catalog"
+        ]
+
     assert checksum(render(cheaper)) != checksum(docs)
 
 

@@ -345,9 +345,10 @@ def _evaluate(release: str, variables: tuple[tuple[str, str], ...]) -> dict[str,
     }
     with tempfile.TemporaryDirectory() as scratch:
         (Path(scratch) / "main.tf").write_text(text)
-        run = lambda *args: subprocess.run(
-            [terraform, *args], cwd=scratch, env=env, capture_output=True, text=True, timeout=120
-        )  # noqa: E731
+
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([terraform, *args], cwd=scratch, env=env, capture_output=True, text=True, timeout=120)
+
         apply = [
             "apply",
             "-input=false",
@@ -456,7 +457,7 @@ def test_helm_values_feed_the_chart(release: str, variables: dict[str, str]) -> 
     assert pod["nodeSelector"][POOL_KEY] == "reward" and pod["tolerations"] == toleration("reward")
 
     # The backends: Terraform's Secret, not the chart's, in the control plane's and the launched pods' environment.
-    secret_names = {name for name in kinds["Secret"]}
+    secret_names = set(kinds["Secret"])
     if backends:
         assert values["backends"] == {"existingSecret": outputs["backends_secret_name"]}
         assert outputs["backends_secret_name"] not in secret_names and not [
@@ -939,9 +940,10 @@ def test_checkov_passes_with_justified_skips(tmp_path: Path) -> None:
     everything_on.write_text("".join(f"{k} = {v}\n" for k, v in EVERYTHING_ON.items()))
     with ThreadPoolExecutor(2) as pool:  # two checkov processes side by side
         defaults, on = pool.map(checkov_report, [None, str(everything_on)])
-    checked = lambda report: {
-        c["resource"] for kind in ("passed_checks", "skipped_checks") for c in report["results"][kind]
-    }  # noqa: E731
+
+    def checked(report: dict[str, Any]) -> set[str]:
+        return {c["resource"] for kind in ("passed_checks", "skipped_checks") for c in report["results"][kind]}
+
     for resource in (
         "aws_db_instance.this[0]",
         "aws_msk_cluster.this[0]",

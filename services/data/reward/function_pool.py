@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -133,10 +134,8 @@ class _Worker:
 
     def kill(self) -> None:
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # not yet a group leader
                 os.killpg(self.process.pid, signal.SIGKILL)  # its group: it called setsid
-            except (ProcessLookupError, PermissionError):
-                pass  # not yet a group leader
             self.process.kill()
         self.process.join()
         self.conn.close()

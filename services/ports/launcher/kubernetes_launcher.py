@@ -53,6 +53,7 @@ Timestamps are Kubernetes', whole seconds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -321,7 +322,8 @@ class KubernetesLauncher:
         job = self.jobs.get(name)
         if job is not None:
             self._ignore_missing(
-                lambda: self._batch.patch_namespaced_job(
+                functools.partial(
+                    self._batch.patch_namespaced_job,
                     name,
                     self.cfg.namespace,
                     {"spec": {"parallelism": 0}},
@@ -339,8 +341,12 @@ class KubernetesLauncher:
         for pod in pods:
             if not pod_ended(pod):
                 self._ignore_missing(
-                    lambda: self._core.delete_namespaced_pod(
-                        pod["metadata"]["name"], self.cfg.namespace, grace_period_seconds=grace, _preload_content=False
+                    functools.partial(
+                        self._core.delete_namespaced_pod,
+                        pod["metadata"]["name"],
+                        self.cfg.namespace,
+                        grace_period_seconds=grace,
+                        _preload_content=False,
                     )
                 )
 
@@ -348,8 +354,12 @@ class KubernetesLauncher:
         job = self.jobs.get(name)
         if job is not None:
             self._ignore_missing(
-                lambda: self._batch.delete_namespaced_job(
-                    name, self.cfg.namespace, propagation_policy="Background", _preload_content=False
+                functools.partial(
+                    self._batch.delete_namespaced_job,
+                    name,
+                    self.cfg.namespace,
+                    propagation_policy="Background",
+                    _preload_content=False,
                 )
             )
             self.jobs.forget(job)
@@ -357,7 +367,8 @@ class KubernetesLauncher:
             pod_name = pod["metadata"]["name"]
             # Off with the finalizer, then a delete without grace: gone at once, killed if it ran.
             self._ignore_missing(
-                lambda: self._core.patch_namespaced_pod(
+                functools.partial(
+                    self._core.patch_namespaced_pod,
                     pod_name,
                     self.cfg.namespace,
                     {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}},
@@ -366,8 +377,12 @@ class KubernetesLauncher:
                 )
             )
             self._ignore_missing(
-                lambda: self._core.delete_namespaced_pod(
-                    pod_name, self.cfg.namespace, grace_period_seconds=0, _preload_content=False
+                functools.partial(
+                    self._core.delete_namespaced_pod,
+                    pod_name,
+                    self.cfg.namespace,
+                    grace_period_seconds=0,
+                    _preload_content=False,
                 )
             )
             self.pods.forget(pod)

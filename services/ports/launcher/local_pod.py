@@ -15,6 +15,7 @@ Only the standard library is imported: this starts once per pod and should start
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -75,10 +76,8 @@ def _die_with_supervisor() -> None:
 
 
 def _kill_group(workload: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the group is already empty
         os.killpg(workload.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the group is already empty
-        pass
 
 
 def supervise(pod_dir: Path) -> None:

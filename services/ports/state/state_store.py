@@ -525,4 +525,5 @@ def _begin_ending(row: RunRow, status: RunStatus, reason: str) -> RunRow:
 
 def _reward_failures(s: Session, run_id: str) -> dict[str, int]:
     rows = s.execute(select(RewardFailureRow.reason, RewardFailureRow.count).where(RewardFailureRow.run_id == run_id))
-    return {reason: count for reason, count in rows}
+    # .all(): rows of (reason, count); dict() would take the Result itself, with its keys(), for a mapping.
+    return dict(rows.all())

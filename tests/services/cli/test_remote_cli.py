@@ -62,13 +62,14 @@ def _serve(root: Path, tokens_file: tuple[Path, dict[str, str]], *extra: str) ->
         "SPOTRL_STOP_GRACE_S": "10",
         "SPOTRL_POD_THREADS": "1",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "serve", "--port", str(port), *extra],
-        cwd=REPO,
-        env=env,
-        stdout=open(root / "serve.log", "wb"),
-        stderr=subprocess.STDOUT,
-    )
+    with open(root / "serve.log", "wb") as log:  # the process writes to its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.main", "serve", "--port", str(port), *extra],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     return proc, Server(url, root / "home", tokens_file[1], httpx.Client(base_url=url, timeout=30), proc.pid)
 

@@ -244,7 +244,9 @@ def test_kl_penalty_matches_verl_value_and_gradient(verl, kind: KLEstimator) -> 
         ref = logprob + 4 * torch.randn(shape, generator=gen, dtype=dtype)  # some k3 above verl's clamp of 10
         weights = torch.randn(shape, generator=gen, dtype=dtype)
         for verl_name in VERL_KL_NAMES[kind]:
-            v_kl, v_grad = _kl_value_and_grad(lambda lp, r: verl.kl_penalty(lp, r, verl_name), logprob, ref, weights)
+            v_kl, v_grad = _kl_value_and_grad(
+                lambda lp, r, name=verl_name: verl.kl_penalty(lp, r, name), logprob, ref, weights
+            )
             kl, grad = _kl_value_and_grad(lambda lp, r: kl_penalty(lp, r, kind, k3_clamp=10.0), logprob, ref, weights)
             torch.testing.assert_close(kl, v_kl, **_tol(dtype))
             torch.testing.assert_close(grad, v_grad, **_tol(dtype))

@@ -18,6 +18,7 @@ Test cases come in the layouts that verl's code datasets carry in `reward_model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -136,10 +137,8 @@ def _call_case(program: str, args: Any, expected: Any, fn_name: str) -> _Case:
         except json.JSONDecodeError as e:
             raise RewardError(f"call-based test input is not one JSON value per line: {args[:200]!r}") from e
     if isinstance(expected, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # else a plain string result
             expected = json.loads(expected)
-        except json.JSONDecodeError:
-            pass  # a plain string result
     marker = secrets.token_hex(16)
 
     def passed(r: SandboxResult) -> bool:

@@ -121,9 +121,12 @@ async def test_uploads_beyond_the_tenants_and_the_servers_slots_are_429_unread(s
             r = await api.post("/v1/datasets", content=b'{"prompt": "a"}\n')
             assert (r.status_code, r.headers["Retry-After"]) == (429, str(RETRY_AFTER_S)), r.text
             assert "of one tenant" in r.json()["detail"]
-            with slots.hold("another"):  # and one of another tenant: the server's two are taken
-                with pytest.raises(TooManyUploadsError, match="at most 2 uploads at once"), slots.hold("a third"):
-                    pass
+            with (
+                slots.hold("another"),  # and one of another tenant: the server's two are taken
+                pytest.raises(TooManyUploadsError, match="at most 2 uploads at once"),
+                slots.hold("a third"),
+            ):
+                pass
         assert slots.held == 0
         r = await api.post("/v1/datasets", content=b'{"prompt": "a"}\n')
         assert r.status_code == 201, r.text
