@@ -866,7 +866,7 @@ def run_scenario(
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    mix = {op: 0.0 for op in READS}
+    mix = dict.fromkeys(READS, 0.0)
     for part in text.split(","):
         op, _, weight = part.partition("=")
         if op not in mix:

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from contracts.job_result import JobResult
@@ -262,7 +263,7 @@ def _check_ledger_and_pods(backends: Backends, run: RunRow, ledger: list[Any], p
         by_pod[e.pod].append(e)
     for pod, entries in by_pod.items():
         entries.sort(key=lambda e: e.started_at)
-        for a, b in zip(entries, entries[1:]):
+        for a, b in pairwise(entries):
             if a.ended_at is None or b.started_at < a.ended_at:
                 problems.append(f"pod {pod} is billed twice from {b.started_at:.3f}")
     if left := [p.name for p in backends.launcher.list(run.id)]:

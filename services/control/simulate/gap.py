@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from services.control.cost.billing import HANDOVER_SECONDS
 
@@ -52,7 +53,7 @@ def gap(pods: Sequence[PodSpan], dollars: float, rollout_bound: float, training_
         parts[f"{role}_idle"] += idle * per_s
         busy[pod.rollout] += pod.busy_seconds * per_s
     nodes = sorted((pod for pod in pods if not pod.rollout), key=lambda pod: pod.started_at)
-    for before, after in zip(nodes, nodes[1:]):
+    for before, after in pairwise(nodes):
         if 0.0 <= after.started_at - before.ended_at <= HANDOVER_SECONDS:  # one machine, billed between its pods
             parts["train_idle"] += (after.started_at - before.ended_at) * after.price_per_hour / 3600.0
     parts["roll_waste"] = busy[True] - rollout_bound

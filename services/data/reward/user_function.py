@@ -271,7 +271,7 @@ def _extra(item: Item) -> dict[str, Any]:
 def _guarded(fn: Callable[..., Any], style: CallStyle, names: tuple[str, ...], args: Sequence[Any]) -> Any:
     n = 4 if style.extra_info else 3
     try:
-        result = fn(**dict(zip(names[:n], args))) if style.by_keyword else fn(*args[:n])
+        result = fn(**dict(zip(names[:n], args, strict=False))) if style.by_keyword else fn(*args[:n])
         return asyncio.run(result) if style.coroutine else result
     except MemoryError:
         return Failure.MEMORY

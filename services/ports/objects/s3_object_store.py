@@ -253,8 +253,10 @@ class S3ObjectStore:
         # All files at once (each in parts if large), and back only once every one is stored:
         # the first failure cancels the rest and is raised.
         with create_transfer_manager(self._client, self._transfer) as manager:
-            futures = [manager.upload(str(path), self.bucket, self._name(key)) for path, key in zip(files, keys)]
-            for path, key, future in zip(files, keys, futures):
+            futures = [
+                manager.upload(str(path), self.bucket, self._name(key)) for path, key in zip(files, keys, strict=True)
+            ]
+            for path, key, future in zip(files, keys, futures, strict=True):
                 try:
                     self._call("PutObject", key, future.result)
                 except ObjectStoreUnavailableError as err:
@@ -272,7 +274,8 @@ class S3ObjectStore:
             target.parent.mkdir(parents=True, exist_ok=True)
         with create_transfer_manager(self._client, self._transfer) as manager:
             futures = [
-                (key, manager.download(self.bucket, self._name(key), str(target))) for key, target in zip(keys, targets)
+                (key, manager.download(self.bucket, self._name(key), str(target)))
+                for key, target in zip(keys, targets, strict=True)
             ]
             for key, future in futures:
                 try:

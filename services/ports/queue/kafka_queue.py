@@ -203,7 +203,9 @@ class KafkaQueue:
         now_ms = int(time.time() * 1000)
         futures = [
             producer.send(topic, value=value, key=key, partition=partition, timestamp_ms=now_ms)
-            for value, key, partition in zip(values, keys if keys is not None else [None] * len(values), chosen)
+            for value, key, partition in zip(
+                values, keys if keys is not None else [None] * len(values), chosen, strict=True
+            )
         ]
         producer.flush()
         for future in futures:

@@ -296,7 +296,7 @@ class SqliteQueue:
             (round_robin,) = conn.execute("SELECT round_robin FROM topics WHERE topic = ?", (topic,)).fetchone()
             ends = end_offsets_of(conn, topic)
             rows = []
-            for value, key in zip(values, keys if keys is not None else [None] * len(values)):
+            for value, key in zip(values, keys if keys is not None else [None] * len(values), strict=True):
                 if key is None:
                     partition, round_robin = round_robin % partitions, round_robin + 1
                 else:

@@ -102,7 +102,7 @@ def test_geo_mean_clips_token_log_ratios_on_the_advantage_side(advantage: float,
 
 
 def _loop_aggregate(losses: list[list[float]], mask: list[list[float]], mode: str) -> float:
-    rows = [[x for x, m in zip(row, mrow) if m] for row, mrow in zip(losses, mask)]
+    rows = [[x for x, m in zip(row, mrow, strict=True) if m] for row, mrow in zip(losses, mask, strict=True)]
     width = len(mask[0])
     if mode == "token-mean":
         return sum(map(sum, rows)) / sum(map(len, rows))

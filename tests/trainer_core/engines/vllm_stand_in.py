@@ -60,9 +60,32 @@ MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
 SAMPLING_FIELDS = frozenset(
-    "n presence_penalty frequency_penalty repetition_penalty temperature top_p top_k min_p seed stop "
-    "stop_token_ids ignore_eos max_tokens min_tokens logprobs prompt_logprobs detokenize skip_special_tokens "
-    "include_stop_str_in_output output_kind logit_bias allowed_token_ids extra_args bad_words".split()
+    [
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "max_tokens",
+        "min_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        "detokenize",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "output_kind",
+        "logit_bias",
+        "allowed_token_ids",
+        "extra_args",
+        "bad_words",
+    ]
 )
 
 

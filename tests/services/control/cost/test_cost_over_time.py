@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from services.control.cost.cost_over_time import MAX_INSTANTS, cost_over_time
@@ -21,7 +23,7 @@ def test_the_curves_bend_where_pods_start_and_end_and_end_at_the_bill(catalog) -
     assert at_900.report.always_on_dollars == pytest.approx(3.00 + 0.50)  # 900 s of big and of small, on-demand
     assert at_900.report.lower_bound_dollars == pytest.approx(0.20 + 0.50)  # the busy seconds at spot prices
     assert curve[-1].report == cost_report(entries, **kw)  # the curve ends at the run's bill
-    for earlier, later in zip(curve, curve[1:]):
+    for earlier, later in pairwise(curve):
         assert later.report.total_dollars >= earlier.report.total_dollars
         assert later.report.always_on_dollars >= earlier.report.always_on_dollars
 

@@ -71,7 +71,7 @@ def test_errors_name_the_server_never_its_credentials(mlflow_server: MlflowTestS
     with pytest.raises(TrackingError) as refused:
         MlflowSink(dead, "exp").write("run-c", points(range(1, 2)))
     message = str(refused.value)
-    assert f"MLflow at http://127.0.0.1:" in message and "ConnectError" in message
+    assert "MLflow at http://127.0.0.1:" in message and "ConnectError" in message
     assert token not in message and "alice" not in message and "pw-" not in message
     # A server that answers with an error: its code and message, still no credential.
     wrong_path = MlflowServer(f"{mlflow_server.url}/not-mlflow", token=token)

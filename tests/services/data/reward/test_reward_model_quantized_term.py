@@ -63,7 +63,7 @@ def test_cached_rewards_of_the_int8_model_are_kept_apart(rm_dir: Path) -> None:
     with TestClient(create_reward_app(rm_dir, quantize="8bit")) as client:
         health = client.get("/healthz").json()
         scores = client.post(
-            "/v1/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES)]}
+            "/v1/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES, strict=True)]}
         ).json()
     assert health["fingerprint"] == model_fingerprint(rm_dir) + ";quantize=8bit"
     assert scores["scores"] == pytest.approx(
@@ -74,7 +74,8 @@ def test_cached_rewards_of_the_int8_model_are_kept_apart(rm_dir: Path) -> None:
 def test_spotrl_reward_server_serves_the_int8_model(rm_dir: Path) -> None:
     with reward_server("--model", str(rm_dir), "--quantize", "8bit") as (_, url, health):
         scored = httpx.post(
-            f"{url}/v1/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES)]}
+            f"{url}/v1/score",
+            json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES, strict=True)]},
         )
     assert health["fingerprint"].endswith(";quantize=8bit")
     assert scored.json()["scores"] == pytest.approx(

@@ -74,7 +74,8 @@ def test_a_failed_reward_is_counted_on_the_run_logged_once_and_not_cached(
     assert b.state.reward_failures(RUN) == {"regex:timeout": 2}
     assert row.last_reward_error.startswith("regex: pattern ") and "did not decide" in row.last_reward_error
     keys = [
-        reward_cache_key(worker._terms_key, reward_key(RewardInput.of(prompts[0], t, n))) for t, n in zip(texts, [1, 8])
+        reward_cache_key(worker._terms_key, reward_key(RewardInput.of(prompts[0], t, n)))
+        for t, n in zip(texts, [1, 8], strict=True)
     ]
     assert set(b.rewards.get_many(keys)) == {keys[0]}
     warnings = [r for r in caplog.records if "a reward failed" in r.getMessage()]

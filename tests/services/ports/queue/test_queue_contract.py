@@ -118,13 +118,13 @@ def test_a_new_consumer_resumes_after_the_commit(queue: Queue, topic: str) -> No
     produce_numbered(queue, topic, 20)
     first = queue.consumer(topic, "g", member_id="m1")
     got = drain(first, 20)
-    first.commit({p: 2 for p in range(PARTITIONS)})  # records at offsets 0 and 1 are done
+    first.commit(dict.fromkeys(range(PARTITIONS), 2))  # records at offsets 0 and 1 are done
     first.close()
 
     again = drain(queue.consumer(topic, "g", member_id="m2"), 12)
 
     assert sorted(values(again)) == sorted(r.value for r in got if r.offset >= 2)
-    assert queue.committed(topic, "g") == {p: 2 for p in range(PARTITIONS)}
+    assert queue.committed(topic, "g") == dict.fromkeys(range(PARTITIONS), 2)
 
 
 def test_uncommitted_records_are_redelivered_after_close(queue: Queue, topic: str) -> None:
@@ -203,8 +203,8 @@ def test_two_members_split_the_partitions_and_share_no_record(queue: Queue, topi
 
 def test_backlog_is_end_minus_committed(queue: Queue, topic: str) -> None:
     assert queue.backlog(topic, "g") == 0
-    assert queue.end_offsets(topic) == {p: 0 for p in range(PARTITIONS)}
-    assert queue.committed(topic, "g") == {p: 0 for p in range(PARTITIONS)}
+    assert queue.end_offsets(topic) == dict.fromkeys(range(PARTITIONS), 0)
+    assert queue.committed(topic, "g") == dict.fromkeys(range(PARTITIONS), 0)
     produce_numbered(queue, topic, 10)
     assert sum(queue.end_offsets(topic).values()) == 10
     assert queue.backlog(topic, "g") == 10
@@ -214,7 +214,7 @@ def test_backlog_is_end_minus_committed(queue: Queue, topic: str) -> None:
     done = [r for r in got if r.offset == 0]
     consumer.commit(next_offsets(done))
 
-    assert queue.committed(topic, "g") == {p: 1 for p in range(PARTITIONS)}
+    assert queue.committed(topic, "g") == dict.fromkeys(range(PARTITIONS), 1)
     assert queue.backlog(topic, "g") == 10 - len(done)
     assert queue.backlog(topic, "other-group") == 10
 
@@ -248,12 +248,12 @@ def test_records_and_commits_survive_reopening(open_queue: Callable[[], Queue]) 
     sent = produce_numbered(queue, topic, 20)
     consumer = queue.consumer(topic, "g", member_id="m")
     got = drain(consumer, 20)
-    consumer.commit({p: 3 for p in range(PARTITIONS)})
+    consumer.commit(dict.fromkeys(range(PARTITIONS), 3))
     queue.close()
 
     reopened = open_queue()
-    assert reopened.end_offsets(topic) == {p: 5 for p in range(PARTITIONS)}
-    assert reopened.committed(topic, "g") == {p: 3 for p in range(PARTITIONS)}
+    assert reopened.end_offsets(topic) == dict.fromkeys(range(PARTITIONS), 5)
+    assert reopened.committed(topic, "g") == dict.fromkeys(range(PARTITIONS), 3)
     rest = drain(reopened.consumer(topic, "g", member_id="m"), 8)
     assert sorted(values(rest)) == sorted(r.value for r in got if r.offset >= 3)
     assert set(values(got)) == set(sent)
@@ -275,7 +275,7 @@ def test_commit_of_a_lost_partition_fails_and_the_new_owner_gets_the_records(que
 
     with pytest.raises(CommitFailedError, match="no longer owns"):
         first.commit(next_offsets(got))
-    assert queue.committed(topic, "g") == {p: 0 for p in range(PARTITIONS)}  # all or nothing
+    assert queue.committed(topic, "g") == dict.fromkeys(range(PARTITIONS), 0)  # all or nothing
 
     first.poll(1, timeout_s=0)  # follows the rebalance
     kept = first.assignment()

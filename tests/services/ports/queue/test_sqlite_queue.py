@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from services.ports.queue.queue import Record, next_offsets
@@ -76,7 +77,7 @@ def test_concurrent_producer_processes_lose_and_duplicate_nothing(tmp_path: Path
         in_log_order = sorted((r for r in got if r.partition == partition), key=lambda r: r.offset)
         assert [r.offset for r in in_log_order] == list(range(end))
         writers = [r.value.split(b"-")[0] for r in in_log_order]
-        assert sum(a != b for a, b in zip(writers, writers[1:])) > 2, "the producers did not overlap"
+        assert sum(a != b for a, b in pairwise(writers)) > 2, "the producers did not overlap"
     queue.close()
 
 
