@@ -53,9 +53,12 @@ prometheus: $(STAMP)
 chromium: $(STAMP)
 	$(PY) -m tests.servers.chromium
 
-# The import contracts first (pyproject.toml [tool.importlinter]: the control plane imports no torch), then the
-# suite as two pytest sessions side by side: the `slow` tests one after another, the rest beside them.
+# Formatting and lint (ruff), then the import contracts (pyproject.toml [tool.importlinter]: the layers, no
+# cycles, the control plane imports no torch), then the suite as two pytest sessions side by side: the
+# `slow` tests one after another, the rest beside them.
 test: $(STAMP) $(CHECKOV) $(MLFLOW) kube-apiserver prometheus chromium
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 	SPOTRL_CHECKOV=$(abspath $(CHECKOV)) SPOTRL_MLFLOW=$(abspath $(MLFLOW)) $(PY) scripts/run_suite.py -q --durations=25
 
