@@ -18,7 +18,7 @@ from contracts.samples import decode_group
 from contracts.status import RunStatus
 from services.control.scheduler import plan as p
 from services.control.scheduler.evals import EvalAction
-from services.control.scheduler.run_state import ROLE_STANDBY
+from services.control.scheduler.run_state import ROLE_EVAL, ROLE_REWARD, ROLE_STANDBY
 from services.core.config import Settings
 from services.core.errors import PermanentError
 from services.domain.backlog import trainer_consumer
@@ -123,7 +123,7 @@ class Applier:
                 self._launch(
                     run_id,
                     reward_server_pod_name(run_id),
-                    p.ROLE_REWARD,
+                    ROLE_REWARD,
                     cli_command(["reward-pod", run_id]),
                     server.instance_type,
                     "spot" if server.spot else "on-demand",
@@ -171,7 +171,7 @@ class Applier:
                 self._launch(
                     run_id,
                     eval_pod_name(run_id, version),
-                    p.ROLE_EVAL,
+                    ROLE_EVAL,
                     cli_command(["eval-job", run_id, str(version)]),
                     spec.rollout.instance_type,
                     "spot" if spec.rollout.spot else "on-demand",

@@ -26,10 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
-from services.control.scheduler.run_state import Observed, RunState, retry_delay
+from services.control.scheduler.run_state import ROLE_EVAL, Observed, RunState, retry_delay
 from services.ports.launcher.launcher import PodStatus
 
-ROLE_EVAL = "eval"
 # Failed eval pods of one version retried before its eval is given up (the run goes on without it).
 EVAL_MAX_RETRIES = 2
 

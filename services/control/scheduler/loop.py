@@ -24,7 +24,7 @@ from services.control.scheduler import plan as p
 from services.control.scheduler.apply import Applier
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
-from services.control.scheduler.run_state import ROLE_TRAINING, EvalState, Observed, RunState
+from services.control.scheduler.run_state import ROLE_EVAL, ROLE_TRAINING, EvalState, Observed, RunState
 from services.control.tracking.sinks import SinkSet
 from services.control.tracking.sync import Tracker
 from services.core.config import Settings
@@ -250,9 +250,7 @@ class Scheduler:
         ended_jobs = [
             int(pod.labels["iteration"]) for pod in pods if pod.role == ROLE_TRAINING and pod.phase.is_terminal()
         ]
-        ended_evals = [
-            int(pod.labels["version"]) for pod in pods if pod.role == p.ROLE_EVAL and pod.phase.is_terminal()
-        ]
+        ended_evals = [int(pod.labels["version"]) for pod in pods if pod.role == ROLE_EVAL and pod.phase.is_terminal()]
         backlog = sample_backlog(self.b.queue, row.id, group_size) if started else SampleBacklog(0, 0, 0)
         return Observed(
             pods=pods,

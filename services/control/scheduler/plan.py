@@ -59,7 +59,6 @@ from dataclasses import dataclass
 
 from contracts.status import RunStatus
 from services.control.scheduler.evals import (
-    ROLE_EVAL,
     LaunchEval,
     RecordEval,
     RecordEvalFailure,
@@ -71,6 +70,7 @@ from services.control.scheduler.ledger_match import BillPod, CloseEntry, DeferEn
 from services.control.scheduler.policies import POLICIES, PolicyInput
 from services.control.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
 from services.control.scheduler.run_state import (
+    ROLE_EVAL,
     ROLE_ROLLOUT,
     ROLE_STANDBY,
     ROLE_TRAINING,

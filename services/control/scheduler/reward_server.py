@@ -18,14 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from services.control.scheduler.run_state import ROLE_REWARD, RunState
 from services.ports.launcher.launcher import PodStatus
-
-if TYPE_CHECKING:
-    from services.control.scheduler.run_state import RunState
-
-ROLE_REWARD = "reward"
 
 
 @dataclass(frozen=True)
