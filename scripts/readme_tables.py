@@ -24,7 +24,8 @@ README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT))  # run as a script, the repository's packages are importable too
 
 from services.core.config import Settings  # noqa: E402
-from services.domain.runspec import PromptItem, RunSpec  # noqa: E402
+from services.domain.prompt_items import PromptItem  # noqa: E402
+from services.domain.runspec import RunSpec  # noqa: E402
 
 # The README's tables, each between `<!-- <name>:start -->` and `<!-- <name>:end -->`.
 RUN_SPEC_TABLE = "run-spec-table"

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from services.core.config import Settings
-    from services.domain.runspec import RewardTerm, RunSpec
+    from services.domain.reward_spec import RewardTerm
+    from services.domain.runspec import RunSpec
     from services.ports.state.state_store import StateStore
     from services.ports.wiring import Backends
 
@@ -184,7 +185,7 @@ def reward_pod(run_id: str) -> None:
     from services.data.reward.function_pool import FunctionPool
     from services.data.reward.service import create_reward_app
     from services.data.reward.user_function import UserFunctionError, resolve
-    from services.domain.runspec import RewardFn
+    from services.domain.reward_spec import RewardFn
 
     with _pod(run_id) as (settings, backends, spec):
         served = spec.served_term()

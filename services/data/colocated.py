@@ -40,8 +40,10 @@ from services.data.reward.functions import RewardInput, prepare_terms, total_rew
 from services.data.rollout.vllm_engine import build_vllm_engine
 from services.data.rollout.worker import build_samples, reward_source
 from services.data.training.job import build_value_head, kl_controller, reference_model, with_adapter
+from services.domain.prompt_items import PromptItem, cycled_messages
 from services.domain.prompts import load_prompts
-from services.domain.runspec import COLOCATED, PromptItem, RolloutEngine, RunSpec, cycled_messages, run_end
+from services.domain.run_end import run_end
+from services.domain.runspec import COLOCATED, RolloutEngine, RunSpec
 from services.ports.objects.object_store import ObjectStore
 from services.ports.prices.catalog import load_catalog
 from trainer_core.engines.hf import Completion, SamplingParams

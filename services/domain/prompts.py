@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from services.core.server_paths import ServerPathError, check_object_key, check_server_path
 from services.domain.names import tenant_object_key
-from services.domain.runspec import ChatMessage, DatasetFields, PromptItem
+from services.domain.prompt_items import ChatMessage, DatasetFields, PromptItem
 from services.ports.objects.object_store import ObjectNotFoundError, ObjectStore
 from services.ports.state.state_schema import DEFAULT_TENANT
 

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
-    JsonValue,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
@@ -26,43 +22,19 @@ from pydantic import (
     model_validator,
 )
 
-from contracts.messages import PromptMessage
 from contracts.model_sources import BUILTIN_MODELS
-from contracts.status import RunStatus
 from contracts.training import AdvantageEstimator, Algorithm, TrainConfig
-from services.core.safe_regex import check_pattern
+from services.domain.prompt_items import MAX_INLINE_PROMPTS, DatasetFields, PromptItem, check_prompt_source
+from services.domain.reward_spec import MAX_REWARD_TERMS, RewardFn, RewardServer, RewardTerm
+from services.domain.spec_fields import MAX_PATH_CHARS, STRICT, known_instance_type
 from services.ports.prices.catalog import load_catalog
 
-MAX_INLINE_PROMPTS = 10_000
 # An eval metric's name: `mean`, or `pass@k` (k in the group).
 _EVAL_METRIC = re.compile(r"mean|pass@([1-9][0-9]{0,2})")
-# A user's reward function: a Python file and the name of the function in it.
-_FUNCTION_REF = re.compile(r"[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*")
-MAX_PATH_CHARS = 1024
-# Every term runs on every response: 100,000 of them took the API 20 s to validate and store.
-MAX_REWARD_TERMS = 16
-# Every model of the spec: numbers are finite (no NaN or infinity), unknown fields are refused.
-STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 # The validation context of a run trained colocated (``spotrl train --colocated``):
 # ``RunSpec.model_validate(data, context=COLOCATED)`` refuses, besides, what only the
 # disaggregated loop does (``RunSpec.check_colocated``).
 COLOCATED: dict[str, bool] = {"colocated": True}
-
-
-def _known_instance_type(v: str) -> str:
-    load_catalog().get(v)  # raises a ValueError that lists the known types
-    return v
-
-
-class RewardFn(StrEnum):
-    EXACT_MATCH = "exact_match"  # 1 when the last number in the response equals the answer's
-    REGEX = "regex"  # 1 when `pattern` matches the response (re.search)
-    LENGTH_PENALTY = "length_penalty"  # -max(0, tokens - target_tokens) / target_tokens
-    REWARD_MODEL = "reward_model"  # the score of the reward model saved at `path`
-    MATH = "math"  # 1 when the response's final answer is mathematically equal to the answer (math-verify)
-    CODE = "code"  # the fraction of the answer's test cases the response's program passes, in a sandbox
-    FORMAT = "format"  # 1 when the response is `pattern` in full, default <think>...</think><answer>...</answer>
-    FUNCTION = "function"  # the user's compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
 class CostPolicy(StrEnum):
@@ -86,191 +58,6 @@ class VLLMDtype(StrEnum):
 
 # vLLM's largest max_lora_rank (MaxLoRARanks in vllm/config/lora.py of vLLM 0.31).
 VLLM_MAX_LORA_RANK = 512
-
-
-# The JSON a prompt item carries for its reward beyond the text (`answer`, `extra_info`), as
-# serialised: a code task's test cases fit; a line of a prompt set holds at most MAX_LINE_CHARS.
-MAX_REWARD_DATA_CHARS = 200_000
-MAX_PROMPT_CHARS = 100_000
-
-
-def check_prompt_source(v: list[PromptItem] | str, what: str) -> list[PromptItem] | str:
-    """A spec's prompt set as given: a non-empty inline list, or a path or store:// URI."""
-    if isinstance(v, list) and not v:
-        raise ValueError(f"at least one {what} is needed")
-    if isinstance(v, str) and not v.strip():
-        raise ValueError("give a JSONL path, a store:// URI or an inline list")
-    return v
-
-
-class ChatMessage(BaseModel):
-    """One turn of a chat prompt, as verl's datasets and OpenAI's API write it."""
-
-    model_config = STRICT
-
-    role: Literal["system", "user", "assistant", "tool"] = Field(description="Who speaks.")
-    content: str = Field(max_length=MAX_PROMPT_CHARS, description="What is said.")
-
-
-def _bounded_json(value: JsonValue, field: str) -> JsonValue:
-    if value is not None and len(json.dumps(value)) > MAX_REWARD_DATA_CHARS:
-        raise ValueError(f"{field} is longer than {MAX_REWARD_DATA_CHARS} characters as JSON")
-    return value
-
-
-class PromptItem(BaseModel):
-    """One prompt of a prompt set: its text or chat messages, and what its reward reads."""
-
-    model_config = STRICT
-
-    prompt: str | Annotated[list[ChatMessage], Field(min_length=1, max_length=64)] = Field(
-        description="Text given to the policy as a user turn, or chat messages rendered with the model's chat template."
-    )
-    answer: JsonValue = Field(
-        default=None,
-        description="Reference answer (verl's reward_model.ground_truth): text, or any JSON value the reward reads, such as a "
-        "code task's test cases.",
-    )
-    data_source: str | None = Field(
-        default=None, max_length=256, description="Which dataset the item comes from; passed to the reward."
-    )
-    extra_info: dict[str, JsonValue] | None = Field(
-        default=None, description="Anything else the reward reads (verl's extra_info)."
-    )
-
-    @field_validator("prompt")
-    @classmethod
-    def _check_prompt(cls, v: str | list[ChatMessage]) -> str | list[ChatMessage]:
-        chars = len(v) if isinstance(v, str) else sum(len(m.content) for m in v)
-        if isinstance(v, str) and not v:
-            raise ValueError("the prompt is empty")
-        if chars > MAX_PROMPT_CHARS:
-            raise ValueError(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
-        return v
-
-    def message(self, prompt_id: str) -> PromptMessage:
-        """The item as queued for the rollout workers (``<run>.prompts``)."""
-        return PromptMessage(prompt_id=prompt_id, **self.model_dump(mode="json"))
-
-    @field_validator("answer")
-    @classmethod
-    def _check_answer(cls, v: JsonValue) -> JsonValue:
-        return _bounded_json(v, "answer")
-
-    @field_validator("extra_info")
-    @classmethod
-    def _check_extra_info(cls, v: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
-        return _bounded_json(v, "extra_info")  # type: ignore[return-value]
-
-
-def cycled_messages(items: Sequence[PromptItem], start: int, count: int) -> list[PromptMessage]:
-    """Prompts ``start`` to ``start + count`` of a run, as queued for rollout: a run goes over its
-    prompt set again and again (epochs) until it ends, so prompt ``i`` is item ``i % len(items)``,
-    with that index as its prompt id (the same prompt has the same id in every epoch). The
-    scheduler publishes them so and a colocated run takes its batches so, so that both train on
-    the same prompts in the same order."""
-    return [items[i % len(items)].message(str(i % len(items))) for i in range(start, start + count)]
-
-
-class RewardTerm(BaseModel):
-    """One built-in reward function and its weight; a run's reward is the weighted sum."""
-
-    model_config = STRICT
-
-    fn: RewardFn = Field(
-        description="exact_match: 1 when the last number in the response equals the answer's; "
-        "regex: 1 when `pattern` matches the response; length_penalty: -max(0, tokens - target_tokens) / target_tokens; "
-        "reward_model: the score of the reward model saved at `path` for (prompt, response); "
-        "math: 1 when the response's final answer (e.g. \\boxed{}) is mathematically equal to the answer (math-verify); "
-        "code: the fraction of the test cases in the answer that the response's program passes, run in a sandbox; "
-        "format: 1 when the response is `pattern` in full (default <think>...</think> then <answer>...</answer>); "
-        "function: the user's verl-style compute_score(data_source, solution_str, ground_truth, extra_info) in `path` "
-        "(file.py:name) or served at `url` (`spotrl reward-server --function`)."
-    )
-    weight: float = Field(default=1.0, ge=-1e6, le=1e6, description="Multiplier of this term in the sum.")
-    pattern: str | None = Field(
-        default=None,
-        max_length=1000,
-        description="Regular expression: regex matches it with re.search; format, in full.",
-    )
-    target_tokens: int | None = Field(
-        default=None, gt=0, le=1_000_000, description="Length beyond which the penalty grows (length_penalty only)."
-    )
-    path: str | None = Field(
-        default=None,
-        max_length=MAX_PATH_CHARS,
-        description="reward_model: the directory of a reward model saved by `spotrl train-rm`; function: `file.py:name`, the "
-        "Python file and function; both as the rollout workers see them (over the API, inside SPOTRL_DATA_DIRS).",
-    )
-    url: str | None = Field(
-        default=None,
-        max_length=2048,
-        pattern=r"^https?://[^\s]+$",
-        description="Instead of `path`: the URL of a reward service (`spotrl reward-server`) the rollout workers reach; over the "
-        "API, one the operator allows (SPOTRL_REWARD_SERVICE_URLS) (reward_model and function).",
-    )
-    quantize: Literal["4bit", "8bit"] | None = Field(
-        default=None,
-        description="reward_model with `path`: load its backbone's Linear layers in 8 bits to use less memory (4bit, for CUDA, is refused: rollout workers load reward models on the CPU).",
-    )
-
-    def servable(self) -> bool:
-        """Whether a run's reward server can serve this term: a function or reward model at a `path`."""
-        return self.path is not None and self.fn in (RewardFn.FUNCTION, RewardFn.REWARD_MODEL)
-
-    @model_validator(mode="after")
-    def _check_args(self) -> RewardTerm:
-        if self.fn == RewardFn.REGEX:
-            if not self.pattern:
-                raise ValueError("the regex reward needs `pattern`")
-            check_pattern(self.pattern)
-        if self.fn == RewardFn.LENGTH_PENALTY and self.target_tokens is None:
-            raise ValueError("the length_penalty reward needs `target_tokens`")
-        if self.fn == RewardFn.FORMAT and self.pattern:
-            check_pattern(self.pattern)
-        if self.fn == RewardFn.REWARD_MODEL and (self.path is None) == (self.url is None):
-            raise ValueError(
-                "the reward_model reward needs `path`, a directory saved by `spotrl train-rm`, or `url`, a reward service (one of the two)"
-            )
-        if self.quantize is not None and (self.fn != RewardFn.REWARD_MODEL or self.path is None):
-            raise ValueError(
-                "`quantize` is for the reward_model reward with `path` (a reward service is quantized by `spotrl reward-server --quantize`)"
-            )
-        if self.quantize == "4bit":
-            raise ValueError(
-                "`quantize: 4bit` needs a CUDA GPU, and rollout workers load reward models on the CPU: use 8bit"
-            )
-        if self.fn == RewardFn.FUNCTION:
-            if (self.path is None) == (self.url is None):
-                raise ValueError(
-                    "the function reward needs `path`, the Python file and function as file.py:compute_score, or `url`, "
-                    "a reward service started with `spotrl reward-server --function` (one of the two)"
-                )
-            if self.path is not None and not _FUNCTION_REF.fullmatch(self.path):
-                raise ValueError(
-                    "the function reward's `path` is file.py:name, e.g. /data/rewards/gsm8k.py:compute_score"
-                )
-        return self
-
-
-class RewardServer(BaseModel):
-    """A reward service pod the scheduler keeps up for the run: it serves the one reward term
-    with a `path` (a user's function or a reward model) to the rollout workers and eval pods."""
-
-    model_config = STRICT
-
-    instance_type: str = Field(
-        default="g4dn.xlarge",
-        min_length=1,
-        max_length=64,
-        description="Catalog instance type of the pod (a small GPU: T4/L4 class).",
-    )
-    spot: bool = Field(
-        default=False,
-        description="Run it on spot capacity (a preempted pod is started again; scoring waits meanwhile).",
-    )
-
-    _instance = field_validator("instance_type")(_known_instance_type)
 
 
 class Sampling(BaseModel):
@@ -356,7 +143,7 @@ class RolloutPool(BaseModel):
         "default 0.9 on rollout workers, 0.5 in colocated runs (the trainer shares the GPU).",
     )
 
-    _instance = field_validator("instance_type")(_known_instance_type)
+    _instance = field_validator("instance_type")(known_instance_type)
 
     @model_validator(mode="after")
     def _check_bounds(self) -> RolloutPool:
@@ -417,29 +204,6 @@ class EvalSpec(BaseModel):
         if len(set(self.metrics)) != len(self.metrics):
             raise ValueError("each eval metric once")
         return self
-
-
-class DatasetFields(BaseModel):
-    """Where each row of a prompt set file keeps what a prompt item needs (verl's ``data.prompt_key``
-    and ``reward_model.ground_truth``). Every other field of a row reaches the reward in its
-    ``extra_info``; a row's own ``extra_info`` object is merged in and wins."""
-
-    model_config = STRICT
-
-    prompt_key: str = Field(
-        default="prompt",
-        min_length=1,
-        max_length=256,
-        description="The field holding each row's prompt: text or chat messages.",
-    )
-    answer_key: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=256,
-        pattern=r"^[^.]+(\.[^.]+)*$",
-        description="The dotted path of each row's answer, e.g. reward_model.ground_truth; by default reward_model.ground_truth "
-        "where a row has it, else `answer`. The top-level field it lies in is not passed on in extra_info.",
-    )
 
 
 class RunSpec(BaseModel):
@@ -595,7 +359,7 @@ class RunSpec(BaseModel):
     @field_validator("training")
     @classmethod
     def _known_training_instance(cls, v: TrainConfig) -> TrainConfig:
-        _known_instance_type(v.instance_type)
+        known_instance_type(v.instance_type)
         return v
 
     @model_validator(mode="after")
@@ -674,53 +438,6 @@ class RunSpec(BaseModel):
                 f"({self.samples_per_prompt}) so that a batch holds whole groups"
             )
         return self
-
-
-@dataclass(frozen=True)
-class RunEnd:
-    """Why a run is done: the spec field that ended it, the status it ends with, and the reason shown."""
-
-    goal: Literal["iterations", "target_mean_reward", "eval.target_score", "budget_dollars"]
-    status: RunStatus
-    reason: str
-
-
-def run_end(
-    spec: RunSpec,
-    *,
-    iterations_done: int,
-    last_mean_reward: float | None,
-    spent_dollars: float,
-    best_eval: tuple[int, float] | None = None,
-) -> RunEnd | None:
-    """The end a run has reached, or None while it goes on: the scheduler and a colocated run
-    both ask this, so the two modes end a run alike. Its goals come first: a run whose last
-    iteration reached a goal succeeded, even if that iteration spent the rest of the budget;
-    the budget fails only a run still short of every goal. `best_eval` is (policy version,
-    mean score) of the best recorded eval."""
-    if spec.iterations is not None and iterations_done >= spec.iterations:
-        return RunEnd("iterations", RunStatus.SUCCEEDED, f"trained {iterations_done} iterations")
-    target = spec.target_mean_reward
-    if target is not None and last_mean_reward is not None and last_mean_reward >= target:
-        return RunEnd(
-            "target_mean_reward", RunStatus.SUCCEEDED, f"mean reward {last_mean_reward:.3f} reached the target {target}"
-        )
-    target = spec.eval.target_score if spec.eval is not None else None
-    if target is not None and best_eval is not None and best_eval[1] >= target:
-        version, score = best_eval
-        return RunEnd(
-            "eval.target_score",
-            RunStatus.SUCCEEDED,
-            f"eval mean score {score:.3f} of policy v{version} reached the target {target}",
-        )
-    if spec.budget_dollars is not None and spent_dollars >= spec.budget_dollars:
-        return RunEnd(
-            "budget_dollars",
-            RunStatus.FAILED,
-            f"budget exhausted: spent ${spent_dollars:.2f} of ${spec.budget_dollars:.2f} "
-            f"after {iterations_done} iterations (policy v{iterations_done} is published)",
-        )
-    return None
 
 
 def _strictly_as_json(value: Any, handler: ValidatorFunctionWrapHandler) -> RunSpec:

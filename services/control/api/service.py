@@ -53,6 +53,7 @@ from services.domain.names import (
     run_id_of_pod,
     tenant_object_key,
 )
+from services.domain.prompt_items import DatasetFields, PromptItem
 from services.domain.prompts import (
     DEFAULT_FIELDS,
     INLINE,
@@ -65,7 +66,8 @@ from services.domain.prompts import (
     read_parquet,
     to_jsonl,
 )
-from services.domain.runspec import DatasetFields, PromptItem, RewardFn, RunSpec
+from services.domain.reward_spec import RewardFn
+from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import PodNotFoundError
 from services.ports.objects.object_store import ObjectNotFoundError
 from services.ports.prices.catalog import PriceCatalog

@@ -38,8 +38,9 @@ from services.domain.names import (
     training_pod_name,
 )
 from services.domain.policy_rotation import rotate
+from services.domain.prompt_items import PromptItem, cycled_messages
 from services.domain.prompts import InvalidPromptsError, parse_jsonl
-from services.domain.runspec import PromptItem, RunSpec, cycled_messages
+from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import POD_NAME_ENV, POD_ROLE_ENV, PodSpec, cli_command, pod_outcome
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.queue.queue import next_offsets

@@ -78,7 +78,7 @@ from services.control.scheduler.run_state import (
     RunState,
     retry_delay,
 )
-from services.domain.runspec import run_end
+from services.domain.run_end import run_end
 from services.ports.launcher.launcher import PodPhase, PodStatus
 
 # Prompts one tick publishes per run (~20 ms of embedded-queue writes on 2 CPU cores, measured);

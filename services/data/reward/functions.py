@@ -44,7 +44,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 class Term(Protocol):
-    """The fields of a reward term that the functions read (``services.domain.runspec.RewardTerm``)."""
+    """The fields of a reward term that the functions read (``services.domain.reward_spec.RewardTerm``)."""
 
     fn: str
     weight: float

@@ -27,8 +27,10 @@ from services.data.reward.functions import RewardInput, close_pools, prepare_ter
 from services.data.rollout.eval_metrics import eval_metrics
 from services.data.rollout.worker import rollout_engine, serve_version
 from services.domain.names import eval_prompts_key, eval_result_key
+from services.domain.prompt_items import PromptItem
 from services.domain.prompts import parse_jsonl
-from services.domain.runspec import PromptItem, RewardTerm, RunSpec
+from services.domain.reward_spec import RewardTerm
+from services.domain.runspec import RunSpec
 from services.ports.objects.object_store import ObjectStore
 from trainer_core.engines.hf import HFEngine, SamplingParams
 from trainer_core.engines.vllm import VLLMEngine

@@ -44,7 +44,8 @@ from services.data.reward.functions import (
 from services.data.rollout.dynamic_sampling import informative_groups
 from services.data.rollout.vllm_engine import build_vllm_engine
 from services.domain.names import ROLLOUT_GROUP, prompts_topic, samples_topic
-from services.domain.runspec import RewardTerm, RunSpec
+from services.domain.reward_spec import RewardTerm
+from services.domain.runspec import RunSpec
 from services.ports.objects.object_store import ObjectStore
 from services.ports.queue.queue import CommitFailedError, Queue, Record, next_offsets
 from services.ports.reward_cache.reward_cache import RewardCache, reward_cache_key

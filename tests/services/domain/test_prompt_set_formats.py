@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from services.domain import prompts
+from services.domain.prompt_items import ChatMessage, DatasetFields, PromptItem
 from services.domain.prompts import InvalidPromptsError, load_prompts, parse_jsonl, to_jsonl
-from services.domain.runspec import ChatMessage, DatasetFields, PromptItem
 from tests.services.domain.verl_rows import INSTRUCTION, gsm8k_rows, jsonl, parquet
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"

@@ -7,7 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from contracts.messages import PromptMessage, answer_text, prompt_text
-from services.domain.runspec import MAX_REWARD_DATA_CHARS, PromptItem, RewardTerm, cycled_messages
+from services.domain.prompt_items import MAX_REWARD_DATA_CHARS, PromptItem, cycled_messages
+from services.domain.reward_spec import RewardTerm
 
 VERL_ROW = {
     "prompt": [{"role": "system", "content": "Think step by step."}, {"role": "user", "content": "What is 2 + 3?"}],

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from contracts.status import RunStatus
-from services.domain.runspec import RunEnd, RunSpec, run_end
+from services.domain.run_end import RunEnd, run_end
+from services.domain.runspec import RunSpec
 
 SPEC = RunSpec.model_validate(
     {

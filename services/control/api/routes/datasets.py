@@ -10,8 +10,8 @@ from services.control.api import service
 from services.control.api.deps import BackendsDep, PrincipalDep, SettingsDep, UploadSlotsDep
 from services.control.api.responses import errors
 from services.control.api.schemas import DatasetPublic
+from services.domain.prompt_items import DatasetFields
 from services.domain.prompts import PARQUET_MEDIA_TYPE
-from services.domain.runspec import DatasetFields
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"], responses=errors(401))
 

@@ -16,8 +16,9 @@ from services.control.api.auth import NO_AUTH
 from services.control.api.service import SpecFieldError, check_spec_for_server
 from services.domain import prompts
 from services.domain.names import tenant_object_key
+from services.domain.prompt_items import PromptItem
 from services.domain.prompts import MAX_LINE_CHARS, MAX_PROMPTS, InvalidPromptsError, JsonlParser, parse_jsonl, to_jsonl
-from services.domain.runspec import PromptItem, RunSpec
+from services.domain.runspec import RunSpec
 from services.ports.state.state_schema import IterationRow
 from tests.app_client import app_client
 

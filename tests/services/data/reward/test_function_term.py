@@ -13,7 +13,7 @@ from services.data.reward.function_pool import FunctionPool
 from services.data.reward.functions import RewardInput, close_pools, prepare_terms, score_batch, terms_fingerprint
 from services.data.reward.service import create_reward_app
 from services.data.reward.user_function import resolve
-from services.domain.runspec import RewardTerm
+from services.domain.reward_spec import RewardTerm
 from tests.services.data.reward.reward_servers import serve
 from tests.services.data.reward.user_rewards import DICT, GSM8K, HOSTILE, write
 

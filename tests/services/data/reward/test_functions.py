@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from services.data.reward.functions import REWARD_FUNCTIONS, RewardInput, last_number, score_batch, total_rewards
-from services.domain.runspec import RewardFn, RewardTerm
+from services.domain.reward_spec import RewardFn, RewardTerm
 
 
 @pytest.mark.parametrize(

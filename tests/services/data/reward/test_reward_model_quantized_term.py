@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 
 from services.data.reward.functions import RewardInput, load_reward_model, terms_fingerprint, total_rewards
 from services.data.reward.service import create_reward_app, model_fingerprint
-from services.domain.runspec import RewardTerm
+from services.domain.reward_spec import RewardTerm
 from tests.services.data.reward.reward_servers import reward_server, train_reward_model
 from trainer_core.supervised.reward_model import RewardModel
 

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from contracts.messages import PromptMessage
 from services.data.reward.functions import REWARD_FUNCTIONS, RewardInput, load_reward_model, total_rewards
 from services.data.rollout.worker import RolloutWorker, StopSignal
-from services.domain.runspec import RewardTerm, RunSpec
+from services.domain.reward_spec import RewardTerm
+from services.domain.runspec import RunSpec
 from services.ports.reward_cache.sqlite_reward_cache import InProcessRewardCache
 from tests.services.data.reward.reward_servers import serve, train_reward_model
 from trainer_core.supervised.reward_model import RewardModel

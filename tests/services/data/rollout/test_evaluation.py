@@ -10,8 +10,9 @@ from services.core.config import Settings
 from services.data.policy_store import publish_policy
 from services.data.rollout.evaluation import run_eval_job
 from services.domain.names import eval_prompts_key, eval_result_key
+from services.domain.prompt_items import PromptItem
 from services.domain.prompts import to_jsonl
-from services.domain.runspec import PromptItem, RunSpec
+from services.domain.runspec import RunSpec
 from services.ports.wiring import open_backends
 from trainer_core.models.loading import load_policy
 

@@ -13,7 +13,8 @@ from services.core.config import Settings
 from services.data.reward.functions import RewardInput, reward_key
 from services.data.rollout.worker import RolloutWorker, StopSignal
 from services.domain.names import prompts_topic, samples_topic
-from services.domain.runspec import RewardFn, RewardTerm, RunSpec
+from services.domain.reward_spec import RewardFn, RewardTerm
+from services.domain.runspec import RunSpec
 from services.ports.reward_cache.reward_cache import reward_cache_key
 from services.ports.wiring import Backends, open_backends
 
