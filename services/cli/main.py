@@ -199,24 +199,15 @@ def teardown(
     Run it where the scheduler runs (its settings: SPOTRL_LAUNCHER, SPOTRL_KUBE_*, SPOTRL_STATE_URL);
     a state store it cannot reach is left as it is, and the pods still go.
     """
-    from dataclasses import replace
-
     from services.control.scheduler.teardown import open_state
     from services.control.scheduler.teardown import teardown as tear_down
-    from services.ports.wiring import kubernetes_config, open_launcher
+    from services.ports.wiring import open_launcher
 
     start_logging()
     settings = load_settings(home)
     if namespace is not None:
         settings = settings.model_copy(update={"kube_namespace": namespace})
-    if settings.launcher == "kubernetes":
-        from services.ports.launcher.kubernetes_launcher import KubernetesLauncher
-
-        # The teardown's identity needs no nodes: what each pod asked for stands.
-        cfg = replace(kubernetes_config(settings), read_nodes=False)
-        launcher = KubernetesLauncher.from_environment(cfg, str(settings.kube_config) if settings.kube_config else None)
-    else:
-        launcher = open_launcher(settings, settings.home.resolve())
+    launcher = open_launcher(settings, settings.home.resolve(), read_nodes=False)
     state = open_state(settings.resolved_state_url())
     try:
         report = tear_down(launcher, state, grace_s=grace_s, timeout_s=timeout_s)

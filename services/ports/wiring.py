@@ -5,7 +5,7 @@ chosen by ``SPOTRL_LAUNCHER``: ``local`` (the default) or ``kubernetes``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,14 +93,16 @@ def open_object_store(url: str | None, home: Path) -> ObjectStore:
     )
 
 
-def open_launcher(settings: Settings, home: Path) -> Launcher:
+def open_launcher(settings: Settings, home: Path, *, read_nodes: bool = True) -> Launcher:
     """``kubernetes``: pods and Jobs in ``SPOTRL_KUBE_NAMESPACE`` (in-cluster config or
-    ``SPOTRL_KUBE_CONFIG``); ``local``: local processes under ``home``."""
+    ``SPOTRL_KUBE_CONFIG``), reading the nodes' identity unless ``read_nodes`` is False (a
+    teardown needs none: what each pod asked for stands); ``local``: local processes under ``home``."""
     if settings.launcher == "kubernetes":
         from services.ports.launcher.kubernetes_launcher import KubernetesLauncher  # the client only where used
 
         return KubernetesLauncher.from_environment(
-            kubernetes_config(settings), str(settings.kube_config) if settings.kube_config else None
+            replace(kubernetes_config(settings), read_nodes=read_nodes),
+            str(settings.kube_config) if settings.kube_config else None,
         )
     return LocalLauncher(home / "pods")
 
