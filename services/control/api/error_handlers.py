@@ -15,23 +15,9 @@ from starlette.routing import Match
 from services.control.api.service import BodyTooLargeError, InvalidCursorError, PodNotOfRunError, SpecFieldError
 from services.control.api.upload_slots import TooManyUploadsError
 from services.control.cost.planner import PlanError
+from services.core.validation_errors import unprocessable
 from services.domain.prompts import InvalidPromptsError
 from services.ports.state.state_store import IllegalTransitionError, RunNotFoundError
-
-
-def _short(part: object) -> object:
-    """A location part as it goes back to the client, cut short."""
-    return part[:100] if isinstance(part, str) else part
-
-
-def _rendered(error: dict) -> dict:
-    """One validation error as it goes back: the field and the rule. An unknown field's name is
-    the client's text, so its error names the model that holds it and says "unknown field"."""
-    loc = list(error["loc"])
-    if error["type"] == "extra_forbidden":
-        return {"loc": [_short(part) for part in loc[:-1]], "msg": "unknown field", "type": error["type"]}
-    return {"loc": [_short(part) for part in loc], "msg": error["msg"], "type": error["type"]}
-
 
 _METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 
@@ -64,8 +50,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        detail = [_rendered(e) for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"detail": detail})
+        return unprocessable(exc.errors())
 
     @app.exception_handler(RunNotFoundError)
     async def _not_found(_: Request, exc: RunNotFoundError) -> JSONResponse:

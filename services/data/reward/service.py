@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from services.core.body_limit import BodyLimit
+from services.core.validation_errors import unprocessable
 from services.data.reward.function_pool import FunctionPool
 from services.data.reward.user_function import Failure, Item
 
@@ -140,12 +141,7 @@ def create_reward_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's default body repeats the value; this names the field and the rule only.
-        detail = [
-            {"loc": [p if not isinstance(p, str) else p[:100] for p in e["loc"]], "msg": e["msg"], "type": e["type"]}
-            for e in exc.errors()
-        ]
-        return JSONResponse(status_code=422, content={"detail": detail})
+        return unprocessable(exc.errors())
 
     @app.post("/v1/score", response_model=ScoreResponse)
     async def score_route(request: ScoreRequest) -> ScoreResponse:

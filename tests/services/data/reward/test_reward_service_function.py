@@ -74,6 +74,7 @@ def test_no_answer_repeats_user_code_or_what_was_sent(service: str) -> None:
         "long data_source": [{"response": "x", "data_source": secret * 100}],
         "extra_info not an object": [{"response": "x", "extra_info": [secret]}],
         "unknown field": [{"response": "x", "solution": secret}],
+        "a field named by the client": [{"response": "x", secret: 1}],
         "too many items": [{"response": secret}] * (MAX_ITEMS + 1),
     }
     for what, items in refused.items():
