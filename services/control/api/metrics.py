@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from contracts.status import RunStatus
 from services.control.cost.billing import billed_dollars
+from services.control.cost.lower_bound import LOWER_BOUND_MEANING
 from services.control.cost.report import cost_report
 from services.domain.backlog import sample_backlog
 from services.domain.names import ROLLOUT_GROUP, prompts_topic
@@ -320,7 +321,7 @@ class _Families:
         )
         self.lower_bound = GaugeMetricFamily(
             "spotrl_run_lower_bound_dollars",
-            "Busy seconds of every pod at its instance type's cheapest price.",
+            LOWER_BOUND_MEANING,
             labels=run,
         )
         self.savings = GaugeMetricFamily(

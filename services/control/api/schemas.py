@@ -7,6 +7,7 @@ from typing import Any, Self
 from pydantic import BaseModel, Field
 
 from contracts.status import RunStatus
+from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION, LOWER_BOUND_MEANING
 from services.domain.runspec import RunSpec
 from services.ports.state.state_schema import RunRow
 
@@ -170,7 +171,10 @@ class CostPublic(BaseModel):
     always_on_dollars: float = Field(
         description="The training instance on-demand for the whole wall time, plus the rollout work at on-demand prices."
     )
-    lower_bound_dollars: float = Field(description="Every pod's seconds at the cheapest price of its instance type.")
+    lower_bound_dollars: float = Field(description=LOWER_BOUND_MEANING)
+    lower_bound_definition: str = Field(
+        description=f"What `lower_bound_dollars` counts, in one line to print beside it: `{LOWER_BOUND_DEFINITION}`."
+    )
     savings_ratio: float | None = Field(description="always_on / total: how many times cheaper than always-on.")
     efficiency: float | None = Field(description="lower_bound / total.")
     entries: list[LedgerEntryPublic] = Field(

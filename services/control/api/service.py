@@ -39,6 +39,7 @@ from services.control.api.schemas import (
 )
 from services.control.api.upload_slots import UploadSlots
 from services.control.cost.billing import billed_dollars
+from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION
 from services.control.cost.report import cost_report
 from services.control.cost.report_page import EvalPoint, IterationPoint, report_page
 from services.control.tracking.sinks import missing_settings
@@ -426,6 +427,7 @@ def run_cost(
         wall_seconds=report.wall_seconds,
         always_on_dollars=report.always_on_dollars,
         lower_bound_dollars=report.lower_bound_dollars,
+        lower_bound_definition=LOWER_BOUND_DEFINITION,
         savings_ratio=report.savings_ratio,
         efficiency=report.efficiency,
         entries=[

@@ -8,8 +8,9 @@ Three figures, so a user can judge the bill:
   instance held on-demand for the run's whole wall time, and the rollout and eval work billed
   at the on-demand price of its instance type instead of spot (by the same billing rules).
   A run of many jobs much shorter than the provider's minimum can cost more than this.
-- ``lower_bound_dollars``: the busy seconds of every pod at the cheapest price of its
-  instance type; no schedule can pay less for the same pods.
+- ``lower_bound_dollars``: ``services.control.cost.lower_bound``'s, with each pod's ledger
+  seconds as its busy seconds: rollout, eval and reward at their cheapest (spot) price,
+  training on-demand, a standby's idle node at nothing, no billing minimum.
 
 All in ``currency``: the one currency of the run's instance types (a run mixing currencies
 is refused when it is submitted: ``PriceCatalog.currency_of``).
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.control.cost.billing import billed_dollars, billed_seconds, rule_for
+from services.control.cost.lower_bound import ledger_busy, lower_bound_dollars
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_store import LedgerEntry
 
@@ -59,13 +61,11 @@ def cost_report(
     by_role: dict[str, float] = defaultdict(float)
     by_capacity: dict[str, float] = defaultdict(float)
     rollout_on_demand = 0.0
-    lower_bound = 0.0
     for e, dollars in zip(entries, billed_dollars(entries, catalog, now), strict=True):
         by_role[e.role] += dollars
         by_capacity[e.capacity_type] += dollars
         price = catalog.get(e.instance_type)
         seconds = e.seconds(now)
-        lower_bound += seconds * price.cheapest() / 3600.0
         # Rollout and eval pods at on-demand prices; training and its standby (warm node) are the training
         # instance's, counted below.
         if e.role in ("rollout", "eval"):
@@ -81,5 +81,5 @@ def cost_report(
         by_capacity_type=dict(by_capacity),
         wall_seconds=wall,
         always_on_dollars=always_on,
-        lower_bound_dollars=lower_bound,
+        lower_bound_dollars=lower_bound_dollars(ledger_busy(entries, catalog, now)),
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from html import escape
 
 from services.control.cost.cost_over_time import cost_over_time
+from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION
 from services.control.cost.report import cost_report
 from services.control.cost.svg_charts import Bar, Series, line_chart, number, timeline_chart
 from services.ports.launcher.launcher import PodOutcome
@@ -36,6 +37,7 @@ _STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; color: #222; margin: 24px; background: #fff; }
 h1 { font-size: 20px; margin: 0 0 8px; }
 table.summary td { padding: 2px 12px 2px 0; }
+p.note { margin: 4px 0; color: #555; }
 figure { margin: 24px 0; }
 figcaption { font-weight: 600; margin-bottom: 4px; }
 svg.chart text { font: 12px system-ui, sans-serif; }
@@ -126,6 +128,7 @@ def report_page(
         ),
     ]
     rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in summary)
+    notes = "".join(f'<p class="note">{escape(line)}</p>' for line in (LOWER_BOUND_DEFINITION,))
     body = "".join(
         f'<figure id="{fid}"><figcaption>{escape(caption)}</figcaption>{svg}</figure>' for fid, caption, svg in figures
     )
@@ -133,7 +136,7 @@ def report_page(
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
         f"<title>spotrl report {escape(run_id)}</title><style>{_STYLE}</style></head><body>"
-        f'<h1>spotrl run {escape(run_id)}</h1><table class="summary">{rows}</table>{body}</body></html>\n'
+        f'<h1>spotrl run {escape(run_id)}</h1><table class="summary">{rows}</table>{notes}{body}</body></html>\n'
     )
 
 

@@ -63,8 +63,8 @@ def test_the_report_bills_each_entry_by_its_providers_rule() -> None:
     assert r.by_role == pytest.approx({"rollout": 60 * 0.45 / 3600, "training": 7201 * 21.96 / 3600})
     # Always-on is billed by the same rules: p4d held the run's 7201 s, the worker's minute on-demand.
     assert r.always_on_dollars == pytest.approx(7201 * 21.96 / 3600 + 60 * 1.006 / 3600)
-    # The lower bound pays busy seconds only, no minimum.
-    assert r.lower_bound_dollars == pytest.approx(10 * 0.45 / 3600 + 7200.5 * 9.90 / 3600)
+    # The lower bound pays busy seconds only, no minimum: the worker at spot, training on-demand.
+    assert r.lower_bound_dollars == pytest.approx(10 * 0.45 / 3600 + 7200.5 * 21.96 / 3600)
 
 
 def test_an_alibaba_run_reports_in_cny() -> None:

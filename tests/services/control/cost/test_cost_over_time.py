@@ -21,7 +21,8 @@ def test_the_curves_bend_where_pods_start_and_end_and_end_at_the_bill(catalog) -
     assert at_900.by_role_and_capacity == pytest.approx({("rollout", "spot"): 0.20, ("training", "on-demand"): 1.00})
     assert at_900.report.total_dollars == pytest.approx(1.20)
     assert at_900.report.always_on_dollars == pytest.approx(3.00 + 0.50)  # 900 s of big and of small, on-demand
-    assert at_900.report.lower_bound_dollars == pytest.approx(0.20 + 0.50)  # the busy seconds at spot prices
+    # the busy seconds: rollout at spot, training on-demand
+    assert at_900.report.lower_bound_dollars == pytest.approx(0.20 + 1.00)
     assert curve[-1].report == cost_report(entries, **kw)  # the curve ends at the run's bill
     for earlier, later in pairwise(curve):
         assert later.report.total_dollars >= earlier.report.total_dollars

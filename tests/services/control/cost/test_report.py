@@ -53,10 +53,11 @@ def test_report_against_always_on_and_lower_bound(catalog) -> None:
     # The training instance on-demand for the run's hour ($12.00) and the 1.5 h of rollout at
     # the on-demand $2.00/h ($3.00).
     assert r.always_on_dollars == pytest.approx(15.00)
-    # Every busy second at the cheaper (spot) price: 1.5 h at $0.80/h ($1.20) and 300 s at $6.00/h ($0.50).
-    assert r.lower_bound_dollars == pytest.approx(1.70)
+    # Every busy second at the cheapest price its role may run at: 1.5 h of rollout at spot's
+    # $0.80/h ($1.20), 300 s of training on-demand at $12.00/h ($1.00).
+    assert r.lower_bound_dollars == pytest.approx(2.20)
     assert r.savings_ratio == pytest.approx(15.00 / 2.80)  # 5.36x cheaper than always-on
-    assert r.efficiency == pytest.approx(1.70 / 2.80)
+    assert r.efficiency == pytest.approx(2.20 / 2.80)
 
 
 def test_open_entries_are_billed_up_to_now(catalog) -> None:

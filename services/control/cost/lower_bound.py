@@ -1,0 +1,59 @@
+"""The lower bound of a run's bill: what its work could have cost with the levers spotrl has.
+
+Every busy second of each role at the cheapest price that role may run at:
+
+- rollout workers, eval pods and the reward server may run on spot: the cheaper of their
+  instance type's spot and on-demand prices;
+- training runs on-demand (spotrl does not run training on spot): its on-demand price;
+- a standby holds a warm training node and does no work: no busy second, nothing.
+
+Busy seconds are paid as they pass, with no billing minimum or rounding, so no schedule of the
+same work pays less. The run's report counts a pod's ledger seconds as its busy seconds; the
+simulator counts the generation and training seconds its batches needed. Both price them here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from services.ports.prices.catalog import InstancePrice, PriceCatalog
+from services.ports.state.state_store import LedgerEntry
+
+# What the figure counts, in one line: the API's description of it, and what the report page and
+# the CLI print beside it (as ``LOWER_BOUND_DEFINITION``).
+LOWER_BOUND_MEANING = (
+    "every busy pod-second at the cheapest price its role may run at "
+    "(rollout, eval and reward at spot, training on-demand, a standby's idle node at nothing), no billing minimum"
+)
+LOWER_BOUND_DEFINITION = f"lower bound: {LOWER_BOUND_MEANING}"
+# Roles whose pods may run on spot capacity (services.control.scheduler.run_state's roles).
+SPOT_ROLES = frozenset({"rollout", "eval", "reward"})
+# A standby pod only keeps a training node warm.
+IDLE_ROLES = frozenset({"standby"})
+
+
+@dataclass(frozen=True)
+class Busy:
+    """``seconds`` of work of a pod of ``role`` on an instance type priced ``price``."""
+
+    role: str
+    seconds: float
+    price: InstancePrice
+
+
+def cheapest_allowed_price(role: str, price: InstancePrice) -> float:
+    """Per hour: the cheapest price ``role`` may run at on an instance type priced ``price``."""
+    if role in IDLE_ROLES:
+        return 0.0
+    return price.cheapest() if role in SPOT_ROLES else price.on_demand
+
+
+def lower_bound_dollars(busy: Iterable[Busy]) -> float:
+    """The module's lower bound of the work ``busy``, in its instance types' currency."""
+    return sum(b.seconds * cheapest_allowed_price(b.role, b.price) / 3600.0 for b in busy)
+
+
+def ledger_busy(entries: Sequence[LedgerEntry], catalog: PriceCatalog, now: float) -> list[Busy]:
+    """Each ledger entry's seconds (an open one's up to ``now``) as its pod's busy seconds."""
+    return [Busy(e.role, e.seconds(now), catalog.get(e.instance_type)) for e in entries]
