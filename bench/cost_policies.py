@@ -1,7 +1,7 @@
 """Every cost policy over every spot trace: the simulator (``spotrl simulate``) driving the real
 scheduler's plan() (a benchmark, not a test).
 
-    .venv/bin/python bench/cost_policies.py [--traces DIR] [workload flags of `spotrl simulate`]
+    .venv/bin/python bench/cost_policies.py [--traces DIR] [--explain] [--oracle] [workload flags of `spotrl simulate`]
 
 Default traces: ``../shared/traces`` beside the repository (SpotHedge's GCP A100 zones and
 SpotServe's AWS g4dn, with their sources in its README). Default workload, the seed's: batches
@@ -13,7 +13,9 @@ rollout and training instance types: USD on AWS and GCP, CNY on Alibaba Cloud), 
 trace where the threshold run ends (<= 1.15x the lower bound; never dearer than threshold or
 always-on; wall time within 5% of threshold's or better) and on the mean (closes at least half
 of the gap threshold leaves to the bound), the saving against always-on, and a sweep over the
-training minutes per batch on the sweep trace.
+training minutes per batch on the sweep trace. ``--oracle`` adds each trace's offline optimum
+(``services.control.simulate.oracle``: the cheapest schedule with the policies' levers, known
+the trace in advance) and each policy's dollars over it (a few seconds a trace).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import typer
 
 from services.control.simulate.command import workload_options
 from services.control.simulate.gap import PARTS, forced_training_startups
+from services.control.simulate.oracle import OracleResult
+from services.control.simulate.oracle import oracle as optimum
 from services.control.simulate.traces import SpotTrace, load_trace, traces_in
 from services.control.simulate.workload import Workload
 from services.control.simulate.world import SimResult, simulate
@@ -37,13 +41,30 @@ SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SWEEP_MINUTES = (2, 5, 10, 18, 30, 40)
 
 
-def _row(trace: str, r: SimResult) -> str:
+def _row(trace: str, r: SimResult, best: OracleResult | None = None) -> str:
     ratio = r.dollars / r.lower_bound_dollars if r.lower_bound_dollars else float("nan")
     end = "" if r.finished else "  (not ended)"
+    to_oracle = "" if best is None else f" {_to_oracle(r, best):>5} |"
     return (
-        f"| {trace:<34} | {r.policy:<10} | {r.dollars:>8.2f} | {ratio:>5.3f} | {r.lower_bound_dollars:>7.2f} | "
+        f"| {trace:<34} | {r.policy:<10} | {r.dollars:>8.2f} | {ratio:>5.3f} |{to_oracle} {r.lower_bound_dollars:>7.2f} | "
         f"{r.always_on_dollars:>8.2f} | {r.wall_seconds / 3600:>6.2f} | {r.samples_trained:>6} | {r.samples_dropped_stale:>5} | "
         f"{r.preemptions:>4} | {r.training_busy_fraction:>5.3f} |{end}"
+    )
+
+
+def _to_oracle(r: SimResult, best: OracleResult) -> str:
+    """A run's dollars over the oracle's, for a run that ended ("-" otherwise)."""
+    return f"{r.dollars / best.dollars:.3f}" if r.finished and best.finished else "-"
+
+
+def _oracle_row(trace: str, best: OracleResult) -> str:
+    """The offline optimum's row: its dollars, x bound, and what it has of the others' columns."""
+    if not best.finished:
+        return f"| {trace:<34} | {'oracle':<10} |        - |     - |     - |       - |        - |      - |      - |     - |    - |     - |  (no schedule ends)"
+    new_nodes = f"{best.new_nodes} new training node(s), {sum(b.on_demand_seconds for b in best.batches) / 3600:.1f} on-demand rollout worker-h"
+    return (
+        f"| {trace:<34} | {'oracle':<10} | {best.dollars:>8.2f} | {best.dollars / best.lower_bound_dollars:>5.3f} | 1.000 | "
+        f"{best.lower_bound_dollars:>7.2f} |        - | {best.wall_seconds / 3600:>6.2f} |      - |     - |    - |     - |  {new_nodes}"
     )
 
 
@@ -87,11 +108,11 @@ def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotT
     typer.echo(f"  mean: at most {statistics.mean(most):.0%} closable" if most else "  no run ended")
 
 
-def header(currency: str) -> str:
-    """The table's header, its money columns in ``currency``."""
+def header(currency: str, oracle: bool = False) -> str:
+    """The table's header, its money columns in ``currency`` (with ``oracle``, a column of x the oracle's)."""
     return (
-        f"| trace                              | policy     | {currency:>8} | x bnd |   bound | always-on |  wall h | trained | "
-        "stale | pre. | busy  |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        f"| trace                              | policy     | {currency:>8} | x bnd |{' x orc |' if oracle else ''}   bound | always-on |  wall h | trained | "
+        f"stale | pre. | busy  |\n|---|---|---:|---:|{'---:|' if oracle else ''}---:|---:|---:|---:|---:|---:|---:|"
     )
 
 
@@ -104,6 +125,13 @@ def main(
         str, typer.Option(help="Trace (file stem) of the training-minutes sweep.")
     ] = "g4dn_nodes_60s",
     explain: Annotated[bool, typer.Option(help="Also print where each run's dollars above the bound go.")] = False,
+    oracle: Annotated[
+        bool,
+        typer.Option(
+            help="Also compute each trace's offline optimum (services/control/simulate/oracle.py) and each policy's ratio to it."
+        ),
+    ] = False,
+    oracle_step: Annotated[float, typer.Option(help="The oracle's time step, seconds (its launches' grid).")] = 30.0,
     *,
     workload: Workload,
 ) -> None:
@@ -112,10 +140,18 @@ def main(
     currency = load_catalog().currency_of(
         [workload.rollout_instance_type, workload.training_instance_type]
     )  # every run's
-    typer.echo(header(currency))
+    best = {t.name: optimum(t, workload, step_seconds=oracle_step) for t in loaded} if oracle else {}
+    typer.echo(header(currency, oracle))
     for name, by_policy in results.items():
         for r in by_policy.values():
-            typer.echo(_row(name, r))
+            typer.echo(_row(name, r, best.get(name)))
+        if oracle:
+            typer.echo(_oracle_row(name, best[name]))
+    if oracle:
+        typer.echo("\neach policy's dollars over the oracle's (its offline optimum; target for cost-aware <= 1.10x):")
+        for name, by_policy in results.items():
+            cells = ", ".join(f"{r.policy} {_to_oracle(r, best[name])}" for r in by_policy.values())
+            typer.echo(f"  {name}: {cells}")
 
     if explain:
         _explain(results, loaded, workload)
