@@ -40,7 +40,7 @@ from services.control.api.schemas import (
 from services.control.api.upload_slots import UploadSlots
 from services.control.cost.billing import billed_dollars
 from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION
-from services.control.cost.report import cost_report
+from services.control.cost.report import cost_report, spent_dollars
 from services.control.cost.report_page import EvalPoint, IterationPoint, report_page
 from services.control.tracking.sinks import missing_settings
 from services.core.config import Settings
@@ -211,7 +211,7 @@ def create_run(*, backends: Backends, settings: Settings, principal: Principal, 
         run_id, name=spec.name, spec=stored, tenant=principal.tenant, prompt_count=len(prompts)
     )
     return run_public(
-        RunView(row, latest=[], iterations_total=0, spent=0.0, reward_failures={})
+        RunView(row, latest=[], iterations_total=0, ledger=[], reward_failures={}), spent=0.0
     )  # new: no iteration, no ledger yet
 
 
@@ -315,11 +315,12 @@ class _JsonlWriter:
         self.count += 1
 
 
-def run_public(view: RunView) -> RunPublic:
+def run_public(view: RunView, *, spent: float) -> RunPublic:
+    """The run as the API shows it, having spent ``spent`` (``spent_dollars`` of its ledger)."""
     row = view.run
     return RunPublic.of(
         row,
-        view.spent,
+        spent,
         iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in view.latest],
         iterations_total=view.iterations_total,
         spec=RunSpec.from_stored(row.spec),
@@ -337,13 +338,18 @@ def _visible_run(state: StateStore, principal: Principal, run_id: str) -> RunRow
 
 
 def get_run(
-    *, backends: Backends, principal: Principal, run_id: str, iterations_shown: int = DEFAULT_ITERATIONS_SHOWN
+    *,
+    backends: Backends,
+    catalog: PriceCatalog,
+    principal: Principal,
+    run_id: str,
+    iterations_shown: int = DEFAULT_ITERATIONS_SHOWN,
 ) -> RunPublic:
     """The run with its latest ``iterations_shown`` iterations (and the count of all of them)."""
-    view = backends.state.run_view(run_id, latest=iterations_shown, now=time.time())
+    view = backends.state.run_view(run_id, latest=iterations_shown)
     if not principal.sees(view.run.tenant):
         raise RunNotFoundError(run_id)
-    return run_public(view)
+    return run_public(view, spent=spent_dollars(view.ledger, catalog, time.time()))
 
 
 def _encode_cursor(*key: object) -> str:
@@ -374,23 +380,24 @@ def _run_cursor_key(cursor: str) -> tuple[float, str]:
     return float(created_at), run_id
 
 
-def list_runs(*, backends: Backends, principal: Principal, limit: int, cursor: str | None) -> RunsPublic:
-    """One page of the caller's runs (every tenant's for an admin), oldest first."""
+def list_runs(
+    *, backends: Backends, catalog: PriceCatalog, principal: Principal, limit: int, cursor: str | None
+) -> RunsPublic:
+    """One page of the caller's runs (every tenant's for an admin), oldest first, each with what it
+    spent (the cost report's total)."""
     after = _run_cursor_key(cursor) if cursor else None
-    rows = backends.state.runs_page(
-        tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after, now=time.time()
-    )
-    page = rows[:limit]
+    rows = backends.state.runs_page(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after)
+    page, now = rows[:limit], time.time()
     return RunsPublic(
-        runs=[RunSummaryPublic.of(r, spent) for r, spent in page],
+        runs=[RunSummaryPublic.of(r, spent_dollars(ledger, catalog, now)) for r, ledger in page],
         next_cursor=_encode_cursor(page[-1][0].created_at, page[-1][0].id) if len(rows) > limit else None,
     )
 
 
-def cancel_run(*, backends: Backends, principal: Principal, run_id: str) -> RunPublic:
+def cancel_run(*, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str) -> RunPublic:
     _visible_run(backends.state, principal, run_id)
     backends.state.request_cancel(run_id)
-    return get_run(backends=backends, principal=principal, run_id=run_id)
+    return get_run(backends=backends, catalog=catalog, principal=principal, run_id=run_id)
 
 
 def run_cost(

@@ -49,6 +49,12 @@ class CostReport:
         return self.lower_bound_dollars / self.total_dollars if self.total_dollars > 0 else None
 
 
+def spent_dollars(entries: Sequence[LedgerEntry], catalog: PriceCatalog, now: float) -> float:
+    """What the run has spent up to ``now``: the report's ``total_dollars``, every entry billed by
+    its provider's rule. Every "spent" a person reads (a run's, the list's, the budget's) is this."""
+    return sum(billed_dollars(entries, catalog, now))
+
+
 def cost_report(
     entries: Sequence[LedgerEntry],
     *,
@@ -76,7 +82,7 @@ def cost_report(
     always_on = billed_seconds(wall, rule_for(training.provider)) * training.on_demand / 3600.0 + rollout_on_demand
     return CostReport(
         currency=catalog.currency_of([training_instance_type, *(e.instance_type for e in entries)]),
-        total_dollars=sum(by_role.values()),
+        total_dollars=spent_dollars(entries, catalog, now),
         by_role=dict(by_role),
         by_capacity_type=dict(by_capacity),
         wall_seconds=wall,

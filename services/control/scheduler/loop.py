@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
-from services.control.cost.billing import billed_dollars
+from services.control.cost.report import spent_dollars
 from services.control.scheduler import plan as p
 from services.control.scheduler.apply import Applier
 from services.control.scheduler.lease import Leadership
@@ -258,7 +258,7 @@ class Scheduler:
             sample_backlog=backlog.queued,
             samples_produced=backlog.produced,
             trainer_committed=backlog.committed,
-            spent_dollars=sum(billed_dollars(ledger, self.catalog, now)),  # the cost report's figure
+            spent_dollars=spent_dollars(ledger, self.catalog, now),  # the cost report's total
             billed=frozenset(e.pod for e in ledger),
             open_entries={e.pod: e.started_at for e in ledger if e.ended_at is None},
             now=now,

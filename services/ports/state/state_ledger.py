@@ -48,16 +48,14 @@ class LedgerQueries:
     _locked_run: Callable[[Session, str], RunRow]
 
     @staticmethod
-    def _spent(s: Session, run_ids: Sequence[str], now: float) -> dict[str, float]:
-        """Dollars each run's ledger has billed up to ``now`` (open entries up to ``now``), in one
-        query for a page of runs, in the transaction ``s``; a run without entries is 0."""
-        seconds = func.coalesce(LedgerRow.ended_at, now) - LedgerRow.started_at
-        dollars = case((seconds > 0, seconds), else_=0.0) * LedgerRow.price_per_hour / 3600.0
-        rows = s.execute(
-            select(LedgerRow.run_id, func.sum(dollars)).where(LedgerRow.run_id.in_(run_ids)).group_by(LedgerRow.run_id)
-        )
-        spent = {run_id: float(total or 0.0) for run_id, total in rows}
-        return {run_id: spent.get(run_id, 0.0) for run_id in run_ids}
+    def _ledgers(s: Session, run_ids: Sequence[str]) -> dict[str, list[LedgerEntry]]:
+        """Each run's ledger entries, oldest first, in one query for a page of runs, in the
+        transaction ``s``; a run without entries has none. What they cost is the cost engine's
+        (``services.control.cost``: each provider's billing rule), not a sum here."""
+        ledgers: dict[str, list[LedgerEntry]] = {run_id: [] for run_id in run_ids}
+        for r in s.scalars(select(LedgerRow).where(LedgerRow.run_id.in_(run_ids)).order_by(LedgerRow.id)):
+            ledgers[r.run_id].append(_entry(r))
+        return ledgers
 
     def open_ledger(
         self,
@@ -119,23 +117,7 @@ class LedgerQueries:
 
     def ledger(self, run_id: str) -> list[LedgerEntry]:
         with self._session() as s:
-            rows = s.scalars(select(LedgerRow).where(LedgerRow.run_id == run_id).order_by(LedgerRow.id))
-            return [
-                LedgerEntry(
-                    id=r.id,
-                    run_id=r.run_id,
-                    role=r.role,
-                    pod=r.pod,
-                    instance_type=r.instance_type,
-                    capacity_type=r.capacity_type,
-                    price_per_hour=r.price_per_hour,
-                    price_source=r.price_source,
-                    started_at=r.started_at,
-                    ended_at=r.ended_at,
-                    outcome=r.outcome,
-                )
-                for r in rows
-            ]
+            return self._ledgers(s, [run_id])[run_id]
 
     def open_ledger_count(self, run_id: str) -> int:
         with self._session() as s:
@@ -147,3 +129,19 @@ class LedgerQueries:
                 )
                 or 0
             )
+
+
+def _entry(r: LedgerRow) -> LedgerEntry:
+    return LedgerEntry(
+        id=r.id,
+        run_id=r.run_id,
+        role=r.role,
+        pod=r.pod,
+        instance_type=r.instance_type,
+        capacity_type=r.capacity_type,
+        price_per_hour=r.price_per_hour,
+        price_source=r.price_source,
+        started_at=r.started_at,
+        ended_at=r.ended_at,
+        outcome=r.outcome,
+    )

@@ -94,12 +94,12 @@ def _iteration_count(s: Session, run_id: str) -> int:
 @dataclass(frozen=True)
 class RunView:
     """A run as the API shows it, read in one transaction: its row, its latest iterations in
-    order, how many iterations it has in all, and the dollars its ledger billed up to then."""
+    order, how many iterations it has in all, and its ledger (whose bill is the cost engine's)."""
 
     run: RunRow
     latest: list[IterationRow]
     iterations_total: int
-    spent: float
+    ledger: list[LedgerEntry]
     reward_failures: dict[str, int]  # failed reward computations by ``<fn>:<kind>``
     evals: list[EvalRow] = field(default_factory=list)  # its latest recorded held-out evals, by policy version
 
@@ -169,9 +169,9 @@ class StateStore(LedgerQueries, EvalQueries):
                 raise RunNotFoundError(run_id)
             return row
 
-    def run_view(self, run_id: str, *, latest: int, now: float) -> RunView:
-        """The run with its ``latest`` iterations, their count and its spend up to ``now``: one
-        read transaction (a GET of a run is the API's commonest request)."""
+    def run_view(self, run_id: str, *, latest: int) -> RunView:
+        """The run with its ``latest`` iterations, their count and its ledger: one read
+        transaction (a GET of a run is the API's commonest request)."""
         with self._session() as s:
             row = s.get(RunRow, run_id)
             if row is None:
@@ -180,7 +180,7 @@ class StateStore(LedgerQueries, EvalQueries):
                 row,
                 _latest_iterations(s, run_id, latest),
                 _iteration_count(s, run_id),
-                self._spent(s, [run_id], now)[run_id],
+                self._ledgers(s, [run_id])[run_id],
                 _reward_failures(s, run_id),
                 evals=recorded_evals(s, run_id, latest),
             )
@@ -199,13 +199,13 @@ class StateStore(LedgerQueries, EvalQueries):
             return list(s.scalars(_runs_query(active_only=active_only, tenant=tenant, limit=limit, after=after)))
 
     def runs_page(
-        self, *, tenant: str | None, limit: int, after: tuple[float, str] | None, now: float
-    ) -> list[tuple[RunRow, float]]:
-        """``list_runs`` of ``tenant`` with each run's spend up to ``now``, in one read transaction."""
+        self, *, tenant: str | None, limit: int, after: tuple[float, str] | None
+    ) -> list[tuple[RunRow, list[LedgerEntry]]]:
+        """``list_runs`` of ``tenant`` with each run's ledger, in one read transaction."""
         with self._session() as s:
             rows = list(s.scalars(_runs_query(active_only=False, tenant=tenant, limit=limit, after=after)))
-            spent = self._spent(s, [r.id for r in rows], now)
-        return [(r, spent[r.id]) for r in rows]
+            ledgers = self._ledgers(s, [r.id for r in rows])
+        return [(r, ledgers[r.id]) for r in rows]
 
     def update_run(self, run_id: str, **fields: Any) -> RunRow:
         """Set plain fields; status changes go through ``set_status`` and ``begin_ending``."""

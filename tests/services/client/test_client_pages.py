@@ -6,12 +6,13 @@ from __future__ import annotations
 import io
 
 import httpx
+import pytest
 from rich.console import Console
 from starlette.testclient import TestClient
 
 from contracts.status import RunStatus
 from services.client.api import ApiClient, Target
-from services.client.view import run_details, run_progress
+from services.client.view import cost_table, run_details, run_progress
 from services.control.api.main import create_app
 
 
@@ -79,3 +80,45 @@ def test_a_runs_status_is_shown_with_its_meaning(settings) -> None:
         ],
     }
     assert "held-out eval of policy v2: mean 0.375 · pass@4 0.500" in shown(run_progress(evaluated))
+
+
+def test_the_header_and_the_cost_table_say_one_spent_figure(settings) -> None:
+    """`spotrl demo` and `runs watch` head the run with what it spent; `runs cost` (and the demo's
+    last table) says it again: both are the cost report's total, billing minimums included. A
+    10 s spot worker is billed AWS's 60 s minimum, which the raw seconds x price (the header's
+    figure before) left out."""
+    with TestClient(create_app(settings, with_scheduler=False), base_url="http://spotrl") as app:
+        run_id = app.post(
+            "/v1/runs",
+            json={"model": "tiny", "prompts": [{"prompt": "1+1", "answer": "2"}], "batch_samples": 8, "iterations": 5},
+        ).json()["id"]
+        state = app.app.state.backends.state
+        price = app.app.state.catalog.get("g6.xlarge").spot
+        pod = f"{run_id}-rollout-0"
+        state.open_ledger(
+            run_id=run_id,
+            role="rollout",
+            pod=pod,
+            instance_type="g6.xlarge",
+            capacity_type="spot",
+            price_per_hour=price,
+            price_source="test",
+            started_at=1000.0,
+        )
+        state.close_ledger(pod, ended_at=1010.0, outcome="preempted")
+        run = app.get(f"/v1/runs/{run_id}").json()
+        listed = app.get("/v1/runs").json()["runs"]
+        cost = app.get(f"/v1/runs/{run_id}/cost").json()
+
+    assert run["spent_dollars"] == cost["total_dollars"] == pytest.approx(60 * price / 3600)
+    assert [r["spent_dollars"] for r in listed if r["id"] == run_id] == [cost["total_dollars"]]
+
+    def shown(view) -> str:
+        text = io.StringIO()
+        Console(file=text, width=300).print(view)
+        return text.getvalue()
+
+    figure = f"{cost['total_dollars']:.4f}"
+    assert f"spent ${figure}" in shown(run_progress(run))
+    (total_row,) = [line for line in shown(cost_table(cost)).splitlines() if "spent in total" in line]
+    assert figure in total_row

@@ -45,12 +45,13 @@ async def create_run(
 @router.get("", response_model=RunsPublic, responses=errors(400))
 async def list_runs(
     backends: BackendsDep,
+    catalog: CatalogDep,
     principal: PrincipalDep,
     limit: Annotated[int, Query(ge=1, le=200, description="Runs per page.")] = 50,
     cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
 ) -> RunsPublic:
     return await run_in_threadpool(
-        service.list_runs, backends=backends, principal=principal, limit=limit, cursor=cursor
+        service.list_runs, backends=backends, catalog=catalog, principal=principal, limit=limit, cursor=cursor
     )
 
 
@@ -58,6 +59,7 @@ async def list_runs(
 async def get_run(
     run_id: RunId,
     backends: BackendsDep,
+    catalog: CatalogDep,
     principal: PrincipalDep,
     iterations_limit: Annotated[
         int,
@@ -69,13 +71,20 @@ async def get_run(
     ] = service.DEFAULT_ITERATIONS_SHOWN,
 ) -> RunPublic:
     return await run_in_threadpool(
-        service.get_run, backends=backends, principal=principal, run_id=run_id, iterations_shown=iterations_limit
+        service.get_run,
+        backends=backends,
+        catalog=catalog,
+        principal=principal,
+        run_id=run_id,
+        iterations_shown=iterations_limit,
     )
 
 
 @router.post("/{run_id}/cancel", response_model=RunPublic, responses=errors(404, 409))
-async def cancel_run(run_id: RunId, backends: BackendsDep, principal: PrincipalDep) -> RunPublic:
-    return await run_in_threadpool(service.cancel_run, backends=backends, principal=principal, run_id=run_id)
+async def cancel_run(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> RunPublic:
+    return await run_in_threadpool(
+        service.cancel_run, backends=backends, catalog=catalog, principal=principal, run_id=run_id
+    )
 
 
 @router.get("/{run_id}/cost", response_model=CostPublic, responses=errors(400, 404))

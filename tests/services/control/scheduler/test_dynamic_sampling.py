@@ -5,7 +5,6 @@ in /metrics under their own reason, and the audit accounts for them."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from prometheus_client import CollectorRegistry
@@ -95,7 +94,7 @@ def test_dynamic_sampling_drops_are_counted_apart_and_survive_the_runs_end(
     assert run.status == RunStatus.SUCCEEDED, run.status_reason
     # _finish recounted the queued samples' drops and left dynamic sampling's alone.
     assert (run.samples_produced, run.samples_trained, run.samples_dropped, run.samples_filtered) == (8, 8, 0, 8)
-    shown = run_public(b.state.run_view(run_id, latest=100, now=time.time())).samples  # as GET /v1/runs/{id} shows them
+    shown = run_public(b.state.run_view(run_id, latest=100), spent=0.0).samples  # as GET /v1/runs/{id} shows them
     assert (shown.produced, shown.trained, shown.dropped, shown.filtered) == (8, 8, 0, 8)
 
     audit = audit_run(b, run_id)
