@@ -28,10 +28,19 @@ EVAL_COLORS = ("#1b9e77", "#d95f02", "#e7298a", "#66a61e")
 CAPACITY_COLORS = {"spot": "#2b8cbe", "on-demand": "#e6550d"}
 OTHER_CAPACITY_COLOR = "#999999"
 SPENT_COLOR = "#111111"
+SPENT_DASH = "14 4 3 4"  # dash-dot: never taken for a (role, capacity type) line, which are solid
 ALWAYS_ON_COLOR = "#b2182b"
 LOWER_BOUND_COLOR = "#1a9850"
-# The (role, capacity type) lines of the cost chart, in the order they are first met.
-SERIES_COLORS = ("#2b8cbe", "#e6550d", "#756bb1", "#31a354", "#de2d26", "#636363")
+# The (role, capacity type) lines of the cost chart, in the order they are first met: none of
+# them near spent's, always-on's or the lower bound's colour.
+SERIES_COLORS = ("#2b8cbe", "#e6550d", "#756bb1", "#e7ba52", "#17becf", "#8c564b")
+TIME_LABEL = "time since the run started (s)"
+# What the savings figure compares, under the summary.
+SAVINGS_NOTE = (
+    "cheaper than always-on (Nx) = what an always-on on-demand cluster would have cost for the same wall time "
+    "(the training instance held throughout, the rollout and eval work on-demand) / what the run spent; "
+    "on a very short run each pod's billing minimum (60 s on AWS and GCP) dominates both"
+)
 CSP = "default-src 'none'; style-src 'unsafe-inline'"
 _STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; color: #222; margin: 24px; background: #fff; }
@@ -100,7 +109,7 @@ def report_page(
         ),
         (
             "cost",
-            f"Cumulative cost ({currency})",
+            "Cumulative cost, billed as charged (each pod's minimum at its start)",
             cost_chart(
                 entries,
                 catalog=catalog,
@@ -128,7 +137,7 @@ def report_page(
         ),
     ]
     rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in summary)
-    notes = "".join(f'<p class="note">{escape(line)}</p>' for line in (LOWER_BOUND_DEFINITION,))
+    notes = "".join(f'<p class="note">{escape(line)}</p>' for line in (SAVINGS_NOTE, LOWER_BOUND_DEFINITION))
     body = "".join(
         f'<figure id="{fid}"><figcaption>{escape(caption)}</figcaption>{svg}</figure>' for fid, caption, svg in figures
     )
@@ -180,8 +189,9 @@ def cost_chart(
     now: float,
     start: float,
 ) -> str:
-    """Dollars spent so far per (role, capacity type) and in all, against always-on and the lower
-    bound, over seconds since the run started."""
+    """Money spent so far per (role, capacity type) (solid lines) and in all (dash-dot), against
+    always-on and the lower bound, over the seconds since the run started; a legend names each
+    line, the y axis the currency."""
     curve = cost_over_time(
         entries,
         catalog=catalog,
@@ -200,7 +210,7 @@ def cost_chart(
         for i, (role, capacity) in enumerate(keys)
     ]
     series += [
-        Series("spent", [(c.at - start, c.report.total_dollars) for c in curve], SPENT_COLOR),
+        Series("spent", [(c.at - start, c.report.total_dollars) for c in curve], SPENT_COLOR, dash=SPENT_DASH),
         Series(
             "always-on on-demand",
             [(c.at - start, c.report.always_on_dollars) for c in curve],
@@ -211,9 +221,7 @@ def cost_chart(
             "lower bound", [(c.at - start, c.report.lower_bound_dollars) for c in curve], LOWER_BOUND_COLOR, dash="3 3"
         ),
     ]
-    return line_chart(
-        "cost", series, x_label="seconds since the run started", y_label=currency, empty="no pod billed yet"
-    )
+    return line_chart("cost", series, x_label=TIME_LABEL, y_label=f"cost ({currency})", empty="no pod billed yet")
 
 
 def pod_timeline(name: str, entries: Sequence[LedgerEntry], *, start: float, end: float, now: float) -> str:
@@ -233,6 +241,4 @@ def pod_timeline(name: str, entries: Sequence[LedgerEntry], *, start: float, end
     ]
     capacities = list(dict.fromkeys(e.capacity_type for e in entries))
     legend = [(c, CAPACITY_COLORS.get(c, OTHER_CAPACITY_COLOR)) for c in capacities]
-    return timeline_chart(
-        name, bars, x_range=(0.0, max(end - start, 0.0)), x_label="seconds since the run started", legend=legend
-    )
+    return timeline_chart(name, bars, x_range=(0.0, max(end - start, 0.0)), x_label=TIME_LABEL, legend=legend)

@@ -5,6 +5,8 @@ preemption mark, and whose screenshot shows each figure's data in its colours.""
 from __future__ import annotations
 
 import json
+import re
+from html import escape
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
 from services.cli.main import app as cli
 from services.control.cost import report_page
+from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION
 from services.control.cost.svg_charts import MARK_COLOR
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_schema import IterationRow
@@ -41,8 +44,10 @@ TRAINING = [
 REWARDS = [0.2, 0.45, 0.7]
 # The held-out evals of the base model and of v2: mean score and pass@2, dashed beside the reward.
 EVALS = {0: {"mean": 0.1, "pass@2": 0.3}, 2: {"mean": 0.5, "pass@2": 0.8}}
-# Where the cost curves bend: the run's start and end and every pod's start and end.
-INSTANTS = {0, 300, 360, 1000, 450, 470, 200, 320, 500, 620, 800, 920}
+# Where the cost curves bend: the run's start and end, every pod's start and end, and, from each
+# start, a millisecond on (its billing minimum owed) and a minute on (the minimum used up).
+STARTS = {0, 360, 470, 200, 500, 800}
+INSTANTS = {*STARTS, 300, 1000, 450, 320, 620, 920} | {t + 1e-3 for t in STARTS} | {t + 60 for t in STARTS}
 HOSTILE_NAME = "<script>alert('name')</script>"
 SPEC = {
     "model": "tiny",
@@ -179,6 +184,36 @@ def test_the_page_holds_the_run_and_nothing_a_client_wrote(report) -> None:
     for fetch in ("src=", "href=", "url(", "@import", "<link", "<script"):
         assert fetch not in page
     assert page.count("://") == page.count('xmlns="http://www.w3.org/2000/svg"') == 4
+
+
+def test_the_cost_chart_names_its_axes_once_and_tells_spent_from_training(report) -> None:
+    _, page, _ = report
+    cost = page[page.index('<figure id="cost">') : page.index("</figure>", page.index('<figure id="cost">'))]
+    labels = re.findall(r'<text class="label"[^>]*>([^<]*)</text>', cost)
+    assert [label for label in labels if "USD" in label] == ["cost (USD)"]  # the y axis, once
+    assert report_page.TIME_LABEL in labels  # the x axis
+    legend = {
+        label: (color, dash)
+        for color, dash, label in re.findall(
+            r'<g class="legend-item"><line [^>]*stroke="(#\w+)" stroke-width="3"(?: stroke-dasharray="([^"]*)")?/>'
+            r"<text[^>]*>([^<]*)</text></g>",
+            cost,
+        )
+    }
+    assert set(legend) == {
+        "rollout spot",
+        "rollout on-demand",
+        "training on-demand",
+        "spent",
+        "always-on on-demand",
+        "lower bound",
+    }
+    spent, training = legend["spent"], legend["training on-demand"]
+    assert spent == (report_page.SPENT_COLOR, report_page.SPENT_DASH)
+    assert spent[0] != training[0] and spent[1] != training[1]  # another colour and another dash
+    assert len(set(legend.values())) == len(legend)  # no two lines drawn alike
+    for note in (report_page.SAVINGS_NOTE, LOWER_BOUND_DEFINITION):
+        assert f'<p class="note">{escape(note)}</p>' in page
 
 
 def test_chromium_renders_every_figure(report, tmp_path: Path) -> None:
