@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,9 +22,10 @@ from contracts.status import RunStatus
 from services.control.cost.report import spent_dollars
 from services.control.scheduler import plan as p
 from services.control.scheduler.apply import Applier
+from services.control.scheduler.deadline import PACE_WINDOW_SECONDS
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
-from services.control.scheduler.run_state import ROLE_EVAL, ROLE_TRAINING, EvalState, Observed, RunState
+from services.control.scheduler.run_state import ROLE_EVAL, ROLE_ROLLOUT, ROLE_TRAINING, EvalState, Observed, RunState
 from services.control.tracking.sinks import SinkSet
 from services.control.tracking.sync import Tracker
 from services.core.config import Settings
@@ -91,6 +92,9 @@ class Scheduler:
         self._trouble: dict[str, _Trouble] = {}
         self._logged: dict[str, str] = {}  # run -> the decisions last logged for it (_log_decisions)
         self._standing: dict[str, str | None] = {}  # run -> the error a clean tick leaves on show (_recovered)
+        # run -> (time, samples its spot workers made), the deadline rule's recent window; a restarted
+        # scheduler measures afresh (the rule buys nothing new until the window holds a pace again).
+        self._spot_progress: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
 
     # --- the loop ---------------------------------------------------------------------
     def run_forever(self, stop: threading.Event, heartbeat: Callable[[], None] = lambda: None) -> None:
@@ -130,6 +134,8 @@ class Scheduler:
         for run_id in pods_by_run.keys() - runs.keys():  # terminal runs whose pods outlived them
             runs[run_id] = self.b.state.get_run(run_id)
         self._trouble = {run_id: t for run_id, t in self._trouble.items() if run_id in runs}
+        for run_id in self._spot_progress.keys() - runs.keys():
+            del self._spot_progress[run_id]
         for row in runs.values():
             if not self.leadership.leads():  # this tick outlasted the lease: a new leader may be acting
                 return
@@ -252,6 +258,7 @@ class Scheduler:
         ]
         ended_evals = [int(pod.labels["version"]) for pod in pods if pod.role == ROLE_EVAL and pod.phase.is_terminal()]
         backlog = sample_backlog(self.b.queue, row.id, group_size) if started else SampleBacklog(0, 0, 0)
+        stats = self.b.state.worker_stats(row.id) if measure else []
         return Observed(
             pods=pods,
             prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
@@ -265,9 +272,19 @@ class Scheduler:
             published=frozenset(i for i in ended_jobs if self.b.objects.exists(result_key(row.id, i))),
             evals_published=frozenset(v for v in ended_evals if self.b.objects.exists(eval_result_key(row.id, v))),
             estimates=measured(
-                [(w.samples_produced, w.generation_seconds) for w in self.b.state.worker_stats(row.id)],
+                [(w.samples_produced, w.generation_seconds) for w in stats],
                 [it.seconds for it in self.b.state.iterations(row.id)],
             )
             if measure
             else Estimates(None, None),
+            spot_progress=self._spot_pace_points(row.id, now, stats, ledger) if measure else (),
         )
+
+    def _spot_pace_points(self, run_id: str, now: float, stats: list, ledger: list) -> tuple[tuple[float, int], ...]:
+        """The run's (time, samples made by its spot workers) points over the deadline rule's window, now's added."""
+        spot = {e.pod for e in ledger if e.role == ROLE_ROLLOUT and e.capacity_type == "spot"}
+        points = self._spot_progress[run_id]
+        points.append((now, sum(w.samples_produced for w in stats if w.worker in spot)))
+        while points[0][0] < now - 2 * PACE_WINDOW_SECONDS:
+            points.popleft()
+        return tuple(points)

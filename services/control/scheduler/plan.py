@@ -338,6 +338,8 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
             still_needed=still_needed,
             samples_produced=observed.samples_produced,
             estimates=observed.estimates,
+            on_demand_workers=sum(p.capacity_type != "spot" for p in workers) if spec.rollout.spot else 0,
+            spot_progress=observed.spot_progress,
         )
     )
     if to_publish and decision.publish:
@@ -347,17 +349,53 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         waiting = [p for p in workers if p.waiting_for_node and p.capacity_type == "spot"]
         actions += [StopPod(p.name) for p in waiting]
         workers = [p for p in workers if p not in waiting]
-    for i in range(decision.workers - len(workers)):
-        actions.append(LaunchWorker(run.run_id, run.worker_slots_used + i, on_demand=decision.on_demand))
-    # A smaller pool stops those waiting for a node first: they make nothing yet.
-    for pod in sorted(workers, key=lambda p: p.waiting_for_node)[decision.workers :]:
-        actions.append(StopPod(pod.name))
+    if decision.on_demand_workers is not None and spec.rollout.spot and not decision.on_demand:
+        # A spot pool and on-demand workers beside it, each sized on its own.
+        spot = [p for p in workers if p.capacity_type == "spot"]
+        bought = [p for p in workers if p.capacity_type != "spot"]
+        return (
+            actions
+            + _scale(run, spot, decision.workers, bought, decision.on_demand_workers)
+            + _train(run, observed, training, standby, decision.standby)
+        )
+    actions += _scale(run, workers, decision.workers, [], 0, on_demand=decision.on_demand)
+    return actions + _train(run, observed, training, standby, decision.standby)
 
-    if not training and observed.sample_backlog >= batch and observed.now >= run.next_train_at:
-        # The job takes the warm node's place (the standby pod goes as the job starts).
-        return actions + [LaunchTraining(run.run_id, run.iterations_done + 1)] + [StopPod(p.name) for p in standby]
-    if decision.standby and not standby:
-        actions.append(LaunchStandby(run.run_id, run.iterations_done))
-    elif not decision.standby:
-        actions += [StopPod(p.name) for p in standby]
+
+def _scale(
+    run: RunState,
+    pool: Sequence[PodStatus],
+    size: int,
+    bought: Sequence[PodStatus],
+    bought_size: int,
+    on_demand: bool = False,
+) -> list[Action]:
+    """Launch or stop workers to hold ``size`` in ``pool`` (new ones on-demand if ``on_demand``) and
+    ``bought_size`` on-demand ones in ``bought``, new workers in fresh slots."""
+    actions: list[Action] = []
+    slot = run.worker_slots_used
+    for _ in range(size - len(pool)):
+        actions.append(LaunchWorker(run.run_id, slot, on_demand=on_demand))
+        slot += 1
+    for _ in range(bought_size - len(bought)):
+        actions.append(LaunchWorker(run.run_id, slot, on_demand=True))
+        slot += 1
+    # A smaller pool stops those waiting for a node first: they make nothing yet.
+    for pod in sorted(pool, key=lambda p: p.waiting_for_node)[size:]:
+        actions.append(StopPod(pod.name))
+    # On-demand workers go back newest first: the ones that have made least of their group.
+    for pod in sorted(bought, key=lambda p: p.started_at)[max(0, bought_size) :]:
+        actions.append(StopPod(pod.name))
     return actions
+
+
+def _train(
+    run: RunState, observed: Observed, training: Sequence[PodStatus], standby: Sequence[PodStatus], warm: bool
+) -> list[Action]:
+    """The next job when its batch waits (taking the warm node's place: the standby pod goes as the
+    job starts), else the warm node held or let go as the policy wants."""
+    if not training and observed.sample_backlog >= run.spec.batch_samples and observed.now >= run.next_train_at:
+        return [LaunchTraining(run.run_id, run.iterations_done + 1)] + [StopPod(p.name) for p in standby]
+    if warm and not standby:
+        return [LaunchStandby(run.run_id, run.iterations_done)]
+    return [] if warm else [StopPod(p.name) for p in standby]

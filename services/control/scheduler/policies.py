@@ -14,18 +14,16 @@ and for ``spotrl simulate`` (``services.control.simulate``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
+from services.control.scheduler.deadline import DeadlineCall, DeadlineView, deadline_call
 from services.domain.runspec import CostPolicy, RunSpec
 
 # Node start plus model load of a pod, when the run has no better figure (60-90 s, the seed design's figure).
 DEFAULT_STARTUP_SECONDS = 90.0
 # The least a provider bills a launch (AWS's, GCP's and Alibaba's 60 s: services.control.cost.billing).
 MIN_BILLED_SECONDS = 60.0
-# The share of a run's deadline it waits for its first sample on spot capacity before new rollout
-# workers go on-demand (without a sample there is no pace to project the run's end from).
-UNMEASURED_DEADLINE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class PolicyInput:
     training_running: bool
     training_started_at: float | None  # when the running job's pod started (None: no job)
     standby: bool  # a standby pod holds the training node
-    workers: int  # rollout workers alive
+    workers: int  # rollout workers alive (on-demand ones among them)
     workers_on_node: int  # of them, those a node has taken (the others wait for capacity and make nothing)
     prompt_backlog: int  # prompts published and not yet turned into samples
     to_publish: int  # prompts plan would publish now to keep one batch ahead
@@ -53,14 +51,18 @@ class PolicyInput:
     still_needed: int | None  # samples the remaining iterations need (None: until the target reward)
     samples_produced: int
     estimates: Estimates
+    on_demand_workers: int = 0  # of ``workers``, those on on-demand capacity in a spot pool
+    spot_progress: Sequence[tuple[float, int]] = ()  # (time, samples spot workers made so far), recent, oldest first
 
 
 @dataclass(frozen=True)
 class Decision:
-    workers: int
+    workers: int  # the pool (its spot part when ``on_demand_workers`` is given)
     publish: bool = True  # publish ``to_publish`` prompts now
     on_demand: bool = False  # new rollout workers start on on-demand capacity
     standby: bool = False  # hold a warm training node while no training job runs
+    on_demand_workers: int | None = None  # on-demand rollout workers beside a spot pool of ``workers`` (None: no split)
+    reason: str | None = None  # why the rollout capacity is what it is (the deadline rule's account)
 
 
 Policy = Callable[[PolicyInput], Decision]
@@ -111,10 +113,44 @@ def cost_aware(x: PolicyInput) -> Decision:
       is at most a restart's start-up (holding costs the wait, a restart costs the start-up); a
       new one is launched shortly before the batch is ready (never for less than the provider's
       billed minimum), so the job starts (almost) at once;
-    - deadline: new workers go on-demand only when, at the run's pace so far, the samples still
-      to make would miss ``deadline_seconds``, or when a quarter of it has gone by without a
-      single sample (``UNMEASURED_DEADLINE_SHARE``: a zone without spot capacity).
+    - deadline: on-demand rollout workers beside the spot pool, as many as close the gap
+      between spot's recent pace and the pace the deadline needs, given back once spot is back
+      on pace; none when training alone would miss it (``services.control.scheduler.deadline``).
     """
+    call = _deadline(x)
+    if call is not None and not call.whole_pool:
+        spot = _cost_aware_pool(replace(x, workers=x.workers - x.on_demand_workers))
+        more = spot.workers > 0 or x.prompt_backlog > 0
+        return replace(spot, on_demand_workers=call.on_demand_workers if more else 0, reason=call.reason)
+    decided = _cost_aware_pool(x)
+    return decided if call is None else replace(decided, on_demand=True, reason=call.reason)
+
+
+def _deadline(x: PolicyInput) -> DeadlineCall | None:
+    """The deadline rule's call, for a run with a deadline, a known end and a spot pool."""
+    spec, e = x.spec, x.estimates
+    if spec.deadline_seconds is None or x.started_at is None or x.still_needed is None or not spec.rollout.spot:
+        return None
+    return deadline_call(
+        DeadlineView(
+            deadline_seconds=spec.deadline_seconds,
+            started_at=x.started_at,
+            now=x.now,
+            batch_samples=spec.batch_samples,
+            still_needed=x.still_needed,
+            queued_for_next=x.queued_for_next,
+            spot_progress=x.spot_progress,
+            worker_samples_per_s=e.rollout_samples_per_s,
+            training_seconds=e.training_seconds,
+            training_running_for=None if x.training_started_at is None else x.now - x.training_started_at,
+            startup_seconds=e.startup_seconds,
+            on_demand_workers=x.on_demand_workers,
+            max_workers=spec.rollout.max_workers,
+        )
+    )
+
+
+def _cost_aware_pool(x: PolicyInput) -> Decision:
     spec, e = x.spec, x.estimates
     publish = not (spec.staleness_bound == 0 and x.training_running)
     backlog = x.prompt_backlog + (x.to_publish if publish else 0)
@@ -126,7 +162,7 @@ def cost_aware(x: PolicyInput) -> Decision:
     workers = 0 if backlog == 0 and not publish else _demand_pool(x, backlog, floor=sized if backlog else 0)
     if _batch_handed_over(x) or _prompts_come_within_startup(x):
         workers = max(workers, x.workers)
-    return Decision(workers=workers, publish=publish, on_demand=_deadline_at_risk(x), standby=_keep_warm(x))
+    return Decision(workers=workers, publish=publish, standby=_keep_warm(x))
 
 
 def _batch_handed_over(x: PolicyInput) -> bool:
@@ -170,24 +206,6 @@ def _keep_warm(x: PolicyInput) -> bool:
     if x.standby:
         return wait <= startup
     return MIN_BILLED_SECONDS <= wait <= MIN_BILLED_SECONDS + max(0.0, startup - MIN_BILLED_SECONDS) / 4
-
-
-def _deadline_at_risk(x: PolicyInput) -> bool:
-    """At the run's pace so far, the samples still to make would miss ``deadline_seconds``. Before
-    any sample, there is no pace: the deadline is at risk once ``UNMEASURED_DEADLINE_SHARE`` of it
-    has gone by without one (no spot capacity came), and not before."""
-    deadline, e = x.spec.deadline_seconds, x.estimates
-    if deadline is None or x.started_at is None or x.still_needed is None:
-        return False
-    elapsed = x.now - x.started_at
-    if x.samples_produced == 0:
-        return elapsed >= max(e.startup_seconds, UNMEASURED_DEADLINE_SHARE * deadline)
-    if elapsed < e.startup_seconds:
-        return False  # no pace measured yet
-    pace = x.samples_produced / elapsed
-    to_make = max(0, x.still_needed - x.queued_for_next)
-    finish = elapsed + to_make / pace + (e.training_seconds or 0.0)
-    return finish > deadline
 
 
 POLICIES: dict[CostPolicy, Policy] = {

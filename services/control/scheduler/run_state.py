@@ -91,3 +91,6 @@ class Observed:
     published: frozenset[int] = frozenset()  # iterations of ended training pods whose result.json exists
     estimates: Estimates = Estimates(None, None)  # rollout rate and training time measured so far, for the policy
     evals_published: frozenset[int] = frozenset()  # policy versions of ended eval pods whose result exists
+    # (time, samples spot rollout workers had made by then), oldest first, over the recent past:
+    # the deadline rule's pace (services.control.scheduler.deadline); empty where nobody records it.
+    spot_progress: tuple[tuple[float, int], ...] = ()

@@ -152,12 +152,29 @@ def test_with_staleness_bound_zero_cost_aware_makes_nothing_while_a_job_runs() -
     assert published[0] == PublishPrompts("r", 50, 25)
 
 
-@pytest.mark.parametrize(("deadline", "on_demand"), [(1_000_000.0, False), (1500.0, True)])
-def test_cost_aware_turns_to_on_demand_rollout_only_to_meet_the_deadline(deadline: float, on_demand: bool) -> None:
-    # 1000 s in, 200 samples made (0.2/s); 300 more to make for the remaining iterations: 1500 s more.
+# Spot made 0.2 samples/s over the last 900 s (the deadline rule's window).
+SPOT_PROGRESS = ((NOW - 900, 20), (NOW, 200))
+
+
+@pytest.mark.parametrize(("deadline", "bought"), [(1_000_000.0, 0), (1500.0, 1)])
+def test_cost_aware_buys_on_demand_rollout_only_to_meet_the_deadline(deadline: float, bought: int) -> None:
+    # 300 samples to make, 500 s left: a job (50 s) and two start-ups leave 270 s, 1.11/s needed;
+    # spot makes 0.2/s, one worker 1/s: one on-demand worker beside the spot pool, not the whole pool.
     run = state("cost-aware", worker_slots_used=0, deadline_seconds=deadline)
-    actions = [a for a in plan(run, world([JOB], prompts=25, samples=100)) if isinstance(a, LaunchWorker)]
-    assert actions and all(a.on_demand is on_demand for a in actions)
+    observed = replace(world([JOB], prompts=25, samples=100), spot_progress=SPOT_PROGRESS)
+    actions = [a for a in plan(run, observed) if isinstance(a, LaunchWorker)]
+    assert [a.on_demand for a in actions] == [False, False] + [True] * bought
+
+
+def test_cost_aware_gives_on_demand_workers_back_once_spot_is_on_pace() -> None:
+    # As above, with one on-demand worker held; spot now makes 2/s over the window (1.25 x 1.11 needed
+    # is 1.39): the worker goes back. At 1.2/s (on pace, within the margin) it stays.
+    run = state("cost-aware", deadline_seconds=1500.0)
+    bought = pod("r-rollout-2", "rollout", "on-demand", slot="2")
+    fast = replace(world([*WORKERS, bought, JOB], prompts=25, samples=100), spot_progress=((NOW - 900, 0), (NOW, 1800)))
+    assert StopPod("r-rollout-2") in plan(run, fast)
+    near = replace(fast, spot_progress=((NOW - 900, 0), (NOW, 1080)))
+    assert not [a for a in plan(run, near) if isinstance(a, StopPod | LaunchWorker)]
 
 
 @pytest.mark.parametrize(("elapsed", "on_demand"), [(200.0, False), (999.0, False), (1000.0, True)])
@@ -178,24 +195,15 @@ def test_cost_aware_without_a_sample_waits_a_quarter_of_the_deadline_for_spot(el
     assert actions and all(a.on_demand is on_demand for a in actions)
 
 
-def test_spot_workers_waiting_for_a_node_give_their_slots_to_on_demand_ones() -> None:
-    # The deadline is at risk (as above) while the two spot workers still wait for capacity.
+def test_spot_workers_waiting_for_a_node_keep_waiting_beside_the_on_demand_ones_bought() -> None:
+    # The deadline needs one more worker (as above) while the two spot workers wait for capacity:
+    # they keep waiting (unbilled until a node comes), the one worker the gap needs is bought.
     run = state("cost-aware", deadline_seconds=1500.0)
     waiting = [replace(w, waiting_for_node=True) for w in WORKERS]
-    actions = launched(plan(run, world(waiting + [JOB], prompts=25, samples=100)))
-    assert actions == [
-        StopPod("r-rollout-0"),
-        StopPod("r-rollout-1"),
-        LaunchWorker("r", 2, on_demand=True),
-        LaunchWorker("r", 3, on_demand=True),
-    ]
+    observed = replace(world(waiting + [JOB], prompts=25, samples=100), spot_progress=SPOT_PROGRESS)
+    assert launched(plan(run, observed)) == [LaunchWorker("r", 2, on_demand=True)]
     # With time to spare they keep waiting for spot.
-    assert (
-        launched(
-            plan(state("cost-aware", deadline_seconds=1_000_000.0), world(waiting + [JOB], prompts=25, samples=100))
-        )
-        == []
-    )
+    assert launched(plan(state("cost-aware", deadline_seconds=1_000_000.0), observed)) == []
 
 
 def test_workers_waiting_for_a_node_make_no_batch_worth_a_warm_node() -> None:
