@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+# A pod's role: what it does for its run (each pod's label, each ledger entry's role).
+ROLE_ROLLOUT = "rollout"
+ROLE_TRAINING = "training"
+ROLE_STANDBY = "standby"  # the warm training node between jobs (services.control.scheduler.plan's docstring)
+ROLE_EVAL = "eval"
+ROLE_REWARD = "reward"
+
 ROLLOUT_GROUP = "rollout"
 TRAINER_GROUP = "trainer"
 # The training job is the trainer group's only member; a retried job takes over the same membership.

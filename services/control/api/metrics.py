@@ -33,7 +33,7 @@ from services.control.cost.billing import billed_dollars
 from services.control.cost.lower_bound import LOWER_BOUND_MEANING
 from services.control.cost.report import cost_report
 from services.domain.backlog import sample_backlog
-from services.domain.names import ROLLOUT_GROUP, prompts_topic
+from services.domain.names import ROLE_ROLLOUT, ROLLOUT_GROUP, prompts_topic
 from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import PodOutcome, PodPhase
 from services.ports.prices.catalog import PriceCatalog, load_catalog
@@ -239,11 +239,11 @@ class RunCollector(Collector):
             return
         stats = {w.worker: w for w in self.b.state.worker_stats(r.id)}
         # A worker's id is its pod's name, so its ledger entry tells where it runs.
-        where = {e.pod: (e.capacity_type, e.instance_type) for e in entries if e.role == "rollout"}
+        where = {e.pod: (e.capacity_type, e.instance_type) for e in entries if e.role == ROLE_ROLLOUT}
         cache = {"hit": 0, "miss": 0, "error": 0}
         for worker in sorted(where.keys() | stats.keys()):
             capacity, instance = where.get(worker, ("unknown", "unknown"))
-            labels = [r.id, "rollout", capacity, instance, worker]
+            labels = [r.id, ROLE_ROLLOUT, capacity, instance, worker]
             w = stats.get(worker)
             f.worker_samples.add_metric(labels, w.samples_produced if w else 0)
             f.worker_generation.add_metric(labels, w.generation_seconds if w else 0.0)

@@ -23,11 +23,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.domain.names import ROLE_STANDBY, ROLE_TRAINING
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_store import LedgerEntry
 
-# Roles whose pods hold a training node (services.control.scheduler.plan's ROLE_TRAINING and ROLE_STANDBY).
-NODE_ROLES = frozenset({"training", "standby"})
+# Roles whose pods hold a training node.
+NODE_ROLES = frozenset({ROLE_TRAINING, ROLE_STANDBY})
 HANDOVER_SECONDS = 30.0
 # An instance's boot before its node joins the cluster (a GPU node on EKS: about a minute): the
 # provider bills it, Kubernetes does not see it.

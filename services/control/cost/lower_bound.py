@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.domain.names import ROLE_EVAL, ROLE_REWARD, ROLE_ROLLOUT, ROLE_STANDBY
 from services.ports.prices.catalog import InstancePrice, PriceCatalog
 from services.ports.state.state_store import LedgerEntry
 
@@ -27,10 +28,10 @@ LOWER_BOUND_MEANING = (
     "(rollout, eval and reward at spot, training on-demand, a standby's idle node at nothing), no billing minimum"
 )
 LOWER_BOUND_DEFINITION = f"lower bound: {LOWER_BOUND_MEANING}"
-# Roles whose pods may run on spot capacity (services.control.scheduler.run_state's roles).
-SPOT_ROLES = frozenset({"rollout", "eval", "reward"})
+# Roles whose pods may run on spot capacity.
+SPOT_ROLES = frozenset({ROLE_ROLLOUT, ROLE_EVAL, ROLE_REWARD})
 # A standby pod only keeps a training node warm.
-IDLE_ROLES = frozenset({"standby"})
+IDLE_ROLES = frozenset({ROLE_STANDBY})
 
 
 @dataclass(frozen=True)

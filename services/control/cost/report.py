@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from services.control.cost.billing import billed_dollars, billed_seconds, rule_for
 from services.control.cost.lower_bound import ledger_busy, lower_bound_dollars
+from services.domain.names import ROLE_EVAL, ROLE_ROLLOUT
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_store import LedgerEntry
 
@@ -74,7 +75,7 @@ def cost_report(
         seconds = e.seconds(now)
         # Rollout and eval pods at on-demand prices; training and its standby (warm node) are the training
         # instance's, counted below.
-        if e.role in ("rollout", "eval"):
+        if e.role in (ROLE_ROLLOUT, ROLE_EVAL):
             rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * price.on_demand / 3600.0
     wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
     training = catalog.get(training_instance_type)

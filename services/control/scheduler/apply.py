@@ -18,11 +18,15 @@ from contracts.samples import decode_group
 from contracts.status import RunStatus
 from services.control.scheduler import plan as p
 from services.control.scheduler.evals import EvalAction
-from services.control.scheduler.run_state import ROLE_EVAL, ROLE_REWARD, ROLE_STANDBY
 from services.core.config import Settings
 from services.core.errors import PermanentError
 from services.domain.backlog import trainer_consumer
 from services.domain.names import (
+    ROLE_EVAL,
+    ROLE_REWARD,
+    ROLE_ROLLOUT,
+    ROLE_STANDBY,
+    ROLE_TRAINING,
     TRAINER_GROUP,
     eval_pod_name,
     eval_result_key,
@@ -89,7 +93,7 @@ class Applier:
                 self._launch(
                     run_id,
                     name,
-                    "rollout",
+                    ROLE_ROLLOUT,
                     command,
                     spec.rollout.instance_type,
                     "spot" if spec.rollout.spot and not on_demand else "on-demand",
@@ -102,7 +106,7 @@ class Applier:
                 self._launch(
                     run_id,
                     name,
-                    "training",
+                    ROLE_TRAINING,
                     cli_command(["train-job", run_id, str(iteration)], processes=spec.training.processes),
                     spec.training.instance_type,
                     "on-demand",

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
-from services.control.scheduler.run_state import ROLE_EVAL, Observed, RunState, retry_delay
+from services.control.scheduler.run_state import Observed, RunState, retry_delay
+from services.domain.names import ROLE_EVAL
 from services.ports.launcher.launcher import PodStatus
 
 # Failed eval pods of one version retried before its eval is given up (the run goes on without it).

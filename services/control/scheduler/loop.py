@@ -25,13 +25,22 @@ from services.control.scheduler.apply import Applier
 from services.control.scheduler.deadline import PACE_WINDOW_SECONDS
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
-from services.control.scheduler.run_state import ROLE_EVAL, ROLE_ROLLOUT, ROLE_TRAINING, EvalState, Observed, RunState
+from services.control.scheduler.run_state import EvalState, Observed, RunState
 from services.control.tracking.sinks import SinkSet
 from services.control.tracking.sync import Tracker
 from services.core.config import Settings
 from services.core.errors import PermanentError, TemporaryError
 from services.domain.backlog import SampleBacklog, sample_backlog
-from services.domain.names import ROLLOUT_GROUP, eval_result_key, prompts_topic, result_key, samples_topic
+from services.domain.names import (
+    ROLE_EVAL,
+    ROLE_ROLLOUT,
+    ROLE_TRAINING,
+    ROLLOUT_GROUP,
+    eval_result_key,
+    prompts_topic,
+    result_key,
+    samples_topic,
+)
 from services.domain.runspec import CostPolicy, RunSpec
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_schema import RunRow

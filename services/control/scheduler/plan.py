@@ -69,15 +69,8 @@ from services.control.scheduler.evals import (
 from services.control.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
 from services.control.scheduler.policies import POLICIES, PolicyInput
 from services.control.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
-from services.control.scheduler.run_state import (
-    ROLE_EVAL,
-    ROLE_ROLLOUT,
-    ROLE_STANDBY,
-    ROLE_TRAINING,
-    Observed,
-    RunState,
-    retry_delay,
-)
+from services.control.scheduler.run_state import Observed, RunState, retry_delay
+from services.domain.names import ROLE_EVAL, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.domain.run_end import run_end
 from services.ports.launcher.launcher import PodPhase, PodStatus
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.control.scheduler.run_state import ROLE_REWARD, RunState
+from services.control.scheduler.run_state import RunState
+from services.domain.names import ROLE_REWARD
 from services.ports.launcher.launcher import PodStatus
 
 

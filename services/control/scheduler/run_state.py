@@ -15,11 +15,6 @@ from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import PodStatus
 from services.ports.state.state_schema import RunRow
 
-ROLE_ROLLOUT = "rollout"
-ROLE_TRAINING = "training"
-ROLE_STANDBY = "standby"  # the warm training node between jobs (plan's module docstring)
-ROLE_EVAL = "eval"
-ROLE_REWARD = "reward"
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
 

@@ -33,10 +33,11 @@ from services.control.cost.report import cost_report
 from services.control.scheduler import plan as p
 from services.control.scheduler.deadline import PACE_WINDOW_SECONDS
 from services.control.scheduler.policies import measured
-from services.control.scheduler.run_state import ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING, Observed, RunState
+from services.control.scheduler.run_state import Observed, RunState
 from services.control.simulate.gap import PodSpan, gap
 from services.control.simulate.traces import SpotTrace
 from services.control.simulate.workload import Workload
+from services.domain.names import ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.domain.runspec import CostPolicy, RunSpec
 from services.ports.launcher.launcher import PodPhase, PodStatus, pod_outcome
 from services.ports.prices.catalog import PriceCatalog, load_catalog
