@@ -25,6 +25,10 @@ HYSTERESIS = 0.25
 # Before any worker's rate is measured, the share of the deadline the run waits for spot capacity
 # before its pool goes on-demand whole (without a rate there is nothing to size a share by).
 UNMEASURED_DEADLINE_SHARE = 0.25
+# The latest safe moment to buy: on-demand workers bought then would finish with this share of the
+# time left to spare, and ``SLACK_SECONDS`` more (the pace window's lag, a preemption's lost groups).
+SAFETY = 0.1
+SLACK_SECONDS = 1800.0
 
 
 @dataclass(frozen=True)
@@ -44,17 +48,15 @@ class DeadlineView:
     startup_seconds: float
     on_demand_workers: int  # on-demand rollout workers held now
     max_workers: int
+    pool_workers: int = 0  # the pool the policy holds for the backlog (the trainer's pace before a job's time is known)
 
 
 @dataclass(frozen=True)
 class DeadlineCall:
-    """``on_demand_workers`` to hold beside the spot pool; ``whole_pool``: no rate to size them by
-    yet, and spot gave nothing for too long, so the whole pool goes on-demand. ``reason`` is what
-    the run shows for it."""
+    """``on_demand_workers`` to hold beside the spot pool; ``reason`` is what the run shows for it."""
 
     on_demand_workers: int
     reason: str
-    whole_pool: bool = False
 
 
 def spot_pace(points: Sequence[tuple[float, int]], since: float, now: float) -> float | None:
@@ -68,30 +70,56 @@ def spot_pace(points: Sequence[tuple[float, int]], since: float, now: float) -> 
     return max(0, n1 - n0) / (t1 - t0)
 
 
+def finish_seconds(v: DeadlineView, rate: float, startup: bool = True) -> float:
+    """Seconds from now to the run's end with rollout at ``rate`` samples/s (``startup``: new workers
+    start up first): the samples left made, then the last batch trained; or, when training is the
+    slower, the next batch made, then every job left trained; a cold training start either way."""
+    if rate <= 0:
+        return math.inf
+    job = v.training_seconds or 0.0
+    to_make = max(0, v.still_needed - v.queued_for_next)
+    first = max(0, v.batch_samples - v.queued_for_next)
+    up = v.startup_seconds if startup else 0.0
+    return up + max(to_make / rate + job, min(first, to_make) / rate + _training_left(v)) + v.startup_seconds
+
+
+def _training_left(v: DeadlineView) -> float:
+    job = v.training_seconds or 0.0
+    iterations_left = math.ceil(v.still_needed / v.batch_samples)
+    running = max(0.0, job - v.training_running_for) if v.training_running_for is not None else 0.0
+    return iterations_left * job + running
+
+
 def deadline_call(v: DeadlineView) -> DeadlineCall:
     """The on-demand rollout workers a run holds to meet its deadline.
 
-    An example, the seed's workload (batches of 5000 samples, a worker makes 0.83 samples/s, a
-    job trains 1080 s, start-ups 90 s, at most 16 workers) with a 12 h deadline, 3 h in, 7
-    iterations (35,000 samples) still to make and train, 2000 of them queued, no job running:
+    On-demand rollout costs the same per sample however many workers make it, and every sample
+    spot makes first is one it need not buy; a trickle of on-demand workers, though, makes a batch
+    so slowly that every job starts cold. So the rule waits for spot as long as the deadline
+    allows, and when it buys, buys a pool that keeps the trainer busy:
 
-    1. training alone needs 7 x 1080 s = 2.1 h of the 9 h left: rollout can still decide;
-    2. the last batch trains after it is made, and a new worker and the last job each start up:
-       the 33,000 samples to make have 9 h - 1080 s - 2 x 90 s = 31,140 s, 1.06 samples/s;
-    3. spot made 0.5 samples/s over the last 30 minutes (an outage cut the pool): 0.56 short,
-       ``ceil(0.56 / 0.83)`` = 1 on-demand worker. Start-up and an outage of the first hours no
-       longer count once out of the window; a run that started late is not late for ever;
-    4. spot recovers to 2.5 samples/s: the worker goes back once spot alone makes 1.25 x 1.06;
-       between 1.06 and 1.33 the count is kept (``HYSTERESIS``), so a pace near the need does
-       not launch and stop a worker every tick;
-    5. 10 h in, 5 iterations left, a job running for 300 s: training needs 780 + 5 x 1080 s =
-       1.7 h of the 2 h left, fine; with 7 left it would need 2.3 h: no rollout meets that, so
-       no worker is bought and the reason says training is the bottleneck.
+    1. training alone (the jobs left, one after the other) would miss the deadline: no rollout
+       bought can meet it, nothing is bought and the reason says so;
+    2. spot's pace over the last ``PACE_WINDOW_SECONDS`` (the start-up excluded) and one worker's
+       measured rate give ``finish_seconds``, the time to the end at a given rollout rate;
+    3. nothing held: nothing is bought while on-demand workers bought now would still finish
+       within ``SAFETY`` of the time left (the latest safe moment not reached);
+    4. at that moment it buys the workers that, beside spot's pace, make the larger of the
+       deadline's pace (with ``HYSTERESIS``) and the trainer's (a batch per job:
+       ``batch / training_seconds``, the pool cost-aware holds), at most ``max_workers``;
+    5. held: kept (topped up if spot's pace fell) until spot alone would finish within
+       ``HYSTERESIS`` of the time left, then all given back.
 
-    Before a pace is measured (``MIN_PACE_SECONDS`` of window after the start-up) nothing is
-    bought; before any worker's rate is, the whole pool goes on-demand once
+    An example, the seed's workload (batches of 5000, a worker at 0.83 samples/s, 1080 s jobs,
+    90 s start-ups, at most 16 workers), 12 h deadline, no spot at all: nothing is bought while
+    six workers (5000 / (0.83 x 1080)) bought now would finish 12 batches with 10% to spare,
+    about 5.5 h before the deadline; then six are bought, a batch every 17 minutes, and the
+    training node stays warm.
+
+    Before any worker's rate is measured, one on-demand worker is bought once
     ``UNMEASURED_DEADLINE_SHARE`` of the deadline went by without a spot sample (a zone without
-    spot capacity), and the workers are then sized as above once they have measured a rate.
+    spot capacity): it measures the rate, and is given back if the latest safe moment is still
+    far (``HYSTERESIS`` beyond it), or kept and joined by the others once it comes.
     """
     time_left = v.started_at + v.deadline_seconds - v.now
     to_make = max(0, v.still_needed - v.queued_for_next)
@@ -99,9 +127,7 @@ def deadline_call(v: DeadlineView) -> DeadlineCall:
         return DeadlineCall(0, "every sample the run needs is made")
     job = v.training_seconds or 0.0
     iterations_left = math.ceil(v.still_needed / v.batch_samples)
-    training_left = iterations_left * job + (
-        max(0.0, job - v.training_running_for) if v.training_running_for is not None else 0.0
-    )
+    training_left = _training_left(v)
     if job and training_left > time_left:
         return DeadlineCall(
             0,
@@ -115,26 +141,58 @@ def deadline_call(v: DeadlineView) -> DeadlineCall:
         return DeadlineCall(0, f"{max(0.0, time_left):.0f} s left cannot make and train a batch; none bought")
     need = to_make / window
     rate = v.worker_samples_per_s
-    pace = spot_pace(v.spot_progress, max(v.now - PACE_WINDOW_SECONDS, v.started_at + v.startup_seconds), v.now)
+    measured_pace = spot_pace(
+        v.spot_progress, max(v.now - PACE_WINDOW_SECONDS, v.started_at + v.startup_seconds), v.now
+    )
     if rate is None:
         spot_made = v.spot_progress[-1][1] if v.spot_progress else 0
         elapsed = v.now - v.started_at
         if spot_made == 0 and elapsed >= max(v.startup_seconds, UNMEASURED_DEADLINE_SHARE * v.deadline_seconds):
             return DeadlineCall(
-                v.on_demand_workers,
-                f"no spot sample in {elapsed:.0f} s: the pool goes on-demand until a rate is measured",
-                whole_pool=True,
+                max(1, v.on_demand_workers),
+                f"no spot sample in {elapsed:.0f} s: an on-demand worker measures the rate the rule sizes by",
             )
         return DeadlineCall(v.on_demand_workers, "waiting for spot capacity: no rate measured yet")
-    if pace is None:
-        return DeadlineCall(v.on_demand_workers, "measuring the spot pace")
-    fewest = math.ceil((need - pace) / rate)  # to be on pace
-    most = math.ceil((need * (1 + HYSTERESIS) - pace) / rate)  # beyond this spot alone has a margin
-    held = min(max(v.on_demand_workers, fewest), max(fewest, most))
-    held = max(0, min(v.max_workers, held))
+    pace = measured_pace or 0.0
+    trainer = min(v.max_workers * rate, v.batch_samples / job) if job else v.pool_workers * rate
+    target = max(need * (1 + HYSTERESIS), trainer)
+    bought = max(0, min(v.max_workers, math.ceil((target - pace) / rate - 1e-9)))
+    spot_alone = finish_seconds(v, pace, startup=False)
+    with_bought = finish_seconds(v, pace + bought * rate)
+    if v.on_demand_workers > 0:
+        surplus = time_left - with_bought * (1 + SAFETY) - SLACK_SECONDS  # beyond the latest safe moment
+        if job and surplus > max(HYSTERESIS * time_left, 2 * PACE_WINDOW_SECONDS):
+            return DeadlineCall(
+                0,
+                f"waiting for spot ({pace:.2f}/s): {bought} on-demand workers bought later would still finish in "
+                f"{with_bought:.0f} s of the {time_left:.0f} s left; the ones held go back",
+            )
+        if spot_alone * (1 + HYSTERESIS) <= time_left:
+            return DeadlineCall(
+                0,
+                f"spot alone ({pace:.2f}/s) finishes in {spot_alone:.0f} s of the {time_left:.0f} s left: "
+                "the on-demand workers go back",
+            )
+        # Until a job's time is known the deadline's pace alone sizes them (the probe's batch measures it).
+        fewest = max(0, min(v.max_workers, math.ceil((max(need, trainer if job else 0.0) - pace) / rate - 1e-9)))
+        held = min(max(v.on_demand_workers, fewest), max(fewest, bought if job else fewest))
+        return DeadlineCall(
+            held,
+            f"keeping {held} on-demand workers: pace {pace:.2f}/s from spot, need {need:.2f}/s "
+            f"({to_make} samples in {window:.0f} s), the trainer takes {trainer:.2f}/s",
+        )
+    if measured_pace is None and v.now - v.started_at < v.startup_seconds + MIN_PACE_SECONDS:
+        return DeadlineCall(0, "measuring the spot pace")
+    # Without a job's time the finish is a guess: spot is waited for as long as for a first sample.
+    patient = v.now - v.started_at < UNMEASURED_DEADLINE_SHARE * v.deadline_seconds
+    if patient if not job else with_bought * (1 + SAFETY) + SLACK_SECONDS < time_left:
+        return DeadlineCall(
+            0,
+            f"waiting for spot ({pace:.2f}/s): {bought} on-demand workers bought now would finish in "
+            f"{with_bought:.0f} s of the {time_left:.0f} s left",
+        )
     return DeadlineCall(
-        held,
-        f"{to_make} samples in {window:.0f} s need {need:.2f}/s; spot made {pace:.2f}/s over the last "
-        f"{min(PACE_WINDOW_SECONDS, v.now - v.started_at - v.startup_seconds):.0f} s; "
-        f"{held} on-demand workers at {rate:.2f}/s each",
+        bought,
+        f"buying {bought} on-demand workers: pace {pace:.2f}/s from spot, need {need:.2f}/s "
+        f"({to_make} samples in {window:.0f} s), the trainer takes {trainer:.2f}/s",
     )

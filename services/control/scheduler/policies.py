@@ -117,16 +117,16 @@ def cost_aware(x: PolicyInput) -> Decision:
       between spot's recent pace and the pace the deadline needs, given back once spot is back
       on pace; none when training alone would miss it (``services.control.scheduler.deadline``).
     """
-    call = _deadline(x)
-    if call is not None and not call.whole_pool:
-        spot = _cost_aware_pool(replace(x, workers=x.workers - x.on_demand_workers))
-        more = spot.workers > 0 or x.prompt_backlog > 0
-        return replace(spot, on_demand_workers=call.on_demand_workers if more else 0, reason=call.reason)
-    decided = _cost_aware_pool(x)
-    return decided if call is None else replace(decided, on_demand=True, reason=call.reason)
+    spot = _cost_aware_pool(replace(x, workers=x.workers - x.on_demand_workers))
+    call = _deadline(x, spot.workers)
+    if call is None:
+        return spot
+    # The on-demand workers stay while the spot pool would: between batches too.
+    more = spot.workers > 0 or x.prompt_backlog > 0 or _batch_handed_over(x) or _prompts_come_within_startup(x)
+    return replace(spot, on_demand_workers=call.on_demand_workers if more else 0, reason=call.reason)
 
 
-def _deadline(x: PolicyInput) -> DeadlineCall | None:
+def _deadline(x: PolicyInput, pool_workers: int) -> DeadlineCall | None:
     """The deadline rule's call, for a run with a deadline, a known end and a spot pool."""
     spec, e = x.spec, x.estimates
     if spec.deadline_seconds is None or x.started_at is None or x.still_needed is None or not spec.rollout.spot:
@@ -146,6 +146,7 @@ def _deadline(x: PolicyInput) -> DeadlineCall | None:
             startup_seconds=e.startup_seconds,
             on_demand_workers=x.on_demand_workers,
             max_workers=spec.rollout.max_workers,
+            pool_workers=pool_workers,
         )
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.control.scheduler.deadline import HYSTERESIS, DeadlineView, deadline_call
+from services.control.scheduler.deadline import DeadlineView, deadline_call
 
 HOUR = 3600.0
 RATE = 3000.0 / HOUR  # one worker's samples per second
@@ -40,48 +40,39 @@ def test_an_early_outage_does_not_make_a_run_on_pace_look_late() -> None:
     # left need 50,000 / (7 h - 1080 s - 180 s) = 2.1/s. Pace since the start (0.56/s) projects a
     # finish at 5 h + 25 h: today's rule would buy; over the recent window it is on pace.
     call = deadline_call(view(5.0, 12.0, 50_000, spot_per_s=10_000 / HOUR))
-    assert call.on_demand_workers == 0 and not call.whole_pool
+    assert call.on_demand_workers == 0
 
 
-def test_the_workers_bought_close_the_shortfall_and_no_more() -> None:
-    # 12 h deadline, 3 h in, 35,000 to make (2000 queued): 33,000 / 31,140 s = 1.06/s needed.
-    # Spot at 0.5/s is 0.56 short: one worker; at 0.1/s 0.96 short: two. Never the whole pool.
+def test_spot_is_waited_for_until_the_latest_safe_moment_then_a_pool_that_keeps_the_trainer_busy() -> None:
+    # 12 h deadline, 3 h in, 35,000 to make (2000 queued), spot at 0.5/s: five workers (5000 /
+    # 1080 s = 4.63/s, less spot's pace) would finish in 2.3 h of the 9 h left: nothing bought yet.
     behind = view(3.0, 12.0, 35_000, spot_per_s=0.5, queued_for_next=2000)
-    assert deadline_call(behind).on_demand_workers == 1
-    assert (
-        deadline_call(replace(behind, spot_progress=((behind.now - 1800, 0), (behind.now, 180)))).on_demand_workers == 2
-    )
-    assert "1.06/s" in deadline_call(behind).reason
+    call = deadline_call(behind)
+    assert call.on_demand_workers == 0 and "waiting for spot" in call.reason
+    # 9.5 h in, the same: past the latest safe moment. 33,000 in 7740 s need 4.26/s, 1.25 x that
+    # less spot's 0.5/s is six workers; never a trickle (a batch every 100 minutes starts every job cold).
+    late = deadline_call(replace(behind, now=9.5 * HOUR, spot_progress=((9.5 * HOUR - 1800, 0), (9.5 * HOUR, 900))))
+    assert late.on_demand_workers == 6 and late.reason.startswith("buying 6 on-demand workers")
 
 
-def test_workers_go_back_once_spot_is_on_pace_with_a_margin_against_flapping() -> None:
-    need = 33_000 / 31_140
-    held = view(3.0, 12.0, 35_000, spot_per_s=0.5, queued_for_next=2000, on_demand_workers=2)
+def test_workers_held_stay_until_spot_alone_finishes_with_a_margin() -> None:
+    held = view(9.5, 12.0, 35_000, spot_per_s=0.5, queued_for_next=2000, on_demand_workers=5)
 
     def at(pace: float) -> int:
         return deadline_call(
             replace(held, spot_progress=((held.now - 1800, 0), (held.now, round(pace * 1800))))
         ).on_demand_workers
 
-    assert at(0.2) == 2  # still short by more than a worker: both kept
-    assert at(need * 1.05) == 1  # on pace, inside the margin: one kept (what 1.25 x need asks of it)
-    assert at(need * (1 + HYSTERESIS) + 0.01) == 0  # spot alone has the margin: all back
-    # One worker held at a pace just over the need stays: no launch and stop every tick.
-    assert (
-        deadline_call(
-            replace(
-                held, on_demand_workers=1, spot_progress=((held.now - 1800, 0), (held.now, round(need * 1.05 * 1800)))
-            )
-        ).on_demand_workers
-        == 1
-    )
+    assert at(0.5) == 5  # kept
+    assert at(0.0) == 6  # spot stopped: topped up to the trainer's pace
+    assert at(20.0) == 0  # spot alone finishes in 33,000 / 20 + 7 x 1080 s, well within the 2.5 h left
 
 
 def test_when_training_alone_misses_the_deadline_no_rollout_is_bought_and_the_reason_says_so() -> None:
     # 10 h into a 12 h deadline, 7 iterations left and a job 300 s in: 780 + 7 x 1080 s = 2.3 h of
     # training for 2 h. Spot makes nothing, yet today's rule would buy the whole pool.
     call = deadline_call(view(10.0, 12.0, 35_000, spot_per_s=0.0, training_running_for=300.0))
-    assert call.on_demand_workers == 0 and not call.whole_pool
+    assert call.on_demand_workers == 0
     assert "training is the bottleneck" in call.reason
     # With 5 left (1.7 h of training) rollout decides again, and spot making nothing needs workers.
     assert deadline_call(view(10.0, 12.0, 25_000, spot_per_s=0.0, training_running_for=300.0)).on_demand_workers > 0
@@ -100,7 +91,7 @@ def test_a_slow_start_does_not_make_a_48_hour_run_look_late() -> None:
     assert call.on_demand_workers == 0
 
 
-def test_without_a_rate_the_whole_pool_goes_on_demand_after_a_quarter_of_the_deadline() -> None:
+def test_without_a_rate_one_worker_measures_it_after_a_quarter_of_the_deadline() -> None:
     nothing = view(1.0, 8.0, 60_000, spot_per_s=0.0, worker_samples_per_s=None, spot_progress=((0.0, 0), (HOUR, 0)))
-    assert not deadline_call(nothing).whole_pool
-    assert deadline_call(replace(nothing, now=2 * HOUR)).whole_pool
+    assert deadline_call(nothing).on_demand_workers == 0
+    assert deadline_call(replace(nothing, now=2 * HOUR)).on_demand_workers == 1
