@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from contracts.status import RunStatus
 from services.control.cost.billing import NODE_BOOT_SECONDS, billed_dollars
+from services.control.cost.lower_bound import Busy, lower_bound_dollars
 from services.control.cost.report import cost_report
 from services.control.scheduler import plan as p
 from services.control.scheduler.deadline import PACE_WINDOW_SECONDS
@@ -396,9 +397,11 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     rollout_busy = trained_batches * spec.batch_samples / (w.worker_samples_per_hour / 3600.0)
     training_busy = trained_batches * w.training_minutes * 60.0
     # With trace prices, the cheapest spot tick's: no schedule pays less for a busy second.
-    spot = catalog.get(spec.rollout.instance_type).spot if world.trace.prices is None else world.trace.cheapest_price()
-    rollout_bound = rollout_busy * spot / 3600.0
-    training_bound = training_busy * catalog.get(spec.training.instance_type).on_demand / 3600.0
+    rollout_price = catalog.get(spec.rollout.instance_type)
+    if world.trace.prices is not None:  # the cheapest spot tick's: no schedule pays less for a busy second
+        rollout_price = replace(rollout_price, spot=world.trace.cheapest_price())
+    rollout_bound = lower_bound_dollars([Busy(ROLE_ROLLOUT, rollout_busy, rollout_price)])
+    training_bound = lower_bound_dollars([Busy(ROLE_TRAINING, training_busy, catalog.get(spec.training.instance_type))])
     lower_bound = rollout_bound + training_bound
     billed = {e.pod: e for e in entries}
     node_seconds = sum(e.seconds(ended) for e in entries if e.role != ROLE_ROLLOUT)
