@@ -160,6 +160,9 @@ class Applier:
                 self.b.state.update_run(run_id, train_failures=failures, next_train_at=retry_at)
             case p.RecordProgress(run_id, produced):
                 self.b.state.update_run(run_id, samples_produced=produced)
+            case p.RecordReason(run_id, reason):
+                log.info("run %s: %s", run_id, reason or "no deadline purchase")
+                self.b.state.update_run(run_id, status_reason=reason)
             case p.BeginEnding(run_id, status, reason):
                 log.info("run %s ending: %s (%s)", run_id, status.value, reason)
                 self.b.state.begin_ending(run_id, status, reason)

@@ -54,6 +54,7 @@ The ledger is matched to the pods first, every tick (``services.control.schedule
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,6 +150,15 @@ class RecordProgress:
 
 
 @dataclass(frozen=True)
+class RecordReason:
+    """Show ``reason`` with the running run's status: why its rollout capacity is what it is (the
+    deadline rule's account), or nothing."""
+
+    run_id: str
+    reason: str | None
+
+
+@dataclass(frozen=True)
 class BeginEnding:
     run_id: str
     status: RunStatus
@@ -191,6 +201,7 @@ Action = (
     | RecordEval
     | RecordEvalFailure
     | RecordProgress
+    | RecordReason
     | BeginEnding
     | DropLeftovers
     | FinishRun
@@ -335,6 +346,8 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
             spot_progress=observed.spot_progress,
         )
     )
+    if run.status == RunStatus.RUNNING and _account(decision.reason) != _account(run.status_reason):
+        actions.append(RecordReason(run.run_id, decision.reason))
     if to_publish and decision.publish:
         actions.append(PublishPrompts(run.run_id, run.prompts_published, to_publish))
     if decision.on_demand:
@@ -353,6 +366,12 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         )
     actions += _scale(run, workers, decision.workers, [], 0, on_demand=decision.on_demand)
     return actions + _train(run, observed, training, standby, decision.standby)
+
+
+def _account(reason: str | None) -> str | None:
+    """A policy's reason without its figures: the run shows a new reason when its account changes
+    (waiting, buying, keeping, giving back), not each tick its measured pace moves."""
+    return None if reason is None else re.sub(r"[0-9][0-9.]*", "#", reason)
 
 
 def _scale(

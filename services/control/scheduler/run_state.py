@@ -53,6 +53,7 @@ class RunState:
     eval_launched_through: int = -1  # the highest policy version an eval was launched for (-1: none yet)
     evals_open: Mapping[int, EvalState] = field(default_factory=dict)  # by policy version
     best_eval: tuple[int, float] | None = None  # (policy version, mean score) of the best recorded eval
+    status_reason: str | None = None  # shown with the status; while RUNNING, the cost policy's account of its capacity
 
     @classmethod
     def of(cls, row: RunRow, spec: RunSpec, **evals: object) -> RunState:

@@ -295,6 +295,8 @@ class _World:
                 self.run = replace(run, iterations_done=iteration)
             case p.RecordProgress(_, produced):
                 self.run = replace(run, samples_produced=produced)
+            case p.RecordReason(_, reason):
+                self.run = replace(run, status_reason=reason)
             case p.BeginEnding(_, status, reason):
                 self.run = replace(run, status=RunStatus.ENDING, ending_status=status, ending_reason=reason)
             case p.DropLeftovers(_, limit):

@@ -27,7 +27,7 @@ from services.domain.names import (
     rollout_pod_name,
     samples_topic,
 )
-from services.domain.runspec import RunSpec
+from services.domain.runspec import CostPolicy, RunSpec
 from services.ports.launcher.launcher import PodSpec
 from services.ports.wiring import Backends
 from services.tooling.run_audit import audit_run
@@ -400,3 +400,14 @@ def test_a_batch_committed_while_the_scheduler_looks_is_counted_once(
     assert b.queue.committed(samples_topic(run_id), TRAINER_GROUP) == offsets  # the job did commit meanwhile
     assert observed.samples_produced == 16
     assert observed.sample_backlog + 4 * observed.trainer_committed == observed.samples_produced
+
+
+def test_the_deadline_rules_account_is_recorded_on_the_running_run(
+    settings: Settings, scripted_backends: Backends, submit
+) -> None:
+    b = scripted_backends
+    run_id = submit(b, SPEC.model_copy(update={"cost_policy": CostPolicy.COST_AWARE, "deadline_seconds": 36_000.0}))
+    scheduler = Scheduler(b, settings)
+    scheduler.tick()  # started
+    scheduler.tick()  # the pool launched; no sample yet, so no pace to judge the deadline by
+    assert b.state.get_run(run_id).status_reason == "waiting for spot capacity: no rate measured yet"

@@ -7,7 +7,15 @@ from dataclasses import replace
 import pytest
 
 from contracts.status import RunStatus
-from services.control.scheduler.plan import LaunchStandby, LaunchTraining, LaunchWorker, PublishPrompts, StopPod, plan
+from services.control.scheduler.plan import (
+    LaunchStandby,
+    LaunchTraining,
+    LaunchWorker,
+    PublishPrompts,
+    RecordReason,
+    StopPod,
+    plan,
+)
 from services.control.scheduler.policies import Estimates, measured
 from services.control.scheduler.run_state import Observed, RunState
 from services.domain.runspec import RunSpec
@@ -165,6 +173,22 @@ def test_cost_aware_buys_on_demand_rollout_only_to_meet_the_deadline(deadline: f
     observed = replace(world([JOB], prompts=25, samples=100), spot_progress=SPOT_PROGRESS)
     actions = [a for a in plan(run, observed) if isinstance(a, LaunchWorker)]
     assert [a.on_demand for a in actions] == [False, False] + [True] * bought
+
+
+def test_the_deadline_rules_account_is_shown_on_the_run_when_it_changes_not_each_tick() -> None:
+    run = state("cost-aware", worker_slots_used=0, deadline_seconds=1500.0)
+    observed = replace(world([JOB], prompts=25, samples=100), spot_progress=SPOT_PROGRESS)
+    [shown] = [a for a in plan(run, observed) if isinstance(a, RecordReason)]
+    assert shown.reason.startswith("buying 2 on-demand workers: pace 0.20/s from spot")
+    # The same account with other figures (the pace a tick later) is not written again.
+    moved = shown.reason.replace("0.20/s", "0.21/s")
+    assert not [a for a in plan(replace(run, status_reason=moved), observed) if isinstance(a, RecordReason)]
+    # With the deadline far off the account changes to waiting; without one, there is none to show.
+    relaxed = replace(run, spec=spec("cost-aware", deadline_seconds=1_000_000.0), status_reason=shown.reason)
+    [waiting] = [a for a in plan(relaxed, observed) if isinstance(a, RecordReason)]
+    assert waiting.reason.startswith("waiting for spot (0.20/s)")
+    no_deadline = replace(run, spec=spec("cost-aware"), status_reason=waiting.reason)
+    assert [a for a in plan(no_deadline, observed) if isinstance(a, RecordReason)] == [RecordReason("r", None)]
 
 
 def test_cost_aware_gives_on_demand_workers_back_once_spot_is_on_pace() -> None:
