@@ -159,6 +159,12 @@ def deadline_call(v: DeadlineView) -> DeadlineCall:
     bought = max(0, min(v.max_workers, math.ceil((target - pace) / rate - 1e-9)))
     spot_alone = finish_seconds(v, pace, startup=False)
     with_bought = finish_seconds(v, pace + bought * rate)
+    if v.on_demand_workers > 0 and measured_pace is None:
+        # Workers held and no window of spot progress: a scheduler that has just (re)started
+        # keeps what its predecessor bought until it has measured the pace again.
+        return DeadlineCall(
+            v.on_demand_workers, f"keeping {v.on_demand_workers} on-demand workers while the spot pace is measured"
+        )
     if v.on_demand_workers > 0:
         surplus = time_left - with_bought * (1 + SAFETY) - SLACK_SECONDS  # beyond the latest safe moment
         if job and surplus > max(HYSTERESIS * time_left, 2 * PACE_WINDOW_SECONDS):

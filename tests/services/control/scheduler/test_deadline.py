@@ -95,3 +95,12 @@ def test_without_a_rate_one_worker_measures_it_after_a_quarter_of_the_deadline()
     nothing = view(1.0, 8.0, 60_000, spot_per_s=0.0, worker_samples_per_s=None, spot_progress=((0.0, 0), (HOUR, 0)))
     assert deadline_call(nothing).on_demand_workers == 0
     assert deadline_call(replace(nothing, now=2 * HOUR)).on_demand_workers == 1
+
+
+def test_a_restarted_scheduler_keeps_the_workers_held_until_it_has_measured_the_pace() -> None:
+    # The pace history lives in the scheduler's memory: one that has just started has a single
+    # point. It keeps the five workers its predecessor held rather than count spot as making nothing.
+    restarted = view(9.5, 12.0, 35_000, spot_per_s=0.5, queued_for_next=2000, on_demand_workers=5)
+    restarted = replace(restarted, spot_progress=restarted.spot_progress[-1:])
+    call = deadline_call(restarted)
+    assert call.on_demand_workers == 5 and "while the spot pace is measured" in call.reason
