@@ -3,16 +3,14 @@ shipped trace never dearer than a policy's simulated run nor cheaper than the lo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from services.control.simulate.oracle import oracle
-from services.control.simulate.traces import load_trace, parse_trace
+from services.control.simulate.traces import SpotTrace, parse_trace
 from services.control.simulate.world import Workload, simulate
 from services.domain.runspec import CostPolicy
+from tests.services.control.simulate.trace_shapes import FOUR_NODES, MANY_NODES
 
-TRACES = Path(__file__).resolve().parents[4].parent / "shared" / "traces"
 # The catalog's prices per hour: the training node (p4d.24xlarge, on-demand), a rollout worker (g6.xlarge).
 NODE, SPOT, ON_DEMAND = 21.96, 0.35, 0.8048
 # Two batches of 900 samples at 1 sample/s per worker (900 worker-seconds each), 10 minutes of
@@ -68,11 +66,8 @@ def test_a_deadline_buys_on_demand_rollout_where_waiting_for_spot_is_cheaper() -
     assert hurries.dollars > waits.dollars
 
 
-@pytest.mark.parametrize(
-    "path", ["spotserve-aws-g4dn/g4dn_nodes_60s.json", "spothedge-gcp-a100/us-central1-a_a100_40gb_8.json"]
-)
-def test_on_a_shipped_trace_no_policy_is_cheaper_and_the_bound_is_below(path: str) -> None:
-    trace = load_trace(TRACES / path)
+@pytest.mark.parametrize("trace", [MANY_NODES, FOUR_NODES], ids=lambda t: t.name)
+def test_on_traces_of_the_shipped_kinds_no_policy_is_cheaper_and_the_bound_is_below(trace: SpotTrace) -> None:
     best = oracle(trace)
     assert best.finished
     for policy in CostPolicy:
