@@ -68,7 +68,8 @@ def cost_report(
     by_role: dict[str, float] = defaultdict(float)
     by_capacity: dict[str, float] = defaultdict(float)
     rollout_on_demand = 0.0
-    for e, dollars in zip(entries, billed_dollars(entries, catalog, now), strict=True):
+    billed = billed_dollars(entries, catalog, now)  # spent_dollars's terms, billed once for both uses
+    for e, dollars in zip(entries, billed, strict=True):
         by_role[e.role] += dollars
         by_capacity[e.capacity_type] += dollars
         price = catalog.get(e.instance_type)
@@ -83,7 +84,7 @@ def cost_report(
     always_on = billed_seconds(wall, rule_for(training.provider)) * training.on_demand / 3600.0 + rollout_on_demand
     return CostReport(
         currency=catalog.currency_of([training_instance_type, *(e.instance_type for e in entries)]),
-        total_dollars=spent_dollars(entries, catalog, now),
+        total_dollars=sum(billed),  # spent_dollars(entries, catalog, now)
         by_role=dict(by_role),
         by_capacity_type=dict(by_capacity),
         wall_seconds=wall,

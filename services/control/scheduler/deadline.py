@@ -23,7 +23,7 @@ MIN_PACE_SECONDS = 300.0
 # On-demand workers are given back only once spot alone makes this much more than the pace needed.
 HYSTERESIS = 0.25
 # Before any worker's rate is measured, the share of the deadline the run waits for spot capacity
-# before its pool goes on-demand whole (without a rate there is nothing to size a share by).
+# before one on-demand worker measures the rate (without one there is nothing to size a purchase by).
 UNMEASURED_DEADLINE_SHARE = 0.25
 # The latest safe moment to buy: on-demand workers bought then would finish with this share of the
 # time left to spare, and ``SLACK_SECONDS`` more (the pace window's lag, a preemption's lost groups).

@@ -350,12 +350,7 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         actions.append(RecordReason(run.run_id, decision.reason))
     if to_publish and decision.publish:
         actions.append(PublishPrompts(run.run_id, run.prompts_published, to_publish))
-    if decision.on_demand:
-        # Spot workers still waiting for a node (Kubernetes) hold slots that on-demand ones fill.
-        waiting = [p for p in workers if p.waiting_for_node and p.capacity_type == "spot"]
-        actions += [StopPod(p.name) for p in waiting]
-        workers = [p for p in workers if p not in waiting]
-    if decision.on_demand_workers is not None and spec.rollout.spot and not decision.on_demand:
+    if decision.on_demand_workers is not None and spec.rollout.spot:
         # A spot pool and on-demand workers beside it, each sized on its own.
         spot = [p for p in workers if p.capacity_type == "spot"]
         bought = [p for p in workers if p.capacity_type != "spot"]
