@@ -12,6 +12,7 @@ says so instead of buying.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,21 @@ class DeadlineCall:
 
     on_demand_workers: int
     reason: str
+
+
+class SpotProgress:
+    """One run's ``(time, samples its spot workers have made so far)`` points, the last two pace
+    windows' worth: what ``spot_pace`` reads. The scheduler keeps one per run, the simulator one."""
+
+    def __init__(self) -> None:
+        self._points: deque[tuple[float, int]] = deque()
+
+    def record(self, now: float, made: int) -> tuple[tuple[float, int], ...]:
+        """Add ``made`` at ``now``, forget points older than two windows; the points, oldest first."""
+        self._points.append((now, made))
+        while self._points[0][0] < now - 2 * PACE_WINDOW_SECONDS:
+            self._points.popleft()
+        return tuple(self._points)
 
 
 def spot_pace(points: Sequence[tuple[float, int]], since: float, now: float) -> float | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +22,7 @@ from contracts.status import RunStatus
 from services.control.cost.report import spent_dollars
 from services.control.scheduler import plan as p
 from services.control.scheduler.apply import Applier
-from services.control.scheduler.deadline import PACE_WINDOW_SECONDS
+from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
 from services.control.scheduler.run_state import EvalState, Observed, RunState
@@ -101,9 +101,9 @@ class Scheduler:
         self._trouble: dict[str, _Trouble] = {}
         self._logged: dict[str, str] = {}  # run -> the decisions last logged for it (_log_decisions)
         self._standing: dict[str, str | None] = {}  # run -> the error a clean tick leaves on show (_recovered)
-        # run -> (time, samples its spot workers made), the deadline rule's recent window; a restarted
-        # scheduler measures afresh (the rule buys nothing new until the window holds a pace again).
-        self._spot_progress: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
+        # run -> its spot workers' progress, the deadline rule's recent window; a restarted scheduler
+        # measures afresh (the rule keeps the on-demand workers held until the window holds a pace).
+        self._spot_progress: dict[str, SpotProgress] = defaultdict(SpotProgress)
 
     # --- the loop ---------------------------------------------------------------------
     def run_forever(self, stop: threading.Event, heartbeat: Callable[[], None] = lambda: None) -> None:
@@ -292,8 +292,4 @@ class Scheduler:
     def _spot_pace_points(self, run_id: str, now: float, stats: list, ledger: list) -> tuple[tuple[float, int], ...]:
         """The run's (time, samples made by its spot workers) points over the deadline rule's window, now's added."""
         spot = {e.pod for e in ledger if e.role == ROLE_ROLLOUT and e.capacity_type == "spot"}
-        points = self._spot_progress[run_id]
-        points.append((now, sum(w.samples_produced for w in stats if w.worker in spot)))
-        while points[0][0] < now - 2 * PACE_WINDOW_SECONDS:
-            points.popleft()
-        return tuple(points)
+        return self._spot_progress[run_id].record(now, sum(w.samples_produced for w in stats if w.worker in spot))

@@ -32,7 +32,7 @@ from services.control.cost.billing import NODE_BOOT_SECONDS, billed_dollars
 from services.control.cost.lower_bound import Busy, lower_bound_dollars
 from services.control.cost.report import cost_report
 from services.control.scheduler import plan as p
-from services.control.scheduler.deadline import PACE_WINDOW_SECONDS
+from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.policies import measured
 from services.control.scheduler.run_state import Observed, RunState
 from services.control.simulate.gap import PodSpan, gap
@@ -106,7 +106,7 @@ class _World:
     preemptions: int = 0
     node_released_at: float = -math.inf  # when the last training or standby pod ended
     _all_pods: list[_Pod] = field(default_factory=list)  # every pod ever started: the estimates, the gap
-    spot_progress: deque = field(default_factory=deque)  # (time, samples spot workers made), the pace window's
+    spot_progress: SpotProgress = field(default_factory=SpotProgress)  # the deadline rule's pace window
 
     def _all_workers(self) -> list[_Pod]:
         return [pod for pod in self._all_pods if pod.status.role == ROLE_ROLLOUT]
@@ -185,9 +185,6 @@ class _World:
     # --- what plan sees -------------------------------------------------------------------
     def observed(self) -> Observed:
         spot_made = sum(w.generated for w in self._all_workers() if w.status.capacity_type == "spot")
-        self.spot_progress.append((self.now, spot_made))
-        while self.spot_progress[0][0] < self.now - PACE_WINDOW_SECONDS - self.workload.tick_seconds:
-            self.spot_progress.popleft()
         return Observed(
             pods=[pod.status for pod in self.pods.values()],
             prompt_backlog=self.prompts_pending,
@@ -210,7 +207,7 @@ class _World:
                 self.job_seconds,
                 self.workload.startup_seconds,
             ),
-            spot_progress=tuple(self.spot_progress),
+            spot_progress=self.spot_progress.record(self.now, spot_made),
         )
 
     def billed_ledger(self, now: float) -> list[LedgerEntry]:
