@@ -99,6 +99,14 @@ class Strategy(StrEnum):
     ZERO3 = "zero3"
 
 
+class TrainingCapacity(StrEnum):
+    """The capacity a training job's node is bought on."""
+
+    ON_DEMAND = "on-demand"
+    SPOT = "spot"  # checkpointed within the update; a preempted job resumes from its checkpoint
+    AUTO = "auto"  # spot while its expected cost is the lower, else on-demand
+
+
 class TrainConfig(BaseModel):
     """Hyper-parameters of one RL update, and the shape of the job that runs it."""
 
@@ -325,7 +333,19 @@ class TrainConfig(BaseModel):
         default="p4d.24xlarge",
         min_length=1,
         max_length=64,
-        description="Catalog instance type of the training job (on-demand).",
+        description="Catalog instance type of the training job.",
+    )
+    capacity: TrainingCapacity = Field(
+        default=TrainingCapacity.ON_DEMAND,
+        description="Capacity of the training job's node: on-demand; spot (the job checkpoints every checkpoint_every_s "
+        "and at the provider's preemption notice, and a preempted job resumes from its checkpoint); or auto (spot while "
+        "its expected cost, lost work and restarts counted, is below on-demand's, on-demand when no spot node comes).",
+    )
+    checkpoint_every_s: float = Field(
+        default=300.0,
+        ge=10.0,
+        le=86_400.0,
+        description="Spot training: seconds of the update between the job's checkpoints (and one at a preemption notice).",
     )
     processes: int = Field(
         default=1,
