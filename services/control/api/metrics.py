@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from contracts.status import RunStatus
 from services.control.cost.billing import billed_dollars
-from services.control.cost.lower_bound import LOWER_BOUND_MEANING
+from services.control.cost.lower_bound import LOWER_BOUND_MEANING, TrainingTerms
 from services.control.cost.report import cost_report
 from services.domain.backlog import sample_backlog
 from services.domain.names import ROLE_ROLLOUT, ROLLOUT_GROUP, prompts_topic
@@ -184,7 +184,7 @@ class RunCollector(Collector):
         report = cost_report(
             entries,
             catalog=self.catalog,
-            training_instance_type=r.spec["training"]["instance_type"],
+            training=TrainingTerms.of_stored(r.spec),
             run_started_at=r.started_at,
             run_ended_at=r.ended_at,
             now=now,

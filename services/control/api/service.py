@@ -39,7 +39,7 @@ from services.control.api.schemas import (
 )
 from services.control.api.upload_slots import UploadSlots
 from services.control.cost.billing import billed_dollars
-from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION
+from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION, TrainingTerms
 from services.control.cost.report import cost_report, spent_dollars
 from services.control.cost.report_page import EvalPoint, IterationPoint, report_page
 from services.control.tracking.sinks import missing_settings
@@ -418,7 +418,7 @@ def run_cost(
     report = cost_report(
         entries,
         catalog=catalog,
-        training_instance_type=row.spec["training"]["instance_type"],
+        training=TrainingTerms.of_stored(row.spec),
         run_started_at=row.started_at,
         run_ended_at=row.ended_at,
         now=now,
@@ -461,7 +461,7 @@ def report_page_of(state: StateStore, catalog: PriceCatalog, row: RunRow) -> str
         evals=[EvalPoint(e.policy_version, e.metrics or {}) for e in state.evals(row.id)],
         entries=state.ledger(row.id),
         catalog=catalog,
-        training_instance_type=row.spec["training"]["instance_type"],
+        training=TrainingTerms.of_stored(row.spec),
         run_started_at=row.started_at,
         run_ended_at=row.ended_at,
         now=time.time(),

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from services.control.cost.billing import billed_dollars, rule_for
+from services.control.cost.lower_bound import TrainingTerms
 from services.control.cost.report import CostReport, cost_report
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_store import LedgerEntry
@@ -54,7 +55,7 @@ def instants(
     entries: Sequence[LedgerEntry],
     *,
     catalog: PriceCatalog,
-    training_instance_type: str,
+    training: TrainingTerms,
     run_started_at: float | None,
     end: float,
 ) -> list[float]:
@@ -71,7 +72,7 @@ def instants(
         if e.ended_at is None or e.started_at + minimum(e.instance_type) < e.ended_at:
             points.add(e.started_at + minimum(e.instance_type))
     if run_started_at is not None:
-        points |= {run_started_at, run_started_at + STEP_SECONDS, run_started_at + minimum(training_instance_type)}
+        points |= {run_started_at, run_started_at + STEP_SECONDS, run_started_at + minimum(training.instance_type)}
     ordered = sorted(p for p in points if p <= end)
     if len(ordered) <= MAX_INSTANTS:
         return ordered
@@ -84,7 +85,7 @@ def cost_over_time(
     entries: Sequence[LedgerEntry],
     *,
     catalog: PriceCatalog,
-    training_instance_type: str,
+    training: TrainingTerms,
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
@@ -92,9 +93,7 @@ def cost_over_time(
     """The run's cost figures at each instant of ``instants``, up to the run's end (or ``now``)."""
     end = run_ended_at if run_ended_at is not None else now
     curve = []
-    points = instants(
-        entries, catalog=catalog, training_instance_type=training_instance_type, run_started_at=run_started_at, end=end
-    )
+    points = instants(entries, catalog=catalog, training=training, run_started_at=run_started_at, end=end)
     for at in points:
         ledger = ledger_at(entries, at, now)
         by_key: dict[tuple[str, str], float] = defaultdict(float)
@@ -103,7 +102,7 @@ def cost_over_time(
         report = cost_report(
             ledger,
             catalog=catalog,
-            training_instance_type=training_instance_type,
+            training=training,
             run_started_at=run_started_at,
             run_ended_at=at,
             now=at,

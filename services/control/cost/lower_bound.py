@@ -4,7 +4,8 @@ Every busy second of each role at the cheapest price that role may run at:
 
 - rollout workers, eval pods and the reward server may run on spot: the cheaper of their
   instance type's spot and on-demand prices;
-- training runs on-demand (spotrl does not run training on spot): its on-demand price;
+- training: its on-demand price, or the cheaper of spot and on-demand for a run whose
+  ``training.capacity`` lets its jobs run on spot (spot or auto);
 - a standby holds a warm training node and does no work: no busy second, nothing.
 
 Busy seconds are paid as they pass, with no billing minimum or rounding, so no schedule of the
@@ -14,10 +15,12 @@ simulator counts the generation and training seconds its batches needed. Both pr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from services.domain.names import ROLE_EVAL, ROLE_REWARD, ROLE_ROLLOUT, ROLE_STANDBY
+from contracts.training import TrainingCapacity
+from services.domain.names import ROLE_EVAL, ROLE_REWARD, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.ports.prices.catalog import InstancePrice, PriceCatalog
 from services.ports.state.state_store import LedgerEntry
 
@@ -25,13 +28,28 @@ from services.ports.state.state_store import LedgerEntry
 # the CLI print beside it (as ``LOWER_BOUND_DEFINITION``).
 LOWER_BOUND_MEANING = (
     "every busy pod-second at the cheapest price its role may run at "
-    "(rollout, eval and reward at spot, training on-demand, a standby's idle node at nothing), no billing minimum"
+    "(rollout, eval and reward at spot, training on-demand or at spot where the run may train on spot, "
+    "a standby's idle node at nothing), no billing minimum"
 )
 LOWER_BOUND_DEFINITION = f"lower bound: {LOWER_BOUND_MEANING}"
 # Roles whose pods may run on spot capacity.
 SPOT_ROLES = frozenset({ROLE_ROLLOUT, ROLE_EVAL, ROLE_REWARD})
 # A standby pod only keeps a training node warm.
 IDLE_ROLES = frozenset({ROLE_STANDBY})
+
+
+@dataclass(frozen=True)
+class TrainingTerms:
+    """A run's training instance type, and whether its jobs may run on spot."""
+
+    instance_type: str
+    spot: bool = False
+
+    @classmethod
+    def of_stored(cls, spec: Mapping[str, Any]) -> TrainingTerms:
+        """The terms of a stored run spec (a run stored before ``training.capacity`` trains on-demand)."""
+        training = spec["training"]
+        return cls(training["instance_type"], training.get("capacity", TrainingCapacity.ON_DEMAND) != "on-demand")
 
 
 @dataclass(frozen=True)
@@ -43,16 +61,19 @@ class Busy:
     price: InstancePrice
 
 
-def cheapest_allowed_price(role: str, price: InstancePrice) -> float:
-    """Per hour: the cheapest price ``role`` may run at on an instance type priced ``price``."""
+def cheapest_allowed_price(role: str, price: InstancePrice, training_spot: bool) -> float:
+    """Per hour: the cheapest price ``role`` may run at on an instance type priced ``price``
+    (``training_spot``: the run's training may run on spot)."""
     if role in IDLE_ROLES:
         return 0.0
-    return price.cheapest() if role in SPOT_ROLES else price.on_demand
+    if role in SPOT_ROLES or (role == ROLE_TRAINING and training_spot):
+        return price.cheapest()
+    return price.on_demand
 
 
-def lower_bound_dollars(busy: Iterable[Busy]) -> float:
+def lower_bound_dollars(busy: Iterable[Busy], training_spot: bool) -> float:
     """The module's lower bound of the work ``busy``, in its instance types' currency."""
-    return sum(b.seconds * cheapest_allowed_price(b.role, b.price) / 3600.0 for b in busy)
+    return sum(b.seconds * cheapest_allowed_price(b.role, b.price, training_spot) / 3600.0 for b in busy)
 
 
 def ledger_busy(entries: Sequence[LedgerEntry], catalog: PriceCatalog, now: float) -> list[Busy]:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.control.cost.billing import billed_dollars, billed_seconds, rule_for
-from services.control.cost.lower_bound import ledger_busy, lower_bound_dollars
+from services.control.cost.lower_bound import TrainingTerms, ledger_busy, lower_bound_dollars
 from services.domain.names import ROLE_EVAL, ROLE_ROLLOUT
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_store import LedgerEntry
@@ -60,7 +60,7 @@ def cost_report(
     entries: Sequence[LedgerEntry],
     *,
     catalog: PriceCatalog,
-    training_instance_type: str,
+    training: TrainingTerms,
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
@@ -79,15 +79,15 @@ def cost_report(
         if e.role in (ROLE_ROLLOUT, ROLE_EVAL):
             rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * price.on_demand / 3600.0
     wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
-    training = catalog.get(training_instance_type)
+    node = catalog.get(training.instance_type)
     # Billed by the same rules as the run: one launch of the training instance, held throughout.
-    always_on = billed_seconds(wall, rule_for(training.provider)) * training.on_demand / 3600.0 + rollout_on_demand
+    always_on = billed_seconds(wall, rule_for(node.provider)) * node.on_demand / 3600.0 + rollout_on_demand
     return CostReport(
-        currency=catalog.currency_of([training_instance_type, *(e.instance_type for e in entries)]),
+        currency=catalog.currency_of([training.instance_type, *(e.instance_type for e in entries)]),
         total_dollars=sum(billed),  # spent_dollars(entries, catalog, now)
         by_role=dict(by_role),
         by_capacity_type=dict(by_capacity),
         wall_seconds=wall,
         always_on_dollars=always_on,
-        lower_bound_dollars=lower_bound_dollars(ledger_busy(entries, catalog, now)),
+        lower_bound_dollars=lower_bound_dollars(ledger_busy(entries, catalog, now), training.spot),
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from html import escape
 
 from services.control.cost.cost_over_time import cost_over_time
-from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION
+from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION, TrainingTerms
 from services.control.cost.report import cost_report
 from services.control.cost.svg_charts import Bar, Series, line_chart, number, timeline_chart
 from services.ports.launcher.launcher import PodOutcome
@@ -75,7 +75,7 @@ def report_page(
     iterations: Sequence[IterationPoint],
     entries: Sequence[LedgerEntry],
     catalog: PriceCatalog,
-    training_instance_type: str,
+    training: TrainingTerms,
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
@@ -87,7 +87,7 @@ def report_page(
     report = cost_report(
         entries,
         catalog=catalog,
-        training_instance_type=training_instance_type,
+        training=training,
         run_started_at=run_started_at,
         run_ended_at=run_ended_at,
         now=now,
@@ -114,7 +114,7 @@ def report_page(
                 entries,
                 catalog=catalog,
                 currency=currency,
-                training_instance_type=training_instance_type,
+                training=training,
                 run_started_at=run_started_at,
                 run_ended_at=run_ended_at,
                 now=now,
@@ -183,7 +183,7 @@ def cost_chart(
     *,
     catalog: PriceCatalog,
     currency: str,
-    training_instance_type: str,
+    training: TrainingTerms,
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
@@ -195,7 +195,7 @@ def cost_chart(
     curve = cost_over_time(
         entries,
         catalog=catalog,
-        training_instance_type=training_instance_type,
+        training=training,
         run_started_at=run_started_at,
         run_ended_at=run_ended_at,
         now=now,

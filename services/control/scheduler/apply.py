@@ -99,7 +99,7 @@ class Applier:
                     "spot" if spec.rollout.spot and not on_demand else "on-demand",
                     {"slot": str(slot)},
                 )
-            case p.LaunchTraining(run_id, iteration):
+            case p.LaunchTraining(run_id, iteration, spot):
                 committed = sum(self.b.queue.committed(samples_topic(run_id), TRAINER_GROUP).values())
                 self.b.state.update_run(run_id, train_launch_committed=committed)
                 name = training_pod_name(run_id, iteration)
@@ -109,19 +109,22 @@ class Applier:
                     ROLE_TRAINING,
                     cli_command(["train-job", run_id, str(iteration)], processes=spec.training.processes),
                     spec.training.instance_type,
-                    "on-demand",
+                    "spot" if spot else "on-demand",
                     {"iteration": str(iteration)},
                 )
-            case p.LaunchStandby(run_id, after):
+            case p.LaunchStandby(run_id, after, spot):
                 self._launch(
                     run_id,
                     standby_pod_name(run_id, after),
                     ROLE_STANDBY,
                     [sys.executable, "-m", "services.control.scheduler.standby"],
                     spec.training.instance_type,
-                    "on-demand",
+                    "spot" if spot else "on-demand",
                     {"after_iteration": str(after)},
                 )
+            case p.RefuseSpotTraining(run_id, at):
+                log.info("run %s: no spot training node came; training on-demand for a while", run_id)
+                self.b.state.update_run(run_id, spot_training_refused_at=at)
             case p.LaunchRewardServer(run_id):
                 server = spec.reward_server
                 assert server is not None  # planned for a spec that asks for one

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contracts.status import RunStatus
+from contracts.training import TrainingCapacity
 from services.control.cost.report import spent_dollars
 from services.control.scheduler import plan as p
 from services.control.scheduler.apply import Applier
@@ -26,6 +27,7 @@ from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
 from services.control.scheduler.run_state import EvalState, Observed, RunState
+from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices
 from services.control.tracking.sinks import SinkSet
 from services.control.tracking.sync import Tracker
 from services.core.config import Settings
@@ -211,7 +213,8 @@ class Scheduler:
     def reconcile(self, row: RunRow, pods: list) -> list[p.Action]:
         spec = RunSpec.from_stored(row.spec)
         state = RunState.of(row, spec, **self._eval_state(row, spec))
-        observed = self.observe(row, pods, spec.samples_per_prompt, measure=spec.cost_policy == CostPolicy.COST_AWARE)
+        measure = spec.cost_policy == CostPolicy.COST_AWARE or spec.training.capacity == TrainingCapacity.AUTO
+        observed = self.observe(row, pods, spec, measure=measure)
         actions = p.plan(state, observed)
         self._log_decisions(row.id, actions, observed)
         for action in actions:
@@ -255,13 +258,15 @@ class Scheduler:
             ", ".join(f"{pod.name}:{pod.phase}" for pod in observed.pods) or "none",
         )
 
-    def observe(self, row: RunRow, pods: list, group_size: int, measure: bool = True) -> Observed:
-        """The run's world now; the sample topic's records are groups of ``group_size`` samples.
-        ``measure``: with the estimates of its rollout rate and job time (two more queries a tick),
-        which only the cost-aware policy reads."""
+    def observe(self, row: RunRow, pods: list, spec: RunSpec, measure: bool = True) -> Observed:
+        """The run's world now, for its spec ``spec``. ``measure``: with the estimates of its rollout
+        rate and job time (two more queries a tick), which the cost-aware policy and
+        ``training.capacity: auto`` read."""
+        group_size = spec.samples_per_prompt
         now = time.time()
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
         ledger = self.b.state.ledger(row.id)
+        price = self.catalog.get(spec.training.instance_type)
         ended_jobs = [
             int(pod.labels["iteration"]) for pod in pods if pod.role == ROLE_TRAINING and pod.phase.is_terminal()
         ]
@@ -287,6 +292,8 @@ class Scheduler:
             if measure
             else Estimates(None, None),
             spot_progress=self._spot_pace_points(row.id, now, stats, ledger) if measure else (),
+            training_prices=TrainingPrices(spot=price.spot, on_demand=price.on_demand),
+            spot_training=SpotTrainingRecord.of(ledger, now),
         )
 
     def _spot_pace_points(self, run_id: str, now: float, stats: list, ledger: list) -> tuple[tuple[float, int], ...]:

@@ -71,6 +71,7 @@ from services.control.scheduler.ledger_match import BillPod, CloseEntry, DeferEn
 from services.control.scheduler.policies import POLICIES, PolicyInput
 from services.control.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
 from services.control.scheduler.run_state import Observed, RunState, retry_delay
+from services.control.scheduler.spot_training import spot_loss, spot_wait_expired, train_on_spot
 from services.domain.names import ROLE_EVAL, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.domain.run_end import run_end
 from services.ports.launcher.launcher import PodPhase, PodStatus
@@ -107,6 +108,7 @@ class LaunchWorker:
 class LaunchTraining:
     run_id: str
     iteration: int
+    spot: bool = False  # on spot capacity (``services.control.scheduler.spot_training``)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,15 @@ class LaunchStandby:
 
     run_id: str
     after_iteration: int
+    spot: bool = False  # on the capacity the next job will take
+
+
+@dataclass(frozen=True)
+class RefuseSpotTraining:
+    """No spot training node came in time: the run's jobs go on-demand for a while from ``at``."""
+
+    run_id: str
+    at: float
 
 
 @dataclass(frozen=True)
@@ -189,6 +200,7 @@ Action = (
     | LaunchWorker
     | LaunchTraining
     | LaunchStandby
+    | RefuseSpotTraining
     | LaunchEval
     | LaunchRewardServer
     | StopPod
@@ -267,6 +279,8 @@ def _reap(run: RunState, done: Sequence[PodStatus], observed: Observed) -> list[
             # Published is trained, however the pod ended (killed or stopped after writing its result).
             if pod.phase == PodPhase.SUCCEEDED or iteration in observed.published:
                 actions.append(RecordIteration(run.run_id, iteration))
+            elif spot_loss(pod):
+                pass  # preempted, or given up before a node came: started again, no failure counted
             elif iteration > run.iterations_done and not run.status.is_stopping():  # not one we stopped
                 failures = run.train_failures + 1
                 if failures > run.spec.training.max_retries:
@@ -400,9 +414,21 @@ def _train(
     run: RunState, observed: Observed, training: Sequence[PodStatus], standby: Sequence[PodStatus], warm: bool
 ) -> list[Action]:
     """The next job when its batch waits (taking the warm node's place: the standby pod goes as the
-    job starts), else the warm node held or let go as the policy wants."""
+    job starts), on the capacity ``training.capacity`` picks, else the warm node held or let go as
+    the policy wants; a spot job that waited too long for a node is stopped, to start on-demand."""
+    expired = [p for p in training if spot_wait_expired(run.spec, p, observed.now, observed.estimates)]
+    if expired:
+        return [StopPod(p.name) for p in expired] + [RefuseSpotTraining(run.run_id, observed.now)]
+    spot = train_on_spot(
+        run.spec,
+        observed.now,
+        run.spot_training_refused_at,
+        observed.estimates,
+        observed.training_prices,
+        observed.spot_training,
+    )
     if not training and observed.sample_backlog >= run.spec.batch_samples and observed.now >= run.next_train_at:
-        return [LaunchTraining(run.run_id, run.iterations_done + 1)] + [StopPod(p.name) for p in standby]
+        return [LaunchTraining(run.run_id, run.iterations_done + 1, spot)] + [StopPod(p.name) for p in standby]
     if warm and not standby:
-        return [LaunchStandby(run.run_id, run.iterations_done)]
+        return [LaunchStandby(run.run_id, run.iterations_done, spot)]
     return [] if warm else [StopPod(p.name) for p in standby]

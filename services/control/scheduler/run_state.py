@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from contracts.status import RunStatus
 from services.control.scheduler.policies import Estimates
+from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices
 from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import PodStatus
 from services.ports.state.state_schema import RunRow
@@ -54,6 +55,7 @@ class RunState:
     evals_open: Mapping[int, EvalState] = field(default_factory=dict)  # by policy version
     best_eval: tuple[int, float] | None = None  # (policy version, mean score) of the best recorded eval
     status_reason: str | None = None  # shown with the status; while RUNNING, the cost policy's account of its capacity
+    spot_training_refused_at: float | None = None  # when an auto run last gave up waiting for a spot training node
 
     @classmethod
     def of(cls, row: RunRow, spec: RunSpec, **evals: object) -> RunState:
@@ -90,3 +92,7 @@ class Observed:
     # (time, samples spot rollout workers had made by then), oldest first, over the recent past:
     # the deadline rule's pace (services.control.scheduler.deadline); empty where nobody records it.
     spot_progress: tuple[tuple[float, int], ...] = ()
+    # The training instance type's spot and on-demand prices now, and the run's spot training so
+    # far: what ``training.capacity: auto`` weighs (services.control.scheduler.spot_training).
+    training_prices: TrainingPrices | None = None
+    spot_training: SpotTrainingRecord = SpotTrainingRecord()

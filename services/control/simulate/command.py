@@ -55,6 +55,15 @@ def simulate_command(
         typer.Option(help="SkyPilot spot-traces JSON: spot instances available per tick.", exists=True, dir_okay=False),
     ],
     policy: Annotated[CostPolicy, typer.Option(help="Cost policy to run.")] = CostPolicy.COST_AWARE,
+    training_trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="SkyPilot spot-traces JSON of the training instance type's spot nodes, for --training-capacity "
+            "spot or auto (none: no spot training node ever comes).",
+            exists=True,
+            dir_okay=False,
+        ),
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures to this JSON file.")] = None,
     *,
     workload: Workload,
@@ -62,12 +71,13 @@ def simulate_command(
     """Simulate a run on a spot trace: the real scheduler's plan() every tick, with a simulated
     launcher, queue, clock and ledger; print (and with --json write) its bill and figures, money in
     the run's currency (``currency``: the price catalog's for the instance types, e.g. CNY on Alibaba
-    Cloud). A trace's optional ``prices`` bill spot rollout tick by tick, in that currency."""
+    Cloud). A trace's optional ``prices`` bill its spot pods tick by tick, in that currency."""
     from services.control.simulate.traces import load_trace
     from services.control.simulate.world import simulate
 
     try:
-        result = simulate(load_trace(trace), policy, workload)
+        training = None if training_trace is None else load_trace(training_trace)
+        result = simulate(load_trace(trace), policy, workload, training_trace=training)
     except ValueError as e:  # a bad trace, an unknown instance type, an impossible run spec
         raise typer.BadParameter(str(e)) from None
     figures = result.to_json()

@@ -37,7 +37,12 @@ class Workload:
         None, "Deadline of the run, hours (cost-aware may then use on-demand rollout)."
     )
     rollout_instance_type: str = _option("g6.xlarge", "Catalog instance type of the rollout workers.")
-    training_instance_type: str = _option("p4d.24xlarge", "Catalog instance type of the training job (on-demand).")
+    training_instance_type: str = _option("p4d.24xlarge", "Catalog instance type of the training job.")
+    training_capacity: str = _option(
+        "on-demand",
+        "Capacity of the training job: on-demand, spot or auto (spot on the training trace, checkpointed; "
+        "see training.capacity).",
+    )
     tick_seconds: float = 10.0
     horizon_days: float = 7.0  # a run still going then stops there, unfinished (a trace without spot capacity)
 
@@ -63,6 +68,6 @@ class Workload:
                     "max_workers": max(self.max_workers, self.workers),
                     "prompts_per_batch": prompts_per_batch,
                 },
-                "training": {"instance_type": self.training_instance_type},
+                "training": {"instance_type": self.training_instance_type, "capacity": self.training_capacity},
             }
         )

@@ -11,13 +11,23 @@ first, and takes one when capacity returns: its node joins ``NODE_BOOT_SECONDS``
 if shorter) after the capacity came, and its start-up counts from then. When the trace's capacity
 drops below the workers on a node, the newest are preempted after the provider's notice (their
 group in progress is lost). Training jobs start
-after the start-up (at once on a warm node: a standby's, or the one a training or standby pod
+after the start-up (at once on a warm node of their capacity: a standby's, or the one a training or standby pod
 left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down yet), run ``training_minutes`` and train one batch,
-dropping the samples older than the staleness bound. Each pod is billed from launch to its end
-(a waiting worker's bill starts later, as the real ledger's ``DeferEntry`` moves it),
-at the catalog's price of its capacity, except spot rollout workers on a trace that carries
+dropping the samples older than the staleness bound.
+
+A training job (or standby) on spot takes a node of the training trace (``training_trace``; none: no
+spot training node ever comes) as a spot worker takes one of the rollout trace, and is preempted
+when the training trace's capacity drops below the spot training pods on a node. A preempted job
+checkpoints at the provider's notice and ends at once (with no notice, ``spot_notice_seconds`` 0,
+it keeps only its last periodic checkpoint, every ``training.checkpoint_every_s`` of update);
+the next job of its iteration resumes from there: a start-up (model load and the batch's
+re-scoring) and the update's remaining seconds.
+
+Each pod is billed from launch to its end
+(a waiting pod's bill starts later, as the real ledger's ``DeferEntry`` moves it),
+at the catalog's price of its capacity, except spot pods on a trace that carries
 prices: those pay each tick's seconds at the trace's price for that tick (taken to be in the
-catalog's currency of the rollout instance type). The bill is ``services.control.cost.report``'s, in the
+catalog's currency of their instance type). The bill is ``services.control.cost.report``'s, in the
 run's currency (the catalog's for its instance types; ``SimResult.currency``).
 """
 
@@ -29,19 +39,20 @@ from dataclasses import dataclass, field, replace
 
 from contracts.status import RunStatus
 from services.control.cost.billing import NODE_BOOT_SECONDS, billed_dollars
-from services.control.cost.lower_bound import Busy, lower_bound_dollars
+from services.control.cost.lower_bound import Busy, TrainingTerms, lower_bound_dollars
 from services.control.cost.report import cost_report
 from services.control.scheduler import plan as p
 from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.policies import measured
 from services.control.scheduler.run_state import Observed, RunState
+from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices
 from services.control.simulate.gap import PodSpan, gap
 from services.control.simulate.traces import SpotTrace
 from services.control.simulate.workload import Workload
 from services.domain.names import ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.domain.runspec import CostPolicy, RunSpec
 from services.ports.launcher.launcher import PodPhase, PodStatus, pod_outcome
-from services.ports.prices.catalog import PriceCatalog, load_catalog
+from services.ports.prices.catalog import InstancePrice, PriceCatalog, load_catalog
 from services.ports.state.state_store import LedgerEntry
 
 RUN_ID = "sim"
@@ -80,6 +91,7 @@ class _Pod:
     ready_at: float  # start-up done (math.inf while a spot worker waits for a node)
     done_at: float | None = None  # a training job's end
     preempt_at: float | None = None
+    work_from: float = 0.0  # a training job's update seconds checkpointed before it started (a resume)
     holding: int | None = None  # a worker's prompt in hand: the policy version it started with
     progress: float = 0.0  # samples of its group done
     generated: int = 0
@@ -92,6 +104,7 @@ class _World:
     workload: Workload
     trace: SpotTrace
     catalog: PriceCatalog
+    training_trace: SpotTrace | None = None  # spot training nodes; None: none ever
     now: float = 0.0
     run: RunState | None = None
     pods: dict[str, _Pod] = field(default_factory=dict)
@@ -104,7 +117,9 @@ class _World:
     trained: int = 0
     stale: int = 0
     preemptions: int = 0
-    node_released_at: float = -math.inf  # when the last training or standby pod ended
+    # When the last training or standby pod ended, by capacity type: its node is still up a while.
+    node_released_at: dict[str, float] = field(default_factory=dict)
+    checkpointed: dict[int, float] = field(default_factory=dict)  # iteration -> update seconds saved
     _all_pods: list[_Pod] = field(default_factory=list)  # every pod ever started: the estimates, the gap
     spot_progress: SpotProgress = field(default_factory=SpotProgress)  # the deadline rule's pace window
 
@@ -114,8 +129,9 @@ class _World:
     # --- the world moving on ----------------------------------------------------------
     def advance(self, dt: float) -> None:
         end = self.now + dt
-        self._place_waiting_workers()
-        self._preempt_beyond_capacity()
+        for training in (False, True):
+            self._place_waiting(training)
+            self._preempt_beyond_capacity(training)
         for pod in list(self.pods.values()):
             if pod.status.phase != PodPhase.RUNNING:
                 continue
@@ -125,34 +141,62 @@ class _World:
                 if pod.preempt_at is not None and pod.preempt_at <= end:
                     self.preemptions += 1
                     self._end(pod, pod.preempt_at, PodPhase.FAILED, -15, preempted=True)
+            elif pod.preempt_at is not None:  # a spot training or standby pod, told at its notice
+                self.preemptions += 1
+                self._end(pod, pod.preempt_at, PodPhase.FAILED, -15, preempted=True)
             elif pod.status.role == ROLE_TRAINING and pod.done_at is not None and pod.done_at <= end:
                 self._end(pod, pod.done_at, PodPhase.SUCCEEDED, 0)
         self.now = end
 
-    def _place_waiting_workers(self) -> None:
-        """Spot workers waiting for a node take the trace's free capacity, oldest first."""
-        free = self.trace.at(self.now) - len(self._spot_workers())
-        for pod in sorted(self._spot_workers(waiting=True), key=lambda w: w.status.started_at)[: max(0, free)]:
+    def _capacity(self, training: bool) -> int:
+        """Spot nodes the rollout (or training) trace has now."""
+        trace = self.training_trace if training else self.trace
+        return 0 if trace is None else trace.at(self.now)
+
+    def _place_waiting(self, training: bool) -> None:
+        """Spot pods waiting for a node take their trace's free capacity, oldest first."""
+        free = self._capacity(training) - len(self._spot_pods(training))
+        for pod in sorted(self._spot_pods(training, waiting=True), key=lambda w: w.status.started_at)[: max(0, free)]:
             joined = self.now + min(NODE_BOOT_SECONDS, self.workload.startup_seconds)
             pod.status = replace(pod.status, waiting_for_node=False, node_joined_at=joined)
             pod.ready_at = self.now + self.workload.startup_seconds
+            if pod.status.role == ROLE_TRAINING:
+                pod.done_at = pod.ready_at + self._update_left(pod)
 
-    def _preempt_beyond_capacity(self) -> None:
-        held = [w for w in self._spot_workers() if w.preempt_at is None]
-        excess = len(held) - self.trace.at(self.now)
+    def _preempt_beyond_capacity(self, training: bool) -> None:
+        """The newest spot pods on a node beyond their trace's capacity get the provider's notice: a
+        worker goes at its end, a training job checkpoints and goes at once (a standby with it)."""
+        held = [w for w in self._spot_pods(training) if w.preempt_at is None]
+        excess = len(held) - self._capacity(training)
         for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[: max(0, excess)]:
-            pod.preempt_at = self.now + self.workload.spot_notice_seconds
+            pod.preempt_at = self.now + (0.0 if training else self.workload.spot_notice_seconds)
+            if pod.status.role == ROLE_TRAINING:
+                self._checkpoint(pod)
 
-    def _spot_workers(self, waiting: bool = False) -> list[_Pod]:
-        """The running spot workers on a node (``waiting``: those waiting for one)."""
+    def _spot_pods(self, training: bool, waiting: bool = False) -> list[_Pod]:
+        """The running spot rollout workers (``training``: training and standby pods) on a node
+        (``waiting``: those waiting for one)."""
         return [
             w
             for w in self.pods.values()
-            if w.status.role == ROLE_ROLLOUT
+            if (w.status.role != ROLE_ROLLOUT) == training
             and w.status.capacity_type == "spot"
             and w.status.phase == PodPhase.RUNNING
             and w.status.waiting_for_node == waiting
         ]
+
+    def _update_left(self, job: _Pod) -> float:
+        return self.workload.training_minutes * 60.0 - job.work_from
+
+    def _checkpoint(self, job: _Pod) -> None:
+        """What a preempted job saves of its update: all of it at the notice; with no notice, its
+        last periodic checkpoint."""
+        done = max(0.0, self.now - job.ready_at)
+        if self.workload.spot_notice_seconds <= 0:
+            every = self.spec.training.checkpoint_every_s
+            done = math.floor(done / every) * every
+        iteration = int(job.status.labels["iteration"])
+        self.checkpointed[iteration] = job.work_from + done
 
     def _generate(self, pod: _Pod, t: float, end: float) -> None:
         n = self.spec.samples_per_prompt
@@ -177,8 +221,9 @@ class _World:
         return sum(1 for w in self.pods.values() if w.holding is not None)
 
     def _end(self, pod: _Pod, at: float, phase: PodPhase, exit_code: int, preempted: bool = False) -> None:
-        if pod.status.role != ROLE_ROLLOUT:
-            self.node_released_at = max(self.node_released_at, at)
+        if pod.status.role != ROLE_ROLLOUT and not pod.status.waiting_for_node and not preempted:
+            capacity = pod.status.capacity_type
+            self.node_released_at[capacity] = max(self.node_released_at.get(capacity, -math.inf), at)
         pod.status = replace(pod.status, phase=phase, exit_code=exit_code, ended_at=at, preempted=preempted)
         pod.holding, pod.progress = None, 0.0  # a prompt in hand goes back to the queue
 
@@ -208,20 +253,39 @@ class _World:
                 self.workload.startup_seconds,
             ),
             spot_progress=self.spot_progress.record(self.now, spot_made),
+            training_prices=TrainingPrices(
+                spot=self._training_spot_price(), on_demand=self._training_price().on_demand
+            ),
+            spot_training=SpotTrainingRecord.of(self.billed_ledger(self.now), self.now),
         )
 
+    def _training_price(self) -> InstancePrice:
+        return self.catalog.get(self.spec.training.instance_type)
+
+    def _training_spot_price(self) -> float:
+        """The training instance type's spot price now: the training trace's, where it carries prices."""
+        trace = self.training_trace
+        return (
+            trace.price_at(self.now) if trace is not None and trace.prices is not None else self._training_price().spot
+        )
+
+    def _priced_trace(self, role: str, capacity: str) -> SpotTrace | None:
+        """The trace whose prices bill a pod of ``role`` on ``capacity``, if it carries them."""
+        if capacity != "spot":
+            return None
+        trace = self.trace if role == ROLE_ROLLOUT else self.training_trace
+        return trace if trace is not None and trace.prices is not None else None
+
     def billed_ledger(self, now: float) -> list[LedgerEntry]:
-        """The ledger as billed up to ``now``: a spot rollout worker on a priced trace at the mean of the
+        """The ledger as billed up to ``now``: a spot pod on a priced trace at the mean of the
         trace's prices over its life (each tick's seconds at that tick's price; the provider's
         minimum, if it ran less, at that mean too); every other entry at the price it was opened with."""
-        if self.trace.prices is None:
-            return list(self.ledger.values())
         billed = []
         for e in self.ledger.values():
             seconds = e.seconds(now)
-            if e.role == ROLE_ROLLOUT and e.capacity_type == "spot" and seconds > 0:
-                mean = self.trace.spot_cost(e.started_at, e.started_at + seconds) * 3600.0 / seconds
-                e = replace(e, price_per_hour=mean)
+            trace = self._priced_trace(e.role, e.capacity_type)
+            if trace is not None and seconds > 0:
+                e = replace(e, price_per_hour=trace.spot_cost(e.started_at, e.started_at + seconds) * 3600.0 / seconds)
             billed.append(e)
         return billed
 
@@ -237,7 +301,7 @@ class _World:
             case p.LaunchWorker(_, slot, on_demand):
                 self.run = replace(run, worker_slots_used=slot + 1)
                 spot = self.spec.rollout.spot and not on_demand
-                no_capacity = spot and len(self._spot_workers()) >= self.trace.at(self.now)
+                no_capacity = spot and len(self._spot_pods(False)) >= self._capacity(False)
                 pod = self._launch(
                     f"{RUN_ID}-rollout-{slot}",
                     ROLE_ROLLOUT,
@@ -247,28 +311,19 @@ class _World:
                 )
                 if no_capacity:  # it waits for a node (_place_waiting_workers)
                     pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
-            case p.LaunchStandby(_, after):
-                ready = self._node_ready_at()
-                pod = self._launch(
-                    f"{RUN_ID}-warm-{after}",
-                    ROLE_STANDBY,
-                    self.spec.training.instance_type,
-                    "on-demand",
-                    {"after_iteration": str(after)},
+            case p.LaunchStandby(_, after, spot):
+                self._launch_on_training_node(
+                    f"{RUN_ID}-warm-{after}", ROLE_STANDBY, spot, {"after_iteration": str(after)}
                 )
-                pod.ready_at = ready
-            case p.LaunchTraining(_, iteration):
+            case p.LaunchTraining(_, iteration, spot):
                 self.run = replace(run, train_launch_committed=self.trainer_committed)
-                ready = self._node_ready_at()
-                pod = self._launch(
-                    f"{RUN_ID}-train-{iteration}",
-                    ROLE_TRAINING,
-                    self.spec.training.instance_type,
-                    "on-demand",
-                    {"iteration": str(iteration)},
+                pod = self._launch_on_training_node(
+                    f"{RUN_ID}-train-{iteration}", ROLE_TRAINING, spot, {"iteration": str(iteration)}
                 )
-                pod.ready_at = ready
-                pod.done_at = pod.ready_at + self.workload.training_minutes * 60.0
+                pod.work_from = self.checkpointed.get(iteration, 0.0)
+                pod.done_at = pod.ready_at + self._update_left(pod)
+            case p.RefuseSpotTraining(_, at):
+                self.run = replace(run, spot_training_refused_at=at)
             case p.StopPod(name):
                 pod = self.pods[name]
                 if pod.status.phase == PodPhase.RUNNING:
@@ -304,16 +359,28 @@ class _World:
             case _:  # BillPod, CloseEntry of a pod never launched, RecordTrainingFailure: the simulated world never needs them
                 raise AssertionError(f"the simulated world does not expect {action}")
 
-    def _node_ready_at(self) -> float:
-        """When a training or standby pod launched now can start work: at once on a warm node."""
-        standby = [
-            s.ready_at
+    def _launch_on_training_node(self, name: str, role: str, spot: bool, labels: dict[str, str]) -> _Pod:
+        """A training or standby pod: on a warm node of its capacity if there is one (a standby's,
+        which a job takes over, or one just left), else on a new one; a spot one waits for a node
+        while the training trace has none free."""
+        capacity = "spot" if spot else "on-demand"
+        warm = [
+            s
             for s in self.pods.values()
-            if s.status.role == ROLE_STANDBY and s.status.phase == PodPhase.RUNNING
+            if s.status.role == ROLE_STANDBY
+            and s.status.phase == PodPhase.RUNNING
+            and s.status.capacity_type == capacity
+            and not s.status.waiting_for_node
         ]
-        if self.now - self.node_released_at <= HANDOVER_SECONDS:
-            standby.append(self.now)
-        return max(self.now, min(standby, default=self.now + self.workload.startup_seconds))
+        just_left = self.now - self.node_released_at.get(capacity, -math.inf) <= HANDOVER_SECONDS
+        no_node = spot and not warm and not just_left and len(self._spot_pods(True)) >= self._capacity(True)
+        pod = self._launch(name, role, self.spec.training.instance_type, capacity, labels)
+        if no_node:  # it waits for a node (_place_waiting)
+            pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
+            return pod
+        ready = [s.ready_at for s in warm] + ([self.now] if just_left else [])
+        pod.ready_at = max(self.now, min(ready, default=self.now + self.workload.startup_seconds))
+        return pod
 
     def _launch(self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str]) -> _Pod:
         status = PodStatus(
@@ -331,8 +398,8 @@ class _World:
         )
         price = self.catalog.get(instance_type)
         per_hour, source = price.price(capacity), price.source
-        if role == ROLE_ROLLOUT and capacity == "spot" and self.trace.prices is not None:
-            per_hour, source = self.trace.price_at(self.now), f"trace {self.trace.name}'s prices (billed tick by tick)"
+        if (trace := self._priced_trace(role, capacity)) is not None:
+            per_hour, source = trace.price_at(self.now), f"trace {trace.name}'s prices (billed tick by tick)"
         self.ledger[name] = LedgerEntry(
             id=len(self.ledger),
             run_id=RUN_ID,
@@ -364,14 +431,19 @@ class _World:
 
 
 def simulate(
-    trace: SpotTrace, policy: CostPolicy, workload: Workload = Workload(), catalog: PriceCatalog | None = None
+    trace: SpotTrace,
+    policy: CostPolicy,
+    workload: Workload = Workload(),
+    catalog: PriceCatalog | None = None,
+    training_trace: SpotTrace | None = None,
 ) -> SimResult:
-    """Run ``workload`` under ``policy`` on ``trace`` until the run ends; its bill and figures."""
+    """Run ``workload`` under ``policy`` on ``trace`` (spot rollout nodes) and ``training_trace``
+    (spot training nodes, for ``training_capacity`` spot or auto) until the run ends; its bill and figures."""
     catalog = catalog or load_catalog()
     # Refuses instance types priced in two currencies before simulating (a MixedCurrencyError).
     catalog.currency_of([workload.rollout_instance_type, workload.training_instance_type])
     spec = workload.spec(policy)
-    world = _World(spec=spec, workload=workload, trace=trace, catalog=catalog)
+    world = _World(spec=spec, workload=workload, trace=trace, catalog=catalog, training_trace=training_trace)
     world.run = RunState(run_id=RUN_ID, status=RunStatus.PENDING, spec=spec)
     while not world.run.status.is_terminal() and world.now < workload.horizon_days * 86400.0:
         for action in p.plan(world.run, world.observed()):
@@ -384,10 +456,11 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     w, spec, catalog = world.workload, world.spec, world.catalog
     started, ended = world.run.started_at or 0.0, world.now
     entries = world.billed_ledger(ended)
+    terms = TrainingTerms.of_stored(spec.model_dump(mode="json"))
     report = cost_report(
         entries,
         catalog=catalog,
-        training_instance_type=spec.training.instance_type,
+        training=terms,
         run_started_at=started,
         run_ended_at=ended,
         now=ended,
@@ -399,8 +472,11 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     rollout_price = catalog.get(spec.rollout.instance_type)
     if world.trace.prices is not None:  # the cheapest spot tick's: no schedule pays less for a busy second
         rollout_price = replace(rollout_price, spot=world.trace.cheapest_price())
-    rollout_bound = lower_bound_dollars([Busy(ROLE_ROLLOUT, rollout_busy, rollout_price)])
-    training_bound = lower_bound_dollars([Busy(ROLE_TRAINING, training_busy, catalog.get(spec.training.instance_type))])
+    training_price = catalog.get(spec.training.instance_type)
+    if world.training_trace is not None and world.training_trace.prices is not None:
+        training_price = replace(training_price, spot=world.training_trace.cheapest_price())
+    rollout_bound = lower_bound_dollars([Busy(ROLE_ROLLOUT, rollout_busy, rollout_price)], terms.spot)
+    training_bound = lower_bound_dollars([Busy(ROLE_TRAINING, training_busy, training_price)], terms.spot)
     lower_bound = rollout_bound + training_bound
     billed = {e.pod: e for e in entries}
     node_seconds = sum(e.seconds(ended) for e in entries if e.role != ROLE_ROLLOUT)

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from contracts.status import RunStatus
 from services.control.api.metrics import RunCollector
+from services.control.cost.lower_bound import TrainingTerms
 from services.control.cost.report import cost_report
 from services.core.config import Settings
 from services.domain.names import prompts_topic, samples_topic
@@ -104,7 +105,7 @@ def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: S
     report = cost_report(
         b.state.ledger("r1"),
         catalog=load_catalog(),
-        training_instance_type="p4d.24xlarge",
+        training=TrainingTerms("p4d.24xlarge"),
         run_started_at=b.state.get_run("r1").started_at,
         run_ended_at=None,
         now=time.time(),

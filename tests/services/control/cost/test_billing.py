@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.control.cost.billing import HANDOVER_SECONDS, PER_MINUTE, billed_dollars, billed_seconds, rule_for
+from services.control.cost.lower_bound import TrainingTerms
 from services.control.cost.report import cost_report
 from services.ports.prices.catalog import load_catalog
 from services.ports.state.state_ledger import LedgerEntry
@@ -54,7 +55,7 @@ def test_the_report_bills_each_entry_by_its_providers_rule() -> None:
     r = cost_report(
         entries,
         catalog=load_catalog(),
-        training_instance_type="p4d.24xlarge",
+        training=TrainingTerms("p4d.24xlarge"),
         run_started_at=0,
         run_ended_at=7201,
         now=9999,
@@ -75,7 +76,7 @@ def test_an_alibaba_run_reports_in_cny() -> None:
     r = cost_report(
         entries,
         catalog=load_catalog(),
-        training_instance_type="ecs.gn7e-c16g1.32xlarge",
+        training=TrainingTerms("ecs.gn7e-c16g1.32xlarge"),
         run_started_at=0,
         run_ended_at=3600,
         now=3600,

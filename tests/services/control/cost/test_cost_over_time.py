@@ -5,6 +5,7 @@ from itertools import pairwise
 import pytest
 
 from services.control.cost.cost_over_time import MAX_INSTANTS, STEP_SECONDS, cost_over_time
+from services.control.cost.lower_bound import TrainingTerms
 from services.control.cost.report import cost_report
 from tests.services.control.cost.test_report import catalog, entry  # noqa: F401  (catalog is a fixture)
 
@@ -14,7 +15,7 @@ def test_the_curves_bend_where_pods_start_and_end_and_end_at_the_bill(catalog) -
         entry(catalog, "rollout", "small", "spot", 0, 3600),  # $0.80/h spot, $2.00/h on-demand
         entry(catalog, "training", "big", "on-demand", 600, 900),  # $12.00/h on-demand, $6.00/h spot
     ]
-    kw = dict(catalog=catalog, training_instance_type="big", run_started_at=0, run_ended_at=3600, now=9999)
+    kw = dict(catalog=catalog, training=TrainingTerms("big"), run_started_at=0, run_ended_at=3600, now=9999)
     curve = cost_over_time(entries, **kw)
     # Each start, its minimum owed just after it, the minute's end (the test provider bills per
     # started minute, at least one), the training job's end and the run's.
@@ -36,7 +37,7 @@ def test_an_open_entry_accrues_up_to_now_and_a_long_ledger_is_sampled(catalog) -
     curve = cost_over_time(
         [entry(catalog, "rollout", "small", "spot", 100, None)],
         catalog=catalog,
-        training_instance_type="big",
+        training=TrainingTerms("big"),
         run_started_at=0,
         run_ended_at=None,
         now=3700,
@@ -47,7 +48,7 @@ def test_an_open_entry_accrues_up_to_now_and_a_long_ledger_is_sampled(catalog) -
     curve = cost_over_time(
         many,
         catalog=catalog,
-        training_instance_type="big",
+        training=TrainingTerms("big"),
         run_started_at=0,
         run_ended_at=MAX_INSTANTS,
         now=MAX_INSTANTS,
@@ -63,7 +64,7 @@ def test_a_pods_billing_minimum_is_a_step_at_its_start_then_cost_grows_per_secon
     at once, then nothing more until it has run its minute, then per second."""
     entries = [entry(catalog, "training", "big", "on-demand", 600, 900)]  # $12.00/h: the minute is $0.20
     curve = cost_over_time(
-        entries, catalog=catalog, training_instance_type="big", run_started_at=600, run_ended_at=900, now=900
+        entries, catalog=catalog, training=TrainingTerms("big"), run_started_at=600, run_ended_at=900, now=900
     )
     spent = {round(c.at, 3): c.by_role_and_capacity.get(("training", "on-demand"), 0.0) for c in curve}
     assert spent[600] == 0.0  # nothing yet at the start itself

@@ -12,6 +12,7 @@ from services.control.cost.lower_bound import (
     LOWER_BOUND_DEFINITION,
     LOWER_BOUND_MEANING,
     Busy,
+    TrainingTerms,
     cheapest_allowed_price,
     lower_bound_dollars,
 )
@@ -22,11 +23,20 @@ from tests.services.control.cost.test_report import catalog, entry  # noqa: F401
 
 def test_each_role_is_priced_at_the_cheapest_price_it_may_run_at(catalog) -> None:  # noqa: F811
     small, big = catalog.get("small"), catalog.get("big")  # spot $0.80/h and $6.00/h, on-demand $2.00/h and $12.00/h
-    assert [cheapest_allowed_price(role, small) for role in ("rollout", "eval", "reward")] == [0.80] * 3
-    assert cheapest_allowed_price("training", big) == 12.00  # training does not run on spot
-    assert cheapest_allowed_price("standby", big) == 0.0  # a warm node does no work
+    assert [cheapest_allowed_price(role, small, False) for role in ("rollout", "eval", "reward")] == [0.80] * 3
+    assert cheapest_allowed_price("training", big, False) == 12.00  # the run trains on-demand only
+    assert cheapest_allowed_price("training", big, True) == 6.00  # its training.capacity allows spot
+    assert cheapest_allowed_price("standby", big, True) == 0.0  # a warm node does no work
     busy = [Busy("rollout", 3600, small), Busy("training", 1800, big), Busy("standby", 600, big)]
-    assert lower_bound_dollars(busy) == pytest.approx(0.80 + 6.00)
+    assert lower_bound_dollars(busy, training_spot=False) == pytest.approx(0.80 + 6.00)
+    assert lower_bound_dollars(busy, training_spot=True) == pytest.approx(0.80 + 3.00)
+
+
+def test_a_stored_spec_says_whether_its_training_may_run_on_spot() -> None:
+    assert TrainingTerms.of_stored({"training": {"instance_type": "big"}}) == TrainingTerms("big", spot=False)
+    for capacity, spot in (("on-demand", False), ("spot", True), ("auto", True)):
+        stored = {"training": {"instance_type": "big", "capacity": capacity}}
+        assert TrainingTerms.of_stored(stored) == TrainingTerms("big", spot=spot)
 
 
 def test_the_reports_lower_bound_prices_training_on_demand_and_a_standby_at_nothing(catalog) -> None:  # noqa: F811
@@ -37,7 +47,7 @@ def test_the_reports_lower_bound_prices_training_on_demand_and_a_standby_at_noth
         entry(catalog, "training", "big", "on-demand", 600, 2400),  # 1800 s on-demand: $6.00
     ]
     r = cost_report(
-        entries, catalog=catalog, training_instance_type="big", run_started_at=0, run_ended_at=3600, now=9999
+        entries, catalog=catalog, training=TrainingTerms("big"), run_started_at=0, run_ended_at=3600, now=9999
     )
     # Pricing every pod at its instance type's spot price (training $3.00, standby $1.00) made
     # 5.20; the run could not have paid that with training on-demand.
@@ -53,7 +63,7 @@ def test_the_page_the_api_and_the_cli_state_the_one_definition(catalog) -> None:
         iterations=[],
         entries=[entry(catalog, "training", "big", "on-demand", 0, 60)],
         catalog=catalog,
-        training_instance_type="big",
+        training=TrainingTerms("big"),
         run_started_at=0,
         run_ended_at=60,
         now=60,

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.control.cost.lower_bound import TrainingTerms
 from services.control.cost.report import cost_report
 from services.ports.prices.catalog import UnknownInstanceTypeError, load_catalog
 from services.ports.state.state_ledger import LedgerEntry
@@ -44,7 +45,7 @@ def test_report_against_always_on_and_lower_bound(catalog) -> None:
         entry(catalog, "training", "big", "on-demand", 600, 900),  # 300 s at $12.00/h = $1.00
     ]
     r = cost_report(
-        entries, catalog=catalog, training_instance_type="big", run_started_at=0, run_ended_at=3600, now=9999
+        entries, catalog=catalog, training=TrainingTerms("big"), run_started_at=0, run_ended_at=3600, now=9999
     )
     assert r.by_role == pytest.approx({"rollout": 1.80, "training": 1.00})
     assert r.by_capacity_type == pytest.approx({"spot": 0.80, "on-demand": 2.00})
@@ -64,7 +65,7 @@ def test_open_entries_are_billed_up_to_now(catalog) -> None:
     r = cost_report(
         [entry(catalog, "rollout", "small", "spot", 0, None)],
         catalog=catalog,
-        training_instance_type="big",
+        training=TrainingTerms("big"),
         run_started_at=0,
         run_ended_at=None,
         now=7200,
@@ -76,7 +77,7 @@ def test_open_entries_are_billed_up_to_now(catalog) -> None:
 
 
 def test_a_run_with_no_spend_has_no_ratios(catalog) -> None:
-    r = cost_report([], catalog=catalog, training_instance_type="big", run_started_at=None, run_ended_at=None, now=50)
+    r = cost_report([], catalog=catalog, training=TrainingTerms("big"), run_started_at=None, run_ended_at=None, now=50)
     assert (r.total_dollars, r.wall_seconds, r.always_on_dollars, r.lower_bound_dollars) == (0, 0, 0, 0)
     assert r.savings_ratio is None and r.efficiency is None
 

@@ -395,7 +395,7 @@ def test_a_batch_committed_while_the_scheduler_looks_is_counted_once(
         return seen
 
     monkeypatch.setattr(b.queue, "end_offsets", end_offsets_then_the_job_commits)
-    observed = scheduler.observe(b.state.get_run(run_id), pods=[], group_size=4)
+    observed = scheduler.observe(b.state.get_run(run_id), pods=[], spec=SPEC)
     consumer.close()
     assert b.queue.committed(samples_topic(run_id), TRAINER_GROUP) == offsets  # the job did commit meanwhile
     assert observed.samples_produced == 16

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.control.cost.lower_bound import TrainingTerms
 from services.control.cost.report import cost_report
 from services.control.tracking.points import Point, dollars_at, eval_point, iteration_point
 from services.ports.prices.catalog import PriceCatalog
@@ -57,7 +58,7 @@ def test_the_cost_so_far_is_the_cost_reports_figure_at_that_instant(store: State
     report = cost_report(
         entries,
         catalog=catalog,
-        training_instance_type="p4d.24xlarge",
+        training=TrainingTerms("p4d.24xlarge"),
         run_started_at=T0,
         run_ended_at=T0 + 500,
         now=T0 + 500,
