@@ -14,9 +14,11 @@ finalizer holds it). The pod log API works: the API server asks this kubelet's H
 stay Pending with no node, as when the cloud has none to give.
 
 ``JobController`` plays the Job controller: one pod at a time per Job from its template, the
-Job's status from the pods' ends, and the launcher's ``podFailurePolicy`` (v1.20 drops the
-field, so it is applied here as the launcher writes it: a pod with ``DisruptionTarget`` is
-retried, uncounted).
+Job's status from the pods' ends, and the Job's ``podFailurePolicy`` rules on pod conditions
+(``Ignore``: a new pod, uncounted; ``FailJob``: the Job fails; ``Count``, and a failure no rule
+matches: counted against ``backoffLimit``). v1.20 drops the field from the Job it stores, so the
+policy applied is the one the launcher writes for the capacity type the Job's spec annotation
+names (``pod_failure_policy``).
 
 Both poll the namespace every ``POLL_S``: simpler than watches, and the launcher's own watches
 are what the tests are about.
@@ -46,6 +48,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from services.ports.launcher.kubernetes_objects import SPEC_ANNOTATION, pod_failure_policy
 from tests.servers.process import free_port
 
 POLL_S = 0.05
@@ -391,12 +394,9 @@ class JobController:
             mine = [p for p in pods if p["metadata"].get("labels", {}).get("controller-uid") == job["metadata"]["uid"]]
             active = [p for p in mine if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
             succeeded = [p for p in mine if p.get("status", {}).get("phase") == "Succeeded"]
-            failed = [
-                p
-                for p in mine
-                if p.get("status", {}).get("phase") == "Failed"
-                and not any(c["type"] == "DisruptionTarget" for c in p["status"].get("conditions") or [])
-            ]
+            policy = self.pod_failure_policy(job)
+            actions = [self._action(policy, p) for p in mine if p.get("status", {}).get("phase") == "Failed"]
+            failed = [a for a in actions if a != "Ignore"]
             status: dict[str, Any] = {
                 "active": len(active),
                 "succeeded": len(succeeded),
@@ -405,6 +405,8 @@ class JobController:
             }
             if succeeded:
                 status |= {"completionTime": now_stamp(), "conditions": [self._condition("Complete", "")]}
+            elif "FailJob" in actions:
+                status["conditions"] = [self._condition("Failed", "PodFailurePolicy")]
             elif len(failed) > job["spec"]["backoffLimit"]:
                 status["conditions"] = [self._condition("Failed", "BackoffLimitExceeded")]
             elif not active and job["spec"].get("parallelism", 1) > 0:
@@ -416,6 +418,24 @@ class JobController:
                         job["metadata"]["name"], self.namespace, {"status": status}, _preload_content=False
                     )
                 )
+
+    @staticmethod
+    def pod_failure_policy(job: dict[str, Any]) -> dict[str, Any]:
+        """The Job's own policy where the server kept it (1.25 and later), else the launcher's for its
+        spec's capacity type; a Job the launcher did not write has none."""
+        if "podFailurePolicy" in job["spec"]:
+            return job["spec"]["podFailurePolicy"]
+        described = job["metadata"].get("annotations", {}).get(SPEC_ANNOTATION)
+        return pod_failure_policy(json.loads(described)["capacity_type"] == "spot") if described else {"rules": []}
+
+    @staticmethod
+    def _action(policy: dict[str, Any], pod: dict[str, Any]) -> str:
+        """The action of the first rule whose pod conditions the failed pod has, else ``Count``."""
+        conditions = {(c["type"], c.get("status")) for c in pod["status"].get("conditions") or []}
+        for rule in policy["rules"]:
+            if any((c["type"], c.get("status", "True")) in conditions for c in rule.get("onPodConditions", [])):
+                return rule["action"]
+        return "Count"
 
     @staticmethod
     def _condition(kind: str, reason: str) -> dict[str, str]:

@@ -1,20 +1,35 @@
 """The launcher on Kubernetes (official client): training pods as Jobs, rollout pods one Pod per slot.
 
 A training pod is a ``batch/v1`` Job named after it (``<run>-train-<iteration>``) on the
-on-demand training pool: the Job controller gives it a retry when a node goes away
-(``podFailurePolicy`` ignores ``DisruptionTarget``: a preemption is not the job's failure), and
-``backoffLimit`` counts only the job's own failures; the scheduler keeps its own retry count
-across Jobs. ``activeDeadlineSeconds`` bounds a hung job; ``ttlSecondsAfterFinished`` removes a
-Job that no scheduler reaped (one normally deletes it a tick after it ends).
+training pool, on-demand or spot as the scheduler chose (``PodSpec.capacity_type``). A pod ended
+by its node's loss (the ``DisruptionTarget`` condition: a spot reclaim, a drain, an eviction) has
+not failed of its own, and the Job's ``podFailurePolicy`` (``pod_failure_policy``) says what
+becomes of the Job:
+
+- on-demand, ``Ignore``: the Job controller makes a new pod in the same Job, uncounted. A drain or
+  an eviction is rare there, and an on-demand node comes back at once.
+- spot, ``FailJob``: the Job ends with its pod, which ``list`` reports ended with
+  ``preempted=True``; the scheduler reaps the Job and relaunches the iteration as a new Job of the
+  same name (a new entry in the cost ledger), which resumes from the checkpoint the job wrote at
+  its SIGTERM. Recreated inside the old Job, the pod could wait long for spot capacity while the
+  Job, and the one ledger entry for it, ran on with no machine held.
+
+A spot training pod's grace period is the spot notice (``spot_notice_s``), time to write that
+checkpoint; an on-demand one's is ``training_grace_s``. ``backoffLimit`` counts only the job's own
+failures; the scheduler keeps its own retry count across Jobs. ``activeDeadlineSeconds`` bounds a
+hung job; ``ttlSecondsAfterFinished`` removes a Job that no scheduler reaped (one normally deletes
+it a tick after it ends).
 
 Rollout pods are bare Pods, one per slot (``<run>-rollout-<slot>``), not a Deployment: the
 scheduler relies on each worker's stable identity (the worker id is the pod name; its consumer
 session, its ledger entry and its stop are per slot) and stops and reaps slots one by one, as a
 spot node's loss takes one of them. A Deployment's pods have random names, and scaling it down
-picks which pod dies itself. The pods select spot capacity through the providers' usual labels
-(``spot_labels``: Karpenter's, EKS managed node groups', GKE's, configurable; any one of them
-matches), and ``terminationGracePeriodSeconds`` covers the spot notice (120 s on AWS), so a
-worker handed SIGTERM finishes or hands back its batch before the node goes.
+picks which pod dies itself. Spot pods, rollout and training alike, select spot capacity through
+the providers' usual labels (``spot_labels``: Karpenter's, EKS managed node groups', GKE's,
+configurable; any one of them matches; an on-demand pod matches none) and tolerate, by their
+pools' default tolerations, GKE's spot taint. ``terminationGracePeriodSeconds`` covers the spot
+notice (120 s on AWS), so a worker handed SIGTERM finishes or hands back its batch before the
+node goes.
 
 Kubernetes only signals a pod by deleting it, and then forgets it once it has ended, exit code
 and all. So every pod carries the finalizer ``spotrl.dev/reap``: ``stop`` deletes the pod with

@@ -31,6 +31,11 @@ SPOT_LABELS = {
     "eks.amazonaws.com/capacityType": "SPOT",
     "cloud.google.com/gke-spot": "true",
 }
+# The taint GKE's documentation gives spot node pools (and its node auto-provisioning may put on
+# the spot nodes it creates), so that only pods meant for spot land there. Karpenter and EKS
+# managed node groups taint no spot node of their own accord. A toleration draws no pod to spot: the capacity affinity
+# (_capacity_terms) keeps an on-demand pod off a spot node whatever it tolerates.
+GKE_SPOT_TOLERATION = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 
 
 # Settings that may carry a password: the backends' URLs, and any named as a secret (Kafka's
@@ -94,19 +99,20 @@ class KubernetesConfig:
     )
     tolerations: dict[str, list[dict[str, Any]]] = field(
         default_factory=lambda: {
-            "rollout": _pool_tolerations(
-                "rollout",
-                {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
-            ),
-            "training": _pool_tolerations("training"),
+            "rollout": _pool_tolerations("rollout", GKE_SPOT_TOLERATION),
+            "training": _pool_tolerations("training", GKE_SPOT_TOLERATION),
             "reward": _pool_tolerations("reward"),
         }
     )
-    spot_notice_s: int = 120  # AWS's two-minute interruption notice: a rollout pod's grace period
-    training_grace_s: int = 60  # a training job stopped mid-step has nothing to hand back
+    # AWS's two-minute interruption notice: the grace period of every pod but an on-demand training
+    # one (a rollout worker hands back its batch in it, a spot training job writes its checkpoint).
+    spot_notice_s: int = 120
+    # An on-demand training pod's grace period: its SIGTERM is a drain or an eviction (rare there),
+    # with no reclaimed machine behind it.
+    training_grace_s: int = 60
     training_deadline_s: int = 6 * 3600  # activeDeadlineSeconds of a training Job
-    # Failures of the job's own (preemptions excluded) before the Job fails; the scheduler retries
-    # a failed job as a new Job after its own backoff, so none here.
+    # Failures of the job's own (a preemption is not one: pod_failure_policy) before the Job fails;
+    # the scheduler retries a failed job as a new Job after its own backoff, so none here.
     backoff_limit: int = 0
     ttl_after_finished_s: int = 24 * 3600
     # Each pod requests this share of its instance type's vCPUs and memory (its GPUs: all of them,
@@ -153,7 +159,7 @@ def pod_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: di
 
 
 def job_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[str, str]) -> dict[str, Any]:
-    """A training pod: a Job of one pod on the on-demand training pool."""
+    """A training pod: a Job of one pod on the training pool, on-demand or spot as the spec asks."""
     template = _template(spec, cfg, machine, env)
     return {
         "apiVersion": "batch/v1",
@@ -165,10 +171,7 @@ def job_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: di
             "backoffLimit": cfg.backoff_limit,
             "activeDeadlineSeconds": cfg.training_deadline_s,
             "ttlSecondsAfterFinished": cfg.ttl_after_finished_s,
-            # A pod ended by its node's loss (preemption, drain, eviction) is retried, uncounted.
-            "podFailurePolicy": {
-                "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
-            },
+            "podFailurePolicy": pod_failure_policy(spec.capacity_type == "spot"),
             "template": {
                 "metadata": {k: v for k, v in template["metadata"].items() if k != "name"},
                 "spec": template["spec"],
@@ -177,8 +180,22 @@ def job_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: di
     }
 
 
+def pod_failure_policy(spot: bool) -> dict[str, Any]:
+    """A training Job's ``podFailurePolicy``: what a pod ended by its node's loss (a spot reclaim, a
+    drain, an eviction: the ``DisruptionTarget`` condition) does to its Job.
+
+    On-demand: ``Ignore``, the Job makes a new pod, uncounted; its node comes back at once. On spot:
+    ``FailJob``, the Job ends with its pod, reported preempted, and the scheduler relaunches the
+    iteration as a new Job (a new ledger entry) that resumes from the checkpoint: a pod recreated in
+    the old Job could wait long for spot capacity while the Job, and its ledger entry, ran on.
+    """
+    disrupted = [{"type": "DisruptionTarget", "status": "True"}]
+    return {"rules": [{"action": "FailJob" if spot else "Ignore", "onPodConditions": disrupted}]}
+
+
 def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[str, str]) -> dict[str, Any]:
-    training = spec.role == "training"
+    # Only an on-demand training pod has the short grace: a pod on spot is given the notice.
+    short_grace = spec.role == "training" and spec.capacity_type != "spot"
     # A standby (the scheduler's warm training node) holds a training node: the training pool's everything;
     # an eval pod (a held-out evaluation) runs on the rollout pool, as a bare Pod like a rollout worker.
     pool_role = {"standby": "training", "eval": "rollout"}.get(spec.role, spec.role)
@@ -201,7 +218,8 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
     if command and command[0] == sys.executable:  # the scheduler's interpreter path means nothing in the image
         command[0] = cfg.python
     # The capacity type is each pod's own (the affinity below): a pool's capacity label, such as a
-    # rollout pool's karpenter.sh/capacity-type=spot, would leave an on-demand rollout pod no node.
+    # rollout pool's karpenter.sh/capacity-type=spot, would leave an on-demand rollout pod no node,
+    # and a training pool's karpenter.sh/capacity-type=on-demand a spot training pod.
     # The instance type is the spec's: the one the scheduler bills.
     pool = {k: v for k, v in cfg.node_selectors.get(pool_role, {}).items() if k not in cfg.spot_labels}
     gpu = {"nvidia.com/gpu": str(machine.gpus)}
@@ -238,7 +256,7 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
         container["imagePullPolicy"] = cfg.image_pull_policy
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": cfg.training_grace_s if training else cfg.spot_notice_s,
+        "terminationGracePeriodSeconds": cfg.training_grace_s if short_grace else cfg.spot_notice_s,
         "nodeSelector": {**pool, INSTANCE_TYPE_LABEL: spec.instance_type},
         "affinity": {
             "nodeAffinity": {

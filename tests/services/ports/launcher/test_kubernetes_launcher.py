@@ -26,6 +26,7 @@ from services.domain.names import rollout_pod_name
 from services.ports.launcher.kubernetes_launcher import KubernetesLauncher, Watched
 from services.ports.launcher.kubernetes_objects import (
     FINALIZER,
+    INSTANCE_TYPE_LABEL,
     KubernetesConfig,
     Machine,
     job_manifest,
@@ -65,7 +66,9 @@ G5 = Machine(gpus=1, vcpus=4, memory_gib=16)  # g5.xlarge
 P4D = Machine(gpus=8, vcpus=96, memory_gib=1152)  # p4d.24xlarge
 
 
-def training_spec(name: str = "run-1-train-3", *, command: list[str] | None = None, processes: int = 8) -> PodSpec:
+def training_spec(
+    name: str = "run-1-train-3", *, command: list[str] | None = None, processes: int = 8, spot: bool = False
+) -> PodSpec:
     return PodSpec(
         name=name,
         run_id="run-1",
@@ -73,7 +76,7 @@ def training_spec(name: str = "run-1-train-3", *, command: list[str] | None = No
         command=command or cli_command(["train-job", "run-1", "3"], processes=processes),
         env={"SPOTRL_STATE_URL": "postgresql+psycopg://db/spotrl"},
         instance_type="p4d.24xlarge",
-        capacity_type="on-demand",
+        capacity_type="spot" if spot else "on-demand",
         labels={"iteration": "3"},
     )
 
@@ -117,6 +120,7 @@ def open_launcher_on(kube_cluster: Cluster, request: pytest.FixtureRequest) -> C
 
 MANIFESTS = {
     "training-job": job_manifest(training_spec(), CFG, P4D, {}),
+    "spot-training-job": job_manifest(training_spec(spot=True), CFG, P4D, {}),
     "spot-rollout-pod": pod_manifest(rollout_spec(), CFG, G5, {"SPOTRL_QUEUE_URL": "kafka://kafka:9092"}),
     "on-demand-rollout-pod": pod_manifest(rollout_spec(spot=False), CFG, G5, {}),
     "chart-training-job": job_manifest(training_spec(), CHART_CFG, P4D, CHART_ENV),
@@ -251,6 +255,70 @@ def test_a_training_job_manifest() -> None:
     # On-demand: no spot label of any provider may match.
     (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert all(e["operator"] == "NotIn" for e in term["matchExpressions"])
+
+
+GKE_SPOT_TAINT = {"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NoSchedule"}
+
+
+def tolerates(tolerations: list[dict[str, Any]], taint: dict[str, str]) -> bool:
+    return any(
+        t["key"] == taint["key"]
+        and t.get("effect") in (None, taint["effect"])
+        and (t["operator"] == "Exists" or t.get("value") == taint["value"])
+        for t in tolerations
+    )
+
+
+def matches(terms: list[dict[str, Any]], labels: dict[str, str]) -> bool:
+    """Whether a node with ``labels`` satisfies required node selector terms (ORed; expressions ANDed)."""
+    ops = {"In": lambda k, v: labels.get(k) in v, "NotIn": lambda k, v: labels.get(k) not in v}
+    return any(all(ops[e["operator"]](e["key"], e["values"]) for e in t["matchExpressions"]) for t in terms)
+
+
+def test_a_spot_training_job_manifest() -> None:
+    """On spot: the spot nodes of the training pool, the spot notice to checkpoint in, and a
+    disruption that ends the Job (FailJob) instead of a pod recreated inside it (Ignore)."""
+    # The chart's Karpenter settings: the training pool's selector carries its on-demand label.
+    cfg = KubernetesConfig(
+        spot_labels={"karpenter.sh/capacity-type": "spot"},
+        node_selectors={"training": {"spotrl.dev/pool": "training", "karpenter.sh/capacity-type": "on-demand"}},
+    )
+    on_demand, spot = (job_manifest(training_spec(spot=s), cfg, P4D, {})["spec"] for s in (False, True))
+    disrupted = [{"type": "DisruptionTarget", "status": "True"}]
+    assert on_demand["podFailurePolicy"] == {"rules": [{"action": "Ignore", "onPodConditions": disrupted}]}
+    assert spot["podFailurePolicy"] == {"rules": [{"action": "FailJob", "onPodConditions": disrupted}]}
+    assert spot["backoffLimit"] == on_demand["backoffLimit"] == 0
+    on_demand_pod, spot_pod = on_demand["template"]["spec"], spot["template"]["spec"]
+    assert (on_demand_pod["terminationGracePeriodSeconds"], spot_pod["terminationGracePeriodSeconds"]) == (60, 120)
+    # The pool's capacity label is dropped: each pod's capacity is its affinity's.
+    for pod in (on_demand_pod, spot_pod):
+        assert pod["nodeSelector"] == {"spotrl.dev/pool": "training", INSTANCE_TYPE_LABEL: "p4d.24xlarge"}
+        assert pod["tolerations"] == spot_pod["tolerations"]
+
+    def terms(pod: dict[str, Any]) -> list[dict[str, Any]]:
+        return pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+
+    assert terms(spot_pod) == [
+        {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]}
+    ]
+    # Each provider's spot and on-demand training nodes, with the default settings: a spot pod takes
+    # only the spot ones (GKE's tainted, as its spot node pools are), an on-demand pod only the others.
+    defaults = KubernetesConfig()
+    on_demand_pod, spot_pod = (
+        job_manifest(training_spec(spot=s), defaults, P4D, {})["spec"]["template"]["spec"] for s in (False, True)
+    )
+    nodes = {
+        "karpenter": ({"karpenter.sh/capacity-type": "spot"}, {"karpenter.sh/capacity-type": "on-demand"}),
+        "eks-node-group": ({"eks.amazonaws.com/capacityType": "SPOT"}, {"eks.amazonaws.com/capacityType": "ON_DEMAND"}),
+        "gke": ({"cloud.google.com/gke-spot": "true"}, {}),
+    }
+    pool_taint = {"key": "spotrl.dev/pool", "value": "training", "effect": "NoSchedule"}
+    for provider, (spot_labels, on_demand_labels) in nodes.items():
+        spot_taints = [pool_taint, GKE_SPOT_TAINT] if provider == "gke" else [pool_taint]
+        assert matches(terms(spot_pod), spot_labels) and not matches(terms(spot_pod), on_demand_labels), provider
+        assert matches(terms(on_demand_pod), on_demand_labels) and not matches(terms(on_demand_pod), spot_labels)
+        assert all(tolerates(spot_pod["tolerations"], t) for t in spot_taints), provider
+    assert spot_pod["nodeSelector"] == {"spotrl.dev/pool": "training", INSTANCE_TYPE_LABEL: "p4d.24xlarge"}
 
 
 def test_a_spot_rollout_pod_manifest() -> None:
@@ -410,6 +478,52 @@ def test_a_pod_ended_by_a_disruption_is_preempted_and_a_signal_death_is_negative
     assert node_status({}, ended).preempted is False
 
 
+def job_status(spec: PodSpec, job_conditions: list[dict[str, str]], pod_status: dict[str, Any]) -> Any:
+    """The PodStatus of a training Job of one pod, on a Karpenter node of the spec's capacity type."""
+    job = job_manifest(spec, CFG, P4D, {})
+    job["metadata"] |= {"creationTimestamp": "2026-12-01T10:00:00Z", "uid": "j"}
+    job["status"] = {"startTime": "2026-12-01T10:00:01Z", "conditions": job_conditions}
+    pod = {
+        "metadata": {"name": f"{spec.name}-x1y2z", "creationTimestamp": "2026-12-01T10:00:01Z", "uid": "p"},
+        "spec": {**job["spec"]["template"]["spec"], "nodeName": "node-a"},
+        "status": pod_status,
+    }
+    labels = {INSTANCE_TYPE_LABEL: spec.instance_type, "karpenter.sh/capacity-type": spec.capacity_type}
+    return status_of(job, [pod], lambda node: {"labels": labels}, CFG.spot_labels)
+
+
+def test_a_spot_training_job_failed_by_its_pods_disruption_is_preempted() -> None:
+    """FailJob ends the Job with the Failed condition (reason PodFailurePolicy); its pod carries
+    DisruptionTarget: preempted, as the scheduler's relaunch and the ledger's outcome need."""
+    reclaimed = {
+        "phase": "Failed",
+        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}],
+        "containerStatuses": [
+            {"name": "main", "state": {"terminated": {"exitCode": 143, "finishedAt": "2026-12-01T10:30:00Z"}}}
+        ],
+    }
+    failed = {
+        "type": "Failed",
+        "status": "True",
+        "reason": "PodFailurePolicy",
+        "lastTransitionTime": "2026-12-01T10:30:01Z",
+    }
+    job = job_status(training_spec(spot=True), [failed], reclaimed)
+    assert (job.phase, job.preempted, job.exit_code, job.capacity_type) == (
+        PodPhase.FAILED,
+        True,
+        -signal.SIGTERM,
+        "spot",
+    )
+    assert job.ended_at == 1796121001.0  # the Job's end, the Failed condition's
+    # Until the Job controller has failed the Job, it runs, whatever its pod did.
+    assert job_status(training_spec(spot=True), [], reclaimed).phase is PodPhase.RUNNING
+    # A failure of the job's own is not a preemption.
+    crashed = {**reclaimed, "conditions": []}
+    failed |= {"reason": "BackoffLimitExceeded"}
+    assert job_status(training_spec(spot=True), [failed], crashed).preempted is False
+
+
 # --- on the real API server --------------------------------------------------------------------
 
 
@@ -435,7 +549,7 @@ def test_a_failed_training_job_fails_with_the_exit_code(open_launcher_on: Callab
     assert (pod.phase, pod.exit_code, pod.preempted) == (PodPhase.FAILED, 3, False)
 
 
-def test_a_preempted_training_pod_is_retried_by_the_job_not_failed(
+def test_a_preempted_on_demand_training_pod_is_retried_by_the_job_not_failed(
     open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster, tmp_path: Path, wait_for
 ) -> None:
     launcher = open_launcher_on()
@@ -454,6 +568,49 @@ def test_a_preempted_training_pod_is_retried_by_the_job_not_failed(
     pod = wait_until_ended(launcher, "t-spot")
     assert pod.phase is PodPhase.SUCCEEDED  # the preemption did not count as the job's failure
     assert "second" in launcher.logs("t-spot")  # the logs are the latest pod's
+
+
+def test_a_preempted_spot_training_job_ends_preempted_and_its_relaunch_resumes(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster, tmp_path: Path
+) -> None:
+    """On spot, the pod's disruption ends the Job (FailJob): no pod is recreated inside it to wait
+    for capacity while the Job runs on. The scheduler's relaunch, a new Job of the same name after
+    the old one is reaped, finds the checkpoint the first pod wrote at its SIGTERM."""
+    launcher = open_launcher_on()
+    checkpoint = tmp_path / "checkpoint"
+    code = (
+        f"import pathlib, signal, sys, time; p = pathlib.Path({str(checkpoint)!r})\n"
+        "if p.exists(): print('resumed from', p.read_text()); raise SystemExit(0)\n"
+        "def stop(*_): p.write_text('step 7'); print('checkpointed', flush=True); sys.exit(128 + signal.SIGTERM)\n"
+        "signal.signal(signal.SIGTERM, stop); print('ready', flush=True); time.sleep(60)"
+    )
+    spec = training_spec("t-spot", command=python(code), spot=True)
+    launcher.launch(spec)
+    wait_for_log(launcher, "t-spot", "ready")
+    (first,) = [p["metadata"]["name"] for p in launcher.pods.snapshot()]
+    assert launcher.list()[0].capacity_type == "spot"  # its node's label
+
+    kube_cluster.kubelet.preempt(first)  # the spot notice: DisruptionTarget, then deletion with grace
+
+    pod = wait_until_ended(launcher, "t-spot")
+    assert (pod.phase, pod.preempted, pod.exit_code, pod.platform_name) == (
+        PodPhase.FAILED,
+        True,
+        -signal.SIGTERM,
+        first,
+    )
+    assert "checkpointed" in launcher.logs("t-spot")
+    # The Job failed for its pod's disruption, and made no second pod: it is over.
+    stored = read_back(kube_cluster, "Job", "t-spot")["status"]
+    assert [(c["type"], c["reason"]) for c in stored["conditions"]] == [("Failed", "PodFailurePolicy")]
+    assert (stored.get("active", 0), stored["failed"]) == (0, 1)  # a zero is left out
+    assert [p["metadata"]["name"] for p in launcher.pods.snapshot()] == [first]
+
+    launcher.delete("t-spot")  # reaped, then launched again under the same name: a new Job
+    launcher.launch(spec)
+    pod = wait_until_ended(launcher, "t-spot")
+    assert (pod.phase, pod.preempted, pod.capacity_type) == (PodPhase.SUCCEEDED, False, "spot")
+    assert "resumed from step 7" in launcher.logs("t-spot")
 
 
 def test_stopping_a_training_job_sigterms_its_pod_and_keeps_its_status(
