@@ -112,7 +112,8 @@ class _World:
     groups: deque = field(default_factory=deque)  # (policy version, samples) queued for the trainer
     produced: int = 0
     trainer_committed: int = 0
-    ledger: dict[str, LedgerEntry] = field(default_factory=dict)
+    ledger: dict[str, LedgerEntry] = field(default_factory=dict)  # each pod name's latest entry
+    past_entries: list[LedgerEntry] = field(default_factory=list)  # earlier entries of names launched again
     job_seconds: list[float] = field(default_factory=list)
     trained: int = 0
     stale: int = 0
@@ -281,7 +282,7 @@ class _World:
         trace's prices over its life (each tick's seconds at that tick's price; the provider's
         minimum, if it ran less, at that mean too); every other entry at the price it was opened with."""
         billed = []
-        for e in self.ledger.values():
+        for e in [*self.past_entries, *self.ledger.values()]:
             seconds = e.seconds(now)
             trace = self._priced_trace(e.role, e.capacity_type)
             if trace is not None and seconds > 0:
@@ -400,8 +401,10 @@ class _World:
         per_hour, source = price.price(capacity), price.source
         if (trace := self._priced_trace(role, capacity)) is not None:
             per_hour, source = trace.price_at(self.now), f"trace {trace.name}'s prices (billed tick by tick)"
+        if name in self.ledger:  # a training job of an iteration started again (after a preemption)
+            self.past_entries.append(self.ledger[name])
         self.ledger[name] = LedgerEntry(
-            id=len(self.ledger),
+            id=len(self.ledger) + len(self.past_entries),
             run_id=RUN_ID,
             role=role,
             pod=name,

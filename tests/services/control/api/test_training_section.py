@@ -67,6 +67,8 @@ NON_DEFAULT = {
     "strategy": "zero3",
     "offload_optimizer": True,
     "max_retries": 5,
+    "capacity": "spot",
+    "checkpoint_every_s": 120.0,
 }
 
 
