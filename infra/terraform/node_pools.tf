@@ -9,10 +9,13 @@
 
 locals {
   # Each pool's label and taint are the contract with the Helm chart and the launcher: pods of a
-  # pool select `spotrl.dev/pool=<pool>` and tolerate `spotrl.dev/pool=<pool>:NoSchedule`.
+  # pool select `spotrl.dev/pool=<pool>` and tolerate `spotrl.dev/pool=<pool>:NoSchedule`. The
+  # spot training pool shares the training pool's; each pod's capacity affinity tells them apart.
+  # `enabled`: whether its NodePool exists (`gpu_pools_enabled`).
   gpu_pools = {
     # Generation on preemptible A10G (g5) and L4 (g6) GPUs.
     rollout = {
+      enabled           = true
       capacity_types    = ["spot"]
       instance_families = var.rollout_instance_families
       gpu_limit         = var.rollout_gpu_limit
@@ -27,6 +30,7 @@ locals {
     }
     # Training jobs on on-demand A100 (p4d) and H100 (p5) GPUs; at zero between iterations.
     training = {
+      enabled           = true
       capacity_types    = ["on-demand"]
       instance_families = var.training_instance_families
       gpu_limit         = var.training_gpu_limit
@@ -40,8 +44,33 @@ locals {
         { nodes = "100%", reasons = ["Empty"] },
       ]
     }
+    # Training jobs the scheduler puts on spot (a run's `training.capacity`: spot, or auto while
+    # spot is the cheaper), on the training pool's families, label and taint: the launcher's
+    # training settings serve both pools. A spot training pod asks for
+    # karpenter.sh/capacity-type=spot, which only this pool's nodes carry, and an on-demand one
+    # refuses it, so neither lands on the other's. Karpenter's interruption queue drains a
+    # reclaimed node: the pod gets SIGTERM and its grace period (the spot notice) to checkpoint,
+    # its Job fails, and the scheduler relaunches it. Off unless training_spot_enabled; at zero
+    # between jobs, like the training pool.
+    training-spot = {
+      enabled              = var.training_spot_enabled
+      capacity_types       = ["spot"]
+      instance_families    = var.training_instance_families
+      gpu_limit            = var.training_spot_gpu_limit
+      labels               = { "spotrl.dev/pool" = "training" }
+      taints               = [{ key = "spotrl.dev/pool", value = "training", effect = "NoSchedule" }]
+      consolidation_policy = "WhenEmpty"
+      consolidate_after    = var.training_consolidate_after
+      # No consolidation or drift replacement under a running job; a spot reclaim is no disruption
+      # a budget can hold back.
+      budgets = [
+        { nodes = "0", reasons = ["Drifted", "Underutilized"] },
+        { nodes = "100%", reasons = ["Empty"] },
+      ]
+    }
     # The reward service's T4 GPUs (g4dn).
     reward = {
+      enabled              = true
       capacity_types       = var.reward_capacity_types
       instance_families    = var.reward_instance_families
       gpu_limit            = var.reward_gpu_limit
@@ -60,8 +89,11 @@ locals {
   # installed here, so the GPU pools set the last themselves; dcgm-exporter selects it too.
   gpu_node_labels = { "nvidia.com/gpu.present" = "true" }
 
+  # The pools that get a NodePool.
+  gpu_pools_enabled = { for name, pool in local.gpu_pools : name => pool if pool.enabled }
+
   # What Karpenter puts on each GPU pool's nodes: the pool's label and the GPU label.
-  node_pool_labels = { for name, pool in local.gpu_pools : name => merge(pool.labels, local.gpu_node_labels) }
+  node_pool_labels = { for name, pool in local.gpu_pools_enabled : name => merge(pool.labels, local.gpu_node_labels) }
 
   # Where each spotrl pool's pods go, in Kubernetes shape: the `node_pools` and `helm_values` outputs.
   pool_scheduling = merge(
@@ -73,7 +105,7 @@ locals {
       }
     },
     {
-      for name, pool in local.gpu_pools : name => {
+      for name, pool in local.gpu_pools_enabled : name => {
         capacity_types = pool.capacity_types
         node_selector  = pool.labels
         tolerations    = [for t in pool.taints : { key = t.key, operator = "Equal", value = t.value, effect = t.effect }]
@@ -120,7 +152,7 @@ resource "kubectl_manifest" "gpu_node_class" {
 }
 
 resource "kubectl_manifest" "gpu_node_pool" {
-  for_each = local.gpu_pools
+  for_each = local.gpu_pools_enabled
 
   yaml_body = yamlencode({
     apiVersion = "karpenter.sh/v1"

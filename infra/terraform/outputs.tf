@@ -158,11 +158,13 @@ output "helm_values" {
         url    = try("s3://${aws_s3_bucket.this.id}", null)
         region = data.aws_region.current.region
       }
-      # The chart adds karpenter.sh/capacity-type to the rollout (spot) and training (on-demand) selectors.
+      # The chart adds karpenter.sh/capacity-type to the rollout (spot) and training (on-demand)
+      # selectors; the launcher drops it from each pod's, whose own affinity names its capacity
+      # type. The chart has no pool of spot training: its pods take the training pool's settings.
       pools = merge(
         { capacityLabel = "karpenter" },
         {
-          for name in keys(local.gpu_pools) : name => {
+          for name in ["rollout", "training", "reward"] : name => {
             nodeSelector = local.pool_scheduling[name].node_selector
             tolerations  = local.pool_scheduling[name].tolerations
           }

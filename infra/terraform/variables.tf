@@ -139,8 +139,20 @@ variable "training_gpu_limit" {
   default     = 16
 }
 
+variable "training_spot_enabled" {
+  description = "Whether to add the spot training pool (Karpenter NodePool `spotrl-training-spot`): the training pool's instance families, label and taint on spot capacity, for the training jobs the scheduler puts on spot (a run's `training.capacity`); at zero between jobs"
+  type        = bool
+  default     = false
+}
+
+variable "training_spot_gpu_limit" {
+  description = "Most GPUs the spot training pool may hold at once (with training_spot_enabled)"
+  type        = number
+  default     = 16
+}
+
 variable "training_consolidate_after" {
-  description = "How long a training node stays empty before it is given back; the pool is at zero between iterations"
+  description = "How long a training node (on-demand or spot) stays empty before it is given back; the pools are at zero between iterations"
   type        = string
   default     = "30s"
 }

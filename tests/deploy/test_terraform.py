@@ -35,16 +35,22 @@ import yaml
 from kafka.net.sasl import get_sasl_mechanism
 from sqlalchemy import make_url
 
+from services.core.config import Settings
+from services.ports.launcher.kubernetes_objects import Machine, job_manifest, pod_manifest
+from services.ports.launcher.launcher import PodSpec
 from services.ports.queue.kafka_settings import KafkaSettings
 from services.ports.reward_cache.redis_reward_cache import SCHEMES as REDIS_SCHEMES
 from services.ports.state.state_engine import create_state_engine
+from services.ports.wiring import kubernetes_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TF = ROOT / "infra" / "terraform"
 EXAMPLE = TF / "examples" / "complete"
 CHART = ROOT / "deploy" / "helm" / "spotrl"
 POOL_KEY = "spotrl.dev/pool"
-GPU_POOLS = {"rollout", "training", "reward"}
+GPU_POOLS = {"rollout", "training", "reward"}  # always there; the spot training pool is opt-in
+# Each Karpenter NodePool's pool label: the spot training pool shares the training pool's.
+POOL_LABELS = {"rollout": "rollout", "training": "training", "training-spot": "training", "reward": "reward"}
 IMAGES = {"control": "spotrl-control", "rollout": "spotrl-rollout", "training": "spotrl-training"}
 # Inputs a caller must give; every other variable has a default.
 REQUIRED_VARIABLES = {TF: {"vpc_id", "subnet_ids"}, EXAMPLE: {"endpoint_public_access_cidrs"}}
@@ -163,23 +169,26 @@ def test_variables_and_outputs_are_documented(folder: Path) -> None:
 
 def test_gpu_pools_labels_taints_capacity_and_families() -> None:
     pools = with_defaults(local("gpu_pools"))
-    assert set(pools) == GPU_POOLS
+    assert set(pools) == set(POOL_LABELS)
     expected = {
-        "rollout": (["spot"], ["g5", "g6"]),
-        "training": (["on-demand"], ["p4d", "p5"]),
-        "reward": (["on-demand"], ["g4dn"]),
+        "rollout": (["spot"], ["g5", "g6"], True),
+        "training": (["on-demand"], ["p4d", "p5"], True),
+        "training-spot": (["spot"], ["p4d", "p5"], False),
+        "reward": (["on-demand"], ["g4dn"], True),
     }
-    for name, (capacity_types, families) in expected.items():
+    for name, (capacity_types, families, enabled) in expected.items():
         pool = pools[name]
         assert pool["capacity_types"] == capacity_types, name
         assert pool["instance_families"] == families, name
-        assert pool["labels"] == {POOL_KEY: name}
-        assert pool["taints"] == [{"key": POOL_KEY, "value": name, "effect": "NoSchedule"}]
+        assert pool["enabled"] is enabled, name
+        assert pool["labels"] == {POOL_KEY: POOL_LABELS[name]}
+        assert pool["taints"] == [{"key": POOL_KEY, "value": POOL_LABELS[name], "effect": "NoSchedule"}]
         assert pool["gpu_limit"] > 0
 
 
-def test_training_pool_scales_to_zero_and_is_not_disrupted_while_busy() -> None:
-    training = with_defaults(local("gpu_pools"))["training"]
+@pytest.mark.parametrize("name", ["training", "training-spot"])
+def test_training_pools_scale_to_zero_and_are_not_disrupted_while_busy(name: str) -> None:
+    training = with_defaults(local("gpu_pools"))[name]
     # Karpenter only creates nodes for pending pods; empty ones go after consolidate_after.
     assert training["consolidation_policy"] == "WhenEmpty"
     assert re.fullmatch(r"\d+s", training["consolidate_after"]) and int(training["consolidate_after"][:-1]) <= 60
@@ -187,9 +196,27 @@ def test_training_pool_scales_to_zero_and_is_not_disrupted_while_busy() -> None:
     assert blocking and "Drifted" in blocking[0]["reasons"] and "Empty" not in blocking[0]["reasons"]
 
 
+def test_the_spot_training_pool_is_opt_in() -> None:
+    variables = named(TF, "variable")
+    assert variables["training_spot_enabled"]["default"] is False
+    assert variables["training_spot_gpu_limit"]["default"] > 0
+    off, on = evaluate(), evaluate(training_spot_enabled="true")
+    assert set(off["node_pool_labels"]) == GPU_POOLS and set(off["pool_scheduling"]) == GPU_POOLS | {"system"}
+    assert set(on["node_pool_labels"]) == GPU_POOLS | {"training-spot"}
+    assert on["pool_scheduling"]["training-spot"] == {
+        "capacity_types": ["spot"],
+        "node_selector": {POOL_KEY: "training"},
+        "tolerations": [{"key": POOL_KEY, "operator": "Equal", "value": "training", "effect": "NoSchedule"}],
+    }
+    # The chart knows no such pool: its pods take the training pool's settings.
+    assert set(on["helm_values"]["pools"]) == {"capacityLabel", "rollout", "training", "reward"}
+    assert on["helm_values"] == off["helm_values"]
+
+
 def test_node_pool_manifests_come_from_the_pools() -> None:
     node_pool = resources(TF)[("kubectl_manifest", "gpu_node_pool")]
-    assert node_pool["for_each"] == "${local.gpu_pools}"
+    assert node_pool["for_each"] == "${local.gpu_pools_enabled}"
+    assert local("gpu_pools_enabled") == "${{for name, pool in local.gpu_pools : name => pool if pool.enabled}}"
     body = node_pool["yaml_body"]
     for fragment in (
         'apiVersion = "karpenter.sh/v1"',
@@ -313,7 +340,7 @@ EVALUATED_LOCALS = (
     "grafana_folder_annotation",
 )
 # The opt-in parts, all on.
-EVERYTHING_ON = {"create_backends": "true", "enable_kube_prometheus_stack": "true"}
+EVERYTHING_ON = {"create_backends": "true", "enable_kube_prometheus_stack": "true", "training_spot_enabled": "true"}
 
 
 def evaluate(release: str = "spotrl", **variables: str) -> dict[str, Any]:
@@ -567,10 +594,11 @@ def test_scheduling_model_refuses_what_kubernetes_refuses() -> None:
 
 def gpu_nodes() -> dict[str, tuple[dict[str, str], list[dict[str, str]]]]:
     """Each node kind's labels and taints: what Karpenter gives each GPU pool's nodes (the NodePool
-    template's labels, evaluated, and its taints) and the system node group's."""
-    labels = evaluate()["node_pool_labels"]
+    template's labels, evaluated, and its taints; every pool on) and the system node group's."""
+    labels = evaluate(training_spot_enabled="true")["node_pool_labels"]
     pools = with_defaults(local("gpu_pools"))
-    nodes = {name: (labels[name], pools[name]["taints"]) for name in GPU_POOLS}
+    assert set(labels) == set(POOL_LABELS)
+    nodes = {name: (labels[name], pools[name]["taints"]) for name in POOL_LABELS}
     nodes["system"] = (named(TF, "module")["eks"]["eks_managed_node_groups"]["system"]["labels"], [])
     return nodes
 
@@ -585,6 +613,51 @@ def test_device_plugin_runs_on_every_gpu_pool_and_only_there() -> None:
     pod = merged(DEVICE_PLUGIN_0_18_0_DEFAULTS, values)  # Helm's coalescing of the chart's defaults and ours
     for name, (labels, taints) in gpu_nodes().items():
         assert schedules_onto(pod, labels, taints) == (name != "system"), name
+
+
+# An instance type of each GPU pool's families, and its machine (the price catalog's).
+INSTANCE_TYPES = {
+    "g5.xlarge": Machine(gpus=1, vcpus=4, memory_gib=16),
+    "p4d.24xlarge": Machine(gpus=8, vcpus=96, memory_gib=1152),
+    "g4dn.xlarge": Machine(gpus=1, vcpus=4, memory_gib=16),
+}
+
+
+@pytest.mark.parametrize("spot_training", [True, False], ids=["spot-training-pool", "defaults"])
+def test_the_launchers_pods_land_on_their_terraform_pool(spot_training: bool, monkeypatch) -> None:
+    """The scheduler's launcher, configured by the chart installed with Terraform's values, against
+    the nodes Karpenter would make for each NodePool (its labels and taints, the capacity type and
+    an instance type of its families): a spot training pod lands only on the spot training pool, an
+    on-demand one only on the training pool, a rollout worker only on the rollout pool. Without the
+    spot training pool a spot training pod has no node to go to."""
+    outputs = evaluate(**({"training_spot_enabled": "true"} if spot_training else {}))
+    kinds = render_by_kind(merged(outputs["helm_values"], users_values(False)), "spotrl")
+    (settings,) = (cm["data"] for name, cm in kinds["ConfigMap"].items() if name.endswith("-settings"))
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+    cfg = kubernetes_config(Settings())
+    pools = with_defaults(local("gpu_pools"))
+    nodes = {
+        (name, capacity, instance_type): (
+            {**labels, "karpenter.sh/capacity-type": capacity, "node.kubernetes.io/instance-type": instance_type},
+            pools[name]["taints"],
+        )
+        for name, labels in outputs["node_pool_labels"].items()
+        for capacity in outputs["pool_scheduling"][name]["capacity_types"]
+        for instance_type in INSTANCE_TYPES
+        if instance_type.split(".")[0] in pools[name]["instance_families"]
+    }
+
+    def landing(role: str, instance_type: str, capacity: str) -> set[tuple[str, str]]:
+        spec = PodSpec(f"run-1-{role}-0", "run-1", role, ["spotrl"], {}, instance_type, capacity)
+        manifest = (job_manifest if role == "training" else pod_manifest)(spec, cfg, INSTANCE_TYPES[instance_type], {})
+        pod = manifest["spec"]["template"]["spec"] if role == "training" else manifest["spec"]
+        return {(name, cap) for (name, cap, _), node in nodes.items() if schedules_onto(pod, *node)}
+
+    assert landing("training", "p4d.24xlarge", "spot") == ({("training-spot", "spot")} if spot_training else set())
+    assert landing("training", "p4d.24xlarge", "on-demand") == {("training", "on-demand")}
+    assert landing("rollout", "g5.xlarge", "spot") == {("rollout", "spot")}
+    assert landing("rollout", "p4d.24xlarge", "spot") == set()  # not a rollout family
 
 
 @pytest.mark.parametrize("variables", [EVERYTHING_ON, {}], ids=["with-kube-prometheus-stack", "defaults"])
@@ -856,6 +929,7 @@ def test_example_calls_the_module_with_its_vpc() -> None:
     for name in (
         "create_backends",
         "enable_kube_prometheus_stack",
+        "training_spot_enabled",
         "bucket_force_destroy",
         "ecr_force_delete",
         "backends_deletion_protection",
@@ -869,6 +943,7 @@ def test_readme_documents_the_pool_contract() -> None:
     for pool in sorted(GPU_POOLS):
         assert f"`{POOL_KEY}={pool}`" in readme and f"`{POOL_KEY}={pool}:NoSchedule`" in readme
     assert f"`{POOL_KEY}=system`" in readme
+    assert "`spotrl-training-spot`" in readme and "`training_spot_enabled`" in readme
 
 
 def test_install_section_uses_what_the_example_and_the_makefile_provide() -> None:

@@ -48,6 +48,7 @@ module "spotrl" {
 
   create_backends              = var.create_backends
   enable_kube_prometheus_stack = var.enable_kube_prometheus_stack
+  training_spot_enabled        = var.training_spot_enabled
 
   # What `terraform destroy` may delete with data in it (README.md, "Install on Kubernetes", teardown).
   bucket_force_destroy         = var.bucket_force_destroy

@@ -45,6 +45,12 @@ variable "enable_kube_prometheus_stack" {
   default     = false
 }
 
+variable "training_spot_enabled" {
+  description = "Whether to add the spot training pool, for runs whose `training.capacity` is `spot` or `auto`"
+  type        = bool
+  default     = false
+}
+
 variable "bucket_force_destroy" {
   description = "Whether `terraform destroy` deletes the checkpoint bucket with its objects (apply it as true before destroying)"
   type        = bool
