@@ -391,6 +391,79 @@ def test_the_launcher_runs_pods_as_the_chart_means(rendered, monkeypatch) -> Non
             )
 
 
+# Each provider's GPU nodes of the training pool, spot and on-demand: their capacity label and
+# their taints besides the pool's (GKE taints GPU nodes nvidia.com/gpu=present, and its spot
+# node pools cloud.google.com/gke-spot=true).
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+GKE_SPOT_TAINT = {"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NoSchedule"}
+PROVIDER_NODES = {
+    "karpenter": {
+        "spot": ({"karpenter.sh/capacity-type": "spot"}, []),
+        "on-demand": ({"karpenter.sh/capacity-type": "on-demand"}, []),
+    },
+    "eks": {
+        "spot": ({"eks.amazonaws.com/capacityType": "SPOT"}, []),
+        "on-demand": ({"eks.amazonaws.com/capacityType": "ON_DEMAND"}, []),
+    },
+    "gke": {
+        "spot": ({"cloud.google.com/gke-spot": "true"}, [GPU_TAINT, GKE_SPOT_TAINT]),
+        "on-demand": ({}, [GPU_TAINT]),
+    },
+}
+
+
+def schedules_onto(pod: dict[str, Any], labels: dict[str, str], taints: list[dict[str, str]]) -> bool:
+    """The scheduler's filters for a pod and a node: nodeSelector, required node affinity (terms
+    ORed, In/NotIn expressions ANDed), and a toleration of every NoSchedule taint."""
+    if any(labels.get(k) != v for k, v in pod["nodeSelector"].items()):
+        return False
+    ops = {"In": lambda k, v: labels.get(k) in v, "NotIn": lambda k, v: labels.get(k) not in v}
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    if not any(all(ops[e["operator"]](e["key"], e["values"]) for e in t["matchExpressions"]) for t in terms):
+        return False
+    return all(
+        any(
+            t["key"] == taint["key"]
+            and t.get("effect") in (None, taint["effect"])
+            and (t["operator"] == "Exists" or t.get("value") == taint["value"])
+            for t in pod["tolerations"]
+        )
+        for taint in taints
+    )
+
+
+@pytest.mark.parametrize("provider", PROVIDER_NODES)
+def test_training_jobs_land_on_the_training_pools_nodes_of_their_capacity(provider: str, monkeypatch) -> None:
+    """With the chart's settings for each provider's capacity label, an on-demand training Job takes
+    only the training pool's on-demand nodes and a spot one only its spot nodes; the spot one has the
+    spot notice to checkpoint in and ends with its pod's disruption (FailJob), where an on-demand
+    one makes a new pod (Ignore)."""
+    values = scenario("minimal-trial-values.yaml") | {"pools": {"capacityLabel": provider}}
+    env = settings_env(render(values))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = kubernetes_config(Settings())
+    pool = {"spotrl.dev/pool": "training", "node.kubernetes.io/instance-type": "p4d.24xlarge"}
+    pool_taint = {"key": "spotrl.dev/pool", "value": "training", "effect": "NoSchedule"}
+    nodes = {
+        capacity: ({**pool, **labels}, [pool_taint, *taints])
+        for capacity, (labels, taints) in PROVIDER_NODES[provider].items()
+    }
+    for capacity in ("spot", "on-demand"):
+        spec = PodSpec("run-1-train-0", "run-1", "training", ["spotrl", "train-job"], {}, "p4d.24xlarge", capacity)
+        job = job_manifest(spec, cfg, P4D, inherited_env())
+        pod = job["spec"]["template"]["spec"]
+        assert [c for c, node in nodes.items() if schedules_onto(pod, *node)] == [capacity], (provider, capacity)
+        (rule,) = job["spec"]["podFailurePolicy"]["rules"]
+        assert rule == {
+            "action": "FailJob" if capacity == "spot" else "Ignore",
+            "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+        }
+        assert pod["terminationGracePeriodSeconds"] == (120 if capacity == "spot" else 60)
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(job, version, strict=True)
+
+
 def test_minimal_trial_wires_the_in_chart_backends() -> None:
     docs = render(scenario("minimal-trial-values.yaml"))
     urls = by_kind(docs, "Secret")["spotrl-backends"]["stringData"]
