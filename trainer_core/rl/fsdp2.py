@@ -98,6 +98,30 @@ class FSDP2Strategy:
             for name, p in self.model.named_parameters()
         }
 
+    def load_full_state_dict(self, weights: dict[str, Tensor]) -> None:
+        """Copy rank 0's `weights` (whole parameters by name, all or some) into every rank's shards
+        in place (a collective: the other ranks may pass {}). One parameter at a time is
+        broadcast whole, and each rank keeps its own shard of it."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = dict(self.model.named_parameters())
+        names = broadcast_object(list(weights) if self.rank == 0 else None)
+        unknown = sorted(set(names) - params.keys())
+        if unknown:
+            raise KeyError(f"weights the policy does not have: {unknown[:5]}")
+        with torch.no_grad():
+            for name in names:
+                param = params[name]
+                if self.rank == 0:
+                    whole = weights[name].to(self.device, param.dtype, copy=True)
+                else:
+                    whole = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+                dist.broadcast(whole, src=0)
+                if isinstance(param, DTensor):
+                    # Every rank holds the whole tensor now: each takes its shard, no communication.
+                    whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+                param.copy_(whole)
+
     def save_optimizer_state(self, directory: Path) -> None:
         """Write the AdamW state, whole and keyed by parameter name, to `directory/optimizer.pt`
         (a collective: call it on every rank; rank 0 writes). Whole, it loads at any process

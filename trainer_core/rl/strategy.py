@@ -4,7 +4,8 @@ ones are `FSDP2Strategy` (`rl.fsdp2`) and `DeepSpeedStrategy` (`rl.zero`).
 
 Every strategy also moves its state in and out the same way, so that a training job treats one
 process and many alike: `save_optimizer_state(directory)` / `load_optimizer_state(directory)`
-for the optimizer, and `full_state_dict()` for the policy's whole weights.
+for the optimizer, and `full_state_dict()` / `load_full_state_dict(weights)` for the policy's
+whole weights (the latter to resume an interrupted update: `rl.resume`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,24 @@ class Strategy(Protocol):
         """Clip, apply and zero the accumulated gradients; returns the actor's gradient norm."""
         ...
 
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The policy's whole parameters by name (a collective: call it on every rank)."""
+        ...
+
+    def load_full_state_dict(self, weights: dict[str, Tensor]) -> None:
+        """Copy `weights` (whole parameters by name, as `full_state_dict` gives them, all or some)
+        into the policy's parameters, in place (a collective: call it on every rank; only rank
+        0's `weights` are read, the others may pass {})."""
+        ...
+
+    def save_optimizer_state(self, directory: Path) -> None:
+        """Write the optimizer's state into the existing `directory` (a collective)."""
+        ...
+
+    def load_optimizer_state(self, directory: Path) -> None:
+        """Load what `save_optimizer_state` wrote into `directory` (a collective)."""
+        ...
+
 
 class LocalStrategy:
     """A `Strategy` for one process: plain backward, gradient clipping, one optimizer over the
@@ -130,6 +149,17 @@ class LocalStrategy:
         """The policy's parameters by name: the live tensors, detached, not copies (one process
         holds them whole already; they change with the next step)."""
         return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def load_full_state_dict(self, weights: dict[str, Tensor]) -> None:
+        """Copy `weights` (all or some of the policy's parameters, by name) into the parameters
+        in place: the optimizer keeps stepping the same tensors."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(weights.keys() - params.keys())
+        if unknown:
+            raise KeyError(f"weights the policy does not have: {unknown[:5]}")
+        with torch.no_grad():
+            for name, weight in weights.items():
+                params[name].copy_(weight)
 
     def save_optimizer_state(self, directory: Path) -> None:
         """Write the optimizer's state dict to `directory/optimizer.pt`; it loads into a

@@ -5,6 +5,13 @@ each epoch and (shuffled) mini-batch accumulate micro-batch gradients of the pol
 bonus, + KL-to-reference, + value loss) and take one optimizer step. How gradients become a step
 is a `Strategy` (`rl.strategy`): one process, or FSDP2 (`rl.fsdp2`) or DeepSpeed ZeRO
 (`rl.zero`) across data-parallel ranks.
+
+An update may checkpoint within itself and resume (`rl.resume`): given an `UpdateCheckpoint`,
+it is asked after each optimizer step whether a checkpoint is due, and saves the steps taken,
+the metric totals and gradient norms so far, the weights, the optimizer state and the critic's
+weights; given one to resume from, it scores the batch with the pre-update model first, as an
+uninterrupted update does, then loads the checkpoint and skips the steps already taken (each
+epoch's order is seeded), ending as the uninterrupted update would.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from trainer_core.rl.batch import BatchTensors, prepare_batch
 from trainer_core.rl.batch_metrics import data_metrics
 from trainer_core.rl.critic import ValueHead
 from trainer_core.rl.micro_batches import micro_batches
+from trainer_core.rl.resume import UpdateCheckpoint, UpdateProgress, read_update_state, write_update_state
 from trainer_core.rl.strategy import LocalStrategy, Strategy
 
 
@@ -48,6 +56,7 @@ def train_on_batch(
     ref_model: nn.Module | None = None,
     value_head: ValueHead | None = None,
     kl_controller: FixedKLController | AdaptiveKLController | None = None,
+    checkpoint: UpdateCheckpoint | None = None,
 ) -> dict[str, float]:
     """Update `model` (and, for PPO, `value_head`) on `samples`; returns metrics averaged over
     optimizer steps.
@@ -57,7 +66,9 @@ def train_on_batch(
     this rank's share, in whole GRPO groups, the same number on every rank). The reference
     policy for `kl_coef` is `ref_model`, or a LoRA model's base weights. `kl_controller` (fixed
     or adaptive), when given, supplies the KL coefficient and is updated with this batch's KL.
-    `perf/tokens` counts the batch's prompt and response tokens.
+    `perf/tokens` counts the batch's prompt and response tokens. With `checkpoint` the update
+    resumes from the checkpoint it restores, if any, and checkpoints when it is due (`rl.resume`);
+    `perf/seconds` is then this run's part of the update.
     """
     critic = value_head if cfg.algorithm is Algorithm.PPO else None
     strategy = _checked_strategy(model, samples, cfg, optimizer, critic)
@@ -74,17 +85,24 @@ def train_on_batch(
     loss_fn = partial(
         _micro_batch_loss, model, response_len=response_len, cfg=cfg, kl_coef=kl_coef, critic=critic, strategy=strategy
     )
+    steps = _mini_batches(samples, mini_size, cfg)
+    # Only now, with the batch scored by the pre-update model: an interrupted update's progress.
+    restored = checkpoint.restore() if checkpoint is not None else None
+    progress = (
+        UpdateProgress.start(device) if restored is None else read_update_state(restored, strategy, critic, device)
+    )
+    if progress.steps > len(steps):
+        raise ValueError(f"the checkpoint is of step {progress.steps}, this update takes {len(steps)} steps")
+    save = partial(write_update_state, progress=progress, strategy=strategy, model=model, critic=critic)
     with training_mode(model, cfg.gradient_checkpointing):
-        totals: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=device))
-        grad_norms = []
-        for epoch in range(cfg.epochs):
-            order = _epoch_order(samples, mini_size, cfg, epoch)
-            for mb_start in range(0, len(samples), mini_size):
-                mini = order[mb_start : mb_start + mini_size]
-                grad_norms.append(_mini_batch_step(samples, mini, batch, loss_fn, cfg, strategy, totals))
+        for step, mini in enumerate(steps[progress.steps :], start=progress.steps + 1):
+            progress.grad_norms.append(_mini_batch_step(samples, mini, batch, loss_fn, cfg, strategy, progress.totals))
+            progress.steps = step
+            if checkpoint is not None and checkpoint.due(step):
+                checkpoint.save(step, save)
 
     release_freed_memory()  # the activations' holes, before the next generation phase
-    metrics = _batch_metrics(totals, grad_norms, samples, strategy, kl_controller, start, device)
+    metrics = _batch_metrics(progress.totals, progress.grad_norms, samples, strategy, kl_controller, start, device)
     tokens = batch.mask.sum()
     all_tokens = strategy.all_reduce(tokens)
     for key, value in is_metrics.items():  # token means of this rank's share -> of the whole batch
@@ -97,6 +115,16 @@ def train_on_batch(
 # tokens; the loss terms (entropy too, as verl) are averaged by what `loss_agg` averages over, so they add up to the
 # mini-batch's loss.
 TOKEN_MEAN_METRICS = frozenset({"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "critic/vf_clipfrac"})
+
+
+def _mini_batches(samples: Sequence[Sample], mini_size: int, cfg: TrainConfig) -> list[list[int]]:
+    """Each optimizer step's mini-batch (indices into `samples`), in the order they are taken:
+    epoch by epoch, each epoch's order (`_epoch_order`) cut into mini-batches of `mini_size`."""
+    steps = []
+    for epoch in range(cfg.epochs):
+        order = _epoch_order(samples, mini_size, cfg, epoch)
+        steps += [order[mb_start : mb_start + mini_size] for mb_start in range(0, len(samples), mini_size)]
+    return steps
 
 
 def _epoch_order(samples: Sequence[Sample], mini_size: int, cfg: TrainConfig, epoch: int) -> list[int]:
@@ -181,7 +209,8 @@ def _batch_metrics(
     totals = {key: strategy.all_reduce(value) for key, value in totals.items()}
     # .item() is a device sync; done once, here, rather than per micro-batch.
     metrics = {key: value.item() / n_steps for key, value in totals.items()}
-    metrics["actor/grad_norm"] = torch.stack(grad_norms).mean().item()
+    # Gathered on one device: DeepSpeed reports its norms on the CPU.
+    metrics["actor/grad_norm"] = torch.stack([norm.to(device) for norm in grad_norms]).mean().item()
     metrics.setdefault("actor/kl_ref", 0.0)
     if kl_controller is not None:
         kl_controller.update(metrics["actor/kl_ref"], len(samples) * strategy.world_size)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from contracts.training import TrainConfig
-from trainer_core.rl.distributed import ForwardRunner, ReplicatedCritic, all_reduce
+from trainer_core.rl.distributed import ForwardRunner, ReplicatedCritic, all_reduce, broadcast_object
 from trainer_core.rl.strategy import ADAM_BETAS, ADAM_EPS
 
 _T = TypeVar("_T")
@@ -160,6 +160,39 @@ class DeepSpeedStrategy:
         )
         if self._critic is not None:
             self._critic.optimizer.load_state_dict(torch.load(directory / _CRITIC_OPTIMIZER_FILE, weights_only=True))
+
+    def load_full_state_dict(self, weights: dict[str, Tensor]) -> None:
+        """Copy rank 0's `weights` (whole parameters by name, all or some) into the parameters and
+        into ZeRO's fp32 master copies of them, which the optimizer holds partitioned over the
+        ranks and writes back over the parameters at each step (a collective: the other ranks may
+        pass {}). The masters are set through DeepSpeed's tensor-fragment API
+        (`deepspeed.utils.safe_set_full_fp32_param`, ZeRO stages 1-3, offloaded or not)."""
+        deepspeed = _import_deepspeed()
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        params = dict(self.model.named_parameters())
+        names = broadcast_object(list(weights) if self.rank == 0 else None)
+        unknown = sorted(set(names) - params.keys())
+        if unknown:
+            raise KeyError(f"weights the policy does not have: {unknown[:5]}")
+        with torch.no_grad():
+            for name in names:
+                param = params[name]
+                shape = param.ds_shape if self.zero_stage == 3 else param.shape  # ZeRO-3 holds a partition
+                if self.rank == 0:
+                    whole = weights[name].to(self.device, param.dtype, copy=True)
+                else:
+                    whole = torch.empty(shape, dtype=param.dtype, device=self.device)
+                dist.broadcast(whole, src=0)
+                safe_set_full_fp32_param(param, whole)  # a frozen parameter has no master: nothing done
+                # ZeRO-3: gathered whole, set, and partitioned again from rank 0's copy.
+                gathered = (
+                    deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+                    if self.zero_stage == 3
+                    else nullcontext()
+                )
+                with gathered:
+                    param.data.copy_(whole)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The policy's whole parameters by name (a collective: call it on every rank)."""
