@@ -108,6 +108,23 @@ class Tracking(BaseModel):
     )
 
 
+class PoolOption(BaseModel):
+    """Somewhere a spot rollout worker may run: an instance type, in one zone or in any."""
+
+    model_config = STRICT
+
+    instance_type: str = Field(min_length=1, max_length=64, description="Catalog instance type of the worker.")
+    zone: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9][a-z0-9-]*$",
+        description="Zone its node must be in (Kubernetes' topology.kubernetes.io/zone); none: any zone.",
+    )
+
+    _instance = field_validator("instance_type")(known_instance_type)
+
+
 class RolloutPool(BaseModel):
     model_config = STRICT
 
@@ -115,6 +132,14 @@ class RolloutPool(BaseModel):
         default="g6.xlarge", min_length=1, max_length=64, description="Catalog instance type of each rollout worker."
     )
     spot: bool = Field(default=True, description="Run rollout workers on spot capacity.")
+    options: list[PoolOption] = Field(
+        default_factory=list,
+        max_length=16,
+        description="More places spot workers may run, besides instance_type in any zone (other instance types, "
+        "or zones): a new worker goes to the cheapest by spot price per hour where none waits for a node, a worker "
+        "waiting for one is replaced elsewhere, and the dearest go first when the pool shrinks or capacity returns. "
+        "List types that generate at about the same rate. On-demand workers and eval pods use instance_type.",
+    )
     min_workers: int = Field(default=2, ge=0, le=1024, description="Workers kept while the run is active.")
     max_workers: int = Field(
         default=10, ge=1, le=1024, description="Upper bound of the pool; also the prompt topic's partition count."
@@ -144,6 +169,11 @@ class RolloutPool(BaseModel):
     )
 
     _instance = field_validator("instance_type")(known_instance_type)
+
+    @property
+    def choices(self) -> list[PoolOption]:
+        """Where the pool's spot workers may run: ``instance_type`` in any zone, then ``options``."""
+        return [PoolOption(instance_type=self.instance_type), *self.options]
 
     @model_validator(mode="after")
     def _check_bounds(self) -> RolloutPool:
@@ -374,7 +404,7 @@ class RunSpec(BaseModel):
     @model_validator(mode="after")
     def _one_currency(self) -> RunSpec:
         """The run's bill is in one currency: its instance types' prices must share it."""
-        types = [self.rollout.instance_type, self.training.instance_type]
+        types = [*(o.instance_type for o in self.rollout.choices), self.training.instance_type]
         if self.reward_server is not None:
             types.append(self.reward_server.instance_type)
         load_catalog().currency_of(types)  # a ValueError if not

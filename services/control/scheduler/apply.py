@@ -18,6 +18,7 @@ from contracts.samples import decode_group
 from contracts.status import RunStatus
 from services.control.scheduler import plan as p
 from services.control.scheduler.evals import EvalAction
+from services.control.scheduler.pool_options import OPTION_LABEL
 from services.core.config import Settings
 from services.core.errors import PermanentError
 from services.domain.backlog import trainer_consumer
@@ -86,18 +87,20 @@ class Applier:
                 self.b.state.set_status(run_id, RunStatus.RUNNING)
             case p.PublishPrompts(run_id, start, count):
                 self._publish_prompts(run_id, start, count)
-            case p.LaunchWorker(run_id, slot, on_demand):
+            case p.LaunchWorker(run_id, slot, on_demand, option):
                 self.b.state.update_run(run_id, worker_slots_used=slot + 1)
                 name = rollout_pod_name(run_id, slot)
                 command = cli_command(["worker", run_id, "--worker-id", name])
+                where = spec.rollout.choices[option]
                 self._launch(
                     run_id,
                     name,
                     ROLE_ROLLOUT,
                     command,
-                    spec.rollout.instance_type,
+                    where.instance_type,
                     "spot" if spec.rollout.spot and not on_demand else "on-demand",
-                    {"slot": str(slot)},
+                    {"slot": str(slot), OPTION_LABEL: str(option)},
+                    zone=where.zone,
                 )
             case p.LaunchTraining(run_id, iteration, spot):
                 committed = sum(self.b.queue.committed(samples_topic(run_id), TRAINER_GROUP).values())
@@ -209,6 +212,7 @@ class Applier:
         instance_type: str,
         capacity_type: str,
         labels: dict[str, str],
+        zone: str | None = None,
     ) -> None:
         """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled.
 
@@ -230,6 +234,7 @@ class Applier:
                     instance_type=instance_type,
                     capacity_type=capacity_type,
                     labels=labels,
+                    zone=zone,
                 )
             )
         except Exception:

@@ -293,6 +293,7 @@ class Scheduler:
             else Estimates(None, None),
             spot_progress=self._spot_pace_points(row.id, now, stats, ledger) if measure else (),
             training_prices=TrainingPrices(spot=price.spot, on_demand=price.on_demand),
+            option_prices=tuple(self.catalog.get(o.instance_type).spot for o in spec.rollout.choices),
             spot_training=SpotTrainingRecord.of(ledger, now),
         )
 

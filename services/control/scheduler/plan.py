@@ -69,9 +69,10 @@ from services.control.scheduler.evals import (
 )
 from services.control.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
 from services.control.scheduler.policies import POLICIES, PolicyInput
+from services.control.scheduler.pool_options import Placement, place_spot
 from services.control.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
 from services.control.scheduler.run_state import Observed, RunState, retry_delay
-from services.control.scheduler.spot_training import spot_loss, spot_wait_expired, train_on_spot
+from services.control.scheduler.spot_training import PATIENCE_STARTUPS, spot_loss, spot_wait_expired, train_on_spot
 from services.domain.names import ROLE_EVAL, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.domain.run_end import run_end
 from services.ports.launcher.launcher import PodPhase, PodStatus
@@ -102,6 +103,7 @@ class LaunchWorker:
     run_id: str
     slot: int
     on_demand: bool = False  # on on-demand capacity whatever the pool's ``spot`` (the policy's deadline fallback)
+    option: int = 0  # where, among ``rollout.choices`` (an on-demand worker: 0, ``instance_type``)
 
 
 @dataclass(frozen=True)
@@ -370,10 +372,10 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         bought = [p for p in workers if p.capacity_type != "spot"]
         return (
             actions
-            + _scale(run, spot, decision.workers, bought, decision.on_demand_workers)
+            + _scale(run, observed, spot, decision.workers, bought, decision.on_demand_workers)
             + _train(run, observed, training, standby, decision.standby)
         )
-    actions += _scale(run, workers, decision.workers, [], 0, on_demand=decision.on_demand)
+    actions += _scale(run, observed, workers, decision.workers, [], 0, on_demand=decision.on_demand)
     return actions + _train(run, observed, training, standby, decision.standby)
 
 
@@ -385,25 +387,31 @@ def _account(reason: str | None) -> str | None:
 
 def _scale(
     run: RunState,
+    observed: Observed,
     pool: Sequence[PodStatus],
     size: int,
     bought: Sequence[PodStatus],
     bought_size: int,
     on_demand: bool = False,
 ) -> list[Action]:
-    """Launch or stop workers to hold ``size`` in ``pool`` (new ones on-demand if ``on_demand``) and
-    ``bought_size`` on-demand ones in ``bought``, new workers in fresh slots."""
+    """Launch or stop workers to hold ``size`` in ``pool`` (new ones on-demand if ``on_demand``, else
+    on the pool option ``pool_options`` picks) and ``bought_size`` on-demand ones in ``bought``, new
+    workers in fresh slots."""
     actions: list[Action] = []
     slot = run.worker_slots_used
-    for _ in range(size - len(pool)):
-        actions.append(LaunchWorker(run.run_id, slot, on_demand=on_demand))
+    if run.spec.rollout.spot and not on_demand:
+        prices = observed.option_prices or (0.0,) * len(run.spec.rollout.choices)
+        patience = PATIENCE_STARTUPS * observed.estimates.startup_seconds
+        placed = place_spot(prices, pool, size, observed.now, patience)
+    else:  # on-demand workers: instance_type, launched up to the size; a smaller pool stops those waiting first
+        placed = Placement(size - len(pool), 0, sorted(pool, key=lambda p: p.waiting_for_node)[size:])
+    for _ in range(placed.launch):
+        actions.append(LaunchWorker(run.run_id, slot, on_demand=on_demand, option=placed.option))
         slot += 1
     for _ in range(bought_size - len(bought)):
         actions.append(LaunchWorker(run.run_id, slot, on_demand=True))
         slot += 1
-    # A smaller pool stops those waiting for a node first: they make nothing yet.
-    for pod in sorted(pool, key=lambda p: p.waiting_for_node)[size:]:
-        actions.append(StopPod(pod.name))
+    actions += [StopPod(pod.name) for pod in placed.stop]
     # On-demand workers go back newest first: the ones that have made least of their group.
     for pod in sorted(bought, key=lambda p: p.started_at)[max(0, bought_size) :]:
         actions.append(StopPod(pod.name))

@@ -95,4 +95,6 @@ class Observed:
     # The training instance type's spot and on-demand prices now, and the run's spot training so
     # far: what ``training.capacity: auto`` weighs (services.control.scheduler.spot_training).
     training_prices: TrainingPrices | None = None
+    # Each rollout pool option's spot price per hour now (``RolloutPool.choices``); empty: all alike.
+    option_prices: tuple[float, ...] = ()
     spot_training: SpotTrainingRecord = SpotTrainingRecord()

@@ -6,6 +6,7 @@ before a command runs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,9 @@ class Workload:
     def deadline_seconds(self) -> float | None:
         return None if self.deadline_hours is None else self.deadline_hours * 3600.0
 
-    def spec(self, policy: CostPolicy) -> RunSpec:
+    def spec(self, policy: CostPolicy, zones: Sequence[str] = ()) -> RunSpec:
+        """The run spec of this workload under ``policy``; ``zones``: more rollout options, the
+        rollout instance type in each of these zones."""
         prompts_per_batch = math.ceil(self.batch_samples / self.samples_per_prompt / self.workers)
         return RunSpec.model_validate(
             {
@@ -67,6 +70,7 @@ class Workload:
                     "min_workers": 0,
                     "max_workers": max(self.max_workers, self.workers),
                     "prompts_per_batch": prompts_per_batch,
+                    "options": [{"instance_type": self.rollout_instance_type, "zone": zone} for zone in zones],
                 },
                 "training": {"instance_type": self.training_instance_type, "capacity": self.training_capacity},
             }

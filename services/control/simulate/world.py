@@ -34,7 +34,9 @@ run's currency (the catalog's for its instance types; ``SimResult.currency``).
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from contracts.status import RunStatus
@@ -44,6 +46,7 @@ from services.control.cost.report import cost_report
 from services.control.scheduler import plan as p
 from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.policies import measured
+from services.control.scheduler.pool_options import OPTION_LABEL
 from services.control.scheduler.run_state import Observed, RunState
 from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices
 from services.control.simulate.gap import PodSpan, gap
@@ -59,6 +62,7 @@ RUN_ID = "sim"
 # A training node whose pod ended this long ago is still up (Kubernetes' cluster autoscaler waits
 # 10 minutes by default before removing an empty node; this is far less, and unbilled).
 HANDOVER_SECONDS = 30.0
+TRAINING_POOL = -1  # the training nodes' pool, beside the rollout options 0, 1, ...
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,10 @@ class _Pod:
 class _World:
     spec: RunSpec
     workload: Workload
-    trace: SpotTrace
+    traces: tuple[SpotTrace, ...]  # spot rollout nodes, one trace per option of the pool (``RolloutPool.choices``)
     catalog: PriceCatalog
     training_trace: SpotTrace | None = None  # spot training nodes; None: none ever
+    pod_pools: dict[str, int] = field(default_factory=dict)  # pod -> its rollout option, or TRAINING_POOL
     now: float = 0.0
     run: RunState | None = None
     pods: dict[str, _Pod] = field(default_factory=dict)
@@ -130,9 +135,9 @@ class _World:
     # --- the world moving on ----------------------------------------------------------
     def advance(self, dt: float) -> None:
         end = self.now + dt
-        for training in (False, True):
-            self._place_waiting(training)
-            self._preempt_beyond_capacity(training)
+        for pool in (*range(len(self.traces)), TRAINING_POOL):
+            self._place_waiting(pool)
+            self._preempt_beyond_capacity(pool)
         for pod in list(self.pods.values()):
             if pod.status.phase != PodPhase.RUNNING:
                 continue
@@ -149,38 +154,41 @@ class _World:
                 self._end(pod, pod.done_at, PodPhase.SUCCEEDED, 0)
         self.now = end
 
-    def _capacity(self, training: bool) -> int:
-        """Spot nodes the rollout (or training) trace has now."""
-        trace = self.training_trace if training else self.trace
+    def _trace_of(self, pool: int) -> SpotTrace | None:
+        """The trace of a pool: a rollout option's (its index), or the training nodes' (``TRAINING_POOL``)."""
+        return self.training_trace if pool == TRAINING_POOL else self.traces[pool]
+
+    def _capacity(self, pool: int) -> int:
+        """Spot nodes the pool's trace has now."""
+        trace = self._trace_of(pool)
         return 0 if trace is None else trace.at(self.now)
 
-    def _place_waiting(self, training: bool) -> None:
+    def _place_waiting(self, pool: int) -> None:
         """Spot pods waiting for a node take their trace's free capacity, oldest first."""
-        free = self._capacity(training) - len(self._spot_pods(training))
-        for pod in sorted(self._spot_pods(training, waiting=True), key=lambda w: w.status.started_at)[: max(0, free)]:
+        free = self._capacity(pool) - len(self._spot_pods(pool))
+        for pod in sorted(self._spot_pods(pool, waiting=True), key=lambda w: w.status.started_at)[: max(0, free)]:
             joined = self.now + min(NODE_BOOT_SECONDS, self.workload.startup_seconds)
             pod.status = replace(pod.status, waiting_for_node=False, node_joined_at=joined)
             pod.ready_at = self.now + self.workload.startup_seconds
             if pod.status.role == ROLE_TRAINING:
                 pod.done_at = pod.ready_at + self._update_left(pod)
 
-    def _preempt_beyond_capacity(self, training: bool) -> None:
+    def _preempt_beyond_capacity(self, pool: int) -> None:
         """The newest spot pods on a node beyond their trace's capacity get the provider's notice: a
         worker goes at its end, a training job checkpoints and goes at once (a standby with it)."""
-        held = [w for w in self._spot_pods(training) if w.preempt_at is None]
-        excess = len(held) - self._capacity(training)
+        held = [w for w in self._spot_pods(pool) if w.preempt_at is None]
+        excess = len(held) - self._capacity(pool)
         for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[: max(0, excess)]:
-            pod.preempt_at = self.now + (0.0 if training else self.workload.spot_notice_seconds)
+            pod.preempt_at = self.now + (0.0 if pool == TRAINING_POOL else self.workload.spot_notice_seconds)
             if pod.status.role == ROLE_TRAINING:
                 self._checkpoint(pod)
 
-    def _spot_pods(self, training: bool, waiting: bool = False) -> list[_Pod]:
-        """The running spot rollout workers (``training``: training and standby pods) on a node
-        (``waiting``: those waiting for one)."""
+    def _spot_pods(self, pool: int, waiting: bool = False) -> list[_Pod]:
+        """The pool's running spot pods on a node (``waiting``: those waiting for one)."""
         return [
             w
             for w in self.pods.values()
-            if (w.status.role != ROLE_ROLLOUT) == training
+            if self._pool_of(w.status.name) == pool
             and w.status.capacity_type == "spot"
             and w.status.phase == PodPhase.RUNNING
             and w.status.waiting_for_node == waiting
@@ -258,6 +266,7 @@ class _World:
                 spot=self._training_spot_price(), on_demand=self._training_price().on_demand
             ),
             spot_training=SpotTrainingRecord.of(self.billed_ledger(self.now), self.now),
+            option_prices=self._option_prices(),
         )
 
     def _training_price(self) -> InstancePrice:
@@ -270,12 +279,22 @@ class _World:
             trace.price_at(self.now) if trace is not None and trace.prices is not None else self._training_price().spot
         )
 
-    def _priced_trace(self, role: str, capacity: str) -> SpotTrace | None:
-        """The trace whose prices bill a pod of ``role`` on ``capacity``, if it carries them."""
+    def _pool_of(self, pod: str) -> int:
+        return self.pod_pools[pod]
+
+    def _priced_trace(self, pod: str, capacity: str) -> SpotTrace | None:
+        """The trace whose prices bill ``pod`` on ``capacity``, if it carries them."""
         if capacity != "spot":
             return None
-        trace = self.trace if role == ROLE_ROLLOUT else self.training_trace
+        trace = self._trace_of(self._pool_of(pod))
         return trace if trace is not None and trace.prices is not None else None
+
+    def _option_prices(self) -> tuple[float, ...]:
+        """Each rollout option's spot price now: its trace's, where it carries prices, else the catalog's."""
+        return tuple(
+            trace.price_at(self.now) if trace.prices is not None else self.catalog.get(option.instance_type).spot
+            for option, trace in zip(self.spec.rollout.choices, self.traces, strict=True)
+        )
 
     def billed_ledger(self, now: float) -> list[LedgerEntry]:
         """The ledger as billed up to ``now``: a spot pod on a priced trace at the mean of the
@@ -284,7 +303,7 @@ class _World:
         billed = []
         for e in [*self.past_entries, *self.ledger.values()]:
             seconds = e.seconds(now)
-            trace = self._priced_trace(e.role, e.capacity_type)
+            trace = self._priced_trace(e.pod, e.capacity_type)
             if trace is not None and seconds > 0:
                 e = replace(e, price_per_hour=trace.spot_cost(e.started_at, e.started_at + seconds) * 3600.0 / seconds)
             billed.append(e)
@@ -299,16 +318,17 @@ class _World:
             case p.PublishPrompts(_, start, count):
                 self.prompts_pending += count
                 self.run = replace(run, prompts_published=start + count)
-            case p.LaunchWorker(_, slot, on_demand):
+            case p.LaunchWorker(_, slot, on_demand, option):
                 self.run = replace(run, worker_slots_used=slot + 1)
                 spot = self.spec.rollout.spot and not on_demand
-                no_capacity = spot and len(self._spot_pods(False)) >= self._capacity(False)
+                no_capacity = spot and len(self._spot_pods(option)) >= self._capacity(option)
                 pod = self._launch(
                     f"{RUN_ID}-rollout-{slot}",
                     ROLE_ROLLOUT,
-                    self.spec.rollout.instance_type,
+                    self.spec.rollout.choices[option].instance_type,
                     "spot" if spot else "on-demand",
-                    {"slot": str(slot)},
+                    {"slot": str(slot), OPTION_LABEL: str(option)},
+                    pool=option,
                 )
                 if no_capacity:  # it waits for a node (_place_waiting_workers)
                     pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
@@ -374,8 +394,10 @@ class _World:
             and not s.status.waiting_for_node
         ]
         just_left = self.now - self.node_released_at.get(capacity, -math.inf) <= HANDOVER_SECONDS
-        no_node = spot and not warm and not just_left and len(self._spot_pods(True)) >= self._capacity(True)
-        pod = self._launch(name, role, self.spec.training.instance_type, capacity, labels)
+        no_node = (
+            spot and not warm and not just_left and len(self._spot_pods(TRAINING_POOL)) >= self._capacity(TRAINING_POOL)
+        )
+        pod = self._launch(name, role, self.spec.training.instance_type, capacity, labels, pool=TRAINING_POOL)
         if no_node:  # it waits for a node (_place_waiting)
             pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
             return pod
@@ -383,7 +405,9 @@ class _World:
         pod.ready_at = max(self.now, min(ready, default=self.now + self.workload.startup_seconds))
         return pod
 
-    def _launch(self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str]) -> _Pod:
+    def _launch(
+        self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str], pool: int
+    ) -> _Pod:
         status = PodStatus(
             name=name,
             run_id=RUN_ID,
@@ -397,9 +421,10 @@ class _World:
             ended_at=None,
             pid=None,
         )
+        self.pod_pools[name] = pool
         price = self.catalog.get(instance_type)
         per_hour, source = price.price(capacity), price.source
-        if (trace := self._priced_trace(role, capacity)) is not None:
+        if (trace := self._priced_trace(name, capacity)) is not None:
             per_hour, source = trace.price_at(self.now), f"trace {trace.name}'s prices (billed tick by tick)"
         if name in self.ledger:  # a training job of an iteration started again (after a preemption)
             self.past_entries.append(self.ledger[name])
@@ -434,25 +459,33 @@ class _World:
 
 
 def simulate(
-    trace: SpotTrace,
+    trace: SpotTrace | Sequence[SpotTrace],
     policy: CostPolicy,
     workload: Workload = Workload(),
     catalog: PriceCatalog | None = None,
     training_trace: SpotTrace | None = None,
 ) -> SimResult:
-    """Run ``workload`` under ``policy`` on ``trace`` (spot rollout nodes) and ``training_trace``
-    (spot training nodes, for ``training_capacity`` spot or auto) until the run ends; its bill and figures."""
+    """Run ``workload`` under ``policy`` on ``trace`` (spot rollout nodes; several traces: one per
+    rollout option, the pool's instance type in each trace's zone, the first its own) and
+    ``training_trace`` (spot training nodes, for ``training_capacity`` spot or auto) until the run
+    ends; its bill and figures."""
     catalog = catalog or load_catalog()
     # Refuses instance types priced in two currencies before simulating (a MixedCurrencyError).
     catalog.currency_of([workload.rollout_instance_type, workload.training_instance_type])
-    spec = workload.spec(policy)
-    world = _World(spec=spec, workload=workload, trace=trace, catalog=catalog, training_trace=training_trace)
+    traces = (trace,) if isinstance(trace, SpotTrace) else tuple(trace)
+    spec = workload.spec(policy, zones=[zone_name(t.name) for t in traces[1:]])
+    world = _World(spec=spec, workload=workload, traces=traces, catalog=catalog, training_trace=training_trace)
     world.run = RunState(run_id=RUN_ID, status=RunStatus.PENDING, spec=spec)
     while not world.run.status.is_terminal() and world.now < workload.horizon_days * 86400.0:
         for action in p.plan(world.run, world.observed()):
             world.apply(action)
         world.advance(workload.tick_seconds)
     return _result(world, policy)
+
+
+def zone_name(trace_name: str) -> str:
+    """A rollout option's zone named after its trace (the characters a zone may have)."""
+    return re.sub(r"[^a-z0-9-]+", "-", trace_name.lower()).strip("-")[:64] or "zone"
 
 
 def _result(world: _World, policy: CostPolicy) -> SimResult:
@@ -471,10 +504,14 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     trained_batches = world.run.iterations_done
     rollout_busy = trained_batches * spec.batch_samples / (w.worker_samples_per_hour / 3600.0)
     training_busy = trained_batches * w.training_minutes * 60.0
-    # With trace prices, the cheapest spot tick's: no schedule pays less for a busy second.
+    # The cheapest option's spot price (with trace prices, the cheapest tick's): no schedule pays
+    # less for a busy second.
     rollout_price = catalog.get(spec.rollout.instance_type)
-    if world.trace.prices is not None:  # the cheapest spot tick's: no schedule pays less for a busy second
-        rollout_price = replace(rollout_price, spot=world.trace.cheapest_price())
+    spot_prices = [
+        t.cheapest_price() if t.prices is not None else catalog.get(o.instance_type).spot
+        for o, t in zip(spec.rollout.choices, world.traces, strict=True)
+    ]
+    rollout_price = replace(rollout_price, spot=min(spot_prices))
     training_price = catalog.get(spec.training.instance_type)
     if world.training_trace is not None and world.training_trace.prices is not None:
         training_price = replace(training_price, spot=world.training_trace.cheapest_price())

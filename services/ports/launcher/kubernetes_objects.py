@@ -24,6 +24,7 @@ SELECTOR = "app.kubernetes.io/managed-by=spotrl"
 POD_LABEL = "spotrl.dev/pod"  # the launcher's pod name, on the Job and on each of its pods
 SPEC_ANNOTATION = "spotrl.dev/spec"  # run, role, asked instance and capacity type, the spec's labels (JSON)
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+ZONE_LABEL = "topology.kubernetes.io/zone"
 CONTAINER = "main"
 # The providers' labels of spot capacity; a node carries at most one provider's.
 SPOT_LABELS = {
@@ -257,7 +258,11 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": cfg.training_grace_s if short_grace else cfg.spot_notice_s,
-        "nodeSelector": {**pool, INSTANCE_TYPE_LABEL: spec.instance_type},
+        "nodeSelector": {
+            **pool,
+            INSTANCE_TYPE_LABEL: spec.instance_type,
+            **({ZONE_LABEL: spec.zone} if spec.zone is not None else {}),
+        },
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {

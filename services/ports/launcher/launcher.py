@@ -40,6 +40,7 @@ class PodSpec:
     instance_type: str
     capacity_type: str  # "spot" | "on-demand"
     labels: dict[str, str] = field(default_factory=dict)
+    zone: str | None = None  # the zone its node must be in; None: any (local pods have none)
 
 
 def cli_command(args: list[str], *, processes: int = 1, python: str = sys.executable) -> list[str]:

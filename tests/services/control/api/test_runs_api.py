@@ -34,6 +34,7 @@ async def test_submit_get_list(api: httpx.AsyncClient) -> None:
     assert run["spec"]["rollout"] == {
         "instance_type": "g6.xlarge",
         "spot": True,
+        "options": [],
         "min_workers": 2,
         "max_workers": 10,
         "prompts_per_batch": 8,

@@ -7,6 +7,7 @@ selection and configuration by settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -360,6 +361,17 @@ def test_each_role_has_its_image_and_pool_and_the_pod_its_own_capacity_type() ->
     # No Secrets named: the values are the pod's (a development cluster).
     (container,) = pod_manifest(rollout_spec(), cfg, G5, {"SPOTRL_QUEUE_URL": "kafka://k:9092"})["spec"]["containers"]
     assert container["env"] == [{"name": "SPOTRL_QUEUE_URL", "value": "kafka://k:9092"}] and "envFrom" not in container
+
+
+def test_a_worker_of_a_zone_option_is_held_to_that_zone() -> None:
+    cfg = KubernetesConfig(node_selectors={"rollout": {"spotrl.dev/pool": "rollout"}})
+    zoned = dataclasses.replace(rollout_spec(), zone="us-central1-b")
+    assert pod_manifest(zoned, cfg, G5, {})["spec"]["nodeSelector"] == {
+        "spotrl.dev/pool": "rollout",
+        "node.kubernetes.io/instance-type": "g5.xlarge",
+        "topology.kubernetes.io/zone": "us-central1-b",
+    }
+    assert "topology.kubernetes.io/zone" not in pod_manifest(rollout_spec(), cfg, G5, {})["spec"]["nodeSelector"]
 
 
 def test_a_standby_holds_a_node_of_the_training_pool() -> None:
