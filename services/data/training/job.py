@@ -1,4 +1,4 @@
-"""The training job: one process per iteration, started by the scheduler on an on-demand instance.
+"""The training job: one process per iteration, started by the scheduler on an on-demand or spot node.
 
 Iteration N takes the oldest ``batch_samples`` queued samples, in whole groups (the scheduler
 starts the job once that many are waiting), drops duplicates and samples beyond the staleness bound, runs one
@@ -11,6 +11,13 @@ One process and a torchrun pod of several run the same path: each rank trains it
 ``Strategy`` (``LocalStrategy`` on one process), whose optimizer state is stored under the
 iteration's trainer prefix (``optimizer/``, next to the critic's ``value_head.pt``) before
 ``result.json``, and read back by the next iteration.
+
+A job that may run on spot (``training.capacity`` spot, or auto) checkpoints within its update
+(``update_checkpoint``): it stores its batch before the update, then the update's state every
+``checkpoint_every_s`` seconds and at the provider's preemption notice (SIGTERM), after which it
+exits with ``EXIT_PREEMPTED`` (75). The scheduler starts the iteration again; that job trains the
+stored batch from the last complete checkpoint (``trainer_core.rl.resume``), publishes what an
+uninterrupted job would have, commits the stored offsets, and deletes the checkpoint.
 """
 
 from __future__ import annotations
@@ -22,9 +29,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -32,7 +37,9 @@ from contracts.job_result import JobResult
 from contracts.samples import decode_group
 from contracts.training import Algorithm, Critic, TrainConfig
 from services.data.policy_store import fetch_policy, publish_policy
+from services.data.training.ranks import Ranks
 from services.data.training.selection import Selection, even_shares, reward_metrics, select_samples, selection_metrics
+from services.data.training.update_checkpoint import PARTIAL_DIR, UpdateCheckpointStore, update_checkpoint
 from services.domain.backlog import read_backlog, take_batch, trainer_consumer
 from services.domain.names import result_key, trainer_prefix
 from services.domain.policy_rotation import MIN_KEEP
@@ -44,20 +51,13 @@ from trainer_core.memory import MemoryMonitor
 from trainer_core.models.loading import Policy, load_policy
 from trainer_core.models.lora import LoraSettings, apply_lora, check_only_adapter_trains, is_lora
 from trainer_core.rl.critic import ValueHead
-from trainer_core.rl.distributed import (
-    DistEnv,
-    all_reduce,
-    broadcast_object,
-    init_distributed,
-    shard_samples,
-)
+from trainer_core.rl.distributed import shard_samples
 from trainer_core.rl.micro_batches import with_auto_micro_batch
 from trainer_core.rl.strategies import build_strategy
 from trainer_core.rl.strategy import OPTIMIZER_FILE, LocalStrategy, Strategy
 from trainer_core.rl.update import train_on_batch
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 # Policy versions kept in the object store; older ones are deleted after each publish.
 # Under an iteration's trainer prefix: the directory its strategy's `save_optimizer_state` wrote.
@@ -132,54 +132,14 @@ def run_training_job(
     """
     ranks = Ranks.join(spec.training.processes)
     consumer = trainer_consumer(queue, run_id) if ranks.leader else None
+    # The pod's disk, shared by its ranks: the leader moves the update's checkpoints between it and the store.
+    local = model_cache / "runs" / run_id / f"trainer-v{iteration}-partial"
     try:
-        return _train(run_id, iteration, spec, queue, consumer, objects, model_cache, ranks)
+        with update_checkpoint(spec.training, objects, run_id, iteration, local, ranks) as checkpoint:
+            return _train(run_id, iteration, spec, queue, consumer, objects, model_cache, ranks, checkpoint)
     finally:
         if consumer is not None:
             consumer.close()
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This job process's place among the job's processes (`env` None: the only one)."""
-
-    env: DistEnv | None
-
-    @classmethod
-    def join(cls, processes: int) -> Ranks:
-        if processes == 1:
-            return cls(None)
-        env = init_distributed()
-        if env.world_size != processes:
-            raise RuntimeError(
-                f"the run spec asks for {processes} training processes, torchrun started {env.world_size}"
-            )
-        return cls(env)
-
-    @property
-    def leader(self) -> bool:
-        return self.env is None or self.env.rank == 0
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.env is None else self.env.rank
-
-    @property
-    def world_size(self) -> int:
-        return 1 if self.env is None else self.env.world_size
-
-    @property
-    def device(self) -> torch.device:
-        """The device this process trains on: its GPU under torchrun with CUDA, else the CPU."""
-        return torch.device("cpu") if self.env is None else self.env.device
-
-    def share(self, obj: _T | None) -> _T:
-        """The leader's `obj` on every rank (a collective, so also a barrier)."""
-        return obj if self.env is None else broadcast_object(obj)
-
-    def least(self, value: int) -> int:
-        """The smallest of every rank's `value` (a collective)."""
-        return value if self.env is None else int(all_reduce(torch.tensor(value), "min", self.env.device))
 
 
 def _train(
@@ -191,25 +151,36 @@ def _train(
     objects: ObjectStore,
     model_cache: Path,
     ranks: Ranks,
+    checkpoint: UpdateCheckpointStore | None,
 ) -> JobResult | None:
     """The job on every rank, one process or several alike: the leader reads and shares the batch,
     each rank trains its share with its strategy (`LocalStrategy` on one process), and the leader
     publishes v(N), stores the trainer state, writes the result and commits (module docstring).
-    One function, a little over 60 lines: it is the job's steps in their order, mostly one call
-    each, and every rank must take the same collective steps (`ranks.share`, `ranks.least`) alike."""
+    A spot job (`checkpoint`) trains the batch an earlier job of the iteration stored, if any, and
+    otherwise stores its own before its update. One function, about 70 lines: it is the job's steps
+    in their order, mostly one call each, and every rank must take the same collective steps
+    (`ranks.share`, `ranks.least`, the checkpoint's) alike."""
     if objects.exists(result_key(run_id, iteration)):
         return _commit_published(objects, run_id, iteration, consumer)
     started = time.time()
     previous = JobResult.from_json(objects.get_bytes(result_key(run_id, iteration - 1))) if iteration > 1 else None
-    batch = _read_batch(queue, consumer, run_id, iteration, spec, previous, ranks) if consumer is not None else None
-    samples_read, offsets, selection = ranks.share(batch)
+    stored = checkpoint.stored_batch() if checkpoint is not None else None
+    if stored is None:
+        batch = _read_batch(queue, consumer, run_id, iteration, spec, previous, ranks) if consumer is not None else None
+        samples_read, offsets, selection = ranks.share(batch)
+    else:
+        samples_read, offsets, selection = stored.samples_read, stored.offsets, stored.selection
+        _join_group(consumer)
 
     policy, value_head, ref_model = _load_models(objects, run_id, iteration, spec, model_cache, ranks)
     samples = shard_samples(selection.kept, ranks.rank, ranks.world_size)
-    cfg = spec.training
+    # A stored batch's micro-batches are the size its first job chose (and may have checkpointed with).
+    cfg = spec.training if stored is None else spec.training.model_copy(update={"micro_batch": stored.micro_batch})
     if samples:
         # Probed on the whole (unsharded) model: a size that fits it fits its shards.
         cfg = with_auto_micro_batch(cfg, policy.model, samples, value_head=value_head, agree=ranks.least)
+    if checkpoint is not None and stored is None:
+        checkpoint.keep_batch(samples_read, offsets, selection, cfg.micro_batch)
     strategy = _strategy(spec, ranks, policy, cfg, value_head, ref_model)
     # The ranks of a pod share its disk: the leader moves the optimizer state between it and the store.
     scratch = model_cache / "runs" / run_id / f"trainer-v{iteration}"
@@ -218,8 +189,17 @@ def _train(
     controller = kl_controller(spec, previous.metrics.get("actor/kl_coef") if previous else None)
     metrics = {}
     if samples:
+        if checkpoint is not None:
+            checkpoint.stop_if_noticed()
         metrics = train_on_batch(
-            policy.model, samples, cfg, strategy, ref_model=ref_model, value_head=value_head, kl_controller=controller
+            policy.model,
+            samples,
+            cfg,
+            strategy,
+            ref_model=ref_model,
+            value_head=value_head,
+            kl_controller=controller,
+            checkpoint=checkpoint,
         )
     metrics.update(selection_metrics(selection, iteration - 1))  # staleness and drops, for the dashboards
     metrics.update(reward_metrics(selection.kept))
@@ -255,9 +235,16 @@ def _commit_published(objects: ObjectStore, run_id: str, iteration: int, consume
     result = JobResult.from_json(objects.get_bytes(result_key(run_id, iteration)))
     if consumer is not None:
         log.info("v%d already published: committing its offsets and exiting", iteration)
-        consumer.poll(1, timeout_s=0.0)  # join the group so that the partitions are ours
+        _join_group(consumer)
         consumer.commit(result.offsets)
     return result
+
+
+def _join_group(consumer: Consumer | None) -> None:
+    """Join the trainer group (the leader), so that the partitions are ours to commit, without
+    reading the backlog: a job that commits offsets an earlier job of its iteration recorded."""
+    if consumer is not None:
+        consumer.poll(1, timeout_s=0.0)
 
 
 def _read_batch(
@@ -360,12 +347,16 @@ def _store_trainer_state(objects: ObjectStore, state_out: str, scratch: Path, va
 
 def _retain(objects: ObjectStore, run_id: str, iteration: int, model_cache: Path) -> None:
     """Delete what no later job reads: optimizer states older than this iteration's (every such
-    one: a job killed after publishing never got to delete its own), and this machine's cached
+    one: a job killed after publishing never got to delete its own), the update checkpoints of
+    published iterations, this one's included (`update_checkpoint`), and this machine's cached
     copies of policy versions older than the one before it. Policy versions and trainer states in the object store are
     rotated by the scheduler (``services.domain.policy_rotation``), which knows how many to keep."""
     for version in _stored_versions(objects, trainer_prefix(run_id, 0), "optimizer"):  # OPTIMIZER_DIR, and legacy files
         if version < iteration:
             objects.delete_prefix(trainer_prefix(run_id, version) + "optimizer")
+    for version in _stored_versions(objects, trainer_prefix(run_id, 0), PARTIAL_DIR):
+        if version <= iteration:
+            objects.delete_prefix(trainer_prefix(run_id, version) + PARTIAL_DIR)
     for cached in (model_cache / "runs" / run_id).glob("v*"):
         # Not the version before this one: a rollout worker of this machine may be loading it.
         if cached.name[1:].isdigit() and int(cached.name[1:]) <= iteration - MIN_KEEP:
