@@ -223,6 +223,13 @@ class Settings(BaseSettings):
         default="karpenter.sh/capacity-type=spot,eks.amazonaws.com/capacityType=SPOT,cloud.google.com/gke-spot=true",
         description="Node labels of spot capacity (label=value, comma-separated; a node matching any one is spot): what spot rollout pods ask for, and how a node's capacity type is read.",
     )
+    kube_spot_notice_s: int = Field(
+        default=120,
+        ge=1,
+        le=3600,
+        description="Seconds of notice the provider gives before reclaiming a spot node (AWS 120, GCP 30, Azure 30): "
+        "the grace period of spot pods, in which a worker hands back its batch and a training job checkpoints.",
+    )
     kube_request_fraction: float = Field(
         default=0.5,
         gt=0,

@@ -152,6 +152,7 @@ def kubernetes_config(settings: Settings) -> KubernetesConfig:
             )
             if tolerations is not None
         },
+        spot_notice_s=settings.kube_spot_notice_s,
         request_fraction=settings.kube_request_fraction,
         shm_fraction=settings.kube_shm_fraction,
         run_as_user=settings.kube_run_as_user,

@@ -287,6 +287,7 @@ def test_processes_and_their_settings(rendered, monkeypatch) -> None:
         selector = json.loads(env[f"SPOTRL_KUBE_{pool.upper()}_NODE_SELECTOR"])
         assert selector == capacity.get(pool, {}) | pools[pool]["nodeSelector"]
         assert json.loads(env[f"SPOTRL_KUBE_{pool.upper()}_TOLERATIONS"]) == pools[pool]["tolerations"]
+    assert parsed.kube_spot_notice_s == pools["spotNoticeS"]
     assert env["SPOTRL_KUBE_SERVICE_ACCOUNT"] in by_kind(docs, "ServiceAccount")
     assert env["SPOTRL_KUBE_ROLLOUT_IMAGE"].rsplit("/", 1)[-1].startswith("spotrl-rollout:")
     assert env["SPOTRL_KUBE_TRAINING_IMAGE"].rsplit("/", 1)[-1].startswith("spotrl-training:")

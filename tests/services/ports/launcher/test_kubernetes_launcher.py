@@ -836,6 +836,7 @@ def test_settings_select_the_kubernetes_launcher(
         "KUBE_TRAINING_TOLERATIONS": '[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]',
         "KUBE_REQUEST_FRACTION": "0.6",
         "KUBE_SHM_FRACTION": "0.1",
+        "KUBE_SPOT_NOTICE_S": "30",
         "KUBE_RUN_AS_USER": "2000",
         "KUBE_READ_ONLY_ROOT": "false",
     }.items():
@@ -855,6 +856,7 @@ def test_settings_select_the_kubernetes_launcher(
         assert (cfg.env_secrets, cfg.price_catalog_configmap) == (("backends", "s3-keys"), "spotrl-price-catalog")
         assert cfg.pod_labels == {"app.kubernetes.io/instance": "spotrl"}
         assert (cfg.request_fraction, cfg.shm_fraction, cfg.run_as_user, cfg.read_only_root) == (0.6, 0.1, 2000, False)
+        assert cfg.spot_notice_s == 30  # GCP's notice: the grace of spot pods
         defaults = KubernetesConfig()
         assert cfg.node_selectors == {**defaults.node_selectors, "rollout": {"example.com/pool": "gpu-spot"}}
         assert cfg.tolerations == {
