@@ -16,6 +16,21 @@ of the gap threshold leaves to the bound), the saving against always-on, and a s
 training minutes per batch on the sweep trace. ``--oracle`` adds each trace's offline optimum
 (``services.control.simulate.oracle``: the cheapest schedule with the policies' levers, known
 the trace in advance) and each policy's dollars over it (a few seconds a trace).
+
+Then spot training (``training.capacity``): cost-aware with its training on-demand against
+cost-aware with ``auto`` (spot while it pays, on-demand where no spot node comes), with
+threshold and always-on under ``auto`` too and, with ``--oracle``, the offline optimum with spot
+training; checked: auto at most 0.7x on-demand training's cost where the trace has training spot
+capacity; never dearer than threshold or always-on, wall within 5% of threshold's, at most 1.10x
+the oracle, where threshold ends. The training traces: SpotHedge's traces are a zone's spot
+A100 8-GPU nodes (training-class capacity), so a trace under ``spothedge-gcp-a100/`` is also its
+run's training trace, the workload's training type (by default p4d.24xlarge, 8 x A100) at its
+catalog spot price. An approximation: the zone's nodes are one capacity both pools draw from,
+but the simulator offers the rollout pool and the training job each all of them (a node counted
+for rollout is counted again for training), which flatters spot training where the zone has a
+node or two. SpotServe's g4dn trace holds no training-class capacity: no training trace (no spot
+training node ever comes). ``--training-capacity auto`` (a workload option) runs the tables
+above with it too.
 """
 
 from __future__ import annotations
@@ -39,6 +54,22 @@ from services.ports.prices.catalog import load_catalog
 
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SWEEP_MINUTES = (2, 5, 10, 18, 30, 40)
+# The folder of SpotHedge's traces: spot A100 8-GPU nodes of a zone, training-class capacity.
+TRAINING_CLASS_TRACES = "spothedge-gcp-a100"
+# Spot training's targets: auto's cost over on-demand training's (where spot training nodes exist)
+# and cost-aware's over the oracle's.
+SPOT_TRAINING_RATIO = 0.7
+TO_ORACLE = 1.10
+TRAINING_TRACE_NOTE = (
+    "training trace: a SpotHedge A100 zone's own trace (its nodes offered to rollout and training each in "
+    "full, not shared: optimistic where the zone has few), none for g4dn (no training-class spot capacity)"
+)
+
+
+def training_trace_for(path: Path, trace: SpotTrace) -> SpotTrace | None:
+    """The spot training nodes beside ``trace`` (read from ``path``): itself for a SpotHedge A100
+    zone's trace (8 x A100 nodes: training-class), none for the others."""
+    return trace if TRAINING_CLASS_TRACES in path.parts else None
 
 
 def _row(trace: str, r: SimResult, best: OracleResult | None = None) -> str:
@@ -116,6 +147,96 @@ def header(currency: str, oracle: bool = False) -> str:
     )
 
 
+def _spot_training(
+    loaded: list[SpotTrace],
+    training: dict[str, SpotTrace | None],
+    results: dict[str, dict[CostPolicy, SimResult]],
+    workload: Workload,
+    currency: str,
+    oracle: bool,
+    oracle_step: float,
+) -> list[str]:
+    """Cost-aware with its training on-demand beside cost-aware with ``training.capacity`` auto, per
+    trace (threshold and always-on under auto, and the oracle with spot training, for the targets);
+    the targets missed."""
+    on_demand, auto = replace(workload, training_capacity="on-demand"), replace(workload, training_capacity="auto")
+    typer.echo(
+        f"\nspot training: cost-aware with training on-demand against training.capacity auto ({currency}; "
+        f"pre.: preemptions, rollout and training; {TRAINING_TRACE_NOTE}):"
+    )
+    typer.echo(
+        "| trace | training trace | on-demand training | wall h | pre. | auto | wall h | pre. | auto / on-demand | "
+        f"threshold auto | always-on auto |{' oracle auto | wall h | auto / oracle |' if oracle else ''}\n"
+        f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|---:|---:|' if oracle else ''}"
+    )
+    failures: list[str] = []
+    checked: list[str] = []
+    for trace in loaded:
+        name, nodes = trace.name, training[trace.name]
+        runs = {
+            pol: results[name][pol]
+            if workload.training_capacity == "auto"
+            else simulate(trace, pol, auto, training_trace=nodes)
+            for pol in CostPolicy
+        }
+        od = (
+            results[name][CostPolicy.COST_AWARE]
+            if workload.training_capacity == "on-demand"
+            else simulate(trace, CostPolicy.COST_AWARE, on_demand, training_trace=nodes)
+        )
+        ca, th, ao = runs[CostPolicy.COST_AWARE], runs[CostPolicy.THRESHOLD], runs[CostPolicy.ALWAYS_ON]
+        best = optimum(trace, auto, step_seconds=oracle_step, training_trace=nodes) if oracle else None
+        ratio = f"{ca.dollars / od.dollars:.3f}" if ca.finished and od.finished else "-"
+        cells = [
+            name,
+            "none" if nodes is None else ("itself (no node)" if max(nodes.available) == 0 else "itself"),
+            _dollars(od),
+            f"{od.wall_seconds / 3600:.2f}",
+            str(od.preemptions),
+            _dollars(ca),
+            f"{ca.wall_seconds / 3600:.2f}",
+            str(ca.preemptions),
+            ratio,
+            _dollars(th),
+            _dollars(ao),
+        ]
+        if best is not None:
+            cells += [
+                f"{best.dollars:.2f}" if best.finished else "-",
+                f"{best.wall_seconds / 3600:.2f}" if best.finished else "-",
+                _to_oracle(ca, best),
+            ]
+        typer.echo("| " + " | ".join(cells) + " |")
+        checks: dict[str, bool] = {}
+        if nodes is not None and max(nodes.available) > 0:
+            checks[f"auto <= {SPOT_TRAINING_RATIO}x on-demand training"] = (
+                ca.finished and ca.dollars <= SPOT_TRAINING_RATIO * od.dollars
+            )
+        if th.finished:  # (a run that did not end is dearer than any that did)
+            checks["<= threshold"] = ca.finished and ca.dollars <= th.dollars + 1e-9
+            checks["<= always-on"] = ca.finished and ca.dollars <= ao.dollars + 1e-9
+            checks["wall <= 1.05x threshold"] = ca.finished and ca.wall_seconds <= 1.05 * th.wall_seconds
+            if best is not None:
+                checks[f"<= {TO_ORACLE}x oracle"] = ca.finished and ca.dollars <= TO_ORACLE * best.dollars
+        if not checks:
+            checked.append(f"  {name}: no check (threshold never ends and no training spot capacity)")
+            continue
+        failures += [f"{name} (spot training): {k}" for k, ok in checks.items() if not ok]
+        checked.append(f"  {name}: " + ", ".join(f"{k} {'ok' if ok else 'MISSED'}" for k, ok in checks.items()))
+    typer.echo(
+        "\ncost-aware with training.capacity auto against the others under auto "
+        f"(auto <= {SPOT_TRAINING_RATIO}x where the trace has training spot capacity; the rest where threshold ends):"
+    )
+    typer.echo("\n".join(checked))
+    if oracle:
+        typer.echo("  (the oracle values no wall time: where waiting for spot costs nothing it waits, days if need be)")
+    return failures
+
+
+def _dollars(r: SimResult) -> str:
+    return f"{r.dollars:.2f}" + ("" if r.finished else " (not ended)")
+
+
 @workload_options
 def main(
     traces: Annotated[
@@ -135,12 +256,22 @@ def main(
     *,
     workload: Workload,
 ) -> None:
-    loaded = [load_trace(path) for path in traces_in(traces)]
-    results = {t.name: {pol: simulate(t, pol, workload) for pol in CostPolicy} for t in loaded}
+    paths = traces_in(traces)
+    loaded = [load_trace(path) for path in paths]
+    training = {t.name: training_trace_for(path, t) for path, t in zip(paths, loaded, strict=True)}
+    results = {
+        t.name: {pol: simulate(t, pol, workload, training_trace=training[t.name]) for pol in CostPolicy} for t in loaded
+    }
     currency = load_catalog().currency_of(
         [workload.rollout_instance_type, workload.training_instance_type]
     )  # every run's
-    best = {t.name: optimum(t, workload, step_seconds=oracle_step) for t in loaded} if oracle else {}
+    best = (
+        {t.name: optimum(t, workload, step_seconds=oracle_step, training_trace=training[t.name]) for t in loaded}
+        if oracle
+        else {}
+    )
+    if workload.training_capacity != "on-demand":
+        typer.echo(f"training.capacity {workload.training_capacity}; {TRAINING_TRACE_NOTE}")
     typer.echo(header(currency, oracle))
     for name, by_policy in results.items():
         for r in by_policy.values():
@@ -186,13 +317,15 @@ def main(
         failures.append(f"mean gap closed {mean_closed:.0%} < 50%")
     typer.echo(f"  mean gap closed: {mean_closed:.0%} (target >= 50%)")
 
+    failures += _spot_training(loaded, training, results, workload, currency, oracle, oracle_step)
+
     sweep = next((t for t in loaded if t.name == sweep_trace), loaded[0])
     typer.echo(f"\nsweep over training minutes per batch, trace {sweep.name} ({currency}, x bound, wall h):")
     typer.echo("| min/batch | " + " | ".join(p.value for p in CostPolicy) + " |\n|---:|" + "---|" * len(CostPolicy))
     for minutes in SWEEP_MINUTES:
         cells = []
         for pol in CostPolicy:
-            r = simulate(sweep, pol, replace(workload, training_minutes=minutes))
+            r = simulate(sweep, pol, replace(workload, training_minutes=minutes), training_trace=training[sweep.name])
             cells.append(f"{r.dollars:.2f} ({r.dollars / r.lower_bound_dollars:.3f}x, {r.wall_seconds / 3600:.1f} h)")
         typer.echo(f"| {minutes} | " + " | ".join(cells) + " |")
 
