@@ -43,13 +43,26 @@ class PodSpec:
     zone: str | None = None  # the zone its node must be in; None: any (local pods have none)
 
 
+TORCHRUN_SHUTDOWN_S = 3600
+
+
 def cli_command(args: list[str], *, processes: int = 1, python: str = sys.executable) -> list[str]:
     """The command of a pod running ``spotrl ARGS``: one process, or ``processes`` of them
     started by torchrun on the pod's machine (one per GPU), which sets each one's rank."""
     module = ["-m", "services.cli.main", *args]
     if processes == 1:
         return [python, *module]
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *module]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        # On a SIGTERM (a stop, a spot notice) torchrun forwards it to the ranks, which checkpoint
+        # and exit; it would SIGKILL them after 30 s, less than a spot notice: the pod's grace decides.
+        f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}",
+        *module,
+    ]
 
 
 @dataclass(frozen=True)
