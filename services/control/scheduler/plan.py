@@ -373,10 +373,10 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         return (
             actions
             + _scale(run, observed, spot, decision.workers, bought, decision.on_demand_workers)
-            + _train(run, observed, training, standby, decision.standby)
+            + _train(run, observed, training, standby, decision.standby, workers)
         )
     actions += _scale(run, observed, workers, decision.workers, [], 0, on_demand=decision.on_demand)
-    return actions + _train(run, observed, training, standby, decision.standby)
+    return actions + _train(run, observed, training, standby, decision.standby, workers)
 
 
 def _account(reason: str | None) -> str | None:
@@ -419,12 +419,21 @@ def _scale(
 
 
 def _train(
-    run: RunState, observed: Observed, training: Sequence[PodStatus], standby: Sequence[PodStatus], warm: bool
+    run: RunState,
+    observed: Observed,
+    training: Sequence[PodStatus],
+    standby: Sequence[PodStatus],
+    warm: bool,
+    workers: Sequence[PodStatus],
 ) -> list[Action]:
     """The next job when its batch waits (taking the warm node's place: the standby pod goes as the
     job starts), on the capacity ``training.capacity`` picks, else the warm node held or let go as
-    the policy wants; a spot job that waited too long for a node is stopped, to start on-demand."""
-    expired = [p for p in training if spot_wait_expired(run.spec, p, observed.now, observed.estimates)]
+    the policy wants; a spot job or standby that waited too long for a node is stopped, to start on-demand."""
+    spot_workers = [w for w in workers if w.capacity_type == "spot"]
+    stalled = bool(spot_workers) and all(w.waiting_for_node for w in spot_workers)
+    expired = [
+        p for p in [*training, *standby] if spot_wait_expired(run.spec, p, observed.now, observed.estimates, stalled)
+    ]
     if expired:
         return [StopPod(p.name) for p in expired] + [RefuseSpotTraining(run.run_id, observed.now)]
     spot = train_on_spot(

@@ -9,9 +9,10 @@
   start-up and half a checkpoint interval of lost update (a kill without notice; with one, the
   job checkpoints before it goes); on-demand is the on-demand price over the job's time. The
   preemption rate is what the run's spot training pods have met so far, with an hour on spot
-  without one as the prior. A spot job that waits for a node longer than two start-ups is
-  stopped and the run's jobs go on-demand for ``SPOT_RETRY_AFTER_SECONDS``: a node that does
-  not come costs the run its wall time, the one thing on-demand buys back.
+  without one as the prior. A spot job (or standby) that waits for a node longer than two
+  start-ups is stopped and the run's jobs go on-demand for ``SPOT_RETRY_AFTER_SECONDS``: a node
+  that does not come costs the run its wall time, the one thing on-demand buys back; but not
+  while the run's spot rollout workers all wait for nodes too, when the next batch waits as long.
 
 Pure functions of what ``plan`` observes; the simulator (``services.control.simulate``) decides with
 them too.
@@ -88,10 +89,13 @@ def train_on_spot(
     return prices.spot * spot_seconds < prices.on_demand * job
 
 
-def spot_wait_expired(spec: RunSpec, pod: PodStatus, now: float, estimates: Estimates) -> bool:
-    """An auto run's spot training pod has waited for a node past its patience (and never had one)."""
+def spot_wait_expired(spec: RunSpec, pod: PodStatus, now: float, estimates: Estimates, rollout_stalled: bool) -> bool:
+    """An auto run's spot training (or standby) pod has waited for a node past its patience (and
+    never had one), and on-demand would buy time: not while the run's spot rollout workers all wait
+    for nodes too (an outage of both, likely of one zone), when the next batch is as late as the job."""
     return (
         spec.training.capacity == TrainingCapacity.AUTO
+        and not rollout_stalled
         and pod.capacity_type == "spot"
         and pod.waiting_for_node
         and pod.node_joined_at is None

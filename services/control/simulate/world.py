@@ -77,9 +77,10 @@ class SimResult:
     always_on_dollars: float
     samples_trained: int
     samples_dropped_stale: int
-    preemptions: int
+    preemptions: int  # of every spot pod: rollout workers, training jobs and standbys
     training_busy_fraction: float
     deadline_met: bool | None
+    training_preemptions: int = 0  # of them, training jobs'
     finished: bool = True  # False: still running at the horizon (not in the JSON)
     gap: dict[str, float] = field(
         default_factory=dict
@@ -123,6 +124,7 @@ class _World:
     trained: int = 0
     stale: int = 0
     preemptions: int = 0
+    training_preemptions: int = 0
     # When the last training or standby pod ended, by capacity type: its node is still up a while.
     node_released_at: dict[str, float] = field(default_factory=dict)
     checkpointed: dict[int, float] = field(default_factory=dict)  # iteration -> update seconds saved
@@ -149,6 +151,7 @@ class _World:
                     self._end(pod, pod.preempt_at, PodPhase.FAILED, -15, preempted=True)
             elif pod.preempt_at is not None:  # a spot training or standby pod, told at its notice
                 self.preemptions += 1
+                self.training_preemptions += pod.status.role == ROLE_TRAINING
                 self._end(pod, pod.preempt_at, PodPhase.FAILED, -15, preempted=True)
             elif pod.status.role == ROLE_TRAINING and pod.done_at is not None and pod.done_at <= end:
                 self._end(pod, pod.done_at, PodPhase.SUCCEEDED, 0)
@@ -531,6 +534,7 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
         samples_trained=world.trained,
         samples_dropped_stale=world.stale,
         preemptions=world.preemptions,
+        training_preemptions=world.training_preemptions,
         training_busy_fraction=round(training_busy / node_seconds, 4) if node_seconds else 0.0,
         deadline_met=None
         if w.deadline_seconds is None

@@ -93,12 +93,16 @@ WAITING_T1 = dataclasses.replace(SPOT_T1, waiting_for_node=True, started_at=NOW 
 
 def test_only_an_auto_spot_job_that_never_had_a_node_past_its_patience_is_given_up() -> None:
     auto = spec("auto")
-    assert spot_wait_expired(auto, WAITING_T1, NOW, ESTIMATES)
-    assert not spot_wait_expired(spec("spot"), WAITING_T1, NOW, ESTIMATES)  # spot waits
-    assert not spot_wait_expired(auto, dataclasses.replace(WAITING_T1, started_at=NOW - 100), NOW, ESTIMATES)
-    assert not spot_wait_expired(auto, dataclasses.replace(WAITING_T1, capacity_type="on-demand"), NOW, ESTIMATES)
-    assert not spot_wait_expired(auto, dataclasses.replace(WAITING_T1, node_joined_at=NOW - 400), NOW, ESTIMATES)
-    assert not spot_wait_expired(auto, SPOT_T1, NOW, ESTIMATES)
+    assert spot_wait_expired(auto, WAITING_T1, NOW, ESTIMATES, False)
+    assert not spot_wait_expired(spec("spot"), WAITING_T1, NOW, ESTIMATES, False)  # spot waits
+    assert not spot_wait_expired(auto, dataclasses.replace(WAITING_T1, started_at=NOW - 100), NOW, ESTIMATES, False)
+    assert not spot_wait_expired(
+        auto, dataclasses.replace(WAITING_T1, capacity_type="on-demand"), NOW, ESTIMATES, False
+    )
+    assert not spot_wait_expired(auto, dataclasses.replace(WAITING_T1, node_joined_at=NOW - 400), NOW, ESTIMATES, False)
+    assert not spot_wait_expired(auto, SPOT_T1, NOW, ESTIMATES, False)
+    # While the run's spot rollout waits for nodes too, on-demand training would buy no time.
+    assert not spot_wait_expired(auto, WAITING_T1, NOW, ESTIMATES, True)
 
 
 def test_a_spot_job_launches_on_spot_and_its_standby_with_it() -> None:

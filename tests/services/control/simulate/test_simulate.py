@@ -132,6 +132,7 @@ def test_the_cli_writes_the_figures(tmp_path: Path) -> None:
         "samples_trained",
         "samples_dropped_stale",
         "preemptions",
+        "training_preemptions",
         "training_busy_fraction",
         "deadline_met",
     }
