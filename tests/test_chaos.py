@@ -1,6 +1,7 @@
 """Chaos during a real run: the tiny model, real pods, the scheduler as its own process, and
 ``services.tooling.chaos.Chaos`` SIGKILLing rollout workers, a training job between publishing and
-committing, and the scheduler (restarted each time). Then ``audit_run``, the same audit as
+committing, and the scheduler (restarted each time), and preempting spot training jobs mid-update
+(with the provider's notice and without). Then ``audit_run``, the same audit as
 `spotrl demo --chaos`, must find every guarantee kept.
 
 Slow by nature (each pod is a Python process that imports torch): kept to the tiny model and
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from services.core.config import Settings
+from services.domain.names import pod_log_key
 from services.ports.launcher.launcher import PodPhase
 from services.ports.wiring import open_backends
 from services.tooling.chaos import Chaos
@@ -35,9 +37,10 @@ SPEC = {
     "batch_samples": 16,
     "iterations": 4,
     "rollout": {"min_workers": 2, "max_workers": 2, "prompts_per_batch": 2},
-    "training": {"learning_rate": 1e-3, "micro_batch": 8},
+    # On spot: two optimizer steps an update (mini-batches of 8), checkpointed at a notice.
+    "training": {"learning_rate": 1e-3, "micro_batch": 8, "mini_batch": 8, "capacity": "spot"},
 }
-PLAN = ChaosPlan(worker_kills=2, training_kills=1, scheduler_restarts=2, pause_s=2.5)
+PLAN = ChaosPlan(worker_kills=2, training_kills=1, training_preemptions=2, scheduler_restarts=2, pause_s=2.5)
 
 
 async def test_a_run_under_chaos_loses_nothing_trains_nothing_twice_and_bills_everything(
@@ -59,6 +62,12 @@ async def test_a_run_under_chaos_loses_nothing_trains_nothing_twice_and_bills_ev
         audit = audit_run(backends, run_id)
         print(tally.line(), *audit.lines(), sep="\n")  # shown with -s, and on failure
         trainer_keys = backends.objects.list(f"runs/{run_id}/trainer/")
+        ledger = backends.state.ledger(run_id)
+        job_logs = {
+            int(e.pod.rsplit("-", 1)[1]): backends.objects.get_bytes(pod_log_key(run_id, e.pod)).decode()
+            for e in ledger
+            if e.role == "training"
+        }
     finally:
         for pod in backends.launcher.list():  # nothing of ours is left running
             if pod.phase == PodPhase.RUNNING and pod.pid:
@@ -73,6 +82,20 @@ async def test_a_run_under_chaos_loses_nothing_trains_nothing_twice_and_bills_ev
     assert len(tally.training_kills) == 1, tally.line()
     assert len(tally.worker_kills) >= 1, tally.line()
     assert tally.scheduler_kills >= 1 and tally.scheduler_starts >= 2, tally.line()
+    # Two spot training jobs were preempted mid-update, one at a notice and one without; each was
+    # billed up to its preemption and its iteration started again, unpenalised.
+    assert [how for _, how in tally.training_preemptions] == ["notice", "no notice"], tally.line()
+    # (The spot job SIGKILLed between publishing and committing, of another iteration, reads as reclaimed too.)
+    preempted = sorted(
+        int(e.pod.rsplit("-", 1)[1]) for e in ledger if e.role == "training" and e.outcome == "preempted"
+    )
+    assert preempted == sorted([i for i, _ in tally.training_preemptions] + tally.training_kills)
+    assert all(e.capacity_type == "spot" for e in ledger if e.role == "training")
+    # Each preempted iteration's last job trained the batch its predecessor stored (from its
+    # checkpoint's step where the notice came after one), not a new one from the queue.
+    for iteration, _ in tally.training_preemptions:
+        log = job_logs[iteration]
+        assert "resuming the update after step" in log or "training the batch an earlier job took" in log, log
     # A killed job's clean-up (its predecessor's optimizer state) is done by the next job: at most the last two remain.
     optimizer_versions = {int(m.group(1)) for k in trainer_keys if (m := re.search(r"/v(\d+)/optimizer", k))}
     assert optimizer_versions <= {3, 4}, optimizer_versions

@@ -234,7 +234,8 @@ def demo(
         typer.Option(
             "--chaos",
             help="During the run, SIGKILL rollout workers, a training job between publish and commit, and the scheduler "
-            "(restarted each time), then audit the run: nothing lost, trained twice or left unbilled.",
+            "(restarted each time), and preempt two training jobs on spot mid-update (with a notice and without), "
+            "then audit the run: nothing lost, trained twice or left unbilled.",
         ),
     ] = False,
     iterations: Annotated[
@@ -256,7 +257,7 @@ def demo(
         model=model,
         settings=load_settings(home),
         summary_json=summary_json,
-        chaos=ChaosPlan() if chaos else None,
+        chaos=ChaosPlan(training_preemptions=2) if chaos else None,
         iterations=iterations,
     )
     raise typer.Exit(0 if ok else 1)

@@ -73,6 +73,15 @@ def trainer_prefix(run_id: str, version: int) -> str:
     return f"runs/{run_id}/trainer/v{version}/"
 
 
+# Under the trainer prefix of the version a job on spot capacity is making: its update's checkpoint.
+UPDATE_CHECKPOINT_DIR = "partial/"
+
+
+def update_checkpoint_prefix(run_id: str, version: int) -> str:
+    """The checkpoint of the update that makes ``version``, while its job (on spot capacity) is under way."""
+    return f"{trainer_prefix(run_id, version)}{UPDATE_CHECKPOINT_DIR}"
+
+
 def result_key(run_id: str, version: int) -> str:
     """Written last by the training job that produces ``version``: its presence means published."""
     return f"{trainer_prefix(run_id, version)}result.json"

@@ -13,6 +13,11 @@ are local processes and, from two threads, disrupts it for real:
   then blocks in its commit, and is killed there. The commits flow again once the job is dead,
   and the kill counts only if its commit is indeed missing then (the job's own code path,
   unmodified, in its own process);
+- preempts training jobs on spot capacity as their update begins (their checkpoint's batch is
+  stored), as a provider reclaims a node: by turns with its notice (SIGTERM, then SIGKILL if the
+  job is still there after ``notice_s``), when the job checkpoints and exits ``EXIT_PREEMPTED``,
+  and without (SIGKILL); the local launcher reports either as preempted, and the next job of the
+  iteration resumes from the checkpoint;
 - SIGKILLs the scheduler, or stops it with SIGTERM (which releases its lease), and starts a new
   one each time: the new one resumes from the state store and the launcher's pods;
 - where the backends are real servers the monkey can stop (``Levers``): makes the queue's
@@ -48,7 +53,13 @@ from contracts.job_result import JobResult
 from contracts.status import RunStatus
 from services.control.scheduler.lease import SCHEDULER_LEASE
 from services.core.config import Settings
-from services.domain.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
+from services.domain.names import (
+    TRAINER_GROUP,
+    policy_prefix,
+    result_key,
+    samples_topic,
+    update_checkpoint_prefix,
+)
 from services.ports.launcher.launcher import PodPhase, PodStatus
 from services.ports.launcher.local_launcher import LocalLauncher
 from services.ports.queue.sqlite_queue import SqliteQueue
@@ -130,6 +141,7 @@ class Chaos:
         self._scheduler_log: IO[bytes] | None = None
         self._error: BaseException | None = None
         self._caught: set[int] = set()  # iterations whose job was caught publishing
+        self._preempted: set[int] = set()  # iterations whose job was preempted mid-update
 
     def __enter__(self) -> Chaos:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -312,12 +324,14 @@ class Chaos:
         log.info("chaos: %s answers again after %.1f s", server, seconds)
 
     def _catch_publishing_jobs(self) -> None:
-        """Kill up to ``training_kills`` training jobs between publishing and committing; then
-        make the object store unresponsive while the next ``object_store_outages`` jobs publish."""
+        """Preempt the first ``training_preemptions`` spot training jobs as their update begins;
+        kill up to ``training_kills`` training jobs between publishing and committing; then make
+        the object store unresponsive while the next ``object_store_outages`` jobs publish."""
         job: PodStatus | None = None
         listed_at = 0.0
         while not self._stop.is_set() and (
-            len(self.tally.training_kills) < self.plan.training_kills
+            self._preemptions_left()
+            or len(self.tally.training_kills) < self.plan.training_kills
             or len(self.tally.of("object store")) < self.plan.object_store_outages
         ):
             if time.monotonic() - listed_at > 10 * _LOOK_S:  # the pods now and then, the object store often
@@ -327,18 +341,58 @@ class Chaos:
                     if self._run_goes_on()
                     else None
                 )
-            if job is not None and self._publishing(job):
+            if job is not None and self._preemptions_left() and self._updating(job):
+                self._preempt_mid_update(job)
+                job = None  # gone: the next listing finds its successor
+            elif job is not None and self._publishing(job):
                 if len(self.tally.training_kills) < self.plan.training_kills:
                     self._kill_between_publish_and_commit(job)
                 else:
                     self._publish_through_outage(job)
             self._stop.wait(_WATCH_S)
 
+    def _preemptions_left(self) -> bool:
+        return len(self.tally.training_preemptions) + self.tally.preemptions_missed < self.plan.training_preemptions
+
+    def _updating(self, job: PodStatus) -> bool:
+        """Whether spot training ``job`` has just begun its update (its checkpoint's batch is
+        stored; once per iteration)."""
+        iteration = int(job.labels["iteration"])
+        return (
+            job.capacity_type == "spot"
+            and job.pid is not None
+            and iteration not in self._preempted
+            and bool(self.b.objects.list(update_checkpoint_prefix(self.run_id, iteration)))
+        )
+
+    def _preempt_mid_update(self, job: PodStatus) -> None:
+        """Reclaim ``job``'s node: by turns with the notice (SIGTERM; SIGKILL if still there after
+        ``notice_s``) and without (SIGKILL). It counts if the job had not published by its end."""
+        assert job.pid is not None
+        iteration = int(job.labels["iteration"])
+        self._preempted.add(iteration)
+        notice = len(self.tally.training_preemptions) % 2 == 0
+        _kill(job.pid, signal.SIGTERM if notice else signal.SIGKILL)
+        if notice:
+            _wait_ended(self.b, job.name, timeout_s=self.plan.notice_s)
+            if not _ended(self.b, job.name):
+                _kill(job.pid, signal.SIGKILL)
+        _wait_ended(self.b, job.name)
+        if self.b.objects.exists(result_key(self.run_id, iteration)):
+            self.tally.preemptions_missed += 1
+        else:
+            self.tally.training_preemptions.append((iteration, "notice" if notice else "no notice"))
+            log.info(
+                "chaos: preempted spot training job %d mid-update (%s)", iteration, "notice" if notice else "no notice"
+            )
+
     def _publishing(self, job: PodStatus) -> bool:
-        """Whether ``job`` has just begun publishing its policy version (once per iteration)."""
+        """Whether ``job`` has just begun publishing its policy version (once per iteration, and not
+        in an iteration preempted already: each disruption's effect stays its own)."""
         iteration = int(job.labels["iteration"])
         if (
             iteration in self._caught
+            or iteration in self._preempted
             or job.pid is None
             or not self.b.objects.list(policy_prefix(self.run_id, iteration))
         ):

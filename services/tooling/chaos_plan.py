@@ -19,10 +19,15 @@ class ChaosPlan:
     """How much to break. Disruptions of workers, the scheduler, the queue and the reward cache
     take turns, ``pause_s`` apart at least; a training job caught publishing is killed, up to
     ``training_kills``, and the jobs caught after those publish through an object store outage,
-    up to ``object_store_outages``. Outages need the ``Levers`` of real servers."""
+    up to ``object_store_outages``. A run training on spot capacity has its first
+    ``training_preemptions`` jobs preempted as their update begins, by turns with the provider's
+    notice (SIGTERM, SIGKILL after ``notice_s``) and without (SIGKILL). Outages need the
+    ``Levers`` of real servers."""
 
     worker_kills: int = 3
     training_kills: int = 1
+    training_preemptions: int = 0  # spot training jobs preempted mid-update, with a notice and without by turns
+    notice_s: float = 30.0
     scheduler_restarts: int = 2  # alternately after a SIGKILL and after a SIGTERM
     queue_outages: int = 0  # the queue's brokers unresponsive for outage_s
     reward_cache_outages: int = 0  # the reward cache unresponsive for outage_s, while rollout workers run
@@ -77,6 +82,9 @@ class ChaosTally:
     worker_kills: list[str] = field(default_factory=list)  # pods SIGKILLed
     training_kills: list[int] = field(default_factory=list)  # iterations killed after publishing, before committing
     training_missed: int = 0  # jobs caught publishing that committed before the kill (nothing to count)
+    # (iteration, "notice" or "no notice") of spot training jobs preempted during their update
+    training_preemptions: list[tuple[int, str]] = field(default_factory=list)
+    preemptions_missed: int = 0  # jobs preempted too late: they had published (nothing to count)
     scheduler_kills: int = 0  # SIGKILLs
     scheduler_stops: int = 0  # SIGTERMs (a clean stop, the lease released)
     scheduler_starts: int = 0
@@ -94,7 +102,15 @@ class ChaosTally:
         )
         return (
             f"chaos: {len(self.worker_kills)} rollout workers SIGKILLed; training jobs SIGKILLed between publish and "
-            f"commit: iterations {self.training_kills or 'none'} ({self.training_missed} missed); scheduler "
+            f"commit: iterations {self.training_kills or 'none'} ({self.training_missed} missed); "
+            + (
+                "spot training jobs preempted mid-update: "
+                + ", ".join(f"iteration {i} ({how})" for i, how in self.training_preemptions)
+                + f" ({self.preemptions_missed} missed); "
+                if self.training_preemptions or self.preemptions_missed
+                else ""
+            )
+            + "scheduler "
             f"SIGKILLed {self.scheduler_kills}x, SIGTERMed {self.scheduler_stops}x, started {self.scheduler_starts}x"
             + (f"; outages: {outages}" if outages else "")
             + (f" ({self.outages_missed} missed)" if self.outages_missed else "")

@@ -38,9 +38,10 @@ from services.tooling.run_audit import Audit, audit_run
 from trainer_core.models.loading import load_policy
 
 
-def demo_spec(model: str, iterations: int | None = None) -> dict[str, Any]:
+def demo_spec(model: str, iterations: int | None = None, training_capacity: str = "on-demand") -> dict[str, Any]:
     """Sized to finish in minutes on 2 CPU cores: the real defaults (5000-sample batches) are for GPUs.
-    ``iterations`` (``spotrl demo --iterations``) replaces the model's default number of iterations."""
+    ``iterations`` (``spotrl demo --iterations``) replaces the model's default number of iterations;
+    ``training_capacity``: the training jobs' (spot under chaos, which preempts them)."""
     tiny = model == "tiny"
     return {
         "name": "demo-arithmetic",
@@ -67,6 +68,7 @@ def demo_spec(model: str, iterations: int | None = None) -> dict[str, Any]:
             "learning_rate": 1e-4 if tiny else 2e-5,
             "mini_batch": 16,
             "micro_batch": 8,
+            "capacity": training_capacity,
         },
         "staleness_bound": 1,
     }
@@ -129,7 +131,8 @@ def run_demo(
         with httpx.Client(base_url=base, timeout=30) as client:
             while not server.started:
                 time.sleep(0.05)
-            response = client.post("/v1/runs", json=demo_spec(model, iterations))
+            capacity = "spot" if chaos is not None and chaos.training_preemptions else "on-demand"
+            response = client.post("/v1/runs", json=demo_spec(model, iterations, capacity))
             response.raise_for_status()
             run = response.json()
             console.print(f"submitted {run['id']} ({model}); state in {settings.home}")
@@ -202,6 +205,7 @@ def _chaos_summary(tally: ChaosTally, audit: Audit) -> dict[str, Any]:
     return {
         "worker_kills": len(tally.worker_kills),
         "training_kills_between_publish_and_commit": tally.training_kills,
+        "training_preemptions_mid_update": [{"iteration": i, "how": how} for i, how in tally.training_preemptions],
         "scheduler_kills": tally.scheduler_kills,
         "scheduler_stops": tally.scheduler_stops,
         "samples": {"produced": audit.produced, "trained": audit.trained, "dropped": audit.dropped},

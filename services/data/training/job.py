@@ -39,9 +39,9 @@ from contracts.training import Algorithm, Critic, TrainConfig
 from services.data.policy_store import fetch_policy, publish_policy
 from services.data.training.ranks import Ranks
 from services.data.training.selection import Selection, even_shares, reward_metrics, select_samples, selection_metrics
-from services.data.training.update_checkpoint import PARTIAL_DIR, UpdateCheckpointStore, update_checkpoint
+from services.data.training.update_checkpoint import UpdateCheckpointStore, update_checkpoint
 from services.domain.backlog import read_backlog, take_batch, trainer_consumer
-from services.domain.names import result_key, trainer_prefix
+from services.domain.names import UPDATE_CHECKPOINT_DIR, result_key, trainer_prefix, update_checkpoint_prefix
 from services.domain.policy_rotation import MIN_KEEP
 from services.domain.runspec import RunSpec
 from services.ports.objects.object_store import ObjectStore
@@ -354,9 +354,9 @@ def _retain(objects: ObjectStore, run_id: str, iteration: int, model_cache: Path
     for version in _stored_versions(objects, trainer_prefix(run_id, 0), "optimizer"):  # OPTIMIZER_DIR, and legacy files
         if version < iteration:
             objects.delete_prefix(trainer_prefix(run_id, version) + "optimizer")
-    for version in _stored_versions(objects, trainer_prefix(run_id, 0), PARTIAL_DIR):
+    for version in _stored_versions(objects, trainer_prefix(run_id, 0), UPDATE_CHECKPOINT_DIR):
         if version <= iteration:
-            objects.delete_prefix(trainer_prefix(run_id, version) + PARTIAL_DIR)
+            objects.delete_prefix(update_checkpoint_prefix(run_id, version))
     for cached in (model_cache / "runs" / run_id).glob("v*"):
         # Not the version before this one: a rollout worker of this machine may be loading it.
         if cached.name[1:].isdigit() and int(cached.name[1:]) <= iteration - MIN_KEEP:

@@ -50,19 +50,16 @@ from contracts.samples import decode_sample, encode_sample
 from contracts.training import TrainConfig, TrainingCapacity
 from services.data.training.ranks import Ranks
 from services.data.training.selection import Selection
-from services.domain.names import trainer_prefix
+from services.domain.names import update_checkpoint_prefix
+from services.ports.launcher.launcher import EXIT_PREEMPTED
 from services.ports.objects.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
 
-# Under an iteration's trainer prefix: the checkpoint of its update in progress.
-PARTIAL_DIR = "partial/"
 BATCH_FILE = "batch.json"
 MANIFEST_FILE = "manifest.json"
-# The exit status of a job that stopped at a preemption notice with its checkpoint stored
-# (sysexits' EX_TEMPFAIL: a temporary failure, to be retried). Under torchrun each rank exits so,
-# and the pod's status is torchrun's.
-EXIT_PREEMPTED = 75
+# A job that stopped at a preemption notice with its checkpoint stored exits with the launchers'
+# EXIT_PREEMPTED. Under torchrun each rank exits so, and the pod's status is torchrun's.
 
 
 class Preempted(SystemExit):
@@ -158,7 +155,7 @@ class UpdateCheckpointStore:
     ) -> None:
         self._objects, self._ranks, self._every_s, self._notice = objects, ranks, every_s, notice
         self._iteration = iteration
-        self._prefix = trainer_prefix(run_id, iteration) + PARTIAL_DIR
+        self._prefix = update_checkpoint_prefix(run_id, iteration)
         self._local = local  # on the pod's disk, shared by its ranks
         self._batch_id: str | None = None
         self._since = monotonic()

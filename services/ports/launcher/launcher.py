@@ -44,6 +44,9 @@ class PodSpec:
 
 
 TORCHRUN_SHUTDOWN_S = 3600
+# The exit status of a pod that stopped at a spot preemption notice with its work stored, to be
+# started again (sysexits' EX_TEMPFAIL): a training job that checkpointed its update.
+EXIT_PREEMPTED = 75
 
 
 def cli_command(args: list[str], *, processes: int = 1, python: str = sys.executable) -> list[str]:

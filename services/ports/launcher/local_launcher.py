@@ -18,6 +18,7 @@ from pathlib import Path
 
 from services.ports.launcher import local_pod
 from services.ports.launcher.launcher import (
+    EXIT_PREEMPTED,
     PodNotFoundError,
     PodPhase,
     PodSpec,
@@ -194,11 +195,11 @@ def _read_status(pod_dir: Path) -> PodStatus | None:
         started_at=meta["launched_at"],
         ended_at=ended["ended_at"] if ended else None,
         pid=pid,
-        # A spot "machine" taken back without notice, as the chaos driver plays it: SIGKILLed
-        # without being asked to stop.
+        # A spot "machine" taken back, as the chaos driver plays it, not a stop the scheduler asked
+        # for: SIGKILLed without notice, or gone at the notice's SIGTERM with its work stored.
         preempted=spec.capacity_type == "spot"
         and ended is not None
-        and ended["exit_code"] == -signal.SIGKILL
+        and ended["exit_code"] in (-signal.SIGKILL, EXIT_PREEMPTED)
         and not (pod_dir / STOP_FILE).exists(),
     )
 

@@ -26,9 +26,16 @@ from contracts.samples import Sample, encode_group
 from services.data.policy_store import fetch_policy
 from services.data.training import update_checkpoint
 from services.data.training.job import run_training_job
-from services.data.training.update_checkpoint import EXIT_PREEMPTED, Preempted, UpdateCheckpointStore
-from services.domain.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic, trainer_prefix
+from services.data.training.update_checkpoint import Preempted, UpdateCheckpointStore
+from services.domain.names import (
+    TRAINER_GROUP,
+    policy_prefix,
+    result_key,
+    samples_topic,
+    update_checkpoint_prefix,
+)
 from services.domain.runspec import RunSpec
+from services.ports.launcher.launcher import EXIT_PREEMPTED
 from services.ports.objects.local_object_store import LocalObjectStore
 from services.ports.objects.object_store import ObjectStore, folder_key
 from services.ports.queue.sqlite_queue import SqliteQueue
@@ -36,7 +43,7 @@ from tests.services.data.training.test_job import RUN, spec
 from trainer_core.models.loading import load_policy
 
 STEPS = 4
-PARTIAL = trainer_prefix(RUN, 1) + "partial/"
+PARTIAL = update_checkpoint_prefix(RUN, 1)
 # Metrics of the job's own run, not of what it trained.
 OWN_METRICS = {"perf/seconds", "perf/tokens_per_s", "perf/memory_bytes", "perf/peak_memory_bytes"}
 
@@ -113,7 +120,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -
     world = World(tmp_path_factory.mktemp("uninterrupted"), model_cache)
     produce(world.queue, range(2))
     result = world.job(training("on-demand"))
-    assert not world.objects.list(trainer_prefix(RUN, 1) + "partial"), "an on-demand job keeps no checkpoint"
+    assert not world.objects.list(update_checkpoint_prefix(RUN, 1)), "an on-demand job keeps no checkpoint"
     return world, result
 
 
@@ -324,7 +331,7 @@ def test_two_processes_stop_together_at_one_ranks_notice_and_resume(tmp_path: Pa
     assert stopped.returncode != 0, "torchrun reports its ranks' exits"
     assert output(stopped).count(f"exitcode  : {EXIT_PREEMPTED}") == 2, "each rank stopped, with EXIT_PREEMPTED"
     _, backends, run_id = worlds["stopped"]
-    manifest = json.loads(backends.objects.get_bytes(trainer_prefix(run_id, 1) + "partial/manifest.json"))
+    manifest = json.loads(backends.objects.get_bytes(update_checkpoint_prefix(run_id, 1) + "manifest.json"))
     assert manifest["steps"] == 2
     assert not backends.objects.exists(result_key(run_id, 1))
     retry = launch("stopped")
@@ -342,6 +349,6 @@ def test_two_processes_stop_together_at_one_ranks_notice_and_resume(tmp_path: Pa
     )
     for name, weight in want_weights.items():
         assert torch.equal(got_weights[name], weight), name
-    assert not got_backends.objects.list(trainer_prefix(got_run, 1) + "partial/")
+    assert not got_backends.objects.list(update_checkpoint_prefix(got_run, 1))
     for _, backends, _ in worlds.values():
         backends.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.ports.launcher.launcher import Launcher, PodNotFoundError, PodPhase, PodSpec, PodStatus
+from services.ports.launcher.launcher import EXIT_PREEMPTED, Launcher, PodNotFoundError, PodPhase, PodSpec, PodStatus
 from services.ports.launcher.local_launcher import LocalLauncher
 
 
@@ -321,6 +321,26 @@ def test_local_a_pod_killed_after_its_stop_is_not_preempted(local: Launcher) -> 
     local.stop("stubborn", grace_s=0.5)  # killed at the end of its grace period: asked to go
     pod = wait_until_ended(local, "stubborn")
     assert (pod.exit_code, pod.preempted) == (-9, False)
+
+
+# Stores its work at a SIGTERM and exits EXIT_PREEMPTED, as a spot training job does at a notice.
+CHECKPOINTS_AT_SIGTERM = f"""
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit({EXIT_PREEMPTED}))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_local_a_spot_pod_gone_at_a_notice_with_its_work_stored_is_preempted_unless_stopped(local: Launcher) -> None:
+    local.launch(local_spec("noticed", CHECKPOINTS_AT_SIGTERM))
+    wait_for_log(local, "noticed", "ready")
+    os.kill(status(local, "noticed").pid, signal.SIGTERM)  # the provider's notice, as the chaos driver gives it
+    assert (wait_until_ended(local, "noticed").exit_code, status(local, "noticed").preempted) == (EXIT_PREEMPTED, True)
+    local.launch(local_spec("stopped", CHECKPOINTS_AT_SIGTERM))
+    wait_for_log(local, "stopped", "ready")
+    local.stop("stopped", grace_s=5)  # the scheduler's own stop: not a preemption
+    assert (wait_until_ended(local, "stopped").exit_code, status(local, "stopped").preempted) == (EXIT_PREEMPTED, False)
 
 
 def test_local_a_pod_whose_supervisor_died_fails_and_its_workload_dies_too(local: Launcher, wait_for) -> None:
