@@ -399,6 +399,14 @@ class RunSpec(BaseModel):
                 f"rollout.engine vllm serves LoRA adapters of rank up to {VLLM_MAX_LORA_RANK}, not "
                 f"training.lora_rank {self.training.lora_rank}: lower it, or sample with engine hf"
             )
+        # vLLM's LoRA kernels assert float16 or bfloat16 weights (lora_shrink_op.py in vLLM 0.30-0.32).
+        lora_on_vllm = self.rollout.engine == RolloutEngine.VLLM and self.training.lora_rank > 0
+        if lora_on_vllm and self.rollout.vllm_dtype == VLLMDtype.FLOAT32:
+            raise ValueError(
+                "rollout.vllm_dtype float32 cannot serve LoRA adapters: vLLM's LoRA kernels take float16 or "
+                "bfloat16 weights. Set rollout.vllm_dtype to bfloat16 (or float16), or leave it unset "
+                "(bfloat16 for a float32 checkpoint)"
+            )
         return self
 
     @model_validator(mode="after")

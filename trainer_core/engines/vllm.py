@@ -1,9 +1,11 @@
 """Sampling with vLLM's offline engine (`vllm.LLM`) on a GPU.
 
 NOT RUN HERE: vLLM needs a GPU and this project's machines have none. Every call into vLLM below
-was checked against the Python source of the vLLM 0.31.0 wheel (0.30 and 0.32 agree; the
-file:line citations are inside that wheel), and the tests run this module against a stand-in
-`vllm` (tests/trainer_core/engines/vllm_stand_in.py) that enforces those contracts.
+was checked against the Python source of the vLLM 0.31.0 wheel (the file:line citations are
+inside that wheel), then against 0.30.0's and 0.32.0's, which take the same calls and behave the
+same but where said (`unservable_adapter_features`, the stand-in's `sleep`); the tests run this
+module against a stand-in `vllm` (tests/trainer_core/engines/vllm_stand_in.py) that enforces
+those contracts.
 
 Two ways to push new full weights, as vLLM's engine runs in another process by default
 (VLLM_ENABLE_V1_MULTIPROCESSING, envs.py:1429), where `collective_rpc` arguments travel by msgpack:
@@ -12,9 +14,12 @@ no callable unless VLLM_ALLOW_INSECURE_SERIALIZATION=1, and tensors arrive as pl
 - `load_weights_from(dir)`: the worker's `reload_weights(weights_path=dir)` reads the checkpoint
   there (v1/worker/gpu_model_runner.py:5492), with its layerwise post-processing; only a path
   crosses the process boundary. For rollout workers, which have each version on disk.
-- `load_weights(named_tensors)` / `set_model(model)`: in process only (`in_process=True`, which
-  sets VLLM_ENABLE_V1_MULTIPROCESSING=0 before `LLM()`), the tensors go to the same
+- `load_weights(named_tensors)` / `set_model(model)`: in process only (`colocated=True`, which
+  sets VLLM_ENABLE_V1_MULTIPROCESSING=0 while `LLM()` is built), the tensors go to the same
   `reload_weights(weights_iterator=...)` with no copy through a socket. For colocated runs.
+Either way vLLM only logs a warning for the model's weights a push leaves out, and goes on
+serving their old values (v1/worker/gpu_model_runner.py:5571-5577): so the engine compares the
+names it pushes with the checkpoint's first, and refuses a push that does not match.
 vLLM 0.31 also has a weight-transfer API (`LLM.init_weight_transfer_engine` / `update_weights`,
 entrypoints/llm.py:870-912), for a trainer sending weights from other GPUs; spotrl does not need it.
 """
@@ -26,11 +31,13 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase
 
 from trainer_core.engines.hf import Completion, SamplingParams, never
@@ -46,6 +53,10 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM's ModelDType (config/model.py:99), less "auto": that turns fp32 checkpoints into bf16
 # (config/model.py:2373), so spotrl always names the dtype.
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
+# vLLM's LoRA kernels take these only: lora_shrink asserts it (lora/ops/triton_ops/
+# lora_shrink_op.py:175, called from lora/punica_wrapper/punica_gpu.py:114) at the first forward
+# pass of a request with an adapter.
+LORA_DTYPES = ("bfloat16", "float16")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # of the whole GPU, weights and KV cache (vLLM's: 0.92)
 PREFIX_CACHE_RESET_TIMEOUT_S = 30.0
 
@@ -66,6 +77,20 @@ def max_lora_rank_for(rank: int) -> int:
     raise ValueError(f"vLLM serves LoRA adapters of rank up to {MAX_LORA_RANKS[-1]}, not {rank}: lower lora_rank")
 
 
+def serving_dtype(model: str | Path, dtype: str | None, *, lora: bool) -> str:
+    """The dtype vLLM serves `model` in: `dtype`, by default the checkpoint's, but bfloat16 for a
+    float32 checkpoint with LoRA, which vLLM's LoRA kernels do not take (LORA_DTYPES)."""
+    if dtype is None:
+        dtype = checkpoint_dtype(model)
+        return "bfloat16" if lora and dtype not in LORA_DTYPES else dtype
+    if lora and dtype not in LORA_DTYPES:
+        raise ValueError(
+            f"vLLM's LoRA kernels take {' or '.join(LORA_DTYPES)} weights, not {dtype}: "
+            "pass dtype='bfloat16' (or leave it unset for bfloat16 on a float32 checkpoint)"
+        )
+    return dtype
+
+
 def checkpoint_dtype(model_dir: str | Path) -> str:
     """The dtype the checkpoint in `model_dir` was saved in (config.json's `dtype`, formerly
     `torch_dtype`), as vLLM names it."""
@@ -78,6 +103,86 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     if dtype not in VLLM_DTYPES:
         raise ValueError(f"{config_file} names dtype {dtype!r}: pass dtype, one of {', '.join(VLLM_DTYPES)}")
     return dtype
+
+
+def checkpoint_weight_names(model_dir: str | Path) -> frozenset[str]:
+    """Names of the tensors of the safetensors checkpoint in `model_dir`: its index's, else
+    those in the headers of its files (nothing else is read)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return frozenset(json.loads(index.read_text())["weight_map"])
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no safetensors checkpoint to read weight names from")
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    return frozenset(names)
+
+
+def unmatched_weights(
+    expected: frozenset[str], pushed: Sequence[tuple[str, torch.Tensor | None]]
+) -> tuple[list[str], list[str]]:
+    """(missing, unexpected): the names of `expected` that `pushed` lacks, and those it has that
+    `expected` lacks, less tied copies: a tensor sharing storage with a pushed weight of
+    `expected`, as `lm_head.weight` of tied embeddings, which save_pretrained leaves out and
+    vLLM skips. A tensor may be None (names read from a checkpoint)."""
+    names = {name for name, _ in pushed}
+    known = {t.data_ptr() for name, t in pushed if name in expected and t is not None}
+    unexpected = [n for n, t in pushed if n not in expected and (t is None or t.data_ptr() not in known)]
+    return sorted(expected - names), sorted(unexpected)
+
+
+def unservable_adapter_features(config: Mapping[str, Any], max_lora_rank: int) -> list[str]:
+    """What vLLM refuses in a PEFT adapter_config.json (lora/peft_helper.py:41-56 and 128-136 in
+    vLLM 0.31; 0.32 adds the features marked so), or ignores, serving another adapter than PEFT
+    would (rank_pattern and alpha_pattern, before 0.32). spotrl's adapters (models/lora.py) have none."""
+    init = config.get("init_lora_weights")
+    features = {
+        "modules_to_save": any(m not in ("classifier", "score") for m in config.get("modules_to_save") or ()),
+        "DoRA (use_dora)": config.get("use_dora"),
+        "a bias (bias)": config.get("bias", "none") != "none",
+        "a LoRA bias (lora_bias, from vLLM 0.32)": config.get("lora_bias"),
+        "per-module ranks (rank_pattern, alpha_pattern)": config.get("rank_pattern") or config.get("alpha_pattern"),
+        # PiSSA, OLoRA, CorDA and LoftQ change the base weights when PEFT loads the adapter.
+        f"init_lora_weights {init!r} (from vLLM 0.32)": isinstance(init, str)
+        and init.lower() in ("pissa", "olora", "corda", "loftq"),
+        f"rank {config.get('r')}, above the engine's max_lora_rank {max_lora_rank}": config.get("r", 0) > max_lora_rank,
+    }
+    return [feature for feature, present in features.items() if present]
+
+
+def check_servable_adapter(adapter_dir: str | Path, max_lora_rank: int) -> None:
+    """Raise ValueError unless vLLM serves the PEFT adapter saved in `adapter_dir` as PEFT does:
+    a plain LoRA of rank up to `max_lora_rank`. vLLM itself refuses only when a worker first
+    loads the adapter, during the engine step that schedules a request for it."""
+    config_file = Path(adapter_dir) / "adapter_config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except OSError:
+        raise ValueError(f"{adapter_dir} holds no PEFT adapter (adapter_config.json) for vLLM to load") from None
+    refused = unservable_adapter_features(config, max_lora_rank)
+    if refused:
+        raise ValueError(
+            f"vLLM cannot serve the adapter in {adapter_dir}: it has {', '.join(refused)}. Train a plain LoRA "
+            "adapter (spotrl's training.lora_rank makes one), or sample with engine hf"
+        )
+
+
+@contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """`os.environ[name]` is `value` within the block, as it was before after it."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 class VLLMEngine:
@@ -105,10 +210,11 @@ class VLLMEngine:
         **llm_options: Any,
     ) -> None:
         """`model` is a Hugging Face model directory; vLLM serves it in `dtype` (default: the
-        checkpoint's) within `gpu_memory_utilization` of the GPU. `lora_rank` enables LoRA
-        adapters of up to that rank (rounded up to a rank vLLM allows). `colocated` is for a
-        trainer in this process sharing the GPU: it enables vLLM's sleep mode and runs vLLM's
-        engine in this process (`load_weights`). `llm_options` go to `vllm.LLM` as they are
+        checkpoint's, but bfloat16 for a float32 checkpoint with LoRA: `serving_dtype`) within
+        `gpu_memory_utilization` of the GPU. `lora_rank` enables LoRA adapters of up to that rank
+        (rounded up to a rank vLLM allows). `colocated` is for a trainer in this process sharing
+        the GPU: it enables vLLM's sleep mode and runs vLLM's engine in this process
+        (`load_weights`). `llm_options` go to `vllm.LLM` as they are
         (max_model_len, enforce_eager, ...). Completions end at the first of `stop_ids`, by
         default the tokenizer's eos and end-of-turn tokens (vLLM also stops at the model's own eos)."""
         vllm = _import_vllm()
@@ -122,22 +228,29 @@ class VLLMEngine:
         # Only finished requests come out of `step` (sampling_params.py:194): the default,
         # CUMULATIVE, rebuilds every unfinished request's token and log-prob lists each step.
         self._final_only = RequestOutputKind.FINAL_ONLY
+        self._max_lora_rank = max_lora_rank_for(lora_rank) if lora_rank else 0
         if lora_rank:
-            llm_options |= {"enable_lora": True, "max_lora_rank": max_lora_rank_for(lora_rank)}
+            llm_options |= {"enable_lora": True, "max_lora_rank": self._max_lora_rank}
+        dtype = serving_dtype(model, dtype, lora=bool(lora_rank))
+        # What pushes must match: the weights vLLM loads from `model` (a local directory).
+        self._weight_names = checkpoint_weight_names(model) if Path(model).is_dir() else None
+        self._model = str(model)
         self.in_process = colocated
-        if colocated:
-            # Read when LLM() builds its engine (v1/engine/llm_engine.py:180), and cached in this
-            # process from then on (envs.py:2249, v1/engine/core.py:252).
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self._llm = vllm.LLM(
-            model=str(model),
-            dtype=dtype or checkpoint_dtype(model),
-            gpu_memory_utilization=gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            # The cumem allocator that sleep() frees memory through (config/model.py:621).
-            enable_sleep_mode=colocated,
-            **llm_options,
-        )
+        # vLLM reads the switch when LLM() builds its engine (v1/engine/llm_engine.py:180); an
+        # engine in this process then caches every VLLM_* variable for the process
+        # (v1/engine/core.py:252, envs.py:2249), so restoring it afterwards changes nothing for
+        # vLLM: only for the rest of this process and the processes it starts.
+        in_process = _environ("VLLM_ENABLE_V1_MULTIPROCESSING", "0") if colocated else nullcontext()
+        with in_process:
+            self._llm = vllm.LLM(
+                model=str(model),
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                logprobs_mode="processed_logprobs",
+                # The cumem allocator that sleep() frees memory through (config/model.py:621).
+                enable_sleep_mode=colocated,
+                **llm_options,
+            )
         self._lora_enabled = bool(lora_rank)
         self._lora_request: Any = None
         self._lora_ids = itertools.count(1)  # vLLM's LoRA ids start at 1 (lora/request.py:39)
@@ -191,6 +304,7 @@ class VLLMEngine:
     def load_weights_from(self, model_dir: str | Path) -> None:
         """Serve the full-weight checkpoint saved in `model_dir` (safetensors, names as in the
         Hugging Face checkpoint) from now on. Only the path crosses into vLLM's engine process."""
+        self._check_names([(name, None) for name in checkpoint_weight_names(model_dir)], f"the weights in {model_dir}")
         self._reload_weights({"weights_path": str(model_dir)})
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -202,7 +316,27 @@ class VLLMEngine:
                 "load_weights passes tensors, which reach vLLM's engine process as plain lists: "
                 "build the engine with colocated=True, or save the weights and call load_weights_from(dir)"
             )
-        self._reload_weights({"weights_iterator": iter(named_tensors)})
+        named = list(named_tensors)  # the tensors themselves, not copies
+        self._check_names(named, "the weights pushed")
+        self._reload_weights({"weights_iterator": iter(named)})
+
+    def _check_names(self, pushed: Sequence[tuple[str, torch.Tensor | None]], what: str) -> None:
+        """Raise unless the names `pushed` are those of the served model's checkpoint
+        (`unmatched_weights`): vLLM would keep serving its old values of any weight left out."""
+        if self._weight_names is None:
+            raise ValueError(
+                f"cannot check the names of new weights against {self._model}, not a local checkpoint "
+                "directory: build the engine from the model's directory"
+            )
+        missing, unexpected = unmatched_weights(self._weight_names, pushed)
+        found = [(f"{len(names)} {kind}", names) for kind, names in (("missing", missing), ("unknown", unexpected))]
+        if missing or unexpected:
+            raise ValueError(
+                f"{what} do not match the weights of the served model ({self._model}): "
+                + "; ".join(f"{count}, e.g. {names[:3]}" for count, names in found if names)
+                + ". vLLM keeps serving the old values of weights a push leaves out: push every weight, named as "
+                "in the model's Hugging Face checkpoint (a peft model's names are not: push its adapter with set_lora)"
+            )
 
     def _reload_weights(self, source: dict[str, Any]) -> None:
         if self._weights_asleep:
@@ -245,6 +379,7 @@ class VLLMEngine:
             return
         if not self._lora_enabled:
             raise RuntimeError("this vLLM engine was built without LoRA: pass lora_rank to VLLMEngine")
+        check_servable_adapter(adapter_dir, self._max_lora_rank)
         from vllm.lora.request import LoRARequest
 
         lora_id = next(self._lora_ids)

@@ -5,6 +5,8 @@ that vLLM itself behaves so; that needs a GPU machine. Also the engine factory, 
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import types
@@ -20,6 +22,7 @@ from trainer_core.engines.hf import Completion, HFEngine, SamplingParams
 from trainer_core.engines.openai import OpenAIEngine
 from trainer_core.engines.vllm import VLLMEngine, completion_from_vllm, max_lora_rank_for, sampling_options
 from trainer_core.models.loading import Policy
+from trainer_core.models.lora import LoraSettings, apply_lora
 
 
 @pytest.fixture
@@ -134,17 +137,93 @@ def test_a_colocated_engine_pushes_tensors_in_process_and_sleeps(
     engine.sleep(level=2)
     with pytest.raises(RuntimeError, match="dropped the weights"):
         engine.generate([[1]], SamplingParams())
-    engine.load_weights([("weight", torch.zeros(2, 2))])
+    engine.load_weights([("bias", torch.zeros(2)), ("weight", torch.zeros(2, 2))])
     engine.generate([[1]], SamplingParams(temperature=0.0))
     assert llm.calls == [
         ("sleep", 2),
         ("wake_up", ["weights"]),
-        ("reload_weights", ["weight"]),
+        ("reload_weights", ["bias", "weight"]),
         ("reset_prefix_cache", None),
         ("wake_up", ["kv_cache"]),
     ]
     with pytest.raises(RuntimeError, match="colocated=True"):
         VLLMEngine(tmp_path / "m").sleep()
+
+
+def test_a_push_whose_names_are_not_the_models_is_refused_before_vllm_gets_it(
+    stand_in_vllm: types.ModuleType, tmp_path: Path
+) -> None:
+    # vLLM only logs a warning for the weights a push leaves out, and serves their old values.
+    engine = VLLMEngine(_checkpoint(tmp_path / "m"), colocated=True)
+    llm = engine._llm
+    linear = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"1 missing, e.g. \['bias'\]\. vLLM keeps serving the old values"):
+        engine.load_weights([("weight", linear.weight)])
+    peft_named = [(f"base_model.model.{name}", t) for name, t in linear.state_dict().items()]
+    with pytest.raises(ValueError, match=r"2 missing, .*; 2 unknown, e.g. \['base_model.model.bias'"):
+        engine.load_weights(peft_named)
+    with pytest.raises(ValueError, match=r"1 unknown, e.g. \['extra'\]"):
+        engine.load_weights([*linear.state_dict().items(), ("extra", torch.zeros(2))])
+    with pytest.raises(ValueError, match=r"the weights in .*other do not match.*1 missing, e.g. \['bias'\]"):
+        engine.load_weights_from(_checkpoint(tmp_path / "other", names=("weight",)))
+    assert llm.calls == []  # none of them reached vLLM
+    # A tied copy (lm_head.weight of tied embeddings, which save_pretrained leaves out) is no stranger.
+    engine.load_weights([*linear.state_dict().items(), ("lm_head.weight", linear.weight)])
+    assert llm.calls[0] == ("reload_weights", ["weight", "bias", "lm_head.weight"])
+
+
+def test_a_colocated_engine_sets_vllms_in_process_switch_only_while_building_it(
+    stand_in_vllm: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _checkpoint(tmp_path / "m")
+    assert not VLLMEngine(model, colocated=True)._llm.multiprocess
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert not VLLMEngine(model, colocated=True)._llm.multiprocess
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        VLLMEngine(model, colocated=True, no_such_option=1)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert VLLMEngine(model)._llm.multiprocess
+
+
+def test_lora_is_served_in_bfloat16_from_a_float32_checkpoint(stand_in_vllm: types.ModuleType, tmp_path: Path) -> None:
+    fp32, fp16 = _checkpoint(tmp_path / "fp32", "float32"), _checkpoint(tmp_path / "fp16", "float16")
+    assert VLLMEngine(fp32)._llm.options["dtype"] == "float32"  # without LoRA, the checkpoint's
+    engine = VLLMEngine(fp32, lora_rank=4, stop_ids=[2])
+    assert engine._llm.options["dtype"] == "bfloat16"
+    engine.set_lora(_adapter(tmp_path / "v1", 4))
+    assert [c.token_ids for c in engine.generate([[1]], SamplingParams(), seed=0)] == [[10, 2]]
+    assert VLLMEngine(fp16, lora_rank=4)._llm.options["dtype"] == "float16"
+    with pytest.raises(ValueError, match="LoRA kernels take bfloat16 or float16 weights, not float32: pass dtype="):
+        VLLMEngine(fp16, lora_rank=4, dtype="float32")
+
+
+def test_adapters_vllm_refuses_are_refused_when_set(
+    stand_in_vllm: types.ModuleType, tmp_path: Path, tiny_policy: Policy
+) -> None:
+    engine = VLLMEngine(_checkpoint(tmp_path / "m"), lora_rank=8)
+    refused = {
+        "dora": ({"use_dora": True}, r"DoRA \(use_dora\)"),
+        "saved": ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        "bias": ({"bias": "lora_only"}, r"a bias \(bias\)"),
+        "pattern": ({"rank_pattern": {"q_proj": 4}}, "per-module ranks"),
+        "pissa": ({"init_lora_weights": "pissa"}, "init_lora_weights 'pissa'"),
+    }
+    for name, (config, reason) in refused.items():
+        with pytest.raises(ValueError, match=f"vLLM cannot serve the adapter in .*{name}: it has {reason}"):
+            engine.set_lora(_adapter(tmp_path / name, 8, **config))
+    with pytest.raises(ValueError, match="rank 16, above the engine's max_lora_rank 8"):
+        engine.set_lora(_adapter(tmp_path / "r16", 16))
+    with pytest.raises(ValueError, match="holds no PEFT adapter"):
+        engine.set_lora(tmp_path / "m")
+    assert engine._lora_request is None
+    # What spotrl's training.lora_rank trains, as peft saves it.
+    apply_lora(tiny_policy.model, LoraSettings(rank=8)).save_pretrained(tmp_path / "spotrl")
+    saved = json.loads((tmp_path / "spotrl" / "adapter_config.json").read_text())
+    assert (saved["bias"], saved["use_dora"], saved["modules_to_save"]) == ("none", False, None)
+    engine.set_lora(tmp_path / "spotrl")
+    assert engine._lora_request.lora_path == str(tmp_path / "spotrl")
 
 
 def test_max_lora_rank_is_the_run_rank_rounded_up_to_one_vllm_allows() -> None:

@@ -83,25 +83,92 @@ def test_a_lora_request_needs_lora_enabled_and_an_adapter_within_max_lora_rank(m
         LoRARequest("v0", 0, str(rank_16))
 
 
+def test_adapters_with_what_vllms_peft_helper_refuses_are_refused(model: str, tmp_path: Path) -> None:
+    llm = LLM(model, enable_lora=True, max_lora_rank=8)
+    refused = {
+        "saved": ({"modules_to_save": ["lm_head", "score"]}, r"Unsupported modules_to_save: \['lm_head'\]"),
+        "dora": ({"use_dora": True}, "vLLM does not yet support DoRA."),
+        "bias": ({"bias": "all"}, "Adapter bias is not supported."),
+    }
+    for i, (name, (config, message)) in enumerate(refused.items(), start=1):
+        adapter = LoRARequest(name, i, str(write_adapter(tmp_path / name, 8, **config)))
+        with pytest.raises(ValueError, match=message):
+            llm.add_request(name, _prompt(), SamplingParams(), lora_request=adapter)
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "adapter_config.json").write_text('{"r": 8}')
+    with pytest.raises(ValueError, match="Missing required configuration fields"):
+        llm.add_request(
+            "bare", _prompt(), SamplingParams(), lora_request=LoRARequest("bare", 4, str(tmp_path / "bare"))
+        )
+    assert not llm.requests
+    classifier = write_adapter(tmp_path / "classifier", 8, modules_to_save=["classifier"])
+    llm.add_request("c", _prompt(), SamplingParams(), lora_request=LoRARequest("c", 5, str(classifier)))
+
+
+def test_a_lora_request_on_float32_weights_fails_vllms_lora_kernel(tmp_path: Path, vllm: types.ModuleType) -> None:
+    fp32 = str(write_checkpoint(tmp_path / "fp32", "float32"))
+    adapter = LoRARequest("v1", 1, str(write_adapter(tmp_path / "v1", 8)))
+    llm = LLM(fp32, dtype="float32", enable_lora=True, max_lora_rank=8)
+    llm.add_request("base", _prompt(), SamplingParams())
+    llm.step()  # no adapter: the kernel returns before its assert
+    llm.add_request("a", _prompt(), SamplingParams(), lora_request=adapter)
+    with pytest.raises(AssertionError, match="float16 or bfloat16 inputs, not float32"):
+        llm.step()
+    auto = LLM(fp32, enable_lora=True, max_lora_rank=8)  # "auto": a float32 checkpoint in bfloat16
+    assert auto.dtype == "bfloat16"
+    auto.add_request("a", _prompt(), SamplingParams(), lora_request=adapter)
+    auto.step()
+
+
 def test_sleep_needs_sleep_mode_and_a_sleeping_engine_does_no_work(model: str) -> None:
     with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
         LLM(model).sleep(level=1)
     llm = LLM(model, enable_sleep_mode=True)
-    llm.add_request("a", _prompt(), SamplingParams())
     llm.sleep(level=2)
-    with pytest.raises(RuntimeError, match="step while asleep"):
+    llm.add_request("a", _prompt(), SamplingParams())  # queued while paused
+    with pytest.raises(RuntimeError, match="step while paused, asleep .*a generate loop would never end"):
         llm.step()
     with pytest.raises(RuntimeError, match="reload_weights while the weights sleep"):
         llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
+    with pytest.raises(RuntimeError, match="Executor is already sleeping"):
+        llm.sleep(level=1)
     with pytest.raises(ValueError, match="wake_up tags must be in"):
         llm.wake_up(tags=["weight"])
     llm.wake_up(tags=["weights"])
     llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
-    with pytest.raises(RuntimeError, match=r"step while asleep \(\['kv_cache'\]\)"):
+    with pytest.raises(RuntimeError, match=r"step while paused, asleep \(\['kv_cache'\]\)"):
         llm.step()
+    # A tag awake already: vLLM wakes none of them, kv_cache included.
+    with pytest.raises(RuntimeError, match="Tag weights is not in sleeping tags' and wakes none of them"):
+        llm.wake_up(tags=["weights", "kv_cache"])
+    with pytest.raises(RuntimeError, match="Executor is already sleeping"):  # kv_cache sleeps still
+        llm.sleep(level=1)
     llm.wake_up()
     assert [o.finished for o in llm.step()] == [False]  # CUMULATIVE: unfinished requests come out too
     assert llm.intermediate_outputs == 1
+
+
+def test_sleep_aborts_the_requests_in_flight(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Across processes their outputs come back finished "abort".
+    llm = LLM(model, enable_sleep_mode=True)
+    llm.add_request("a", _prompt(), SamplingParams(seed=1))
+    llm.step()
+    llm.sleep(level=1)
+    llm.wake_up()
+    [aborted] = llm.step()
+    assert aborted.request_id == "a" and aborted.outputs[0].finish_reason == "abort"
+    assert aborted.outputs[0].token_ids == [11] and not llm.has_unfinished_requests()
+    # In process nothing reports them: a loop waiting for them would never end, until it aborts them.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    local = LLM(model, enable_sleep_mode=True)
+    local.add_request("a", _prompt(), SamplingParams())
+    local.sleep(level=1)
+    local.wake_up()
+    assert local.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match=r"requests \['a'\] were aborted by sleep in process"):
+        local.step()
+    local.abort_request(["a"])
+    assert not local.has_unfinished_requests()
 
 
 def test_collective_rpc_arguments_cross_into_the_engine_process_by_msgpack(
@@ -130,8 +197,32 @@ def test_collective_rpc_arguments_cross_into_the_engine_process_by_msgpack(
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     local = LLM(model)
     assert not local.multiprocess
-    local.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([("w", torch.zeros(3))])})
-    assert local.calls == [("reload_weights", ["w"])]
+    weights = list(torch.nn.Linear(2, 2).state_dict().items())
+    local.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    assert local.calls == [("reload_weights", ["weight", "bias"])]
+
+
+def test_weights_are_loaded_by_the_models_names(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = LLM(model)
+    linear = torch.nn.Linear(2, 2)
+    # vLLM only warns of a weight left out, and serves its old value: the stand-in raises.
+    with pytest.raises(RuntimeError, match=r"not loaded from checkpoint: \['bias'\] \(vLLM only warns"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([("weight", linear.weight)])})
+    with pytest.raises(RuntimeError, match=r"not loaded from checkpoint: \['bias'\]"):
+        llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": str(write_checkpoint(tmp_path / "v1", names=("weight",)))}
+        )
+    with pytest.raises(ValueError, match="There is no module or parameter named 'base_model'"):
+        peft_named = [(f"base_model.model.{n}", t) for n, t in linear.state_dict().items()]
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(peft_named)})
+    assert llm.calls == []
+    # A tied copy of a weight it loads is skipped (lm_head.weight of tied embeddings).
+    tied = [*linear.state_dict().items(), ("lm_head.weight", linear.weight)]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tied)})
+    with pytest.raises(ValueError, match="There is no module or parameter named 'lm_head'"):
+        untied = [*linear.state_dict().items(), ("lm_head.weight", torch.zeros(2, 2))]
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(untied)})
 
 
 def test_reset_prefix_cache_answers_false_while_requests_hold_the_cache(model: str) -> None:
@@ -215,6 +306,21 @@ def test_the_earlier_full_weight_push_did_not_cross_into_vllms_engine_process(
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     with pytest.raises(AttributeError, match=r"weight weight arrived as list \['float32', \[2, 2\], 0\]"):
         llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+
+
+def test_the_earlier_engine_served_lora_versions_of_a_float32_checkpoint_in_float32(
+    vllm: types.ModuleType, tmp_path: Path
+) -> None:
+    # It passed dtype=dtype or checkpoint_dtype(model): float32 for the tiny model and SmolLM2 (from
+    # GGUF) when rollout.vllm_dtype was unset, so every LoRA version after the base failed.
+    fp32 = str(write_checkpoint(tmp_path / "fp32", "float32"))
+    llm = vllm.LLM(model=fp32, dtype="float32", logprobs_mode="processed_logprobs", enable_lora=True, max_lora_rank=8)
+    _earlier_add_request(vllm, llm)
+    assert [o.finished for o in llm.step() + llm.step()] == [False, True]  # the base version samples
+    adapter = write_adapter(tmp_path / "v1", 4)
+    _earlier_add_request(vllm, llm, vllm_stand_in.LoRARequest("policy-1", 1, str(adapter)))
+    with pytest.raises(AssertionError, match="float16 or bfloat16"):
+        llm.step()
 
 
 def test_the_earlier_engine_slept_without_sleep_mode_unless_built_colocated(vllm: types.ModuleType, model: str) -> None:

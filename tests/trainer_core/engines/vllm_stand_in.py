@@ -16,17 +16,36 @@ What it enforces, and where vLLM does the same:
   it). In process the call is direct (v1/executor/uniproc_executor.py:103).
 - the worker method `reload_weights(weights_iterator=None, weights_path=None,
   is_checkpoint_format=True)` (v1/worker/gpu_model_runner.py:5492) reads the checkpoint at
-  `weights_path` and makes it the model's path from then on (line 5534).
+  `weights_path` and makes it the model's path from then on (line 5534). Weights are matched to
+  the model's by name: an unknown name raises (AutoWeightsLoader, model_executor/models/
+  utils.py:427), but a tied copy is skipped (`lm_head.weight` of tied embeddings, line 259); a
+  weight the push leaves out keeps its old value, and vLLM only logs a warning
+  (gpu_model_runner.py:5571-5577): the stand-in raises. The model's names are those of the
+  checkpoint it was built from.
 - `reset_prefix_cache()` returns a bool, False while requests hold KV blocks
   (entrypoints/llm.py:802, v1/core/block_pool.py:840-845).
 - a `lora_request` without `enable_lora` raises "LoRA is not enabled!"
-  (v1/engine/input_processor.py:249); an adapter of rank above `max_lora_rank` is refused
-  (lora/peft_helper.py:130; vLLM raises it when a worker first loads the adapter, during the
-  step that schedules the request, the stand-in already in `add_request`); LoRA ids start at 1
-  (lora/request.py:39).
+  (v1/engine/input_processor.py:249); vLLM's PEFTHelper refuses an adapter_config.json without
+  r, lora_alpha and target_modules, or with modules_to_save (but a classifier's), DoRA, a bias,
+  or a rank above `max_lora_rank` (lora/peft_helper.py:41-56, 78-81, 123-136; vLLM raises when a
+  worker first loads the adapter, during the step that schedules the request, the stand-in
+  already in `add_request`); LoRA ids start at 1 (lora/request.py:39). A step of a request with
+  an adapter on float32 weights fails vLLM's LoRA kernel's assert of fp16/bf16 inputs
+  (lora/ops/triton_ops/lora_shrink_op.py:175, from lora/punica_wrapper/punica_gpu.py:114);
+  `dtype="auto"` serves a float32 checkpoint in bfloat16 (config/model.py:2373).
 - `sleep` frees memory only with `enable_sleep_mode` (its cumem allocator, config/model.py:621);
-  vLLM itself then silently frees nothing, the stand-in raises. `wake_up` tags are
-  "weights", "kv_cache", "scheduling" (entrypoints/llm.py:842).
+  vLLM itself then silently frees nothing, the stand-in raises. It first pauses the scheduler
+  and aborts the requests in flight (mode "abort", v1/engine/core.py:881-909, 919-936): across
+  processes their outputs come back finished "abort" (core.py:2012-2015); in process nothing
+  reports them, so `has_unfinished_requests()` stays True (the stand-in's `step` then raises)
+  until they are aborted by id. While anything sleeps the scheduler stays paused (core.py:
+  957-979) and `step` returns nothing, so a generate loop would spin forever: the stand-in
+  raises. Sleeping again while the weights sleep does nothing but warn
+  (v1/executor/abstract.py:347-350; in vLLM 0.30 while anything sleeps): the stand-in raises
+  while anything sleeps.
+- `wake_up` tags are "weights", "kv_cache", "scheduling" (entrypoints/llm.py:842); waking a tag
+  that does not sleep makes vLLM log a warning and wake none of the tags
+  (v1/executor/abstract.py:359-368): the stand-in raises.
 - `SamplingParams` takes only its own fields (sampling_params.py:211); with
   `output_kind=RequestOutputKind.FINAL_ONLY` (sampling_params.py:194) `step` returns finished
   requests only, otherwise also every unfinished one with all its tokens so far.
@@ -136,6 +155,25 @@ def across_processes(obj: Any, insecure: bool) -> Any:
     return pickle.loads(pickle.dumps(obj))  # a generator, for one, raises TypeError here
 
 
+def _weight_names(model_dir: str | Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def _resolved_dtype(model: str, dtype: str) -> str:
+    """vLLM's ModelConfig.dtype for LLM(dtype=...) (config/model.py:2355-2378)."""
+    if dtype == "auto":
+        config = json.loads((Path(model) / "config.json").read_text())
+        saved = config.get("dtype") or config.get("torch_dtype") or "float32"
+        return "bfloat16" if saved == "float32" else saved
+    return {"half": "float16", "float": "float32"}.get(dtype, dtype)
+
+
 class _Worker:
     """The worker methods spotrl calls through collective_rpc."""
 
@@ -155,18 +193,42 @@ class _Worker:
             path = Path(weights_path or llm.model)
             if not list(path.glob("*.safetensors")):
                 raise RuntimeError(f"Cannot find any model weights with `{path}`")
+            self._check_loaded([(name, None) for name in _weight_names(path)])
             llm.model = str(path)
             llm.calls.append(("reload_weights", str(path)))
             return
         llm.calls.append(("reload_weights", self._load_tensors(weights_iterator)))
 
     def _load_tensors(self, weights: Any) -> list[str]:
-        names = []
+        loaded = []
         for name, tensor in weights:
             if not isinstance(tensor, torch.Tensor):
                 raise AttributeError(f"weight {name} arrived as {type(tensor).__name__} {tensor!r}, not a tensor")
-            names.append(name)
-        return names
+            loaded.append((name, tensor))
+        self._check_loaded(loaded)
+        return [name for name, _ in loaded]
+
+    def _check_loaded(self, loaded: list[tuple[str, torch.Tensor | None]]) -> None:
+        params = self.llm.param_names
+        storage = {t.data_ptr() for name, t in loaded if name in params and t is not None}
+        for name, tensor in loaded:
+            if name not in params and (tensor is None or tensor.data_ptr() not in storage):
+                raise ValueError(f"There is no module or parameter named {name.split('.')[0]!r} in the model")
+        missing = params - {name for name, _ in loaded}
+        if missing:
+            raise RuntimeError(
+                f"Following weights were not loaded from checkpoint: {sorted(missing)} (vLLM only warns, and "
+                "serves their old values)"
+            )
+
+
+def _request_output(request_id: str, tokens: list[int], finish_reason: str | None) -> SimpleNamespace:
+    """A RequestOutput with one CompletionOutput, finished unless `finish_reason` is None."""
+    steps = [{t: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=None)} for t in tokens]
+    out = SimpleNamespace(
+        index=0, text="", token_ids=list(tokens), logprobs=steps, finish_reason=finish_reason, stop_reason=None
+    )
+    return SimpleNamespace(request_id=request_id, finished=finish_reason is not None, outputs=[out])
 
 
 built: list[LLM] = []
@@ -187,9 +249,13 @@ class LLM:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self.model = model
         self.options = options
+        self.dtype = _resolved_dtype(model, options.get("dtype", "auto"))
+        self.param_names = _weight_names(model)
         self.multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
         self.calls: list[tuple[str, Any]] = []
-        self.requests: dict[str, list[Any]] = {}  # request id -> [params, tokens so far]
+        self.requests: dict[str, list[Any]] = {}  # request id -> [params, tokens so far, lora request]
+        self.aborted_outputs: list[SimpleNamespace] = []  # of requests sleep aborted, across processes
+        self.stranded: set[str] = set()  # requests sleep aborted in process: unfinished for good
         self.sleeping: set[str] = set()
         self.busy_resets = 0  # reset_prefix_cache answers False this many more times
         self.intermediate_outputs = 0  # outputs of unfinished requests that step returned
@@ -210,23 +276,53 @@ class LLM:
         if lora_request is not None:
             if not self.options.get("enable_lora"):
                 raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
-            rank = json.loads((Path(lora_request.lora_path) / "adapter_config.json").read_text())["r"]
-            if rank > self.options.get("max_lora_rank", 16):
-                raise ValueError(
-                    f"LoRA rank {rank} is greater than max_lora_rank {self.options.get('max_lora_rank', 16)}"
-                )
+            self._check_adapter(Path(lora_request.lora_path) / "adapter_config.json")
         self.requests[request_id] = [params, [], lora_request]
         return request_id
 
+    def _check_adapter(self, config_file: Path) -> None:
+        """PEFTHelper.from_local_dir(...).validate_legal(lora_config) (lora/peft_helper.py)."""
+        config = json.loads(config_file.read_text())
+        missing = {"r", "lora_alpha", "target_modules"} - set(config)
+        if missing:
+            raise ValueError(f"Missing required configuration fields: {missing}")
+        errors = []
+        unsupported = [m for m in config.get("modules_to_save") or () if m not in ("classifier", "score")]
+        if unsupported:
+            errors.append(
+                'vLLM only supports modules_to_save being either None or ["classifier", "score"] for '
+                f"classification models. Unsupported modules_to_save: {unsupported}"
+            )
+        if config.get("use_dora"):
+            errors.append("vLLM does not yet support DoRA.")
+        max_lora_rank = self.options.get("max_lora_rank", 16)
+        if config["r"] > max_lora_rank:
+            errors.append(f"LoRA rank {config['r']} is greater than max_lora_rank {max_lora_rank}.")
+        if config.get("bias", "none") != "none":
+            errors.append("Adapter bias is not supported.")
+        if errors:
+            raise ValueError(" ".join(errors))
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.aborted_outputs or self.stranded)
 
     def step(self) -> list[SimpleNamespace]:
         if self.sleeping:
-            raise RuntimeError(f"step while asleep ({sorted(self.sleeping)}): wake_up first")
-        outputs = []
+            raise RuntimeError(
+                f"step while paused, asleep ({sorted(self.sleeping)}): vLLM schedules nothing and returns no "
+                "outputs until every tag is awake, so a generate loop would never end: wake_up first"
+            )
+        if self.stranded and not self.requests:
+            raise RuntimeError(
+                f"requests {sorted(self.stranded)} were aborted by sleep in process: vLLM never reports them, so "
+                "has_unfinished_requests() stays True and step returns nothing (a generate loop would never end)"
+            )
+        outputs, self.aborted_outputs = self.aborted_outputs, []
         for request_id in sorted(self.requests, reverse=True):  # out of order
-            params, tokens, _ = self.requests[request_id]
+            params, tokens, lora_request = self.requests[request_id]
+            if lora_request is not None and self.dtype == "float32":
+                # lora_shrink's `assert inputs.dtype in [torch.float16, torch.bfloat16]`
+                raise AssertionError(f"vLLM's LoRA kernels take float16 or bfloat16 inputs, not {self.dtype}")
             tokens.append(10 + params.kwargs.get("seed", 0) % 50 if not tokens else 2)
             finished = len(tokens) == 2
             if finished:
@@ -235,22 +331,14 @@ class LLM:
                 continue
             else:
                 self.intermediate_outputs += 1
-            steps = [{t: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=None)} for t in tokens]
-            out = SimpleNamespace(
-                index=0,
-                text="",
-                token_ids=list(tokens),
-                logprobs=steps,
-                finish_reason="stop" if finished else None,
-                stop_reason=None,
-            )
-            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[out]))
+            outputs.append(_request_output(request_id, tokens, "stop" if finished else None))
         return outputs
 
     def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
         self.calls.append(("abort", sorted(request_ids)))
         for r in request_ids:
             self.requests.pop(r, None)
+            self.stranded.discard(r)
 
     # LLM
     def collective_rpc(
@@ -274,30 +362,51 @@ class LLM:
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         if not self.options.get("enable_sleep_mode"):
             raise RuntimeError("sleep without LLM(enable_sleep_mode=True) frees no GPU memory")
+        if self.sleeping:
+            raise RuntimeError(
+                f"sleep while {sorted(self.sleeping)} sleep: vLLM logs 'Executor is already sleeping.' and "
+                "leaves the memory as it is"
+            )
         self.calls.append(("sleep", level))
+        for request_id, (_, tokens, _) in sorted(self.requests.items()):  # mode "abort"
+            if self.multiprocess:
+                self.aborted_outputs.append(_request_output(request_id, tokens, "abort"))
+            else:
+                self.stranded.add(request_id)
+        self.requests.clear()
         self.sleeping = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         if tags is not None and set(tags) - set(WAKE_UP_TAGS):
             raise ValueError(f"wake_up tags must be in {WAKE_UP_TAGS}, not {tags}")
+        awake = set(tags or ()) - {"scheduling"} - self.sleeping
+        if awake:
+            raise RuntimeError(
+                f"wake_up({tags}) while only {sorted(self.sleeping)} sleep: vLLM logs 'Tag {sorted(awake)[0]} is not "
+                "in sleeping tags' and wakes none of them"
+            )
         self.calls.append(("wake_up", tags))
         self.sleeping -= set(tags or WAKE_UP_TAGS)
 
 
-def write_checkpoint(path: Path, dtype: str = "bfloat16") -> Path:
-    """A model directory as vLLM reads it: config.json (saved in `dtype`) and a safetensors file."""
+def write_checkpoint(path: Path, dtype: str = "bfloat16", names: tuple[str, ...] = ("weight", "bias")) -> Path:
+    """A model directory as vLLM reads it: config.json (saved in `dtype`) and a safetensors file
+    of the weights `names` (by default those of a torch.nn.Linear(2, 2))."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": dtype}))
-    save_file({"weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
+    save_file({name: torch.zeros(2) for name in names}, str(path / "model.safetensors"))
     return path
 
 
-def write_adapter(path: Path, rank: int) -> Path:
-    """A PEFT adapter directory, as far as the stand-in reads it (its rank)."""
+def write_adapter(path: Path, rank: int, **config: Any) -> Path:
+    """A PEFT adapter directory, as far as vLLM's PEFTHelper reads it: adapter_config.json with
+    `rank`, and `config` (use_dora=True, say) over the plain LoRA peft saves."""
     path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "peft_type": "LORA"}))
+    plain = {"r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+    plain |= {"bias": "none", "use_dora": False, "modules_to_save": None}
+    (path / "adapter_config.json").write_text(json.dumps(plain | config))
     return path
 
 
