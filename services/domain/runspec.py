@@ -157,8 +157,9 @@ class RolloutPool(BaseModel):
     )
     vllm_dtype: VLLMDtype | None = Field(
         default=None,
-        description="Weights dtype of the vllm engine: float32, bfloat16 or float16; default the checkpoint's "
-        "(vLLM's own 'auto' would serve a float32 checkpoint in bfloat16).",
+        description="Weights dtype of the vllm engine: float32, bfloat16 or float16; default the checkpoint's, but "
+        "bfloat16 for a float32 checkpoint when training.lora_rank is set (vLLM's LoRA kernels take float16 or "
+        "bfloat16 only: float32 with LoRA is refused). vLLM's own 'auto' would serve a float32 checkpoint in bfloat16.",
     )
     vllm_gpu_memory_utilization: float | None = Field(
         default=None,

@@ -69,7 +69,8 @@ def test_a_vllm_worker_reloads_full_versions_from_disk_and_swaps_adapters(
         worker._load_latest_policy()
         llm = worker.engine._llm
         options = {k: llm.options.get(k) for k in ("dtype", "gpu_memory_utilization", "enable_lora", "max_lora_rank")}
-        assert options == {"dtype": "float32", "gpu_memory_utilization": 0.6} | (
+        # A LoRA worker serves the float32 checkpoint in bfloat16: vLLM's LoRA kernels take no float32.
+        assert options == {"dtype": "bfloat16" if training else "float32", "gpu_memory_utilization": 0.6} | (
             {"enable_lora": True, "max_lora_rank": 8} if training else {"enable_lora": None, "max_lora_rank": None}
         )
         policy = worker._policy
