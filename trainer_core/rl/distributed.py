@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
@@ -195,3 +195,27 @@ def broadcast_object(obj: _T | None) -> _T:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def broadcast_whole(
+    weights: dict[str, Tensor],
+    params: dict[str, nn.Parameter],
+    rank: int,
+    device: torch.device,
+    shape_of: Callable[[nn.Parameter], torch.Size] = lambda p: p.shape,
+) -> Iterator[tuple[nn.Parameter, Tensor]]:
+    """Rank 0's `weights` (whole parameters by name, all or some) on every rank, one at a time:
+    each of `params` named there, with its whole tensor broadcast from rank 0 in the parameter's
+    dtype and `shape_of` it (a collective: the other ranks may pass {})."""
+    names = broadcast_object(list(weights) if rank == 0 else None)
+    unknown = sorted(set(names) - params.keys())
+    if unknown:
+        raise KeyError(f"weights the policy does not have: {unknown[:5]}")
+    for name in names:
+        param = params[name]
+        if rank == 0:
+            whole = weights[name].to(device, param.dtype, copy=True)
+        else:
+            whole = torch.empty(shape_of(param), dtype=param.dtype, device=device)
+        dist.broadcast(whole, src=0)
+        yield param, whole

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from contracts.training import TrainConfig
 from trainer_core.memory import decoder_layers
 from trainer_core.models.lora import causal_lm
-from trainer_core.rl.distributed import ForwardRunner, ReplicatedCritic, all_reduce, broadcast_object
+from trainer_core.rl.distributed import ForwardRunner, ReplicatedCritic, all_reduce, broadcast_object, broadcast_whole
 from trainer_core.rl.strategy import ADAM_BETAS, ADAM_EPS, OPTIMIZER_FILE
 
 _T = TypeVar("_T")
@@ -105,18 +105,8 @@ class FSDP2Strategy:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         params = dict(self.model.named_parameters())
-        names = broadcast_object(list(weights) if self.rank == 0 else None)
-        unknown = sorted(set(names) - params.keys())
-        if unknown:
-            raise KeyError(f"weights the policy does not have: {unknown[:5]}")
         with torch.no_grad():
-            for name in names:
-                param = params[name]
-                if self.rank == 0:
-                    whole = weights[name].to(self.device, param.dtype, copy=True)
-                else:
-                    whole = torch.empty(param.shape, dtype=param.dtype, device=self.device)
-                dist.broadcast(whole, src=0)
+            for param, whole in broadcast_whole(weights, params, self.rank, self.device):
                 if isinstance(param, DTensor):
                     # Every rank holds the whole tensor now: each takes its shard, no communication.
                     whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from contracts.training import TrainConfig
-from trainer_core.rl.distributed import ForwardRunner, ReplicatedCritic, all_reduce, broadcast_object
+from trainer_core.rl.distributed import ForwardRunner, ReplicatedCritic, all_reduce, broadcast_whole
 from trainer_core.rl.strategy import ADAM_BETAS, ADAM_EPS
 
 _T = TypeVar("_T")
@@ -171,19 +171,10 @@ class DeepSpeedStrategy:
         from deepspeed.utils import safe_set_full_fp32_param
 
         params = dict(self.model.named_parameters())
-        names = broadcast_object(list(weights) if self.rank == 0 else None)
-        unknown = sorted(set(names) - params.keys())
-        if unknown:
-            raise KeyError(f"weights the policy does not have: {unknown[:5]}")
+        # ZeRO-3 holds a partition of each parameter: its whole shape is ds_shape.
+        shape_of = (lambda p: p.ds_shape) if self.zero_stage == 3 else (lambda p: p.shape)
         with torch.no_grad():
-            for name in names:
-                param = params[name]
-                shape = param.ds_shape if self.zero_stage == 3 else param.shape  # ZeRO-3 holds a partition
-                if self.rank == 0:
-                    whole = weights[name].to(self.device, param.dtype, copy=True)
-                else:
-                    whole = torch.empty(shape, dtype=param.dtype, device=self.device)
-                dist.broadcast(whole, src=0)
+            for param, whole in broadcast_whole(weights, params, self.rank, self.device, shape_of):
                 safe_set_full_fp32_param(param, whole)  # a frozen parameter has no master: nothing done
                 # ZeRO-3: gathered whole, set, and partitioned again from rank 0's copy.
                 gathered = (
