@@ -5,7 +5,7 @@ committing, and the scheduler (restarted each time), and preempting spot trainin
 `spotrl demo --chaos`, must find every guarantee kept.
 
 Slow by nature (each pod is a Python process that imports torch): kept to the tiny model and
-four short iterations.
+five short iterations (two preempted, then three chances to catch a job between publishing and committing).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ SPEC = {
     "samples_per_prompt": 4,
     "sampling": {"max_new_tokens": 8},
     "batch_samples": 16,
-    "iterations": 4,
+    "iterations": 5,
     "rollout": {"min_workers": 2, "max_workers": 2, "prompts_per_batch": 2},
     # On spot: two optimizer steps an update (mini-batches of 8), checkpointed at a notice.
     "training": {"learning_rate": 1e-3, "micro_batch": 8, "mini_batch": 8, "capacity": "spot"},
@@ -76,7 +76,7 @@ async def test_a_run_under_chaos_loses_nothing_trains_nothing_twice_and_bills_ev
 
     assert audit.problems == []
     assert audit.status == "SUCCEEDED"
-    assert audit.policy_versions == [1, 2, 3, 4] and audit.policy_version == 4
+    assert audit.policy_versions == [1, 2, 3, 4, 5] and audit.policy_version == 5
     assert audit.produced == audit.trained + audit.dropped  # audited by id above; the totals, for the reader
     # Each kind of disruption happened, for real.
     assert len(tally.training_kills) == 1, tally.line()
@@ -85,11 +85,11 @@ async def test_a_run_under_chaos_loses_nothing_trains_nothing_twice_and_bills_ev
     # Two spot training jobs were preempted mid-update, one at a notice and one without; each was
     # billed up to its preemption and its iteration started again, unpenalised.
     assert [how for _, how in tally.training_preemptions] == ["notice", "no notice"], tally.line()
-    # (The spot job SIGKILLed between publishing and committing, of another iteration, reads as reclaimed too.)
-    preempted = sorted(
-        int(e.pod.rsplit("-", 1)[1]) for e in ledger if e.role == "training" and e.outcome == "preempted"
-    )
-    assert preempted == sorted([i for i, _ in tally.training_preemptions] + tally.training_kills)
+    # (Spot jobs SIGKILLed between publishing and committing, of other iterations, read as reclaimed
+    # too: those that had committed first, the missed ones, as well.)
+    preempted = [int(e.pod.rsplit("-", 1)[1]) for e in ledger if e.role == "training" and e.outcome == "preempted"]
+    assert {i for i, _ in tally.training_preemptions} | set(tally.training_kills) <= set(preempted)
+    assert len(preempted) <= len(tally.training_preemptions) + len(tally.training_kills) + tally.training_missed
     assert all(e.capacity_type == "spot" for e in ledger if e.role == "training")
     # Each preempted iteration's last job trained the batch its predecessor stored (from its
     # checkpoint's step where the notice came after one), not a new one from the queue.
@@ -98,4 +98,4 @@ async def test_a_run_under_chaos_loses_nothing_trains_nothing_twice_and_bills_ev
         assert "resuming the update after step" in log or "training the batch an earlier job took" in log, log
     # A killed job's clean-up (its predecessor's optimizer state) is done by the next job: at most the last two remain.
     optimizer_versions = {int(m.group(1)) for k in trainer_keys if (m := re.search(r"/v(\d+)/optimizer", k))}
-    assert optimizer_versions <= {3, 4}, optimizer_versions
+    assert optimizer_versions <= {4, 5}, optimizer_versions
