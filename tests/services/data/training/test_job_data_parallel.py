@@ -205,6 +205,7 @@ def test_a_training_pod_of_several_processes_runs_under_torchrun() -> None:
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=8",
+        "--shutdown-timeout=3600",  # ranks checkpoint at a SIGTERM: the pod's grace decides, not torchrun's 30 s
         "-m",
         "services.cli.main",
         "train-job",
