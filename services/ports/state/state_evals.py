@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import func, select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy import bindparam, func, select, update
+from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.orm import Session
 
 from contracts.evaluation import EvalResult
@@ -37,6 +38,21 @@ def recorded_evals(s: Session, run_id: str, latest: int | None = None) -> list[E
     if latest is None:
         return list(s.scalars(query.order_by(EvalRow.policy_version)))
     return list(reversed(s.scalars(query.order_by(EvalRow.policy_version.desc()).limit(latest)).all()))
+
+
+# The API's read of them: a Core statement built once (building one costs more than running it).
+_LATEST_RECORDED = (
+    select(*EvalRow.__table__.columns)
+    .where(EvalRow.run_id == bindparam("run_id"), EvalRow.mean_score.is_not(None))
+    .order_by(EvalRow.policy_version.desc())
+    .limit(bindparam("latest"))
+)
+
+
+def read_latest_evals(conn: Connection, run_id: str, latest: int) -> list[Row[Any]]:
+    """``recorded_evals(s, run_id, latest)`` as rows of the evals' columns (by name: ``row.mean_score``),
+    in the transaction of ``conn``."""
+    return list(reversed(conn.execute(_LATEST_RECORDED, {"run_id": run_id, "latest": latest}).all()))
 
 
 class EvalQueries:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import bindparam, case, func, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from services.ports.state.state_schema import LedgerRow, RunRow
@@ -39,6 +40,46 @@ class LedgerEntry:
         return self.seconds(now) * self.price_per_hour / 3600.0
 
 
+@dataclass(frozen=True)
+class LedgerStamp:
+    """A run's ledger as it stands, in three counts: its entries, the newest one's id, the open
+    ones. Entries are only added, or changed while open (deferred, closed): a closed entry never
+    changes, and none is deleted. So a ledger with no open entry is the same ledger for as long
+    as its stamp is the same, and what it cost need not be computed again."""
+
+    entries: int
+    last_id: int  # 0: no entry
+    open: int
+
+    @property
+    def closed(self) -> bool:
+        return self.open == 0
+
+    @classmethod
+    def of(cls, entries: Sequence[LedgerEntry]) -> LedgerStamp:
+        return cls(len(entries), max((e.id for e in entries), default=0), sum(e.ended_at is None for e in entries))
+
+
+# Core statements, built once (building one costs more than running it): LedgerEntry's fields in
+# its order, so that a row is an entry's arguments.
+_ENTRY_COLUMNS = [LedgerRow.__table__.c[f.name] for f in fields(LedgerEntry)]
+_LEDGERS = (
+    select(*_ENTRY_COLUMNS).where(LedgerRow.run_id.in_(bindparam("run_ids", expanding=True))).order_by(LedgerRow.id)
+)
+
+
+def read_ledgers(conn: Connection, run_ids: Sequence[str]) -> dict[str, list[LedgerEntry]]:
+    """Each run's ledger entries, oldest first, in one query for a page of runs, in the
+    transaction of ``conn``; a run without entries has none. What they cost is the cost engine's
+    (``services.control.cost``: each provider's billing rule), not a sum here."""
+    ledgers: dict[str, list[LedgerEntry]] = {run_id: [] for run_id in run_ids}
+    if run_ids:
+        for row in conn.execute(_LEDGERS, {"run_ids": list(run_ids)}):
+            entry = LedgerEntry(*row)
+            ledgers[entry.run_id].append(entry)
+    return ledgers
+
+
 class LedgerQueries:
     """The ledger's queries, mixed into ``StateStore``."""
 
@@ -46,16 +87,6 @@ class LedgerQueries:
     _session: Callable[[], AbstractContextManager[Session]]
     _write: Callable[[], AbstractContextManager[Session]]
     _locked_run: Callable[[Session, str], RunRow]
-
-    @staticmethod
-    def _ledgers(s: Session, run_ids: Sequence[str]) -> dict[str, list[LedgerEntry]]:
-        """Each run's ledger entries, oldest first, in one query for a page of runs, in the
-        transaction ``s``; a run without entries has none. What they cost is the cost engine's
-        (``services.control.cost``: each provider's billing rule), not a sum here."""
-        ledgers: dict[str, list[LedgerEntry]] = {run_id: [] for run_id in run_ids}
-        for r in s.scalars(select(LedgerRow).where(LedgerRow.run_id.in_(run_ids)).order_by(LedgerRow.id)):
-            ledgers[r.run_id].append(_entry(r))
-        return ledgers
 
     def open_ledger(
         self,
@@ -117,7 +148,7 @@ class LedgerQueries:
 
     def ledger(self, run_id: str) -> list[LedgerEntry]:
         with self._session() as s:
-            return self._ledgers(s, [run_id])[run_id]
+            return read_ledgers(s.connection(), [run_id])[run_id]
 
     def open_ledger_count(self, run_id: str) -> int:
         with self._session() as s:
@@ -129,19 +160,3 @@ class LedgerQueries:
                 )
                 or 0
             )
-
-
-def _entry(r: LedgerRow) -> LedgerEntry:
-    return LedgerEntry(
-        id=r.id,
-        run_id=r.run_id,
-        role=r.role,
-        pod=r.pod,
-        instance_type=r.instance_type,
-        capacity_type=r.capacity_type,
-        price_per_hour=r.price_per_hour,
-        price_source=r.price_source,
-        started_at=r.started_at,
-        ended_at=r.ended_at,
-        outcome=r.outcome,
-    )

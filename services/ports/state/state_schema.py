@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # The tenant of runs submitted without tenants configured (one machine, no tokens), and of runs
@@ -30,6 +30,11 @@ class Base(DeclarativeBase):
 
 class RunRow(Base):
     __tablename__ = "runs"
+    # The list's order (oldest first, then by id), of all runs and of a tenant's: a page seeks.
+    __table_args__ = (
+        Index("ix_runs_created_at_id", "created_at", "id"),
+        Index("ix_runs_tenant_created_at_id", "tenant", "created_at", "id"),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     # The tenant whose token submitted the run: only that tenant (and an admin) sees it.

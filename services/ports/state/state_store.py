@@ -6,6 +6,10 @@ chosen by the URL. Tables are in ``services.ports.state.state_schema``, their mi
 revisions, applied when a store opens) in ``services.ports.state.migrations``, the cost
 ledger's queries in ``services.ports.state.state_ledger``.
 
+The API's reads (``run_view``, ``runs_page``, ``run_ledger``: every GET of a run, its cost or
+the list) are Core statements built once, run on a connection: they build no ORM object, and a
+statement built anew for every request would cost more than running it.
+
 Concurrency: any number of processes (API replicas, schedulers, pods) share one store. Every
 read-modify-write of a run first locks the run's row (``SELECT ... FOR UPDATE``), so two writers
 of one run take turns and each decides on what the other wrote; leases are one atomic upsert.
@@ -19,24 +23,31 @@ write outside any transaction.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import String, and_, case, delete, func, make_url, or_, select, update
+from sqlalchemy import String, bindparam, case, delete, func, make_url, or_, select, tuple_, update
+from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.status import RunStatus
 from services.ports.state.migrations import migrate
 from services.ports.state.state_engine import WRITE_OPTION, create_state_engine, dialect_insert
-from services.ports.state.state_evals import EvalProgress, EvalQueries, recorded_evals
-from services.ports.state.state_ledger import LedgerEntry, LedgerQueries
+from services.ports.state.state_evals import EvalProgress, EvalQueries, read_latest_evals
+from services.ports.state.state_ledger import (
+    LedgerEntry,
+    LedgerQueries,
+    LedgerStamp,
+    read_ledgers,
+)
 from services.ports.state.state_schema import (
     DEFAULT_TENANT,
     EvalRow,
     IterationRow,
     LeaseRow,
+    LedgerRow,
     PodMemoryRow,
     RewardFailureRow,
     RunRow,
@@ -45,7 +56,18 @@ from services.ports.state.state_schema import (
 )
 
 # Re-exported: the cost engine, the API and the simulator import LedgerEntry from here.
-__all__ = ["EvalProgress", "IllegalTransitionError", "LedgerEntry", "RunNotFoundError", "RunView", "StateStore"]
+__all__ = [
+    "EvalProgress",
+    "IllegalTransitionError",
+    "KnownLedgers",
+    "LedgerEntry",
+    "LedgerStamp",
+    "RunColumns",
+    "RunNotFoundError",
+    "RunStamp",
+    "RunView",
+    "StateStore",
+]
 
 
 class IllegalTransitionError(Exception):
@@ -65,43 +87,136 @@ def _locked_run(s: Session, run_id: str) -> RunRow:
     return row
 
 
-def _runs_query(*, active_only: bool, tenant: str | None, limit: int | None, after: tuple[float, str] | None) -> Any:
-    query = select(RunRow).order_by(RunRow.created_at, RunRow.id)
+def _runs_query(
+    *, columns: list[Any] | None = None, active_only: bool, tenant: Any, limit: Any, after: tuple[Any, Any] | None
+) -> Any:
+    """Runs oldest first (the ORM's RunRow, or ``columns``): the arguments are values, or bind
+    parameters of a statement built once."""
+    query = select(*columns) if columns is not None else select(RunRow)
+    query = query.order_by(RunRow.created_at, RunRow.id)
     if active_only:
         query = query.where(RunRow.status.in_([s.value for s in RunStatus if not s.is_terminal()]))
     if tenant is not None:
         query = query.where(RunRow.tenant == tenant)
-    if after is not None:
-        created_at, run_id = after
-        query = query.where(
-            or_(RunRow.created_at > created_at, and_(RunRow.created_at == created_at, RunRow.id > run_id))
-        )
+    if after is not None:  # a row value: it seeks in the list's index (ix_runs_created_at_id)
+        query = query.where(tuple_(RunRow.created_at, RunRow.id) > tuple_(*after))
     return query if limit is None else query.limit(limit)
 
 
-def _latest_iterations(s: Session, run_id: str, latest: int) -> list[IterationRow]:
-    """The run's last ``latest`` iterations, in order (read as such, newest first, then turned)."""
-    query = (
-        select(IterationRow).where(IterationRow.run_id == run_id).order_by(IterationRow.iteration.desc()).limit(latest)
+# A run as the API reads it: the runs table's columns by name (``run.status``), as a RunRow or as
+# a row of a Core query (``run_view``'s and ``runs_page``'s, lighter: no ORM object to build).
+RunColumns = RunRow | Row[Any]
+# The closed ledgers a reader holds the figures of: a run's stamp, or None. ``run_view``,
+# ``runs_page`` and ``run_ledger`` do not read again a ledger whose stamp is still the one given.
+KnownLedgers = Callable[[str], LedgerStamp | None]
+
+
+def _none_known(_run_id: str) -> None:
+    return None
+
+
+_RUN_COLUMNS = list(RunRow.__table__.columns)
+
+
+# A run's ledger stamp (``LedgerStamp``), as columns of a query of runs.
+_LEDGER_STAMP_COLUMNS = [
+    select(func.count()).where(LedgerRow.run_id == RunRow.id).scalar_subquery().label("ledger_entries"),
+    select(func.coalesce(func.max(LedgerRow.id), 0))
+    .where(LedgerRow.run_id == RunRow.id)
+    .scalar_subquery()
+    .label("ledger_last_id"),
+    select(func.count())
+    .where(LedgerRow.run_id == RunRow.id, LedgerRow.ended_at.is_(None))
+    .scalar_subquery()
+    .label("ledger_open"),
+]
+_RUN = select(*_RUN_COLUMNS, *_LEDGER_STAMP_COLUMNS).where(RunRow.id == bindparam("run_id"))
+# A run as it stands (``RunStamp``): its columns and the counts of what else a view shows.
+_RUN_SHOWN = select(
+    *_RUN_COLUMNS,
+    select(func.count()).where(IterationRow.run_id == RunRow.id).scalar_subquery().label("iterations_total"),
+    *_LEDGER_STAMP_COLUMNS,
+    select(func.count())
+    .where(EvalRow.run_id == RunRow.id, EvalRow.mean_score.is_not(None))
+    .scalar_subquery()
+    .label("evals_recorded"),
+    select(func.count()).where(RewardFailureRow.run_id == RunRow.id).scalar_subquery().label("reward_reasons"),
+    select(func.coalesce(func.sum(RewardFailureRow.count), 0))
+    .where(RewardFailureRow.run_id == RunRow.id)
+    .scalar_subquery()
+    .label("reward_failures_counted"),
+).where(RunRow.id == bindparam("run_id"))
+_LATEST_ITERATIONS = (
+    select(*IterationRow.__table__.columns)
+    .where(IterationRow.run_id == bindparam("run_id"))
+    .order_by(IterationRow.iteration.desc())
+    .limit(bindparam("latest"))
+)
+_REWARD_FAILURES = select(RewardFailureRow.reason, RewardFailureRow.count).where(
+    RewardFailureRow.run_id == bindparam("run_id")
+)
+# A page of the list shows no spec: every column but it, and each run's ledger stamp.
+_LISTED_COLUMNS = [c for c in _RUN_COLUMNS if c.name != "spec"] + _LEDGER_STAMP_COLUMNS
+_PAGES = {
+    (tenant, after): _runs_query(
+        columns=_LISTED_COLUMNS,
+        active_only=False,
+        tenant=bindparam("tenant") if tenant else None,
+        limit=bindparam("limit"),
+        after=(bindparam("after_created_at"), bindparam("after_id")) if after else None,
     )
-    return list(reversed(s.scalars(query).all()))
+    for tenant in (False, True)
+    for after in (False, True)
+}
 
 
-def _iteration_count(s: Session, run_id: str) -> int:
-    return s.scalar(select(func.count()).select_from(IterationRow).where(IterationRow.run_id == run_id)) or 0
+def _read_ledgers(
+    conn: Connection, stamps: Mapping[str, LedgerStamp], known: KnownLedgers
+) -> dict[str, list[LedgerEntry] | None]:
+    """Each run's ledger, oldest first, or None where its stamp (in ``stamps``, as read in this
+    transaction) is that of the closed ledger ``known`` gives."""
+    unknown = [run_id for run_id, stamp in stamps.items() if not stamp.closed or known(run_id) != stamp]
+    ledgers = read_ledgers(conn, unknown)
+    return {run_id: ledgers.get(run_id) for run_id in stamps}
+
+
+@dataclass(frozen=True)
+class RunStamp:
+    """A run as it stands: its columns, and counts of everything else a view of it shows, each of
+    which moves whenever what it counts does: iterations recorded and held-out evals recorded
+    (each only ever added, and never changed), reward failure reasons and their total (counters
+    that only grow), and its ledger's ``LedgerStamp``. Two reads of a run with equal stamps show
+    the same run, but for what an open ledger has cost by then."""
+
+    row: Row[Any]  # the run's columns, then iterations_total, ledger_*, evals_recorded, reward_*
+
+    @property
+    def ledger(self) -> LedgerStamp:
+        return _ledger_stamp(self.row)
+
+
+def _ledger_stamp(row: Row[Any]) -> LedgerStamp:
+    """The ledger stamp of a run read with ``_LEDGER_STAMP_COLUMNS``."""
+    columns = row._mapping  # not attributes: a Core row finds those after raising AttributeError
+    return LedgerStamp(columns["ledger_entries"], columns["ledger_last_id"], columns["ledger_open"])
 
 
 @dataclass(frozen=True)
 class RunView:
     """A run as the API shows it, read in one transaction: its row, its latest iterations in
-    order, how many iterations it has in all, and its ledger (whose bill is the cost engine's)."""
+    order, how many iterations it has in all, and its ledger (whose bill is the cost engine's),
+    or None where it is the closed ledger the reader knows (``KnownLedgers``). The run, its
+    iterations and evals are rows of their tables' columns, read by name; ``stamp`` is what the
+    run stood at (None for a view not read from the store)."""
 
-    run: RunRow
-    latest: list[IterationRow]
+    run: RunColumns
+    latest: list[Any]  # rows of IterationRow's columns
     iterations_total: int
-    ledger: list[LedgerEntry]
+    ledger: list[LedgerEntry] | None
     reward_failures: dict[str, int]  # failed reward computations by ``<fn>:<kind>``
-    evals: list[EvalRow] = field(default_factory=list)  # its latest recorded held-out evals, by policy version
+    # Its latest recorded held-out evals (EvalRow's columns), by policy version.
+    evals: list[Any] = field(default_factory=list)
+    stamp: RunStamp | None = None
 
 
 class StateStore(LedgerQueries, EvalQueries):
@@ -169,21 +284,44 @@ class StateStore(LedgerQueries, EvalQueries):
                 raise RunNotFoundError(run_id)
             return row
 
-    def run_view(self, run_id: str, *, latest: int) -> RunView:
-        """The run with its ``latest`` iterations, their count and its ledger: one read
-        transaction (a GET of a run is the API's commonest request)."""
-        with self._session() as s:
-            row = s.get(RunRow, run_id)
+    @contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """A read-only transaction on a connection, for Core statements (the API's reads)."""
+        with self._engine.begin() as conn:
+            yield conn
+
+    def run_stamp(self, run_id: str) -> RunStamp:
+        """What the run stands at (``RunStamp``): one statement, to tell whether a view read before is still the run."""
+        with self._reading() as conn:
+            return _run_stamp(conn, run_id)
+
+    def run_view(self, run_id: str, *, latest: int, known: KnownLedgers = _none_known) -> RunView:
+        """The run with its ``latest`` iterations, their count and its ledger (None where
+        ``known`` gives its stamp): one read transaction (a GET of a run is the API's commonest request)."""
+        with self._reading() as conn:
+            stamp = _run_stamp(conn, run_id)
+            iterations = conn.execute(_LATEST_ITERATIONS, {"run_id": run_id, "latest": latest}).all()
+            reasons = dict(conn.execute(_REWARD_FAILURES, {"run_id": run_id}).all()) if stamp.row.reward_reasons else {}
+            evals = read_latest_evals(conn, run_id, latest) if stamp.row.evals_recorded else []
+            return RunView(
+                stamp.row,
+                list(reversed(iterations)),
+                stamp.row.iterations_total,
+                _read_ledgers(conn, {run_id: stamp.ledger}, known)[run_id],
+                reasons,
+                evals=evals,
+                stamp=stamp,
+            )
+
+    def run_ledger(
+        self, run_id: str, *, known: KnownLedgers = _none_known
+    ) -> tuple[RunColumns, list[LedgerEntry] | None]:
+        """The run's row and its ledger (None where ``known`` gives its stamp), in one read transaction."""
+        with self._reading() as conn:
+            row = conn.execute(_RUN, {"run_id": run_id}).first()
             if row is None:
                 raise RunNotFoundError(run_id)
-            return RunView(
-                row,
-                _latest_iterations(s, run_id, latest),
-                _iteration_count(s, run_id),
-                self._ledgers(s, [run_id])[run_id],
-                _reward_failures(s, run_id),
-                evals=recorded_evals(s, run_id, latest),
-            )
+            return row, _read_ledgers(conn, {run_id: _ledger_stamp(row)}, known)[run_id]
 
     def list_runs(
         self,
@@ -199,12 +337,21 @@ class StateStore(LedgerQueries, EvalQueries):
             return list(s.scalars(_runs_query(active_only=active_only, tenant=tenant, limit=limit, after=after)))
 
     def runs_page(
-        self, *, tenant: str | None, limit: int, after: tuple[float, str] | None
-    ) -> list[tuple[RunRow, list[LedgerEntry]]]:
-        """``list_runs`` of ``tenant`` with each run's ledger, in one read transaction."""
-        with self._session() as s:
-            rows = list(s.scalars(_runs_query(active_only=False, tenant=tenant, limit=limit, after=after)))
-            ledgers = self._ledgers(s, [r.id for r in rows])
+        self,
+        *,
+        tenant: str | None,
+        limit: int,
+        after: tuple[float, str] | None,
+        known: KnownLedgers = _none_known,
+    ) -> list[tuple[RunColumns, list[LedgerEntry] | None]]:
+        """``list_runs`` of ``tenant`` (each run's columns but its spec) with each run's ledger
+        (None where ``known`` gives its stamp), in one read transaction."""
+        params: dict[str, Any] = {"limit": limit, "tenant": tenant}
+        if after is not None:
+            params["after_created_at"], params["after_id"] = after
+        with self._reading() as conn:
+            rows = conn.execute(_PAGES[tenant is not None, after is not None], params).all()
+            ledgers = _read_ledgers(conn, {r.id: _ledger_stamp(r) for r in rows}, known)
         return [(r, ledgers[r.id]) for r in rows]
 
     def update_run(self, run_id: str, **fields: Any) -> RunRow:
@@ -523,7 +670,13 @@ def _begin_ending(row: RunRow, status: RunStatus, reason: str) -> RunRow:
     return row
 
 
+def _run_stamp(conn: Connection, run_id: str) -> RunStamp:
+    row = conn.execute(_RUN_SHOWN, {"run_id": run_id}).first()
+    if row is None:
+        raise RunNotFoundError(run_id)
+    return RunStamp(row)
+
+
 def _reward_failures(s: Session, run_id: str) -> dict[str, int]:
-    rows = s.execute(select(RewardFailureRow.reason, RewardFailureRow.count).where(RewardFailureRow.run_id == run_id))
     # .all(): rows of (reason, count); dict() would take the Result itself, with its keys(), for a mapping.
-    return dict(rows.all())
+    return dict(s.connection().execute(_REWARD_FAILURES, {"run_id": run_id}).all())
