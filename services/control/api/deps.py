@@ -8,6 +8,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.control.api.auth import NO_AUTH, Principal, TokenBook
+from services.control.api.kept import Kept
 from services.control.api.upload_slots import UploadSlots
 from services.core.config import Settings
 from services.ports.prices.catalog import PriceCatalog
@@ -28,6 +29,10 @@ async def get_backends(request: Request) -> Backends:
 
 async def get_catalog(request: Request) -> PriceCatalog:
     return request.app.state.catalog
+
+
+async def get_kept(request: Request) -> Kept:
+    return request.app.state.kept
 
 
 async def get_settings(request: Request) -> Settings:
@@ -70,6 +75,7 @@ async def require_admin(principal: Annotated[Principal, Depends(get_principal)])
 
 
 BackendsDep = Annotated[Backends, Depends(get_backends)]
+KeptDep = Annotated[Kept, Depends(get_kept)]
 CatalogDep = Annotated[PriceCatalog, Depends(get_catalog)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

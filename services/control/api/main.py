@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from services.control.api.auth import TokenBook
 from services.control.api.error_handlers import add_error_handlers
+from services.control.api.kept import Kept
 from services.control.api.metrics import RunCollector
 from services.control.api.routes import datasets, docs, health, plan, runs
 from services.control.scheduler.loop import Scheduler
@@ -35,6 +36,7 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
         backends = open_backends(settings)
         app.state.backends = backends
         app.state.catalog = open_prices(settings)
+        app.state.kept = Kept(app.state.catalog)
         app.state.metrics_registry = CollectorRegistry()
         app.state.metrics_registry.register(RunCollector(backends, app.state.catalog))
         stop = threading.Event()

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import cache
 from typing import Any, Self
 
 from pydantic import BaseModel, Field
+from sqlalchemy.engine import Row
 
 from contracts.status import RunStatus
 from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION, LOWER_BOUND_MEANING
 from services.domain.runspec import RunSpec
 from services.ports.state.state_schema import RunRow
+from services.ports.state.state_store import RunColumns
+
+_RUN_COLUMNS = tuple(RunRow.__table__.columns.keys())
+
+
+@cache
+def _columns_shown(schema: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of ``schema`` that are columns of the runs table."""
+    return tuple(name for name in schema.model_fields if name in _RUN_COLUMNS)
+
+
+def columns_of(row: Any) -> Mapping[str, Any]:
+    """A stored row's columns by name: a Core row's mapping (its attributes are found only after
+    an AttributeError is raised and caught, which costs more than the lookup), or the column
+    attributes of an ORM row."""
+    if isinstance(row, Row):
+        return row._mapping
+    return {column.key: getattr(row, column.key) for column in row.__table__.columns}
 
 
 class SampleCounts(BaseModel):
@@ -65,18 +86,18 @@ class RunSummaryPublic(BaseModel):
     spent_dollars: float
 
     @classmethod
-    def of(cls, row: RunRow, spent: float, **shown: Any) -> Self:
+    def of(cls, row: RunColumns, spent: float, **shown: Any) -> Self:
         """The run stored as `row`, having spent `spent`, as this schema shows it: each field named
         as a column of the row is that column (so the list, the run and every answer that shows a
         run map the row alike, and a column added to a schema is shown without another line);
         `shown` gives the fields the row does not hold, or shows otherwise."""
-        columns = RunRow.__table__.columns.keys()
-        same = {name: getattr(row, name) for name in cls.model_fields if name in columns and name not in shown}
+        columns = columns_of(row)
+        same = {name: columns[name] for name in _columns_shown(cls) if name not in shown}
         samples = SampleCounts(
-            produced=row.samples_produced,
-            trained=row.samples_trained,
-            dropped=row.samples_dropped,
-            filtered=row.samples_filtered,
+            produced=columns["samples_produced"],
+            trained=columns["samples_trained"],
+            dropped=columns["samples_dropped"],
+            filtered=columns["samples_filtered"],
         )
         return cls(**same, samples=samples, spent_dollars=spent, **shown)
 

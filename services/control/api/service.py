@@ -15,7 +15,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 from typing import BinaryIO
@@ -24,6 +23,7 @@ import anyio.to_thread
 
 from contracts.model_sources import BUILTIN_MODELS, check_model_source, check_reward_model_dir
 from services.control.api.auth import Principal
+from services.control.api.kept import Kept, KeptReader, Shown
 from services.control.api.schemas import (
     CostPublic,
     DatasetPublic,
@@ -36,11 +36,11 @@ from services.control.api.schemas import (
     RunPublic,
     RunsPublic,
     RunSummaryPublic,
+    columns_of,
 )
 from services.control.api.upload_slots import UploadSlots
-from services.control.cost.billing import billed_dollars
 from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION, TrainingTerms
-from services.control.cost.report import cost_report, spent_dollars
+from services.control.cost.report import cost_report
 from services.control.cost.report_page import EvalPoint, IterationPoint, report_page
 from services.control.tracking.sinks import missing_settings
 from services.core.config import Settings
@@ -321,11 +321,11 @@ def run_public(view: RunView, *, spent: float) -> RunPublic:
     return RunPublic.of(
         row,
         spent,
-        iterations=[IterationPublic.model_validate(it, from_attributes=True) for it in view.latest],
+        iterations=[IterationPublic.model_validate(columns_of(it)) for it in view.latest],
         iterations_total=view.iterations_total,
         spec=RunSpec.from_stored(row.spec),
         reward_failures_by_reason=view.reward_failures,
-        evals=[EvalPublic.model_validate(e, from_attributes=True) for e in view.evals],
+        evals=[EvalPublic.model_validate(columns_of(e)) for e in view.evals],
         report_url=f"/v1/runs/{row.id}/report",
     )
 
@@ -337,6 +337,11 @@ def _visible_run(state: StateStore, principal: Principal, run_id: str) -> RunRow
     return row
 
 
+def _reader(kept: Kept | None, catalog: PriceCatalog) -> KeptReader:
+    """The request's reader of what the app keeps; without it, of a store that keeps nothing."""
+    return (kept if kept is not None else Kept(catalog, max_entries=0, max_shown=0)).reader()
+
+
 def get_run(
     *,
     backends: Backends,
@@ -344,12 +349,25 @@ def get_run(
     principal: Principal,
     run_id: str,
     iterations_shown: int = DEFAULT_ITERATIONS_SHOWN,
+    kept: Kept | None = None,
 ) -> RunPublic:
-    """The run with its latest ``iterations_shown`` iterations (and the count of all of them)."""
-    view = backends.state.run_view(run_id, latest=iterations_shown)
+    """The run with its latest ``iterations_shown`` iterations (and the count of all of them); as
+    shown before while the run's stamp is the same (one statement), else read and built again."""
+    reader = _reader(kept, catalog)
+    shown = reader.shown(run_id, iterations_shown)
+    if shown is not None:
+        stamp = backends.state.run_stamp(run_id)
+        if not principal.sees(stamp.row.tenant):
+            raise RunNotFoundError(run_id)
+        if stamp == shown.stamp:
+            return shown.public
+    view = backends.state.run_view(run_id, latest=iterations_shown, known=reader.known)
     if not principal.sees(view.run.tenant):
         raise RunNotFoundError(run_id)
-    return run_public(view, spent=spent_dollars(view.ledger, catalog, time.time()))
+    public = run_public(view, spent=reader.bill(run_id, view.ledger, time.time()).total)
+    if view.stamp is not None:
+        reader.keep_shown(run_id, Shown(view.stamp, iterations_shown, public))
+    return public
 
 
 def _encode_cursor(*key: object) -> str:
@@ -381,23 +399,37 @@ def _run_cursor_key(cursor: str) -> tuple[float, str]:
 
 
 def list_runs(
-    *, backends: Backends, catalog: PriceCatalog, principal: Principal, limit: int, cursor: str | None
+    *,
+    backends: Backends,
+    catalog: PriceCatalog,
+    principal: Principal,
+    limit: int,
+    cursor: str | None,
+    kept: Kept | None = None,
 ) -> RunsPublic:
     """One page of the caller's runs (every tenant's for an admin), oldest first, each with what it
     spent (the cost report's total)."""
     after = _run_cursor_key(cursor) if cursor else None
-    rows = backends.state.runs_page(tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after)
-    page, now = rows[:limit], time.time()
+    reader = _reader(kept, catalog)
+    rows = backends.state.runs_page(
+        tenant=None if principal.admin else principal.tenant, limit=limit + 1, after=after, known=reader.known
+    )
+    now = time.time()
+    # Every run read is billed, the one past the page too: its bill is kept for the next page.
+    spent = [reader.bill(r.id, ledger, now).total for r, ledger in rows]
+    page = rows[:limit]
     return RunsPublic(
-        runs=[RunSummaryPublic.of(r, spent_dollars(ledger, catalog, now)) for r, ledger in page],
+        runs=[RunSummaryPublic.of(r, dollars) for (r, _), dollars in zip(page, spent, strict=False)],
         next_cursor=_encode_cursor(page[-1][0].created_at, page[-1][0].id) if len(rows) > limit else None,
     )
 
 
-def cancel_run(*, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str) -> RunPublic:
+def cancel_run(
+    *, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str, kept: Kept | None = None
+) -> RunPublic:
     _visible_run(backends.state, principal, run_id)
     backends.state.request_cancel(run_id)
-    return get_run(backends=backends, catalog=catalog, principal=principal, run_id=run_id)
+    return get_run(backends=backends, catalog=catalog, principal=principal, run_id=run_id, kept=kept)
 
 
 def run_cost(
@@ -408,24 +440,32 @@ def run_cost(
     run_id: str,
     limit: int = DEFAULT_ENTRIES_PAGE,
     cursor: str | None = None,
+    kept: Kept | None = None,
 ) -> CostPublic:
     """The run's bill over its whole ledger, with one page of the ledger's entries (oldest first,
-    ``limit`` at most, after the entry ``cursor`` names)."""
+    ``limit`` at most, after the entry ``cursor`` names); an ended run's page as read before while
+    its closed ledger and the prices are the same."""
     after = _decode_cursor(cursor, int)[0] if cursor else None  # the previous page's last entry id
-    row = _visible_run(backends.state, principal, run_id)
-    entries = backends.state.ledger(run_id)
+    reader = _reader(kept, catalog)
+    row, ledger = backends.state.run_ledger(run_id, known=reader.known)
+    if not principal.sees(row.tenant):
+        raise RunNotFoundError(run_id)
     now = time.time()
+    bill = reader.bill(run_id, ledger, now)
+    key = reader.cost_key(row, bill, after=after, limit=limit)
+    if key is not None and (page := bill.kept_cost(key)) is not None:
+        return page
     report = cost_report(
-        entries,
+        bill.entries,
         catalog=catalog,
         training=TrainingTerms.of_stored(row.spec),
         run_started_at=row.started_at,
         run_ended_at=row.ended_at,
         now=now,
     )
-    billed = zip(entries, billed_dollars(entries, catalog, now), strict=True)
-    page = list(islice(((e, dollars) for e, dollars in billed if after is None or e.id > after), limit + 1))
-    return CostPublic(
+    billed = zip(bill.entries, bill.billed, strict=True)
+    entries = list(islice(((e, dollars) for e, dollars in billed if after is None or e.id > after), limit + 1))
+    page = CostPublic(
         run_id=run_id,
         currency=report.currency,
         total_dollars=report.total_dollars,
@@ -438,12 +478,15 @@ def run_cost(
         savings_ratio=report.savings_ratio,
         efficiency=report.efficiency,
         entries=[
-            LedgerEntryPublic.model_validate({**asdict(e), "seconds": e.seconds(now), "dollars": dollars})
-            for e, dollars in page[:limit]
+            LedgerEntryPublic.model_validate({**vars(e), "seconds": e.seconds(now), "dollars": dollars})
+            for e, dollars in entries[:limit]
         ],
-        entries_total=len(entries),
-        next_cursor=_encode_cursor(page[limit - 1][0].id) if len(page) > limit else None,
+        entries_total=len(bill.entries),
+        next_cursor=_encode_cursor(entries[limit - 1][0].id) if len(entries) > limit else None,
     )
+    if key is not None:
+        bill.cost = (key, page)  # one assignment: a request reading it sees the old pair or this one
+    return page
 
 
 def run_report(*, backends: Backends, catalog: PriceCatalog, principal: Principal, run_id: str) -> str:

@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
 
 from services.control.api import service
-from services.control.api.deps import BackendsDep, CatalogDep, PrincipalDep, SettingsDep
+from services.control.api.deps import BackendsDep, CatalogDep, KeptDep, PrincipalDep, SettingsDep
 from services.control.api.responses import errors, json_errors
 from services.control.api.schemas import CostPublic, PodLogPublic, PodsPublic, RunPublic, RunsPublic
 from services.control.cost.report_page import CSP
@@ -46,12 +46,19 @@ async def create_run(
 async def list_runs(
     backends: BackendsDep,
     catalog: CatalogDep,
+    kept: KeptDep,
     principal: PrincipalDep,
     limit: Annotated[int, Query(ge=1, le=200, description="Runs per page.")] = 50,
     cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
 ) -> RunsPublic:
     return await run_in_threadpool(
-        service.list_runs, backends=backends, catalog=catalog, principal=principal, limit=limit, cursor=cursor
+        service.list_runs,
+        backends=backends,
+        catalog=catalog,
+        principal=principal,
+        limit=limit,
+        cursor=cursor,
+        kept=kept,
     )
 
 
@@ -60,6 +67,7 @@ async def get_run(
     run_id: RunId,
     backends: BackendsDep,
     catalog: CatalogDep,
+    kept: KeptDep,
     principal: PrincipalDep,
     iterations_limit: Annotated[
         int,
@@ -77,13 +85,16 @@ async def get_run(
         principal=principal,
         run_id=run_id,
         iterations_shown=iterations_limit,
+        kept=kept,
     )
 
 
 @router.post("/{run_id}/cancel", response_model=RunPublic, responses=errors(404, 409))
-async def cancel_run(run_id: RunId, backends: BackendsDep, catalog: CatalogDep, principal: PrincipalDep) -> RunPublic:
+async def cancel_run(
+    run_id: RunId, backends: BackendsDep, catalog: CatalogDep, kept: KeptDep, principal: PrincipalDep
+) -> RunPublic:
     return await run_in_threadpool(
-        service.cancel_run, backends=backends, catalog=catalog, principal=principal, run_id=run_id
+        service.cancel_run, backends=backends, catalog=catalog, principal=principal, run_id=run_id, kept=kept
     )
 
 
@@ -92,6 +103,7 @@ async def run_cost(
     run_id: RunId,
     backends: BackendsDep,
     catalog: CatalogDep,
+    kept: KeptDep,
     principal: PrincipalDep,
     limit: Annotated[
         int, Query(ge=1, le=service.MAX_ENTRIES_PAGE, description="Ledger entries per page.")
@@ -107,6 +119,7 @@ async def run_cost(
         run_id=run_id,
         limit=limit,
         cursor=cursor,
+        kept=kept,
     )
 
 
