@@ -3,6 +3,7 @@
     .venv/bin/python bench/api_load.py [--scenario idle|no-scheduler|one-run|all]
         [--clients 50] [--seconds 60] [--runs 100] [--history 5] [--writes 0.05]
         [--mix get=0.5,cost=0.3,list=0.2] [--rate R] [--client raw|httpx] [--procs 1]
+        [--trials N] [--reference] [--replicas N]
         [--token T [--auth auto|env|file|none]] [--server-env KEY=VALUE ...] [--root DIR]
         [--profile OUT.svg|OUT.json|OUT.txt [--profile-mode gil|active|all]] [--json OUT] [--keep-home]
 
@@ -27,12 +28,26 @@ What it does, in a fresh temporary ``--home``:
    counted from its scheduled time, so a slow server cannot hide its queue (no coordinated
    omission).
 
+4. With ``--reference``, the same load on ``reference_app`` in each trial: a minimal FastAPI app
+   serving the three reads from the same SQLite file through plain SQLAlchemy Core (no auth, no
+   response models, no cost engine), under the same uvicorn settings (``uvicorn_options``) and
+   worker threads (``SPOTRL_API_THREADS``). It serves reads only, so ``--writes`` is 0 for both.
+   ``--trials N`` repeats each measurement, the reference first in every other trial, and prints
+   each trial, the medians, and each trial's throughput ratio (spotrl over the reference,
+   measured side by side: a ratio is less noisy than either figure on a shared machine).
+   ``--replicas N`` starts N servers on the same home (the first with the scheduler, as the
+   scenario says, the others ``--no-scheduler``, as API replicas run behind a load balancer)
+   and spreads the requests over them in turn; their CPU is summed. ``--pin`` runs each server
+   on a core of its own (``taskset -c``): a Python process runs one thread at a time, and on a
+   machine with a core to spare its threads hand that lock from core to core, which costs it
+   about a third more CPU per request here than on one core.
+
 It prints requests/s, p50/p90/p99 latency of reads and of writes (and of each operation),
 errors (transport errors and any non-2xx but a 409 on cancel), and the CPU seconds over the
 measured window of the server (/proc/<pid>/stat, all its threads, not the pods), of the load
 generator (getrusage of each of its processes) and of everything else on the machine
 (/proc/stat less those two: pods, or other people's work on a shared machine, which it warns
-about). The default client is a minimal keep-alive HTTP/1.1 client over asyncio streams: on 2
+about), and the server's CPU per request answered. The default client is a minimal keep-alive HTTP/1.1 client over asyncio streams: on 2
 cores httpx's AsyncClient with 50 connections cost ~1-3 ms of CPU a request (~250-490 req/s
 at 100% of a core against GET /healthz), so it measured itself; ``--client httpx`` keeps it
 for comparison, ``--procs`` splits the clients over processes. With 50 closed-loop clients,
@@ -62,6 +77,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,14 +146,22 @@ class Server:
     log_path: Path
 
     @classmethod
-    def start(cls, home: Path, *, scheduler: bool, env: dict[str, str]) -> Server:
+    def start(
+        cls, home: Path, *, scheduler: bool, env: dict[str, str], reference: bool = False, cpu: int | None = None
+    ) -> Server:
         """`spotrl serve` of the ``ROOT`` checkout (``python -m services.cli.main``, which is what the
-        ``spotrl`` script runs; ROOT on PYTHONPATH, so the pods it launches run ROOT's code too)."""
+        ``spotrl`` script runs; ROOT on PYTHONPATH, so the pods it launches run ROOT's code too), or,
+        with ``reference``, this script's minimal app (``reference_app``) on the same home; with
+        ``cpu``, all its threads on that core (as ``taskset -c CPU``)."""
         port = free_port()
-        log_path = home / f"server-{port}.log"
-        command = [sys.executable, "-m", "services.cli.main", "serve", "--port", str(port), "--home", str(home)]
-        if not scheduler:
-            command.append("--no-scheduler")
+        log_path = home / f"{'reference' if reference else 'server'}-{port}.log"
+        if reference:
+            command = [sys.executable, str(Path(__file__).resolve()), "--serve-reference", "--port", str(port)]
+            command += ["--root", str(ROOT), "--home", str(home)]
+        else:
+            command = [sys.executable, "-m", "services.cli.main", "serve", "--port", str(port), "--home", str(home)]
+            if not scheduler:
+                command.append("--no-scheduler")
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
@@ -146,13 +170,14 @@ class Server:
                 env={**os.environ, "PYTHONPATH": pythonpath, **env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                preexec_fn=None if cpu is None else lambda: os.sched_setaffinity(0, {cpu}),
             )
         server = cls(proc, f"http://127.0.0.1:{port}", log_path)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise SystemExit(
-                    f"spotrl serve exited with {proc.returncode}; see {log_path}:\n{log_path.read_text()[-2000:]}"
+                    f"{command[2]} exited with {proc.returncode}; see {log_path}:\n{log_path.read_text()[-2000:]}"
                 )
             try:
                 if httpx.get(f"{server.url}/healthz", timeout=1, trust_env=False).status_code == 200:
@@ -161,7 +186,7 @@ class Server:
                 pass
             time.sleep(0.1)
         server.stop()
-        raise SystemExit(f"spotrl serve did not answer /healthz within 60 s; see {log_path}")
+        raise SystemExit(f"{command[2]} did not answer /healthz within 60 s; see {log_path}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -171,6 +196,26 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def start_replicas(
+    home: Path, *, scheduler: bool, env: dict[str, str], replicas: int, reference: bool, pin: bool
+) -> list[Server]:
+    """``replicas`` servers on the same home, each on its port: the first as the scenario says, the
+    others `spotrl serve --no-scheduler` (one scheduler leads anyway: the lease), as API replicas
+    run beside one scheduler behind a load balancer (the clients spread their requests over them);
+    with ``pin``, each on a core of its own (the last cores first: the load generator starts on core 0)."""
+    cores = sorted(os.sched_getaffinity(0), reverse=True)
+    servers: list[Server] = []
+    try:
+        for i in range(replicas):
+            cpu = cores[i % len(cores)] if pin else None
+            servers.append(Server.start(home, scheduler=scheduler and i == 0, env=env, reference=reference, cpu=cpu))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -363,12 +408,114 @@ def pods_of(home: Path, run_ids: set[str]) -> int | None:
     return count_in_store(home, f"SELECT count(*) FROM ledger WHERE run_id IN ({marks})", sorted(run_ids))
 
 
+# --- the reference: a minimal FastAPI app over the same store --------------------------------
+def reference_app(state_url: str, threads: int) -> object:
+    """What the three reads cost with nothing of spotrl's: a minimal FastAPI app that serves them
+    from the state store's file through plain SQLAlchemy Core (tables reflected from the file,
+    statements built once, sync routes in ``threads`` worker threads as `spotrl serve` has), dicts
+    for responses: no auth, no response models, no cost engine (spent summed in SQL, without the
+    providers' billing rules)."""
+    from contextlib import asynccontextmanager
+
+    import anyio.to_thread
+    from fastapi import FastAPI, HTTPException
+    from sqlalchemy import MetaData, bindparam, create_engine, func, select
+
+    engine = create_engine(state_url)
+    meta = MetaData()
+    meta.reflect(engine, only=["runs", "iterations", "ledger"])
+    runs, iterations, ledger = meta.tables["runs"], meta.tables["iterations"], meta.tables["ledger"]
+    spent = func.coalesce(
+        func.sum(
+            (func.coalesce(ledger.c.ended_at, bindparam("now")) - ledger.c.started_at)
+            * ledger.c.price_per_hour
+            / 3600.0
+        ),
+        0.0,
+    )
+    of_run = ledger.c.run_id == bindparam("run_id")
+    page = (
+        select(*[c for c in runs.c if c.name != "spec"])
+        .order_by(runs.c.created_at, runs.c.id)
+        .limit(bindparam("limit"))
+    )
+    spent_by_run = select(ledger.c.run_id, spent).where(ledger.c.run_id.in_(bindparam("ids", expanding=True)))
+    run = select(runs).where(runs.c.id == bindparam("run_id"))
+    latest = (
+        select(iterations)
+        .where(iterations.c.run_id == bindparam("run_id"))
+        .order_by(iterations.c.iteration.desc())
+        .limit(100)
+    )
+    run_spent = select(spent).where(of_run)
+    exists = select(runs.c.id).where(runs.c.id == bindparam("run_id"))
+    entries = select(ledger).where(of_run).order_by(ledger.c.id).limit(100)
+    by_role = select(ledger.c.role, spent).where(of_run).group_by(ledger.c.role)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/runs")
+    def list_runs(limit: int = 50) -> dict:
+        with engine.connect() as conn:
+            rows = conn.execute(page, {"limit": limit}).mappings().all()
+            ids = [r["id"] for r in rows]
+            dollars = dict(conn.execute(spent_by_run.group_by(ledger.c.run_id), {"ids": ids, "now": time.time()}).all())
+        return {"runs": [{**r, "spent_dollars": dollars.get(r["id"], 0.0)} for r in rows], "next_cursor": None}
+
+    @app.get("/v1/runs/{run_id}")
+    def get_run(run_id: str) -> dict:
+        with engine.connect() as conn:
+            row = conn.execute(run, {"run_id": run_id}).mappings().first()
+            if row is None:
+                raise HTTPException(404)
+            shown = [dict(it) for it in reversed(conn.execute(latest, {"run_id": run_id}).mappings().all())]
+            dollars = conn.execute(run_spent, {"run_id": run_id, "now": time.time()}).scalar()
+        return {**row, "iterations": shown, "spent_dollars": dollars}
+
+    @app.get("/v1/runs/{run_id}/cost")
+    def run_cost(run_id: str) -> dict:
+        with engine.connect() as conn:
+            if conn.execute(exists, {"run_id": run_id}).first() is None:
+                raise HTTPException(404)
+            shown = [dict(e) for e in conn.execute(entries, {"run_id": run_id}).mappings().all()]
+            roles = dict(conn.execute(by_role, {"run_id": run_id, "now": time.time()}).all())
+        return {"run_id": run_id, "total_dollars": sum(roles.values()), "by_role": roles, "entries": shown}
+
+    return app
+
+
+def serve_reference(port: int, home: Path) -> None:
+    """Run ``reference_app`` as `spotrl serve` runs its app: the same uvicorn settings and logging."""
+    sys.path.insert(0, str(ROOT))
+    import logging
+
+    import uvicorn
+
+    from services.control.api.http_server import uvicorn_options
+    from services.core.config import Settings
+
+    os.environ["SPOTRL_HOME"] = str(home)
+    settings = Settings()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = reference_app(settings.resolved_state_url(), settings.api_threads)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="info", **uvicorn_options(settings))  # type: ignore[arg-type]
+
+
 # --- the load -------------------------------------------------------------------------------
 @dataclass
 class Load:
     """What one load process is to do; picklable for --procs."""
 
-    url: str
+    urls: list[str]  # the server's, or its replicas' (requests spread over them in turn)
     token: str | None
     clients: int
     start_at: float  # time.time() of the end of warm-up (same clock in every process)
@@ -498,6 +645,24 @@ class HttpxHTTP:
 
 
 CLIENTS = {"raw": RawHTTP, "httpx": HttpxHTTP}
+
+
+class Spread:
+    """Requests to several replicas in turn, each with its own connections (a load balancer's work)."""
+
+    def __init__(self, clients: list[RawHTTP | HttpxHTTP]) -> None:
+        self.clients = clients
+        self.turn = 0
+
+    async def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        self.turn = (self.turn + 1) % len(self.clients)
+        return await self.clients[self.turn].request(method, path, body)
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+
 KEEPALIVE_REUSE_S = 2.0  # reconnect rather than reuse a connection idle longer (uvicorn's keep-alive timeout is 5 s)
 TRANSPORT_ERRORS = (
     OSError,
@@ -512,7 +677,8 @@ TRANSPORT_ERRORS = (
 
 async def run_load(load: Load) -> Result:
     result = Result()
-    http = CLIENTS[load.client](load.url, load.clients, headers(load.token), 30.0)
+    # Each replica gets connections enough for every client (a client's next request may go to any).
+    http = Spread([CLIENTS[load.client](url, load.clients, headers(load.token), 30.0) for url in load.urls])
     try:
         measure_from = load.start_at
         measure_to = load.start_at + load.seconds
@@ -701,6 +867,8 @@ def print_report(fig: dict) -> None:
         f"load generator {share(cpu['load_generator'])} ({fig['client']} client, {fig['procs']} process(es)), "
         f"everything else {share(cpu['other'])} (machine busy {cpu['machine']:.1f} s)"
     )
+    if fig["server_ms_per_request"] is not None:
+        print(f"  server CPU per request: {fig['server_ms_per_request']:.2f} ms")
     if cpu["other"] is not None and cpu["other"] > 0.1 * span and fig["scenario"] != "one-run":
         print(
             f"  warning: other processes took {cpu['other']:.1f} CPU seconds during the window (pods, or someone else's work "
@@ -710,6 +878,45 @@ def print_report(fig: dict) -> None:
         f"  list ?limit={LIST_LIMIT} honoured: {fig['list_limit_honoured']}; runs in the store at the end: {fig['runs_at_end']}; "
         f"written runs that got pods: {fig['written_runs_with_pods']}"
     )
+
+
+def print_summary(name: str, pairs: list[tuple[dict, dict | None]]) -> None:
+    """Each trial's throughput, server CPU per request and reads p99, and their medians; with the
+    reference, each trial's throughput ratio (its server over the reference's, measured side by side)."""
+    with_reference = pairs[0][1] is not None
+    print(
+        f"\n== {name}: {len(pairs)} trial(s)"
+        + (", alternating with the reference (reads only)" if with_reference else "")
+    )
+
+    def columns(fig: dict) -> str:
+        ms = fig["server_ms_per_request"]
+        return (
+            f"{fig['completed_per_s']:>8.1f} req/s {'n/a' if ms is None else f'{ms:5.2f}':>5} ms CPU/req "
+            f"p99 {fig['reads']['p99_ms'] or 0:7.1f} ms"
+        )
+
+    ratios = []
+    for i, (fig, ref) in enumerate(pairs, start=1):
+        line = f"  trial {i}: spotrl {columns(fig)}"
+        if ref is not None:
+            ratios.append(fig["completed_per_s"] / ref["completed_per_s"] if ref["completed_per_s"] else 0.0)
+            line += f" | reference {columns(ref)} | ratio {ratios[-1]:.2f}"
+        print(line)
+    median = statistics.median
+
+    def middle(figs: list[dict]) -> dict:
+        cpu = [f["server_ms_per_request"] for f in figs if f["server_ms_per_request"] is not None]
+        return {
+            "completed_per_s": median(f["completed_per_s"] for f in figs),
+            "server_ms_per_request": median(cpu) if cpu else None,
+            "reads": {"p99_ms": median(f["reads"]["p99_ms"] or 0 for f in figs)},
+        }
+
+    line = f"  median:  spotrl {columns(middle([f for f, _ in pairs]))}"
+    if with_reference:
+        line += f" | reference {columns(middle([r for _, r in pairs if r is not None]))} | ratio {median(ratios):.2f}"
+    print(line)
 
 
 # --- scenarios ------------------------------------------------------------------------------
@@ -737,31 +944,49 @@ PROFILE_MODES = {"gil": ["--gil"], "active": [], "all": ["--idle"]}
 
 
 def run_scenario(
-    name: str, args: argparse.Namespace, home: Path | None, run_ids: list[str], server_env: dict[str, str]
+    name: str,
+    args: argparse.Namespace,
+    home: Path | None,
+    run_ids: list[str],
+    server_env: dict[str, str],
+    *,
+    reference: bool = False,
 ) -> dict:
+    """One measured window of the scenario ``name`` on ``args.replicas`` servers (``reference``:
+    of the minimal app instead, beside the scenario's scheduler-less counterpart)."""
     scheduler, active, description = SCENARIOS[name]
-    server = None
+    if reference:
+        scheduler, active, description = False, False, "the reference: a minimal FastAPI app, plain SQLAlchemy"
+    servers: list[Server] = []
     active_id = None
     if args.url:
-        url = args.url
-        pid = args.server_pid
+        urls = [args.url]
+        pids = [args.server_pid] if args.server_pid else []
     else:
         assert home is not None
-        server = Server.start(home, scheduler=scheduler, env=server_env)
-        url, pid = server.url, server.proc.pid
+        servers = start_replicas(
+            home, scheduler=scheduler, env=server_env, replicas=args.replicas, reference=reference, pin=args.pin
+        )
+        urls, pids = [s.url for s in servers], [s.proc.pid for s in servers]
+    if len(urls) > 1:
+        description += f", {len(urls)} replicas"
+    if args.pin and not args.url:
+        description += ", each pinned to a core"
+    url, pid = urls[0], (pids[0] if pids else None)
     profiler = None
     try:
         if active:
             print(f"[{name}] starting the active run, waiting for its first iteration ...", flush=True)
             active_id = start_active_run(url, args.token, args.active_timeout)
         targets = run_ids + ([active_id] if active_id else [])
-        honoured, _ = probe(url, args.token, targets)
-        print(f"[{name}] {args.clients} clients, {args.warmup:.0f} s warm-up + {args.seconds:.0f} s ...", flush=True)
+        honoured, _ = probe(url, None if reference else args.token, targets)
+        label = "reference" if reference else name
+        print(f"[{label}] {args.clients} clients, {args.warmup:.0f} s warm-up + {args.seconds:.0f} s ...", flush=True)
         start_at = time.time() + 1.0 + args.warmup
         per_proc_clients = [args.clients // args.procs + (i < args.clients % args.procs) for i in range(args.procs)]
         loads = [
             Load(
-                url=url,
+                urls=urls,
                 token=args.token,
                 clients=c,
                 start_at=start_at,
@@ -801,7 +1026,7 @@ def run_scenario(
         cpu_before = cpu_after = None
 
         def sample_cpu() -> tuple[float | None, float]:
-            return (proc_cpu_seconds(pid) if pid else None), machine_busy_seconds()
+            return (sum(proc_cpu_seconds(p) for p in pids) if pids else None), machine_busy_seconds()
 
         # The server's and machine's CPU are read at the edges of the window by a helper thread.
 
@@ -825,12 +1050,16 @@ def run_scenario(
         fig = figures(result, seconds=args.seconds)
         assert cpu_before is not None and cpu_after is not None
         server_cpu = None if cpu_before[0] is None else cpu_after[0] - cpu_before[0]  # type: ignore[operator]
-        _, runs_at_end = probe(url, args.token, targets)
+        _, runs_at_end = probe(url, None if reference else args.token, targets)
         if home is not None:  # the list may be paginated: count in the store itself
             runs_at_end = count_in_store(home, "SELECT count(*) FROM runs") or runs_at_end
         fig.update(
-            scenario=name,
+            scenario="reference" if reference else name,
             description=description + (f" ({active_id})" if active_id else ""),
+            replicas=len(urls),
+            server_ms_per_request=None
+            if server_cpu is None or not result.completed_in_window
+            else round(1000 * server_cpu / result.completed_in_window, 3),
             seconds=args.seconds,
             clients=args.clients,
             rate=args.rate,
@@ -861,7 +1090,7 @@ def run_scenario(
             profiler.kill()
         if active_id:
             end_active_run(url, args.token, active_id, home)
-        if server is not None:
+        for server in servers:
             server.stop()
 
 
@@ -957,15 +1186,45 @@ def main() -> None:
         help="gil: samples of the thread holding the GIL only (where the server's Python CPU goes); active: every thread "
         "not idle (also threads waiting for the GIL or a lock: where requests wait); all: idle threads too.",
     )
+    parser.add_argument(
+        "--trials", type=int, default=1, help="Measured windows of each scenario (with --reference: alternating)."
+    )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="Also measure the minimal FastAPI app (reference_app) on the same store, in each trial, alternating "
+        "with the scenario's server; reads only (--writes 0 for both).",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="Server processes on the same store, the clients' requests spread over them in turn (the first runs "
+        "the scheduler, as the scenario says; the others `--no-scheduler`).",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="Run each server (replica) with all its threads on one core of its own (as `taskset -c`): one Python "
+        "process holds one lock to run, and its threads handing it between cores cost more than they do on one.",
+    )
+    parser.add_argument("--serve-reference", action="store_true", help=argparse.SUPPRESS)  # reference_app's process
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--home", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, metavar="OUT", help="Write the figures of every scenario to OUT.")
     parser.add_argument("--keep-home", action="store_true", help="Keep the temporary --home (server logs, state.db).")
     args = parser.parse_args()
-    if args.url and args.scenario == "all":
-        parser.error("--url loads one running server: give the --scenario it is in")
-
     global ROOT
     if args.root:
         ROOT = Path(args.root).resolve()
+    if args.serve_reference:
+        serve_reference(args.port, Path(args.home))
+        return
+    if args.url and (args.scenario == "all" or args.reference or args.replicas != 1):
+        parser.error("--url loads one running server: give the --scenario it is in (no --reference, no --replicas)")
+    if args.reference and args.writes:
+        print("the reference serves reads only: --writes 0 for both", flush=True)
+        args.writes = 0.0
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
 
     home = None if args.url else Path(tempfile.mkdtemp(prefix="spotrl-api-load-"))
@@ -988,9 +1247,21 @@ def main() -> None:
             finally:
                 setup.stop()
         for name in names:
-            fig = run_scenario(name, args, home, run_ids, server_env)
-            print_report(fig)
-            reports.append(fig)
+            pairs = []
+            for trial in range(args.trials):
+                # The reference goes second in even trials and first in odd ones: drift in the
+                # machine's other load falls on both alike.
+                order = [False, True] if args.reference else [False]
+                figs = {}
+                for reference in order if trial % 2 == 0 else order[::-1]:
+                    fig = run_scenario(name, args, home, run_ids, server_env, reference=reference)
+                    fig["trial"] = trial + 1
+                    print_report(fig)
+                    reports.append(fig)
+                    figs[reference] = fig
+                pairs.append((figs[False], figs.get(True)))
+            if args.trials > 1 or args.reference:
+                print_summary(name, pairs)
     finally:
         if args.json:
             Path(args.json).write_text(json.dumps(reports if len(reports) != 1 else reports[0], indent=2) + "\n")
