@@ -138,7 +138,9 @@ class _Worker:
                 os.killpg(self.process.pid, signal.SIGKILL)  # its group: it called setsid
             self.process.kill()
         self.process.join()
-        self.conn.close()
+        # The thread of a call in progress may be closing it too, having seen its worker die.
+        with contextlib.suppress(OSError):
+            self.conn.close()
 
 
 class FunctionPool:
