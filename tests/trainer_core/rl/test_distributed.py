@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import torch
 from dist_worker import SCENARIOS, WORLD_SIZE, build_models, make_batch, single_process_order, train_config
 
 from contracts.samples import Sample
+from tests.torchrun import REPO, output, run_ranks
 from trainer_core.models.loading import load_policy
 from trainer_core.rl.distributed import init_distributed, shard_samples
 from trainer_core.rl.strategy import build_optimizer
@@ -35,7 +35,6 @@ from trainer_core.rl.update import train_on_batch
 from trainer_core.rl.zero import _import_deepspeed, deepspeed_config
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-REPO = Path(__file__).resolve().parents[3]
 # strategy -> (scenarios, DeepSpeed config overrides). ZeRO-3 keeps parameters smaller than
 # stage3_param_persistence_threshold whole; at 0 every parameter of the tiny model is partitioned
 # and gathered per module call, as a real model's would be.
@@ -102,34 +101,9 @@ def one_process(model_cache: Path) -> Callable[[str], dict[str, Any]]:
 def _launch(strategy: str, model_cache: Path, out_dir: Path) -> dict[str, Any]:
     scenarios, ds_config = LAUNCHES[strategy]
     out = out_dir / "results.pt"
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    # PYTHONFAULTHANDLER: a rank that crashes (an intermittent SIGABRT has been seen) prints the
-    # Python stack of each of its threads.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, PYTHONFAULTHANDLER="1")
-    # DeepSpeed JIT-builds its C++ ops (CPU Adam, shared-memory comm) on first use, minutes on
-    # 2 cores: cached with the virtual environment, so later runs load them in a second.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={WORLD_SIZE}",
-        str(WORKER),
-        "--strategy",
-        strategy,
-        "--scenarios",
-        *scenarios,
-        "--cache-dir",
-        str(model_cache),
-        "--out",
-        str(out),
-        "--ds-config",
-        json.dumps(ds_config),
-    ]
-    run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
-    output = "\n".join(line for line in (run.stdout + run.stderr).splitlines() if "Loading weights" not in line)
-    assert run.returncode == 0, f"{strategy} ranks failed:\n{output[-8000:]}"
+    args = ["--strategy", strategy, "--scenarios", *scenarios, "--cache-dir", str(model_cache)]
+    run = run_ranks(WORKER, [*args, "--out", str(out), "--ds-config", json.dumps(ds_config)], processes=WORLD_SIZE)
+    assert run.returncode == 0, f"{strategy} ranks failed:\n{output(run)[-8000:]}"
     return torch.load(out)
 
 

@@ -11,9 +11,6 @@ steps in the interrupted one's order and from its exact state.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +19,13 @@ import torch
 from dist_worker import WORLD_SIZE, build_models, make_batch
 from resume_worker import STEPS, DirectoryCheckpoint, Interrupted, flat_optimizer_state, resumable_config
 
+from tests.torchrun import output, run_ranks
 from trainer_core.models.loading import load_policy
 from trainer_core.rl.resume import WEIGHTS_FILE
 from trainer_core.rl.strategy import build_optimizer
 from trainer_core.rl.update import train_on_batch
 
 WORKER = Path(__file__).with_name("resume_worker.py")
-REPO = Path(__file__).resolve().parents[3]
 # Timings: the only metrics a resumed update reports for its own part.
 TIMINGS = {"perf/seconds", "perf/tokens_per_s"}
 
@@ -139,33 +136,10 @@ LAUNCHES: dict[str, tuple[list[str], dict[str, Any]]] = {
 def test_two_ranks_resume_as_they_would_have_gone_on(model_cache: Path, tmp_path: Path, strategy: str) -> None:
     load_policy("tiny", cache_dir=model_cache)  # built once here, not by both ranks at once
     out = tmp_path / "results.pt"
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, PYTHONFAULTHANDLER="1")
-    # DeepSpeed's C++ ops (CPU Adam) are built once into the virtual environment.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={WORLD_SIZE}",
-        str(WORKER),
-        "--strategy",
-        strategy,
-        "--scenarios",
-        *LAUNCHES[strategy][0],
-        "--at",
-        "3",
-        "--cache-dir",
-        str(model_cache),
-        "--out",
-        str(out),
-        "--ds-config",
-        json.dumps(LAUNCHES[strategy][1]),
-    ]
-    run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
-    output = "\n".join(line for line in (run.stdout + run.stderr).splitlines() if "Loading weights" not in line)
-    assert run.returncode == 0, f"ranks failed:\n{output[-8000:]}"
+    args = ["--strategy", strategy, "--scenarios", *LAUNCHES[strategy][0], "--at", "3", "--cache-dir", str(model_cache)]
+    args += ["--out", str(out), "--ds-config", json.dumps(LAUNCHES[strategy][1])]
+    run = run_ranks(WORKER, args, processes=WORLD_SIZE)
+    assert run.returncode == 0, f"ranks failed:\n{output(run)[-8000:]}"
     results = torch.load(out, weights_only=True)
     assert set(results) == set(LAUNCHES[strategy][0])
     for scenario, runs in results.items():

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from services.ports.objects.local_object_store import LocalObjectStore
 from services.ports.objects.object_store import ObjectStore, folder_key
 from services.ports.queue.sqlite_queue import SqliteQueue
 from tests.services.data.training.test_job import RUN, spec
+from tests.torchrun import output, run_ranks
 from trainer_core.models.loading import load_policy
 
 STEPS = 4
@@ -314,16 +314,11 @@ def test_two_processes_stop_together_at_one_ranks_notice_and_resume(tmp_path: Pa
         dp.produce(backends, run_id, 1)
         worlds[name] = settings, backends, run_id
 
-    def launch(name: str, *notice: str) -> subprocess.CompletedProcess:
+    def launch(name: str, *notice: str) -> subprocess.CompletedProcess[str]:
         settings, _, run_id = worlds[name]
-        env = dict(os.environ, **settings.pod_env(), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(dp.REPO), os.environ.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        command += [str(Path(__file__).with_name("spot_job_worker.py")), run_id, "1", *notice]
-        return subprocess.run(command, env=env, cwd=dp.REPO, capture_output=True, text=True, timeout=600)
-
-    def output(run: subprocess.CompletedProcess) -> str:
-        return "\n".join(line for line in (run.stdout + run.stderr).splitlines() if "Loading weights" not in line)
+        return run_ranks(
+            Path(__file__).with_name("spot_job_worker.py"), [run_id, "1", *notice], env=settings.pod_env(), timeout=600
+        )
 
     run = launch("uninterrupted")
     assert run.returncode == 0, output(run)[-8000:]

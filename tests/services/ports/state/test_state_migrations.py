@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import closing
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,14 +45,6 @@ TABLE_REVISIONS = {
     "evals": 9,
     "pod_memory": 10,
 }
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An empty database of each adapter: a SQLite file, or a database of its own on the session's server."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'state.db'}"
-    return request.getfixturevalue("postgres").new_database()
 
 
 @pytest.fixture

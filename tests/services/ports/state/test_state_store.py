@@ -4,10 +4,8 @@ tests/servers/postgres.py). Concurrency under contention is in test_state_store_
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from pathlib import Path
 
 import pytest
 
@@ -15,21 +13,6 @@ from contracts.evaluation import EvalResult
 from contracts.status import TRANSITIONS, RunStatus
 from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import EvalProgress, IllegalTransitionError, RunNotFoundError, StateStore
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An empty state store of each adapter: a SQLite file, or a database of its own on the session's server."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'state.db'}"
-    return request.getfixturevalue("postgres").new_database()
-
-
-@pytest.fixture
-def store(store_url: str) -> Iterator[StateStore]:
-    s = StateStore(store_url)
-    yield s
-    s.close()
 
 
 def test_status_transitions(store: StateStore) -> None:

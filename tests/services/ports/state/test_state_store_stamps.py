@@ -4,29 +4,12 @@ it stands for, and a ledger whose stamp the reader knows is not read again."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
 from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
 from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import LedgerStamp, StateStore
 
 LEDGER = dict(role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6, price_source="test")
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
-    url = (
-        f"sqlite:///{tmp_path / 'state.db'}"
-        if request.param == "sqlite"
-        else request.getfixturevalue("postgres").new_database()
-    )
-    s = StateStore(url)
-    yield s
-    s.close()
 
 
 def _iteration(run_id: str, n: int) -> IterationRow:
