@@ -19,8 +19,8 @@ from services.domain.names import tenant_object_key
 from services.domain.prompt_items import PromptItem
 from services.domain.prompts import MAX_LINE_CHARS, MAX_PROMPTS, InvalidPromptsError, JsonlParser, parse_jsonl, to_jsonl
 from services.domain.runspec import RunSpec
-from services.ports.state.state_schema import IterationRow
 from tests.app_client import app_client
+from tests.iteration_rows import iteration_row
 
 PROMPTS = [{"prompt": "What is 2 + 3?", "answer": "5"}]
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
@@ -277,16 +277,13 @@ async def long_run(api: httpx.AsyncClient, *, iterations: int, pods: int) -> str
     state = api.app.state.backends.state  # type: ignore[attr-defined]
     for i in range(1, iterations + 1):
         state.record_iteration(
-            IterationRow(
-                run_id=run_id,
-                iteration=i,
-                policy_version=i,
+            iteration_row(
+                run_id,
+                i,
                 mean_reward=i / iterations,
                 kl=0.01,
                 loss=0.5,
                 seconds=2.0,
-                samples_trained=8,
-                samples_dropped=0,
                 metrics={"actor/pg_clipfrac": 0.1},
                 ended_at=1000.0 + i,
             )

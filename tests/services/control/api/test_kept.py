@@ -15,27 +15,11 @@ from services.control.api import service
 from services.control.api.auth import NO_AUTH
 from services.control.api.kept import Bill, Kept, _Lru
 from services.ports.prices.catalog import InstancePrice, PriceCatalog
-from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import LedgerEntry, StateStore
+from tests.iteration_rows import iteration_row
 
 SPEC = {"model": "tiny", "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}], "batch_samples": 8, "iterations": 2}
 ROLLOUT = dict(role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=0.35, price_source="t")
-
-
-def _iteration(run_id: str, n: int) -> IterationRow:
-    return IterationRow(
-        run_id=run_id,
-        iteration=n,
-        policy_version=n,
-        mean_reward=n / 10,
-        kl=0.0,
-        loss=0.0,
-        seconds=1.0,
-        samples_trained=8,
-        samples_dropped=0,
-        metrics={"actor/loss": 0.1},
-        ended_at=float(n),
-    )
 
 
 async def _ended_run(api: httpx.AsyncClient) -> str:
@@ -47,7 +31,7 @@ async def _ended_run(api: httpx.AsyncClient) -> str:
     state.set_status(run_id, RunStatus.RUNNING)
     state.open_ledger(run_id=run_id, pod=f"{run_id}-rollout-0", started_at=1000.0, **ROLLOUT)
     state.close_ledger(f"{run_id}-rollout-0", ended_at=1600.0)
-    state.record_iteration(_iteration(run_id, 1))
+    state.record_iteration(iteration_row(run_id, 1, mean_reward=1 / 10, metrics={"actor/loss": 0.1}))
     state.begin_ending(run_id, RunStatus.SUCCEEDED, "trained")
     state.set_status(run_id, RunStatus.SUCCEEDED, "trained")
     return run_id
@@ -69,7 +53,7 @@ async def test_an_ended_run_is_shown_as_kept_until_the_store_changes_it(api: htt
     assert (await api.get(f"/v1/runs/{run_id}")).json()["last_error"] == "the tracker is down"
     state.count_reward_failures(run_id, {"function:timeout": 2}, latest="slow")
     assert (await api.get(f"/v1/runs/{run_id}")).json()["reward_failures_by_reason"] == {"function:timeout": 2}
-    state.record_iteration(_iteration(run_id, 2))
+    state.record_iteration(iteration_row(run_id, 2, mean_reward=2 / 10, metrics={"actor/loss": 0.1}))
     shown = (await api.get(f"/v1/runs/{run_id}?iterations_limit=1")).json()
     assert (shown["iterations_total"], [it["iteration"] for it in shown["iterations"]]) == (2, [2])
     # A pod billed after the end: an open entry costs more with every read, so it is never kept.

@@ -15,8 +15,8 @@ from services.core.config import Settings
 from services.domain.names import prompts_topic, samples_topic
 from services.ports.launcher.launcher import PodOutcome, PodPhase, PodStatus, pod_outcome
 from services.ports.prices.catalog import load_catalog
-from services.ports.state.state_schema import IterationRow
 from services.ports.wiring import open_backends
+from tests.iteration_rows import iteration_row
 
 
 def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: Settings) -> None:
@@ -42,15 +42,12 @@ def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: S
     b.state.close_ledger("r1-rollout-1", ended_at=now - 50, outcome=PodOutcome.PREEMPTED)
     b.state.report_worker("r1", "r1-rollout-0", samples=6, generation_seconds=3.0, reward_cache={"hit": 2, "miss": 4})
     b.state.record_iteration(
-        IterationRow(
-            run_id="r1",
-            iteration=1,
-            policy_version=1,
+        iteration_row(
+            "r1",
+            1,
             mean_reward=0.25,
             kl=0.01,
-            loss=0.0,
             seconds=12.0,
-            samples_trained=8,
             samples_dropped=2,
             ended_at=now,
             metrics={

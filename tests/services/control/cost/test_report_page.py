@@ -23,8 +23,8 @@ from services.control.cost import report_page
 from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION
 from services.control.cost.svg_charts import MARK_COLOR
 from services.ports.prices.catalog import PriceCatalog
-from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import StateStore
+from tests.iteration_rows import iteration_row
 from tests.servers.chromium import ensure_chromium, headless
 
 # The run's record, in seconds from its start: rollout slot 0 on spot is preempted at 300 s and
@@ -80,17 +80,11 @@ def record_run(
             state.close_ledger(f"{run_id}-{pod}", ended_at=t0 + end, outcome=outcome)
     for i, reward in enumerate(REWARDS, start=1):
         state.record_iteration(
-            IterationRow(
-                run_id=run_id,
-                iteration=i,
-                policy_version=i,
+            iteration_row(
+                run_id,
+                i,
                 mean_reward=reward,
-                kl=0.0,
-                loss=0.0,
                 seconds=120.0,
-                samples_trained=8,
-                samples_dropped=0,
-                metrics={},
                 ended_at=t0 + TRAINING[i - 1][3],
             )
         )

@@ -4,8 +4,8 @@ metrics (verl's names), a rollout worker on the ledger, and the run's end."""
 from __future__ import annotations
 
 from contracts.status import RunStatus
-from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import StateStore
+from tests.iteration_rows import iteration_row
 
 T0 = 1_790_000_000.0  # when the test runs started (unix seconds)
 
@@ -36,10 +36,9 @@ def record(store: StateStore, run_id: str, i: int) -> None:
     """Iteration ``i`` as the scheduler records it, ending at T0 + 100 i."""
     metrics = job_metrics(i)
     store.record_iteration(
-        IterationRow(
-            run_id=run_id,
-            iteration=i,
-            policy_version=i,
+        iteration_row(
+            run_id,
+            i,
             mean_reward=0.1 * i,
             kl=0.002 * i,
             loss=0.4 / i,

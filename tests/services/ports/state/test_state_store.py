@@ -11,8 +11,8 @@ import pytest
 
 from contracts.evaluation import EvalResult
 from contracts.status import TRANSITIONS, RunStatus
-from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import EvalProgress, IllegalTransitionError, RunNotFoundError, StateStore
+from tests.iteration_rows import iteration_row
 
 
 def test_status_transitions(store: StateStore) -> None:
@@ -81,21 +81,9 @@ def test_first_ending_stands_but_a_failure_replaces_it(store: StateStore) -> Non
 
 def test_record_iteration_is_atomic_and_idempotent(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
-    row = dict(
-        run_id="r1",
-        iteration=1,
-        policy_version=1,
-        mean_reward=0.5,
-        kl=0.01,
-        loss=0.1,
-        seconds=3.0,
-        samples_trained=8,
-        samples_dropped=2,
-        metrics={},
-        ended_at=1.0,
-    )
-    store.record_iteration(IterationRow(**row))
-    store.record_iteration(IterationRow(**row))
+    row = dict(kl=0.01, loss=0.1, seconds=3.0, samples_dropped=2)
+    store.record_iteration(iteration_row("r1", 1, **row))
+    store.record_iteration(iteration_row("r1", 1, **row))
     run = store.get_run("r1")
     assert (run.iterations_done, run.policy_version, run.samples_trained, run.samples_dropped) == (1, 1, 8, 2)
     assert store.policy_version("r1") == 1
@@ -169,21 +157,7 @@ def test_a_page_of_runs_comes_with_their_ledgers(store: StateStore) -> None:
 def test_a_run_view_is_its_latest_iterations_their_count_and_its_ledger(store: StateStore) -> None:
     store.create_run("r1", name=None, spec={})
     for n in (1, 2, 3):
-        store.record_iteration(
-            IterationRow(
-                run_id="r1",
-                iteration=n,
-                policy_version=n,
-                mean_reward=n / 10,
-                kl=0.0,
-                loss=0.0,
-                seconds=1.0,
-                samples_trained=4,
-                samples_dropped=0,
-                metrics={},
-                ended_at=float(n),
-            )
-        )
+        store.record_iteration(iteration_row("r1", n, mean_reward=n / 10, samples_trained=4))
     store.open_ledger(
         run_id="r1",
         pod="a",
@@ -276,17 +250,9 @@ def test_reward_failures_add_up_by_reason(store: StateStore) -> None:
 def test_non_finite_numbers_in_json_are_stored_as_null(store: StateStore) -> None:
     """JSON has no NaN (PostgreSQL refuses it): a NaN metric must not lose the iteration."""
     store.create_run("r1", name=None, spec={"budget": float("inf")})
-    row = IterationRow(
-        run_id="r1",
-        iteration=1,
-        policy_version=1,
-        mean_reward=0.5,
-        kl=0.0,
-        loss=0.0,
-        seconds=1.0,
-        samples_trained=8,
-        samples_dropped=0,
-        ended_at=1.0,
+    row = iteration_row(
+        "r1",
+        1,
         metrics={"actor/pg_clipfrac": float("nan"), "critic/vf_loss": -float("inf"), "ok": [1.5, float("nan")]},
     )
     store.record_iteration(row)

@@ -31,8 +31,8 @@ from sqlalchemy.engine import Engine
 
 from contracts.status import RunStatus
 from services.ports.state.migrations import SCRIPT_LOCATION
-from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import StateStore
+from tests.iteration_rows import iteration_row
 
 CONTENDERS = 4
 LEDGER = dict(role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6, price_source="test")
@@ -148,22 +148,6 @@ def contention(request: pytest.FixtureRequest, tmp_path: Path, wait_for) -> Iter
 both_adapters = pytest.mark.parametrize("contention", ["postgresql", "sqlite"], indirect=True)
 
 
-def _iteration(samples_trained: int = 8) -> IterationRow:
-    return IterationRow(
-        run_id="r1",
-        iteration=1,
-        policy_version=1,
-        mean_reward=0.5,
-        kl=0.01,
-        loss=0.1,
-        seconds=3.0,
-        samples_trained=samples_trained,
-        samples_dropped=2,
-        metrics={},
-        ended_at=1.0,
-    )
-
-
 @both_adapters
 def test_same_iteration_recorded_at_once_is_recorded_once(contention: Contention) -> None:
     """Schedulers recording one iteration together (an old leader finishing its tick beside the
@@ -185,7 +169,11 @@ def _record_one_iteration_at_once(contention: Contention) -> None:
     stores = [contention.store() for _ in range(CONTENDERS)]
     with contention.gate("SELECT 1 FROM runs WHERE id = 'r1' FOR UPDATE"):
         for store in stores:
-            contention.start(lambda store=store: store.record_iteration(_iteration(), samples_dropped_extra=1))
+            contention.start(
+                lambda store=store: store.record_iteration(
+                    iteration_row("r1", 1, kl=0.01, loss=0.1, seconds=3.0, samples_dropped=2), samples_dropped_extra=1
+                )
+            )
     assert contention.outcomes() == [None] * CONTENDERS
     run = setup.get_run("r1")
     assert (run.iterations_done, run.policy_version, run.samples_trained, run.samples_dropped) == (1, 1, 8, 3)

@@ -6,26 +6,10 @@ from __future__ import annotations
 
 from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
-from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import LedgerStamp, StateStore
+from tests.iteration_rows import iteration_row
 
 LEDGER = dict(role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6, price_source="test")
-
-
-def _iteration(run_id: str, n: int) -> IterationRow:
-    return IterationRow(
-        run_id=run_id,
-        iteration=n,
-        policy_version=n,
-        mean_reward=0.5,
-        kl=0.0,
-        loss=0.0,
-        seconds=1.0,
-        samples_trained=4,
-        samples_dropped=0,
-        metrics={"actor/loss": 0.1},
-        ended_at=float(n),
-    )
 
 
 def test_a_ledger_stamp_counts_entries_the_newest_and_the_open(store: StateStore) -> None:
@@ -79,7 +63,7 @@ def test_a_run_stamp_moves_with_everything_a_view_shows(store: StateStore) -> No
     assert not moved()  # nothing changed: the same stamp
     store.set_status("r1", RunStatus.RUNNING)
     assert moved()
-    store.record_iteration(_iteration("r1", 1))
+    store.record_iteration(iteration_row("r1", 1, samples_trained=4, metrics={"actor/loss": 0.1}))
     assert moved()
     store.update_run("r1", last_error="boom")
     assert moved()
