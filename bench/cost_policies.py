@@ -242,18 +242,21 @@ def _several_zones(
 ) -> None:
     """Cost-aware on one SpotHedge zone against the same run whose rollout pool may also use the
     other zones (``rollout.options``: the rollout instance type in each, one trace per option),
-    training on-demand and with ``training.capacity`` auto on the first zone's nodes."""
+    training on-demand, with ``training.capacity`` auto on the first zone's nodes, and with auto
+    on every zone's (``training.spot_zones``: each zone's trace as its training nodes)."""
     zones = [t for path, t in zip(paths, loaded, strict=True) if TRAINING_CLASS_TRACES in path.parts]
     if len(zones) < 2:
         return
     auto = replace(workload, training_capacity="auto")
     typer.echo(
         f"\nseveral zones: cost-aware on one zone against its rollout pool spread over all {len(zones)} SpotHedge zones "
-        f"(rollout.options; the first zone's own nodes for training under auto) ({currency}, wall h):"
+        f"(rollout.options; under auto, training on the first zone's own nodes, or on every zone's: "
+        f"training.spot_zones) ({currency}, wall h):"
     )
     typer.echo(
-        "| first zone | one zone | wall h | all zones | wall h | one zone, auto | wall h | all zones, auto | wall h |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| first zone | one zone | wall h | all zones | wall h | one zone, auto | wall h | all zones, auto | wall h "
+        "| all zones, auto in all zones | wall h |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for zone in zones:
         spread = [zone, *(t for t in zones if t is not zone)]
@@ -261,7 +264,8 @@ def _several_zones(
         many = simulate(spread, CostPolicy.COST_AWARE, workload)
         one_auto = simulate(zone, CostPolicy.COST_AWARE, auto, training_trace=zone)
         many_auto = simulate(spread, CostPolicy.COST_AWARE, auto, training_trace=zone)
-        cells = [f"{_dollars(r)} | {r.wall_seconds / 3600:.2f}" for r in (one, many, one_auto, many_auto)]
+        zoned = simulate(spread, CostPolicy.COST_AWARE, auto, training_trace=spread)
+        cells = [f"{_dollars(r)} | {r.wall_seconds / 3600:.2f}" for r in (one, many, one_auto, many_auto, zoned)]
         typer.echo(f"| {zone.name} | " + " | ".join(cells) + " |")
 
 

@@ -8,6 +8,7 @@ No torch here: the control plane imports this module.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -97,6 +98,10 @@ class Strategy(StrEnum):
     ZERO1 = "zero1"
     ZERO2 = "zero2"
     ZERO3 = "zero3"
+
+
+# A cloud zone, by the name Kubernetes gives its nodes (the topology.kubernetes.io/zone label's value).
+Zone = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$")]
 
 
 class TrainingCapacity(StrEnum):
@@ -341,6 +346,13 @@ class TrainConfig(BaseModel):
         "and at the provider's preemption notice, and a preempted job resumes from its checkpoint); or auto (spot while "
         "its expected cost, lost work and restarts counted, is below on-demand's, on-demand when no spot node comes).",
     )
+    spot_zones: list[Zone] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Zones a spot training job may run in, the cheapest first: a job that gets no node within two "
+        "start-ups in one is moved to the next, and a zone so given up is not tried for 2 h (auto trains on-demand once "
+        "every zone is); none: any zone. On-demand jobs run in any zone.",
+    )
     checkpoint_every_s: float = Field(
         default=300.0,
         ge=10.0,
@@ -384,6 +396,10 @@ class TrainConfig(BaseModel):
             raise ValueError(f"clip_cov_lb {self.clip_cov_lb} must be below clip_cov_ub {self.clip_cov_ub}")
         if self.offload_optimizer and self.strategy == Strategy.FSDP2:
             raise ValueError("offload_optimizer is a ZeRO option: set strategy to zero1, zero2 or zero3")
+        if self.spot_zones and self.capacity == TrainingCapacity.ON_DEMAND:
+            raise ValueError("spot_zones place spot training jobs: set capacity to spot or auto, or list no zones")
+        if len(set(self.spot_zones)) < len(self.spot_zones):
+            raise ValueError(f"spot_zones lists a zone twice: {self.spot_zones}")
         return self
 
     @property

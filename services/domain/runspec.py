@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from contracts.model_sources import BUILTIN_MODELS
-from contracts.training import AdvantageEstimator, Algorithm, TrainConfig
+from contracts.training import AdvantageEstimator, Algorithm, TrainConfig, Zone
 from services.domain.prompt_items import MAX_INLINE_PROMPTS, DatasetFields, PromptItem, check_prompt_source
 from services.domain.reward_spec import MAX_REWARD_TERMS, RewardFn, RewardServer, RewardTerm
 from services.domain.spec_fields import MAX_PATH_CHARS, STRICT, known_instance_type
@@ -114,12 +114,8 @@ class PoolOption(BaseModel):
     model_config = STRICT
 
     instance_type: str = Field(min_length=1, max_length=64, description="Catalog instance type of the worker.")
-    zone: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=64,
-        pattern=r"^[a-z0-9][a-z0-9-]*$",
-        description="Zone its node must be in (Kubernetes' topology.kubernetes.io/zone); none: any zone.",
+    zone: Zone | None = Field(
+        default=None, description="Zone its node must be in (Kubernetes' topology.kubernetes.io/zone); none: any zone."
     )
 
     _instance = field_validator("instance_type")(known_instance_type)

@@ -19,6 +19,7 @@ from contracts.status import RunStatus
 from services.control.scheduler import plan as p
 from services.control.scheduler.evals import EvalAction
 from services.control.scheduler.pool_options import OPTION_LABEL
+from services.control.scheduler.spot_training import ANY_ZONE, spot_zones
 from services.core.config import Settings
 from services.core.errors import PermanentError
 from services.domain.backlog import trainer_consumer
@@ -102,32 +103,33 @@ class Applier:
                     {"slot": str(slot), OPTION_LABEL: str(option)},
                     zone=where.zone,
                 )
-            case p.LaunchTraining(run_id, iteration, spot):
+            case p.LaunchTraining(run_id, iteration, spot, zone):
                 committed = sum(self.b.queue.committed(samples_topic(run_id), TRAINER_GROUP).values())
                 self.b.state.update_run(run_id, train_launch_committed=committed)
-                name = training_pod_name(run_id, iteration)
-                self._launch(
+                self._launch_on_training_node(
                     run_id,
-                    name,
+                    training_pod_name(run_id, iteration),
                     ROLE_TRAINING,
                     cli_command(["train-job", run_id, str(iteration)], processes=spec.training.processes),
-                    spec.training.instance_type,
-                    "spot" if spot else "on-demand",
+                    spec,
                     {"iteration": str(iteration)},
+                    spot,
+                    zone,
                 )
-            case p.LaunchStandby(run_id, after, spot):
-                self._launch(
+            case p.LaunchStandby(run_id, after, spot, zone):
+                self._launch_on_training_node(
                     run_id,
                     standby_pod_name(run_id, after),
                     ROLE_STANDBY,
                     [sys.executable, "-m", "services.control.scheduler.standby"],
-                    spec.training.instance_type,
-                    "spot" if spot else "on-demand",
+                    spec,
                     {"after_iteration": str(after)},
+                    spot,
+                    zone,
                 )
-            case p.RefuseSpotTraining(run_id, at):
-                log.info("run %s: no spot training node came; training on-demand for a while", run_id)
-                self.b.state.update_run(run_id, spot_training_refused_at=at)
+            case p.RefuseSpotTraining(run_id, refusals):
+                log.info("run %s: no spot training node came in time; zones given up: %s", run_id, sorted(refusals))
+                self.b.state.update_run(run_id, spot_training_refusals=dict(refusals))
             case p.LaunchRewardServer(run_id):
                 server = spec.reward_server
                 assert server is not None  # planned for a spec that asks for one
@@ -202,6 +204,30 @@ class Applier:
                 else:  # the run goes on; its last_error says why this version has no eval
                     log.warning("run %s: %s", run_id, gave_up)
                     self.b.state.update_run(run_id, last_error=gave_up)
+
+    def _launch_on_training_node(
+        self,
+        run_id: str,
+        name: str,
+        role: str,
+        command: list[str],
+        spec: RunSpec,
+        labels: dict[str, str],
+        spot: bool,
+        zone: int,
+    ) -> None:
+        """A training job or standby: on-demand in any zone, or spot in its spot zone (``spot_zones``)."""
+        where = spot_zones(spec)[zone] if spot else ANY_ZONE
+        self._launch(
+            run_id,
+            name,
+            role,
+            command,
+            spec.training.instance_type,
+            "spot" if spot else "on-demand",
+            {**labels, OPTION_LABEL: str(zone)} if spot else labels,
+            zone=where or None,
+        )
 
     def _launch(
         self,

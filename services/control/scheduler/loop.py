@@ -27,7 +27,7 @@ from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
 from services.control.scheduler.run_state import EvalState, Observed, RunState
-from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices
+from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices, spot_zones
 from services.control.tracking.sinks import SinkSet
 from services.control.tracking.sync import Tracker
 from services.core.config import Settings
@@ -292,7 +292,8 @@ class Scheduler:
             if measure
             else Estimates(None, None),
             spot_progress=self._spot_pace_points(row.id, now, stats, ledger) if measure else (),
-            training_prices=TrainingPrices(spot=price.spot, on_demand=price.on_demand),
+            # The catalog prices a type alike in every zone.
+            training_prices=TrainingPrices(spot=(price.spot,) * len(spot_zones(spec)), on_demand=price.on_demand),
             option_prices=tuple(self.catalog.get(o.instance_type).spot for o in spec.rollout.choices),
             spot_training=SpotTrainingRecord.of(ledger, now),
         )

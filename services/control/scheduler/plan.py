@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from contracts.status import RunStatus
@@ -69,10 +69,17 @@ from services.control.scheduler.evals import (
 )
 from services.control.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
 from services.control.scheduler.policies import POLICIES, PolicyInput
-from services.control.scheduler.pool_options import Placement, place_spot
+from services.control.scheduler.pool_options import Placement, option_of, place_spot
 from services.control.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
 from services.control.scheduler.run_state import Observed, RunState, retry_delay
-from services.control.scheduler.spot_training import PATIENCE_STARTUPS, spot_loss, spot_wait_expired, train_on_spot
+from services.control.scheduler.spot_training import (
+    PATIENCE_STARTUPS,
+    give_up_zone,
+    spot_loss,
+    spot_wait_expired,
+    spot_zone,
+    spot_zones,
+)
 from services.domain.names import ROLE_EVAL, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.domain.run_end import run_end
 from services.ports.launcher.launcher import PodPhase, PodStatus
@@ -111,6 +118,7 @@ class LaunchTraining:
     run_id: str
     iteration: int
     spot: bool = False  # on spot capacity (``services.control.scheduler.spot_training``)
+    zone: int = 0  # a spot job's zone, among ``spot_zones(spec)``
 
 
 @dataclass(frozen=True)
@@ -120,14 +128,16 @@ class LaunchStandby:
     run_id: str
     after_iteration: int
     spot: bool = False  # on the capacity the next job will take
+    zone: int = 0  # a spot standby's zone, among ``spot_zones(spec)``
 
 
 @dataclass(frozen=True)
 class RefuseSpotTraining:
-    """No spot training node came in time: the run's jobs go on-demand for a while from ``at``."""
+    """No spot training node came in time in a zone: the run's spot zones given up, each with when
+    (``RunState.spot_training_refusals`` as it becomes)."""
 
     run_id: str
-    at: float
+    refusals: Mapping[str, float]
 
 
 @dataclass(frozen=True)
@@ -428,24 +438,31 @@ def _train(
 ) -> list[Action]:
     """The next job when its batch waits (taking the warm node's place: the standby pod goes as the
     job starts), on the capacity ``training.capacity`` picks, else the warm node held or let go as
-    the policy wants; a spot job or standby that waited too long for a node is stopped, to start on-demand."""
+    the policy wants; a spot job or standby that waited too long for a node is stopped, to start in
+    another zone or on-demand."""
     spot_workers = [w for w in workers if w.capacity_type == "spot"]
     stalled = bool(spot_workers) and all(w.waiting_for_node for w in spot_workers)
+    zones, refusals = spot_zones(run.spec), run.spot_training_refusals
     expired = [
-        p for p in [*training, *standby] if spot_wait_expired(run.spec, p, observed.now, observed.estimates, stalled)
+        p
+        for p in [*training, *standby]
+        if spot_wait_expired(p, observed.now, observed.estimates)
+        and give_up_zone(run.spec, option_of(p), refusals, observed.now, stalled)
     ]
     if expired:
-        return [StopPod(p.name) for p in expired] + [RefuseSpotTraining(run.run_id, observed.now)]
-    spot = train_on_spot(
+        given_up = {zones[option_of(p)]: observed.now for p in expired}
+        return [StopPod(p.name) for p in expired] + [RefuseSpotTraining(run.run_id, {**refusals, **given_up})]
+    zone = spot_zone(
         run.spec,
         observed.now,
-        run.spot_training_refused_at,
+        refusals,
         observed.estimates,
         observed.training_prices,
         observed.spot_training,
     )
+    spot, zone = zone is not None, zone or 0
     if not training and observed.sample_backlog >= run.spec.batch_samples and observed.now >= run.next_train_at:
-        return [LaunchTraining(run.run_id, run.iterations_done + 1, spot)] + [StopPod(p.name) for p in standby]
+        return [LaunchTraining(run.run_id, run.iterations_done + 1, spot, zone)] + [StopPod(p.name) for p in standby]
     if warm and not standby:
-        return [LaunchStandby(run.run_id, run.iterations_done, spot)]
+        return [LaunchStandby(run.run_id, run.iterations_done, spot, zone)]
     return [] if warm else [StopPod(p.name) for p in standby]

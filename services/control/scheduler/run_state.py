@@ -55,7 +55,9 @@ class RunState:
     evals_open: Mapping[int, EvalState] = field(default_factory=dict)  # by policy version
     best_eval: tuple[int, float] | None = None  # (policy version, mean score) of the best recorded eval
     status_reason: str | None = None  # shown with the status; while RUNNING, the cost policy's account of its capacity
-    spot_training_refused_at: float | None = None  # when an auto run last gave up waiting for a spot training node
+    # The spot zones where the run last gave up waiting for a training node, each with when
+    # (services.control.scheduler.spot_training; "": any zone).
+    spot_training_refusals: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, row: RunRow, spec: RunSpec, **evals: object) -> RunState:
@@ -67,6 +69,7 @@ class RunState:
             status=RunStatus(row.status),
             spec=spec,
             ending_status=RunStatus(row.ending_status) if row.ending_status else None,
+            spot_training_refusals=row.spot_training_refusals or {},
         )
         columns = RunRow.__table__.columns.keys()
         same = {f.name: getattr(row, f.name) for f in fields(cls) if f.name in columns and f.name not in converted}
@@ -92,8 +95,8 @@ class Observed:
     # (time, samples spot rollout workers had made by then), oldest first, over the recent past:
     # the deadline rule's pace (services.control.scheduler.deadline); empty where nobody records it.
     spot_progress: tuple[tuple[float, int], ...] = ()
-    # The training instance type's spot and on-demand prices now, and the run's spot training so
-    # far: what ``training.capacity: auto`` weighs (services.control.scheduler.spot_training).
+    # The training instance type's spot prices (by spot zone) and on-demand price now, and the run's
+    # spot training so far: what ``training.capacity: auto`` weighs (services.control.scheduler.spot_training).
     training_prices: TrainingPrices | None = None
     # Each rollout pool option's spot price per hour now (``RolloutPool.choices``); empty: all alike.
     option_prices: tuple[float, ...] = ()

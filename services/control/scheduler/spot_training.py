@@ -9,10 +9,15 @@
   start-up and half a checkpoint interval of lost update (a kill without notice; with one, the
   job checkpoints before it goes); on-demand is the on-demand price over the job's time. The
   preemption rate is what the run's spot training pods have met so far, with an hour on spot
-  without one as the prior. A spot job (or standby) that waits for a node longer than two
-  start-ups is stopped and the run's jobs go on-demand for ``SPOT_RETRY_AFTER_SECONDS``: a node
-  that does not come costs the run its wall time, the one thing on-demand buys back; but not
-  while the run's spot rollout workers all wait for nodes too, when the next batch waits as long.
+  without one as the prior.
+
+Where: a spot job (or standby) goes to the cheapest of ``training.spot_zones`` (any zone when none
+is listed) not given up in the past ``SPOT_RETRY_AFTER_SECONDS``. One that waits for a node longer
+than two start-ups is stopped and its zone given up: the next job tries the next zone. Once every
+zone is given up, ``auto`` trains on-demand until the first comes back (a node that does not come
+costs the run its wall time, the one thing on-demand buys back), but not while the run's spot
+rollout workers all wait for nodes too, when the next batch waits as long; ``spot`` waits on in the
+last zone it tries (and after a preemption starts in the zone given up longest ago).
 
 Pure functions of what ``plan`` observes; the simulator (``services.control.simulate``) decides with
 them too.
@@ -20,7 +25,8 @@ them too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from contracts.training import TrainingCapacity
@@ -30,11 +36,11 @@ from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import PodOutcome, PodStatus
 from services.ports.state.state_store import LedgerEntry
 
-# After an auto run gave up waiting for a spot training node, its jobs go on-demand this long.
+# A spot zone given up (no training node came there in time) is not tried again for this long.
 SPOT_RETRY_AFTER_SECONDS = 7200.0
 # The preemption rate's prior: this many seconds on spot without a preemption.
 PRIOR_SPOT_SECONDS = 3600.0
-# A spot training job that waits for a node this many start-ups is given up (auto only).
+# A spot training job that waits for a node this many start-ups gives its zone up.
 PATIENCE_STARTUPS = 2.0
 
 
@@ -60,47 +66,75 @@ class SpotTrainingRecord:
 
 @dataclass(frozen=True)
 class TrainingPrices:
-    """The training instance type's price per hour now: its spot price (live or the trace's where
-    known, else the catalog's) and the catalog's on-demand price."""
+    """The training instance type's prices per hour now: its spot price in each spot zone
+    (``spot_zones``; live or the trace's where known, else the catalog's) and the catalog's on-demand price."""
 
-    spot: float
+    spot: tuple[float, ...]
     on_demand: float
 
 
-def train_on_spot(
+ANY_ZONE = ""  # the one spot zone of a run that lists none: wherever the cluster finds a node
+
+
+def spot_zones(spec: RunSpec) -> list[str]:
+    """Where the run's spot training jobs may go: ``training.spot_zones``, or any zone."""
+    return list(spec.training.spot_zones) or [ANY_ZONE]
+
+
+def open_zones(spec: RunSpec, refusals: Mapping[str, float], now: float) -> list[int]:
+    """The spot zones (their indexes in ``spot_zones``) not given up in the past ``SPOT_RETRY_AFTER_SECONDS``."""
+    return [
+        i for i, zone in enumerate(spot_zones(spec)) if now - refusals.get(zone, -math.inf) >= SPOT_RETRY_AFTER_SECONDS
+    ]
+
+
+def spot_zone(
     spec: RunSpec,
     now: float,
-    refused_at: float | None,
+    refusals: Mapping[str, float],
     estimates: Estimates,
     prices: TrainingPrices | None,
     record: SpotTrainingRecord,
-) -> bool:
-    """Whether the next training job (or the standby that holds its node) starts on spot."""
+) -> int | None:
+    """The spot zone (its index in ``spot_zones``) the next training job (or the standby that holds
+    its node) starts in; None: on-demand."""
     capacity = spec.training.capacity
-    if capacity != TrainingCapacity.AUTO:
-        return capacity == TrainingCapacity.SPOT
-    if refused_at is not None and now - refused_at < SPOT_RETRY_AFTER_SECONDS:
-        return False
-    if prices is None:
-        return False  # no price to weigh: the spec's safe side
+    if capacity == TrainingCapacity.ON_DEMAND:
+        return None
+    zones = spot_zones(spec)
+    price = (lambda i: prices.spot[i]) if prices is not None else (lambda i: 0.0)
+    candidates = open_zones(spec, refusals, now)
+    if capacity == TrainingCapacity.SPOT:
+        if not candidates:  # every zone given up: the one given up longest ago
+            return min(range(len(zones)), key=lambda i: refusals.get(zones[i], -math.inf))
+        return min(candidates, key=price)
+    if not candidates or prices is None:
+        return None  # nowhere to try, or no price to weigh: the spec's safe side
+    zone = min(candidates, key=price)
     job = estimates.training_seconds or estimates.startup_seconds
     lost_per_preemption = estimates.startup_seconds + spec.training.checkpoint_every_s / 2
     spot_seconds = job * (1 + record.preemptions_per_second * lost_per_preemption)
-    return prices.spot * spot_seconds < prices.on_demand * job
+    return zone if prices.spot[zone] * spot_seconds < prices.on_demand * job else None
 
 
-def spot_wait_expired(spec: RunSpec, pod: PodStatus, now: float, estimates: Estimates, rollout_stalled: bool) -> bool:
-    """An auto run's spot training (or standby) pod has waited for a node past its patience (and
-    never had one), and on-demand would buy time: not while the run's spot rollout workers all wait
-    for nodes too (an outage of both, likely of one zone), when the next batch is as late as the job."""
+def spot_wait_expired(pod: PodStatus, now: float, estimates: Estimates) -> bool:
+    """A spot training (or standby) pod has waited for a node past its patience, and never had one."""
     return (
-        spec.training.capacity == TrainingCapacity.AUTO
-        and not rollout_stalled
-        and pod.capacity_type == "spot"
+        pod.capacity_type == "spot"
         and pod.waiting_for_node
         and pod.node_joined_at is None
         and now - pod.started_at > PATIENCE_STARTUPS * estimates.startup_seconds
     )
+
+
+def give_up_zone(spec: RunSpec, zone: int, refusals: Mapping[str, float], now: float, rollout_stalled: bool) -> bool:
+    """Whether a spot job whose wait in ``zone`` expired is stopped and its zone given up: while
+    another zone is open, it is tried there; the last open one is given up by ``auto`` only (it
+    trains on-demand then), and not while the run's spot rollout workers all wait for nodes too (an
+    outage of both, likely of one zone), when the next batch is as late as the job."""
+    if any(i != zone for i in open_zones(spec, refusals, now)):
+        return True
+    return spec.training.capacity == TrainingCapacity.AUTO and not rollout_stalled
 
 
 def spot_loss(pod: PodStatus) -> bool:

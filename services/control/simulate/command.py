@@ -51,15 +51,21 @@ def workload_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @workload_options
 def simulate_command(
     trace: Annotated[
-        Path,
-        typer.Option(help="SkyPilot spot-traces JSON: spot instances available per tick.", exists=True, dir_okay=False),
+        list[Path],
+        typer.Option(
+            help="SkyPilot spot-traces JSON: spot instances available per tick. Repeat it for more rollout options: "
+            "the rollout instance type in each further trace's zone (named after the file).",
+            exists=True,
+            dir_okay=False,
+        ),
     ],
     policy: Annotated[CostPolicy, typer.Option(help="Cost policy to run.")] = CostPolicy.COST_AWARE,
     training_trace: Annotated[
-        Path | None,
+        list[Path] | None,
         typer.Option(
             help="SkyPilot spot-traces JSON of the training instance type's spot nodes, for --training-capacity "
-            "spot or auto (none: no spot training node ever comes).",
+            "spot or auto (none: no spot training node ever comes). Repeat it for several spot training zones "
+            "(training.spot_zones, each named after its file).",
             exists=True,
             dir_okay=False,
         ),
@@ -76,8 +82,8 @@ def simulate_command(
     from services.control.simulate.world import simulate
 
     try:
-        training = None if training_trace is None else load_trace(training_trace)
-        result = simulate(load_trace(trace), policy, workload, training_trace=training)
+        training = [load_trace(t) for t in training_trace or []]
+        result = simulate([load_trace(t) for t in trace], policy, workload, training_trace=training)
     except ValueError as e:  # a bad trace, an unknown instance type, an impossible run spec
         raise typer.BadParameter(str(e)) from None
     figures = result.to_json()

@@ -51,9 +51,9 @@ class Workload:
     def deadline_seconds(self) -> float | None:
         return None if self.deadline_hours is None else self.deadline_hours * 3600.0
 
-    def spec(self, policy: CostPolicy, zones: Sequence[str] = ()) -> RunSpec:
+    def spec(self, policy: CostPolicy, zones: Sequence[str] = (), training_zones: Sequence[str] = ()) -> RunSpec:
         """The run spec of this workload under ``policy``; ``zones``: more rollout options, the
-        rollout instance type in each of these zones."""
+        rollout instance type in each of these zones; ``training_zones``: its spot training zones."""
         prompts_per_batch = math.ceil(self.batch_samples / self.samples_per_prompt / self.workers)
         return RunSpec.model_validate(
             {
@@ -72,6 +72,10 @@ class Workload:
                     "prompts_per_batch": prompts_per_batch,
                     "options": [{"instance_type": self.rollout_instance_type, "zone": zone} for zone in zones],
                 },
-                "training": {"instance_type": self.training_instance_type, "capacity": self.training_capacity},
+                "training": {
+                    "instance_type": self.training_instance_type,
+                    "capacity": self.training_capacity,
+                    "spot_zones": list(training_zones),
+                },
             }
         )

@@ -15,9 +15,10 @@ after the start-up (at once on a warm node of their capacity: a standby's, or th
 left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down yet), run ``training_minutes`` and train one batch,
 dropping the samples older than the staleness bound.
 
-A training job (or standby) on spot takes a node of the training trace (``training_trace``; none: no
-spot training node ever comes) as a spot worker takes one of the rollout trace, and is preempted
-when the training trace's capacity drops below the spot training pods on a node. A preempted job
+A training job (or standby) on spot takes a node of its spot zone's training trace
+(``training_traces``, one per zone of ``spot_zones``; none: no spot training node ever comes) as a
+spot worker takes one of the rollout trace, and is preempted when that trace's capacity drops
+below the zone's spot training pods on a node. A preempted job
 checkpoints at the provider's notice and ends at once (with no notice, ``spot_notice_seconds`` 0,
 it keeps only its last periodic checkpoint, every ``training.checkpoint_every_s`` of update);
 the next job of its iteration resumes from there: a start-up (model load and the batch's
@@ -40,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from contracts.status import RunStatus
+from contracts.training import TrainingCapacity
 from services.control.cost.billing import NODE_BOOT_SECONDS, billed_dollars
 from services.control.cost.lower_bound import Busy, TrainingTerms, lower_bound_dollars
 from services.control.cost.report import cost_report
@@ -48,7 +50,7 @@ from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.policies import measured
 from services.control.scheduler.pool_options import OPTION_LABEL
 from services.control.scheduler.run_state import Observed, RunState
-from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices
+from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices, spot_zones
 from services.control.simulate.gap import PodSpan, gap
 from services.control.simulate.traces import SpotTrace
 from services.control.simulate.workload import Workload
@@ -62,7 +64,12 @@ RUN_ID = "sim"
 # A training node whose pod ended this long ago is still up (Kubernetes' cluster autoscaler waits
 # 10 minutes by default before removing an empty node; this is far less, and unbilled).
 HANDOVER_SECONDS = 30.0
-TRAINING_POOL = -1  # the training nodes' pool, beside the rollout options 0, 1, ...
+
+
+def training_pool(zone: int) -> int:
+    """The pool of the spot training nodes of a zone (its index in ``spot_zones``): -1, -2, ...,
+    beside the rollout options 0, 1, ..."""
+    return -1 - zone
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,8 @@ class _World:
     workload: Workload
     traces: tuple[SpotTrace, ...]  # spot rollout nodes, one trace per option of the pool (``RolloutPool.choices``)
     catalog: PriceCatalog
-    training_trace: SpotTrace | None = None  # spot training nodes; None: none ever
-    pod_pools: dict[str, int] = field(default_factory=dict)  # pod -> its rollout option, or TRAINING_POOL
+    training_traces: tuple[SpotTrace, ...] = ()  # spot training nodes, one trace per spot zone; none: none ever
+    pod_pools: dict[str, int] = field(default_factory=dict)  # pod -> its rollout option, or its training_pool
     now: float = 0.0
     run: RunState | None = None
     pods: dict[str, _Pod] = field(default_factory=dict)
@@ -120,13 +127,14 @@ class _World:
     trainer_committed: int = 0
     ledger: dict[str, LedgerEntry] = field(default_factory=dict)  # each pod name's latest entry
     past_entries: list[LedgerEntry] = field(default_factory=list)  # earlier entries of names launched again
+    priced_by: dict[int, SpotTrace] = field(default_factory=dict)  # entry id -> the trace whose prices bill it
     job_seconds: list[float] = field(default_factory=list)
     trained: int = 0
     stale: int = 0
     preemptions: int = 0
     training_preemptions: int = 0
-    # When the last training or standby pod ended, by capacity type: its node is still up a while.
-    node_released_at: dict[str, float] = field(default_factory=dict)
+    # When the last training or standby pod ended, by its capacity type and pool: its node is still up a while.
+    node_released_at: dict[tuple[str, int], float] = field(default_factory=dict)
     checkpointed: dict[int, float] = field(default_factory=dict)  # iteration -> update seconds saved
     _all_pods: list[_Pod] = field(default_factory=list)  # every pod ever started: the estimates, the gap
     spot_progress: SpotProgress = field(default_factory=SpotProgress)  # the deadline rule's pace window
@@ -137,7 +145,7 @@ class _World:
     # --- the world moving on ----------------------------------------------------------
     def advance(self, dt: float) -> None:
         end = self.now + dt
-        for pool in (*range(len(self.traces)), TRAINING_POOL):
+        for pool in (*range(len(self.traces)), *map(training_pool, range(len(self.training_traces)))):
             self._place_waiting(pool)
             self._preempt_beyond_capacity(pool)
         for pod in list(self.pods.values()):
@@ -158,8 +166,11 @@ class _World:
         self.now = end
 
     def _trace_of(self, pool: int) -> SpotTrace | None:
-        """The trace of a pool: a rollout option's (its index), or the training nodes' (``TRAINING_POOL``)."""
-        return self.training_trace if pool == TRAINING_POOL else self.traces[pool]
+        """The trace of a pool: a rollout option's (its index), or a spot zone's training nodes' (``training_pool``)."""
+        if pool >= 0:
+            return self.traces[pool]
+        zone = training_pool(pool)  # its own inverse
+        return self.training_traces[zone] if zone < len(self.training_traces) else None
 
     def _capacity(self, pool: int) -> int:
         """Spot nodes the pool's trace has now."""
@@ -182,7 +193,7 @@ class _World:
         held = [w for w in self._spot_pods(pool) if w.preempt_at is None]
         excess = len(held) - self._capacity(pool)
         for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[: max(0, excess)]:
-            pod.preempt_at = self.now + (0.0 if pool == TRAINING_POOL else self.workload.spot_notice_seconds)
+            pod.preempt_at = self.now + (0.0 if pool < 0 else self.workload.spot_notice_seconds)
             if pod.status.role == ROLE_TRAINING:
                 self._checkpoint(pod)
 
@@ -234,8 +245,8 @@ class _World:
 
     def _end(self, pod: _Pod, at: float, phase: PodPhase, exit_code: int, preempted: bool = False) -> None:
         if pod.status.role != ROLE_ROLLOUT and not pod.status.waiting_for_node and not preempted:
-            capacity = pod.status.capacity_type
-            self.node_released_at[capacity] = max(self.node_released_at.get(capacity, -math.inf), at)
+            node = pod.status.capacity_type, self._pool_of(pod.status.name)
+            self.node_released_at[node] = max(self.node_released_at.get(node, -math.inf), at)
         pod.status = replace(pod.status, phase=phase, exit_code=exit_code, ended_at=at, preempted=preempted)
         pod.holding, pod.progress = None, 0.0  # a prompt in hand goes back to the queue
 
@@ -266,7 +277,7 @@ class _World:
             ),
             spot_progress=self.spot_progress.record(self.now, spot_made),
             training_prices=TrainingPrices(
-                spot=self._training_spot_price(), on_demand=self._training_price().on_demand
+                spot=self._training_spot_prices(), on_demand=self._training_price().on_demand
             ),
             spot_training=SpotTrainingRecord.of(self.billed_ledger(self.now), self.now),
             option_prices=self._option_prices(),
@@ -275,22 +286,15 @@ class _World:
     def _training_price(self) -> InstancePrice:
         return self.catalog.get(self.spec.training.instance_type)
 
-    def _training_spot_price(self) -> float:
-        """The training instance type's spot price now: the training trace's, where it carries prices."""
-        trace = self.training_trace
-        return (
+    def _training_spot_prices(self) -> tuple[float, ...]:
+        """The training instance type's spot price now in each spot zone: its trace's, where it carries prices."""
+        return tuple(
             trace.price_at(self.now) if trace is not None and trace.prices is not None else self._training_price().spot
+            for trace in map(self._trace_of, map(training_pool, range(len(spot_zones(self.spec)))))
         )
 
     def _pool_of(self, pod: str) -> int:
         return self.pod_pools[pod]
-
-    def _priced_trace(self, pod: str, capacity: str) -> SpotTrace | None:
-        """The trace whose prices bill ``pod`` on ``capacity``, if it carries them."""
-        if capacity != "spot":
-            return None
-        trace = self._trace_of(self._pool_of(pod))
-        return trace if trace is not None and trace.prices is not None else None
 
     def _option_prices(self) -> tuple[float, ...]:
         """Each rollout option's spot price now: its trace's, where it carries prices, else the catalog's."""
@@ -306,7 +310,7 @@ class _World:
         billed = []
         for e in [*self.past_entries, *self.ledger.values()]:
             seconds = e.seconds(now)
-            trace = self._priced_trace(e.pod, e.capacity_type)
+            trace = self.priced_by.get(e.id)
             if trace is not None and seconds > 0:
                 e = replace(e, price_per_hour=trace.spot_cost(e.started_at, e.started_at + seconds) * 3600.0 / seconds)
             billed.append(e)
@@ -335,19 +339,19 @@ class _World:
                 )
                 if no_capacity:  # it waits for a node (_place_waiting_workers)
                     pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
-            case p.LaunchStandby(_, after, spot):
+            case p.LaunchStandby(_, after, spot, zone):
                 self._launch_on_training_node(
-                    f"{RUN_ID}-warm-{after}", ROLE_STANDBY, spot, {"after_iteration": str(after)}
+                    f"{RUN_ID}-warm-{after}", ROLE_STANDBY, spot, zone, {"after_iteration": str(after)}
                 )
-            case p.LaunchTraining(_, iteration, spot):
+            case p.LaunchTraining(_, iteration, spot, zone):
                 self.run = replace(run, train_launch_committed=self.trainer_committed)
                 pod = self._launch_on_training_node(
-                    f"{RUN_ID}-train-{iteration}", ROLE_TRAINING, spot, {"iteration": str(iteration)}
+                    f"{RUN_ID}-train-{iteration}", ROLE_TRAINING, spot, zone, {"iteration": str(iteration)}
                 )
                 pod.work_from = self.checkpointed.get(iteration, 0.0)
                 pod.done_at = pod.ready_at + self._update_left(pod)
-            case p.RefuseSpotTraining(_, at):
-                self.run = replace(run, spot_training_refused_at=at)
+            case p.RefuseSpotTraining(_, refusals):
+                self.run = replace(run, spot_training_refusals=refusals)
             case p.StopPod(name):
                 pod = self.pods[name]
                 if pod.status.phase == PodPhase.RUNNING:
@@ -383,24 +387,22 @@ class _World:
             case _:  # BillPod, CloseEntry of a pod never launched, RecordTrainingFailure: the simulated world never needs them
                 raise AssertionError(f"the simulated world does not expect {action}")
 
-    def _launch_on_training_node(self, name: str, role: str, spot: bool, labels: dict[str, str]) -> _Pod:
-        """A training or standby pod: on a warm node of its capacity if there is one (a standby's,
-        which a job takes over, or one just left), else on a new one; a spot one waits for a node
-        while the training trace has none free."""
-        capacity = "spot" if spot else "on-demand"
+    def _launch_on_training_node(self, name: str, role: str, spot: bool, zone: int, labels: dict[str, str]) -> _Pod:
+        """A training or standby pod: on a warm node of its pool if there is one (a standby's, which
+        a job takes over, or one just left), else on a new one; a spot one waits for a node while
+        its zone's training trace has none free."""
+        capacity, pool = "spot" if spot else "on-demand", training_pool(zone)
         warm = [
             s
             for s in self.pods.values()
             if s.status.role == ROLE_STANDBY
             and s.status.phase == PodPhase.RUNNING
-            and s.status.capacity_type == capacity
+            and (s.status.capacity_type, self._pool_of(s.status.name)) == (capacity, pool)
             and not s.status.waiting_for_node
         ]
-        just_left = self.now - self.node_released_at.get(capacity, -math.inf) <= HANDOVER_SECONDS
-        no_node = (
-            spot and not warm and not just_left and len(self._spot_pods(TRAINING_POOL)) >= self._capacity(TRAINING_POOL)
-        )
-        pod = self._launch(name, role, self.spec.training.instance_type, capacity, labels, pool=TRAINING_POOL)
+        just_left = self.now - self.node_released_at.get((capacity, pool), -math.inf) <= HANDOVER_SECONDS
+        no_node = spot and not warm and not just_left and len(self._spot_pods(pool)) >= self._capacity(pool)
+        pod = self._launch(name, role, self.spec.training.instance_type, capacity, labels, pool=pool)
         if no_node:  # it waits for a node (_place_waiting)
             pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
             return pod
@@ -427,12 +429,15 @@ class _World:
         self.pod_pools[name] = pool
         price = self.catalog.get(instance_type)
         per_hour, source = price.price(capacity), price.source
-        if (trace := self._priced_trace(name, capacity)) is not None:
+        entry_id = len(self.ledger) + len(self.past_entries)  # the entries opened before this one
+        trace = self._trace_of(pool) if capacity == "spot" else None
+        if trace is not None and trace.prices is not None:
             per_hour, source = trace.price_at(self.now), f"trace {trace.name}'s prices (billed tick by tick)"
+            self.priced_by[entry_id] = trace
         if name in self.ledger:  # a training job of an iteration started again (after a preemption)
             self.past_entries.append(self.ledger[name])
         self.ledger[name] = LedgerEntry(
-            id=len(self.ledger) + len(self.past_entries),
+            id=entry_id,
             run_id=RUN_ID,
             role=role,
             pod=name,
@@ -466,18 +471,24 @@ def simulate(
     policy: CostPolicy,
     workload: Workload = Workload(),
     catalog: PriceCatalog | None = None,
-    training_trace: SpotTrace | None = None,
+    training_trace: SpotTrace | Sequence[SpotTrace] | None = None,
 ) -> SimResult:
     """Run ``workload`` under ``policy`` on ``trace`` (spot rollout nodes; several traces: one per
     rollout option, the pool's instance type in each trace's zone, the first its own) and
-    ``training_trace`` (spot training nodes, for ``training_capacity`` spot or auto) until the run
-    ends; its bill and figures."""
+    ``training_trace`` (spot training nodes, for ``training_capacity`` spot or auto; several: one per
+    spot zone, each trace's zone) until the run ends; its bill and figures."""
     catalog = catalog or load_catalog()
     # Refuses instance types priced in two currencies before simulating (a MixedCurrencyError).
     catalog.currency_of([workload.rollout_instance_type, workload.training_instance_type])
-    traces = (trace,) if isinstance(trace, SpotTrace) else tuple(trace)
-    spec = workload.spec(policy, zones=[zone_name(t.name) for t in traces[1:]])
-    world = _World(spec=spec, workload=workload, traces=traces, catalog=catalog, training_trace=training_trace)
+    traces = _traces(trace)
+    training_traces = _traces(training_trace)
+    several = len(training_traces) > 1 and workload.training_capacity != TrainingCapacity.ON_DEMAND
+    spec = workload.spec(
+        policy,
+        zones=[zone_name(t.name) for t in traces[1:]],
+        training_zones=[zone_name(t.name) for t in training_traces] if several else (),
+    )
+    world = _World(spec=spec, workload=workload, traces=traces, catalog=catalog, training_traces=training_traces)
     world.run = RunState(run_id=RUN_ID, status=RunStatus.PENDING, spec=spec)
     while not world.run.status.is_terminal() and world.now < workload.horizon_days * 86400.0:
         for action in p.plan(world.run, world.observed()):
@@ -486,9 +497,13 @@ def simulate(
     return _result(world, policy)
 
 
+def _traces(traces: SpotTrace | Sequence[SpotTrace] | None) -> tuple[SpotTrace, ...]:
+    return () if traces is None else (traces,) if isinstance(traces, SpotTrace) else tuple(traces)
+
+
 def zone_name(trace_name: str) -> str:
-    """A rollout option's zone named after its trace (the characters a zone may have)."""
-    return re.sub(r"[^a-z0-9-]+", "-", trace_name.lower()).strip("-")[:64] or "zone"
+    """A zone named after its trace (the characters a zone may have)."""
+    return re.sub(r"[^a-z0-9-]+", "-", trace_name.lower()).strip("-")[:63] or "zone"
 
 
 def _result(world: _World, policy: CostPolicy) -> SimResult:
@@ -516,8 +531,9 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     ]
     rollout_price = replace(rollout_price, spot=min(spot_prices))
     training_price = catalog.get(spec.training.instance_type)
-    if world.training_trace is not None and world.training_trace.prices is not None:
-        training_price = replace(training_price, spot=world.training_trace.cheapest_price())
+    if world.training_traces:  # the cheapest zone's, as the rollout's
+        spot = min(t.cheapest_price() if t.prices is not None else training_price.spot for t in world.training_traces)
+        training_price = replace(training_price, spot=spot)
     rollout_bound = lower_bound_dollars([Busy(ROLE_ROLLOUT, rollout_busy, rollout_price)], terms.spot)
     training_bound = lower_bound_dollars([Busy(ROLE_TRAINING, training_busy, training_price)], terms.spot)
     lower_bound = rollout_bound + training_bound

@@ -77,9 +77,9 @@ class RunRow(Base):
     queues_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
     # Where the run's reward server (the spec's reward_server) listens now, as it last said; None before it does.
     reward_url: Mapped[str | None] = mapped_column(String(256))
-    # When the run (training.capacity auto) last gave up waiting for a spot training node: its
-    # jobs go on-demand for a while from then (services.control.scheduler.spot_training).
-    spot_training_refused_at: Mapped[float | None] = mapped_column(Float)
+    # The spot zones where the run last gave up waiting for a training node, each with when: none
+    # is tried again for a while from then (services.control.scheduler.spot_training; "": any zone).
+    spot_training_refusals: Mapped[dict[str, float] | None] = mapped_column(JSON)
 
 
 class IterationRow(Base):

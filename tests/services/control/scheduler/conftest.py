@@ -41,9 +41,11 @@ class ScriptedLauncher:
         self.started_anyway = False  # the launch raises, yet the pod runs (a create call that timed out)
         self.attempts: list[str] = []
         self.pods: dict[str, PodStatus] = {}
+        self.zones: dict[str, str | None] = {}  # the zone each pod was last launched to (PodSpec.zone)
 
     def launch(self, spec: PodSpec) -> None:
         self.attempts.append(spec.name)
+        self.zones[spec.name] = spec.zone
         if self.error is not None and not self.started_anyway:
             raise self.error
         if spec.name not in self.pods:

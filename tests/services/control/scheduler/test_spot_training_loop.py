@@ -1,6 +1,6 @@
 """The reconcile loop with spot training, on the embedded stores and queue (a launcher the test
 plays the kubelet for): a spot job is launched and billed on spot, a preempted one is started again
-with no failure counted and both attempts billed; auto gives a spot node up and trains on-demand."""
+with no failure counted and both attempts billed; auto tries each spot zone, then trains on-demand."""
 
 from __future__ import annotations
 
@@ -70,20 +70,35 @@ def test_a_preempted_spot_job_starts_again_and_both_attempts_are_billed(
     assert entries[0].price_per_hour == 9.90  # p4d.24xlarge spot in the catalog
 
 
-def test_auto_gives_up_a_spot_node_that_does_not_come_and_trains_on_demand(
+def test_auto_tries_each_spot_zone_then_trains_on_demand(
     scripted_backends: Backends, scheduler: Scheduler, submit
 ) -> None:
+    """A spot job that gets no node within its patience is stopped, its zone given up (stored), and
+    the next job goes to the next zone; once both are given up the job goes on-demand, in any zone."""
     b = scripted_backends
-    run_id = submit(b, spec("auto"))
+    zoned = spec("auto")
+    zoned = zoned.model_copy(
+        update={"training": zoned.training.model_copy(update={"spot_zones": ["zone-a", "zone-b"]})}
+    )
+    run_id = submit(b, zoned)
     job = _job_launched(scheduler, b, run_id, "spot")  # spot's price is the lower, no preemption yet
     launcher = b.launcher
     waited = PATIENCE_STARTUPS * 90.0 + 1
-    launcher.pods[job] = dataclasses.replace(launcher.pods[job], waiting_for_node=True, started_at=time.time() - waited)
-    scheduler.tick()  # stopped, and the refusal stored
-    assert launcher.pods[job].phase == PodPhase.FAILED
-    assert b.state.get_run(run_id).spot_training_refused_at == pytest.approx(time.time(), abs=30)
-    scheduler.tick()  # reaped: no failure counted
-    assert b.state.get_run(run_id).train_failures == 0
-    scheduler.tick()
+    given_up = []
+    for zone in ("zone-a", "zone-b"):
+        assert launcher.zones[job] == zone
+        launcher.pods[job] = dataclasses.replace(
+            launcher.pods[job], waiting_for_node=True, started_at=time.time() - waited
+        )
+        scheduler.tick()  # stopped, and its zone's refusal stored
+        assert launcher.pods[job].phase == PodPhase.FAILED
+        given_up.append(zone)
+        refusals = b.state.get_run(run_id).spot_training_refusals
+        assert sorted(refusals) == given_up
+        assert refusals[zone] == pytest.approx(time.time(), abs=30)
+        scheduler.tick()  # reaped: no failure counted
+        assert b.state.get_run(run_id).train_failures == 0
+        scheduler.tick()
     assert [(p.name, p.capacity_type) for p in launcher.running(run_id, "training")] == [(job, "on-demand")]
+    assert launcher.zones[job] is None
     assert b.state.get_run(run_id).status == RunStatus.RUNNING

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 from services.cli.main import app
 from services.control.cost.billing import NODE_BOOT_SECONDS
 from services.control.scheduler.ledger_match import DEFER_STEP_SECONDS
-from services.control.simulate.traces import parse_trace
+from services.control.simulate.traces import load_trace, parse_trace
 from services.control.simulate.world import Workload, simulate
 from services.domain.runspec import CostPolicy
 from services.ports.prices.catalog import load_catalog
@@ -138,3 +139,21 @@ def test_the_cli_writes_the_figures(tmp_path: Path) -> None:
     }
     assert figures["policy"] == "threshold" and figures["samples_trained"] == 800
     assert figures["currency"] == "USD"  # g6.xlarge and p4d.24xlarge, the defaults
+
+
+def test_the_cli_takes_a_trace_per_rollout_option_and_per_spot_training_zone(tmp_path: Path) -> None:
+    paths = {}
+    for name, data in (("rollout-a", [4] * 200), ("rollout-b", [2] * 200), ("dry", [0] * 200), ("wet", [1] * 200)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({"metadata": {"gap_seconds": 150}, "data": data}))
+    out = tmp_path / "out.json"
+    args = ["simulate", "--trace", str(paths["rollout-a"]), "--trace", str(paths["rollout-b"])]
+    args += ["--training-trace", str(paths["dry"]), "--training-trace", str(paths["wet"])]
+    args += ["--training-capacity", "spot", "--batch-samples", "400", "--iterations", "2", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    work = replace(Workload(), batch_samples=400, iterations=2, training_capacity="spot")
+    traces = [load_trace(paths[n]) for n in ("rollout-a", "rollout-b")]
+    want = simulate(traces, CostPolicy.COST_AWARE, work, training_trace=[load_trace(paths[n]) for n in ("dry", "wet")])
+    assert json.loads(out.read_text()) == want.to_json()
+    assert want.finished and want.samples_trained == 800  # on the wet zone's node: the dry one never has one

@@ -3,10 +3,12 @@ resumed from their checkpoint; auto falling back to on-demand where no spot node
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
+from services.control.scheduler.spot_training import SPOT_RETRY_AFTER_SECONDS
 from services.control.simulate.traces import parse_trace
 from services.control.simulate.workload import Workload
 from services.control.simulate.world import simulate
@@ -66,3 +68,23 @@ def test_auto_trains_on_demand_where_no_spot_node_comes_and_spot_waits() -> None
     assert auto.wall_seconds <= 1.05 * on_demand.wall_seconds
     spot = simulate(MANY_NODES, CostPolicy.COST_AWARE, replace(Workload(), training_capacity="spot", horizon_days=1))
     assert not spot.finished and spot.samples_trained == 0
+
+
+def test_a_job_no_node_comes_for_moves_to_the_next_zone() -> None:
+    """Two spot zones, the cheaper (by the trace's price) without nodes: the job waits its patience
+    there, then trains on spot in the other zone, at about the steady zone's bill; one zone alone
+    without nodes leaves auto on-demand."""
+    priced = {"metadata": {"gap_seconds": 150}}
+    dry = parse_trace("dry", {**priced, "data": [0] * 100, "prices": [8.0] * 100})
+    wet = parse_trace("wet", {**priced, "data": [1] * 100, "prices": [9.9] * 100})
+    auto = replace(Workload(), training_capacity="auto")
+    steady = simulate(FOUR_NODES, CostPolicy.COST_AWARE, auto, training_trace=wet)
+    zones = simulate(FOUR_NODES, CostPolicy.COST_AWARE, auto, training_trace=[dry, wet])
+    alone = simulate(FOUR_NODES, CostPolicy.COST_AWARE, auto, training_trace=dry)
+    assert zones.samples_trained == steady.samples_trained == alone.samples_trained
+    # The dry zone is tried again every 2 h: each try waits a patience (two start-ups), billed at
+    # most a boot and a step (services.control.scheduler.ledger_match), while the batch waits.
+    tries = math.ceil(steady.wall_seconds / SPOT_RETRY_AFTER_SECONDS)
+    assert zones.wall_seconds <= steady.wall_seconds + tries * 2 * auto.startup_seconds
+    assert zones.dollars < 0.6 * alone.dollars
+    assert zones.dollars <= 1.05 * steady.dollars

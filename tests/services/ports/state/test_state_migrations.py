@@ -99,7 +99,11 @@ def _fill(conn: Connection, at: int) -> None:
         started_at=2.5,
         **counters,
     )
-    _insert(conn, "runs", **run, **({"cancel_requested": True} if at == 1 else {}))
+    if at == 1:
+        run["cancel_requested"] = True
+    if at in (12, 13):  # a run that gave its spot training node up, as one time then
+        run["spot_training_refused_at"] = 7.5
+    _insert(conn, "runs", **run)
     _insert(
         conn,
         "iterations",
@@ -189,6 +193,8 @@ def _assert_filled_at(url: str, at: int) -> None:
             0,
             None,
         )
+        # The one time became the any-zone refusal.
+        assert run.spot_training_refusals == ({"": 7.5} if at in (12, 13) else None)
         assert [(i.iteration, i.metrics) for i in s.run_view("r1", latest=5).latest] == [(1, {"actor/pg_loss": 0.2})]
         (entry,) = s.ledger("r1")
         assert (entry.pod, entry.started_at, entry.ended_at, entry.outcome) == (
