@@ -4,12 +4,11 @@
 - ``spot``: always spot. The job checkpoints within its update (every ``checkpoint_every_s`` and
   at the provider's preemption notice); a preempted job is started again and resumes from its
   checkpoint, and a job waits for a spot node as long as none comes.
-- ``auto``: spot while its expected cost is below on-demand's. A job's expected cost on spot is
-  the spot price over its time plus, for each preemption expected in that time, a restart's
-  start-up and half a checkpoint interval of lost update (a kill without notice; with one, the
-  job checkpoints before it goes); on-demand is the on-demand price over the job's time. The
-  preemption rate is what the run's spot training pods have met so far, with an hour on spot
-  without one as the prior.
+- ``auto``: spot while its expected cost is below on-demand's. A second of update on spot costs
+  the spot price, plus, for each preemption expected in that second, a restart's start-up and
+  half a checkpoint interval of lost update (a kill without notice; with one, the job checkpoints
+  before it goes); on-demand, the on-demand price. The preemption rate is what the run's spot
+  training pods have met so far, with an hour on spot without one as the prior.
 
 Where: a spot job (or standby) goes to the cheapest of ``training.spot_zones`` (any zone when none
 is listed) not given up in the past ``SPOT_RETRY_AFTER_SECONDS``. One that waits for a node longer
@@ -111,10 +110,9 @@ def spot_zone(
     if not candidates or prices is None:
         return None  # nowhere to try, or no price to weigh: the spec's safe side
     zone = min(candidates, key=price)
-    job = estimates.training_seconds or estimates.startup_seconds
     lost_per_preemption = estimates.startup_seconds + spec.training.checkpoint_every_s / 2
-    spot_seconds = job * (1 + record.preemptions_per_second * lost_per_preemption)
-    return zone if prices.spot[zone] * spot_seconds < prices.on_demand * job else None
+    spot_seconds_per_second = 1 + record.preemptions_per_second * lost_per_preemption
+    return zone if prices.spot[zone] * spot_seconds_per_second < prices.on_demand else None
 
 
 def spot_wait_expired(pod: PodStatus, now: float, estimates: Estimates) -> bool:

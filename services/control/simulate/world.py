@@ -104,6 +104,7 @@ class _Pod:
     done_at: float | None = None  # a training job's end
     preempt_at: float | None = None
     work_from: float = 0.0  # a training job's update seconds checkpointed before it started (a resume)
+    entry_id: int = 0  # its ledger entry's (a relaunched job's name has one per attempt)
     holding: int | None = None  # a worker's prompt in hand: the policy version it started with
     progress: float = 0.0  # samples of its group done
     generated: int = 0
@@ -279,7 +280,7 @@ class _World:
             training_prices=TrainingPrices(
                 spot=self._training_spot_prices(), on_demand=self._training_price().on_demand
             ),
-            spot_training=SpotTrainingRecord.of(self.billed_ledger(self.now), self.now),
+            spot_training=SpotTrainingRecord.of([*self.past_entries, *self.ledger.values()], self.now),
             option_prices=self._option_prices(),
         )
 
@@ -448,7 +449,7 @@ class _World:
             started_at=self.now,
             ended_at=None,
         )
-        pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds)
+        pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds, entry_id=entry_id)
         self.pods[name] = pod
         self._all_pods.append(pod)
         return pod
@@ -537,7 +538,7 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     rollout_bound = lower_bound_dollars([Busy(ROLE_ROLLOUT, rollout_busy, rollout_price)], terms.spot)
     training_bound = lower_bound_dollars([Busy(ROLE_TRAINING, training_busy, training_price)], terms.spot)
     lower_bound = rollout_bound + training_bound
-    billed = {e.pod: e for e in entries}
+    billed = {e.id: e for e in entries}
     node_seconds = sum(e.seconds(ended) for e in entries if e.role != ROLE_ROLLOUT)
     wall = ended - started
     return SimResult(
@@ -557,7 +558,7 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
         else world.run.status.is_terminal() and wall <= w.deadline_seconds,
         finished=world.run.status.is_terminal(),
         gap=gap(
-            [_span(pod, billed[pod.status.name], ended) for pod in world._all_pods],
+            [_span(pod, billed[pod.entry_id], ended) for pod in world._all_pods],
             report.total_dollars,
             rollout_bound,
             training_bound,

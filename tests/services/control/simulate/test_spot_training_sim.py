@@ -43,6 +43,10 @@ def test_a_preempted_job_resumes_from_its_checkpoint(notice: float, lost: float)
     # Both attempts billed: the first up to its preemption, the second from its node.
     spot_per_s = 9.90 / 3600  # p4d.24xlarge spot in the catalog
     assert cut.dollars - steady.dollars == pytest.approx((startup + lost) * spot_per_s, abs=20 * spot_per_s)
+    # Where they go (--explain): each attempt's own start-up, and the update lost as training work
+    # that was not a trained batch.
+    assert cut.gap["train_startup"] == pytest.approx(2 * steady.gap["train_startup"])
+    assert cut.gap["billing"] - steady.gap["billing"] == pytest.approx(lost * spot_per_s, abs=1e-6)
 
 
 def test_spot_training_halves_the_bill_where_spot_nodes_are_steady() -> None:
