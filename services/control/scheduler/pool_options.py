@@ -1,8 +1,10 @@
 """Where a run's spot rollout workers go among its pool's options (``rollout.options``: instance
 types and zones, each with its own spot capacity and price).
 
-A worker waiting for a node says its option has no capacity now. ``place_spot`` decides, each tick,
-for the workers the pool lacks on nodes (its *need*):
+A worker waiting for a node past a node's boot (``NODE_BOOT_SECONDS``) says its option has no
+capacity now; a younger one is on its way to a node, counted as on one (on Kubernetes every new pod
+waits until its node joins). ``place_spot`` decides, each tick, for the workers the pool lacks on
+nodes (its *need*):
 
 - while some option has no worker waiting, each option keeps one waiting worker at most (its
   oldest: a probe, which takes the option's capacity when it comes; the others are stopped), and
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.control.cost.billing import NODE_BOOT_SECONDS
 from services.ports.launcher.launcher import PodStatus
 
 OPTION_LABEL = "option"  # a rollout pod's label: the index of its option in ``RolloutPool.choices``
@@ -34,10 +37,10 @@ def option_of(pod: PodStatus) -> int:
     return int(pod.labels.get(OPTION_LABEL, "0"))
 
 
-def cheapest_free(prices: Sequence[float], workers: Sequence[PodStatus]) -> int | None:
-    """The cheapest option where no worker waits for a node (the first of equal ones); None if every one has one."""
-    waiting = {option_of(w) for w in workers if w.waiting_for_node}
-    free = [i for i in range(len(prices)) if i not in waiting]
+def cheapest_free(prices: Sequence[float], waiting: Sequence[PodStatus]) -> int | None:
+    """The cheapest option where none of the ``waiting`` workers waits (the first of equal ones); None if every one has one."""
+    taken = {option_of(w) for w in waiting}
+    free = [i for i in range(len(prices)) if i not in taken]
     return min(free, key=lambda i: prices[i]) if free else None
 
 
@@ -64,8 +67,8 @@ def place_spot(
     prices: Sequence[float], pool: Sequence[PodStatus], size: int, now: float, patience_s: float
 ) -> Placement:
     """Hold ``size`` spot workers on nodes among the options priced ``prices`` (module docstring)."""
-    held = [w for w in pool if not w.waiting_for_node]
-    waiting = [w for w in pool if w.waiting_for_node]
+    waiting = [w for w in pool if w.waiting_for_node and now - w.started_at >= NODE_BOOT_SECONDS]
+    held = [w for w in pool if w not in waiting]  # on a node, or on its way to one
     need = size - len(held)
     if need <= 0:
         return Placement(0, cheapest(prices), keep_order(prices, held)[size:] + waiting)
@@ -73,7 +76,7 @@ def place_spot(
     for w in sorted(waiting, key=lambda w: w.started_at):
         probes.setdefault(option_of(w), w)
     others = [w for w in waiting if w not in probes.values()]
-    free = cheapest_free(prices, pool)
+    free = cheapest_free(prices, waiting)
     if free is None:
         kept = keep_order(prices, list(probes.values())) + keep_order(prices, others)
         return Placement(max(0, need - len(waiting)), cheapest(prices), kept[max(need, len(probes)) :])

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.control.cost.billing import NODE_BOOT_SECONDS
 from services.control.scheduler.plan import LaunchWorker, StopPod, plan
-from services.control.scheduler.pool_options import Placement, place_spot
+from services.control.scheduler.pool_options import Placement, option_of, place_spot
 from services.control.simulate.workload import Workload
 from services.control.simulate.world import simulate
 from services.core.config import Settings
@@ -39,7 +40,7 @@ def test_new_workers_go_to_the_cheapest_option_with_no_worker_waiting() -> None:
     prices = (0.9, 0.5, 0.7)
     assert place_spot(prices, [], 2, NOW, PATIENCE) == Placement(2, 1, [])
     # Option 1 has no capacity (a worker waits there): the next cheapest.
-    young = worker(0, 1, waiting=True, waited=10)
+    young = worker(0, 1, waiting=True, waited=NODE_BOOT_SECONDS + 10)
     assert place_spot(prices, [young], 2, NOW, PATIENCE) == Placement(1, 2, [])
     # A probe that has waited past the patience no longer counts: replaced elsewhere, kept as a probe.
     old = worker(0, 1, waiting=True, waited=PATIENCE + 1)
@@ -54,11 +55,31 @@ def test_each_option_keeps_one_probe_and_no_launch_once_every_option_waits() -> 
     assert place_spot(prices, [*held, a1, a2], 3, NOW, PATIENCE) == Placement(2, 0, [a2])
     # Every option has one waiting: nothing launched beyond what the pool lacks, and the waiting
     # ones kept (one per option, though the pool lacks one), so no option frees for a launch.
-    b = worker(3, 0, waiting=True, waited=10)
+    b = worker(3, 0, waiting=True, waited=NODE_BOOT_SECONDS + 10)
     assert place_spot(prices, [*held, worker(4, 0), a1, b], 3, NOW, PATIENCE) == Placement(0, 1, [])
     # The pool full on nodes: every waiting worker goes, then the dearest option's newest.
     full = [worker(6, 1), worker(7, 0), worker(8, 1)]
     assert place_spot(prices, [*full, a1, b], 2, NOW, PATIENCE) == Placement(0, 1, [full[1], a1, b])
+
+
+def test_workers_on_their_way_to_a_node_are_counted_as_on_one() -> None:
+    """On Kubernetes a new pod waits until its node joins, a minute or so: launched on the cheapest
+    option, a pool's new workers stay there through the ticks of their nodes' boot, none stopped."""
+    prices, pool, launched, stopped = (1.0, 1.1, 1.2), [], 0, []
+    for tick in range(0, int(NODE_BOOT_SECONDS), 5):
+        now = NOW + tick
+        placed = place_spot(prices, pool, 4, now, PATIENCE)
+        new = [worker(launched + i, placed.option) for i in range(placed.launch)]
+        pool += [dataclasses.replace(w, waiting_for_node=True, started_at=now) for w in new]
+        launched += placed.launch
+        stopped += placed.stop
+        pool = [w for w in pool if w not in placed.stop]
+    assert (launched, stopped) == (4, [])
+    assert {option_of(w) for w in pool} == {0}
+    # Past the boot with no node, they say option 0 has no capacity: its oldest stays as its probe
+    # (counted in the pool until its patience runs out), the others are replaced on option 1.
+    placed = place_spot(prices, pool, 4, NOW + NODE_BOOT_SECONDS, PATIENCE)
+    assert placed == Placement(3, 1, pool[1:])
 
 
 SPEC_ZONES = RunSpec.model_validate(
