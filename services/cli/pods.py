@@ -125,6 +125,7 @@ def worker(
 def train_job(run_id: str, iteration: int) -> None:
     """Pod entry point: training iteration ITERATION of RUN_ID."""
     from services.data.training.job import run_training_job
+    from services.ports.launcher.launcher import POD_CAPACITY_ENV
 
     with _pod(run_id) as (settings, backends, spec):
         run_training_job(
@@ -134,6 +135,8 @@ def train_job(run_id: str, iteration: int) -> None:
             queue=backends.queue,
             objects=backends.objects,
             model_cache=settings.resolved_model_cache(),
+            # A pod started without its capacity (by hand) checkpoints as a spot one would.
+            on_spot=os.environ.get(POD_CAPACITY_ENV) != "on-demand",
         )
     if spec.training.processes > 1:
         from trainer_core.rl.distributed import exit_rank

@@ -47,7 +47,14 @@ from services.domain.policy_rotation import rotate
 from services.domain.prompt_items import PromptItem, cycled_messages
 from services.domain.prompts import InvalidPromptsError, parse_jsonl
 from services.domain.runspec import RunSpec
-from services.ports.launcher.launcher import POD_NAME_ENV, POD_ROLE_ENV, PodSpec, cli_command, pod_outcome
+from services.ports.launcher.launcher import (
+    POD_CAPACITY_ENV,
+    POD_NAME_ENV,
+    POD_ROLE_ENV,
+    PodSpec,
+    cli_command,
+    pod_outcome,
+)
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.queue.queue import next_offsets
 from services.ports.state.state_schema import IterationRow
@@ -256,7 +263,12 @@ class Applier:
                     run_id=run_id,
                     role=role,
                     command=command,
-                    env={**self.settings.pod_env(), POD_NAME_ENV: name, POD_ROLE_ENV: role},
+                    env={
+                        **self.settings.pod_env(),
+                        POD_NAME_ENV: name,
+                        POD_ROLE_ENV: role,
+                        POD_CAPACITY_ENV: capacity_type,
+                    },
                     instance_type=instance_type,
                     capacity_type=capacity_type,
                     labels=labels,

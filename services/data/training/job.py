@@ -122,9 +122,18 @@ def _save_torch(objects: ObjectStore, key: str, obj: dict) -> None:
 
 
 def run_training_job(
-    *, run_id: str, iteration: int, spec: RunSpec, queue: Queue, objects: ObjectStore, model_cache: Path
+    *,
+    run_id: str,
+    iteration: int,
+    spec: RunSpec,
+    queue: Queue,
+    objects: ObjectStore,
+    model_cache: Path,
+    on_spot: bool = True,
 ) -> JobResult | None:
     """Train iteration ``iteration`` (v(N-1) -> vN) and return its result (None on ranks other than 0).
+    ``on_spot``: whether the pod runs on spot capacity, where a run that may train on spot checkpoints
+    its update (``update_checkpoint``).
 
     With ``training.processes`` > 1 every torchrun rank calls this: rank 0 reads the batch and
     shares it, each rank trains its share of whole groups with ``training.strategy``, and rank 0
@@ -135,7 +144,7 @@ def run_training_job(
     # The pod's disk, shared by its ranks: the leader moves the update's checkpoints between it and the store.
     local = model_cache / "runs" / run_id / f"trainer-v{iteration}-partial"
     try:
-        with update_checkpoint(spec.training, objects, run_id, iteration, local, ranks) as checkpoint:
+        with update_checkpoint(spec.training, objects, run_id, iteration, local, ranks, on_spot) as checkpoint:
             return _train(run_id, iteration, spec, queue, consumer, objects, model_cache, ranks, checkpoint)
     finally:
         if consumer is not None:

@@ -35,12 +35,13 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import shutil
 import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from time import monotonic
@@ -73,15 +74,20 @@ class Preempted(SystemExit):
 
 @contextmanager
 def update_checkpoint(
-    cfg: TrainConfig, objects: ObjectStore, run_id: str, iteration: int, local: Path, ranks: Ranks
+    cfg: TrainConfig, objects: ObjectStore, run_id: str, iteration: int, local: Path, ranks: Ranks, on_spot: bool
 ) -> Iterator[UpdateCheckpointStore | None]:
     """While the block runs: the job's `UpdateCheckpointStore` with the preemption notice taken
-    (SIGTERM), its local files under `local` (removed after); None for an on-demand job."""
+    (SIGTERM), its local files under `local` (removed after); None for an on-demand run's job.
+
+    A job of a run that may train on spot, placed on-demand (``on_spot`` False: auto chose it, or
+    an earlier attempt was given up), keeps and trains its iteration's batch as on spot but takes
+    no checkpoint: nothing preempts it, and a checkpoint of a large model is minutes of the dearest node."""
     if cfg.capacity == TrainingCapacity.ON_DEMAND:
         yield None
         return
-    with preemption_notice() as notice:
-        store = UpdateCheckpointStore(objects, run_id, iteration, local, ranks, cfg.checkpoint_every_s, notice)
+    every_s = cfg.checkpoint_every_s if on_spot else math.inf
+    with preemption_notice() if on_spot else nullcontext(threading.Event()) as notice:
+        store = UpdateCheckpointStore(objects, run_id, iteration, local, ranks, every_s, notice)
         try:
             yield store
         finally:

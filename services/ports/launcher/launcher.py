@@ -25,9 +25,11 @@ class PodPhase(StrEnum):
         return self is not PodPhase.RUNNING
 
 
-# Every pod finds its own name and role in its environment (its memory reports carry them).
+# Every pod finds its own name and role in its environment (its memory reports carry them), and
+# its capacity type (spot or on-demand: a training job checkpoints its update on spot only).
 POD_NAME_ENV = "SPOTRL_POD_NAME"
 POD_ROLE_ENV = "SPOTRL_POD_ROLE"
+POD_CAPACITY_ENV = "SPOTRL_POD_CAPACITY"
 
 
 @dataclass(frozen=True)

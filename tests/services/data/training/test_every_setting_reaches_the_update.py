@@ -34,6 +34,7 @@ READ_ELSEWHERE = {
     "offload_optimizer": "a ZeRO job of more than one process",
     "dynamic_sampling": "the rollout worker, which drops the groups whose rewards are all equal",
     "checkpoint_every_s": "a job on spot capacity (tests/services/data/training/test_job_resume.py)",
+    "spot_zones": "the scheduler, placing a spot job's pod",
 }
 
 

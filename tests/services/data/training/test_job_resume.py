@@ -88,7 +88,9 @@ class World:
         self.objects = LocalObjectStore(root / "objects")
         self.models = model_cache
 
-    def job(self, run_spec: RunSpec, iteration: int = 1, objects: ObjectStore | None = None) -> JobResult | None:
+    def job(
+        self, run_spec: RunSpec, iteration: int = 1, objects: ObjectStore | None = None, on_spot: bool = True
+    ) -> JobResult | None:
         return run_training_job(
             run_id=RUN,
             iteration=iteration,
@@ -96,6 +98,7 @@ class World:
             queue=self.queue,
             objects=objects or self.objects,
             model_cache=self.models,
+            on_spot=on_spot,
         )
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
@@ -279,6 +282,23 @@ def test_a_kill_while_writing_a_checkpoint_leaves_the_one_before_in_force(
     assert ("resuming the update after step 1" in caplog.text) == (doomed == 2)
     assert "resuming the update" in caplog.text or doomed == 1
     assert_same_iteration(result, world, want, want_world)
+
+
+def test_an_auto_job_placed_on_demand_takes_no_checkpoint(
+    world: World, uninterrupted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step would be due on spot; on-demand nothing preempts the job, and none is taken."""
+    want_world, want = uninterrupted
+    produce(world.queue, range(2))
+    every_step_is_due(monkeypatch)
+    saved = []
+    monkeypatch.setattr(UpdateCheckpointStore, "save", lambda self, steps, write: saved.append(steps))
+    result = world.job(training("auto"), on_spot=False)
+    assert saved == []
+    assert_same_iteration(result, world, want, want_world)
+    produce(world.queue, range(2, 4))
+    world.job(training("auto"), iteration=2)  # on spot, the same clock: a checkpoint after every step
+    assert saved == [1, 2, 3, 4]
 
 
 def test_an_auto_job_stores_its_batch_and_micro_batch_size_before_its_update(
