@@ -360,10 +360,13 @@ def _retain(objects: ObjectStore, run_id: str, iteration: int, model_cache: Path
     published iterations, this one's included (`update_checkpoint`), and this machine's cached
     copies of policy versions older than the one before it. Policy versions and trainer states in the object store are
     rotated by the scheduler (``services.domain.policy_rotation``), which knows how many to keep."""
-    for version in _stored_versions(objects, trainer_prefix(run_id, 0), "optimizer"):  # OPTIMIZER_DIR, and legacy files
+    root = trainer_prefix(run_id, 0).removesuffix("v0/")
+    # One listing for both: on S3 a paginated one, of every shard of every version kept.
+    keys = objects.list(root)
+    for version in _stored_versions(keys, root, "optimizer"):  # OPTIMIZER_DIR, and legacy files
         if version < iteration:
             objects.delete_prefix(trainer_prefix(run_id, version) + "optimizer")
-    for version in _stored_versions(objects, trainer_prefix(run_id, 0), UPDATE_CHECKPOINT_DIR):
+    for version in _stored_versions(keys, root, UPDATE_CHECKPOINT_DIR):
         if version <= iteration:
             objects.delete_prefix(update_checkpoint_prefix(run_id, version))
     for cached in (model_cache / "runs" / run_id).glob("v*"):
@@ -372,11 +375,10 @@ def _retain(objects: ObjectStore, run_id: str, iteration: int, model_cache: Path
             shutil.rmtree(cached, ignore_errors=True)
 
 
-def _stored_versions(objects: ObjectStore, v0_prefix: str, part: str = "") -> set[int]:
-    """The versions N with keys under the folder of `v0_prefix` with v0 replaced by vN (and then `part`)."""
-    root = v0_prefix.removesuffix("v0/")
+def _stored_versions(keys: Iterable[str], root: str, part: str) -> set[int]:
+    """The versions N with one of `keys` under `root` + "vN/" + `part`."""
     pattern = re.compile(rf"{re.escape(root)}v(\d+)/{re.escape(part)}")
-    return {int(m.group(1)) for key in objects.list(root) if (m := pattern.match(key))}
+    return {int(m.group(1)) for key in keys if (m := pattern.match(key))}
 
 
 def _publish_weights(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,14 @@ from contracts.job_result import JobResult
 from contracts.samples import Sample, encode_group
 from services.data.policy_store import fetch_policy, load_version, policy_dir
 from services.data.training.job import run_training_job
-from services.domain.names import TRAINER_GROUP, policy_prefix, result_key, samples_topic
+from services.domain.names import (
+    TRAINER_GROUP,
+    policy_prefix,
+    result_key,
+    samples_topic,
+    trainer_prefix,
+    update_checkpoint_prefix,
+)
 from services.domain.runspec import RunSpec
 from services.ports.objects.local_object_store import LocalObjectStore
 from services.ports.queue.sqlite_queue import SqliteQueue
@@ -252,6 +260,38 @@ def test_the_next_iteration_continues_the_stored_optimizer_state(world) -> None:
         )
         assert {int(s["step"]) for s in state["state"].values()} == {iteration}
     assert not objects.list(trainer_prefix(RUN, 1) + "optimizer")
+
+
+class CountedListings:
+    """An object store that counts how often each prefix is listed."""
+
+    def __init__(self, objects: LocalObjectStore) -> None:
+        self._objects = objects
+        self.listed: Counter[str] = Counter()
+
+    def __getattr__(self, name: str):
+        return getattr(self._objects, name)
+
+    def list(self, prefix: str) -> list[str]:
+        self.listed[prefix] += 1
+        return self._objects.list(prefix)
+
+
+def test_a_job_deletes_old_trainer_state_after_one_listing_of_the_trainer_folder(world) -> None:
+    """Older optimizer states and the update checkpoints of published iterations are found in one
+    listing of the run's trainer folder (on S3 a paginated one, of every stored shard)."""
+    queue, objects, models = world
+    produce_groups(queue, 2, version=0)
+    run_training_job(run_id=RUN, iteration=1, spec=spec(), queue=queue, objects=objects, model_cache=models)
+    objects.put_bytes(trainer_prefix(RUN, 0) + "optimizer.pt", b"left by an earlier release")
+    for version in (1, 2, 3):  # of an earlier iteration, of this one, and of one not yet published
+        objects.put_bytes(update_checkpoint_prefix(RUN, version) + "batch.json", b"{}")
+    produce_groups(queue, 2, version=1)
+    counted = CountedListings(objects)
+    run_training_job(run_id=RUN, iteration=2, spec=spec(), queue=queue, objects=counted, model_cache=models)
+    assert counted.listed[f"runs/{RUN}/trainer/"] == 1
+    assert [v for v in (0, 1, 2) if objects.list(trainer_prefix(RUN, v) + "optimizer")] == [2]
+    assert [v for v in (1, 2, 3) if objects.list(update_checkpoint_prefix(RUN, v))] == [3]
 
 
 def test_the_job_trains_with_the_specs_training_section(world, monkeypatch: pytest.MonkeyPatch) -> None:
