@@ -229,7 +229,8 @@ def _train(
         trained_ids=[s.sample_id for s in selection.kept],
         dropped=selection.dropped,
         offsets=offsets,
-        seconds=time.time() - started,
+        # The whole update's: a resumed job's own and its iteration's earlier jobs' up to its checkpoint.
+        seconds=time.time() - started + (checkpoint.earlier_seconds if checkpoint is not None else 0.0),
         ended_at=time.time(),
     )
     objects.put_bytes(result_key(run_id, iteration), result.to_json())

@@ -8,7 +8,9 @@ spot) keeps, under its iteration's trainer prefix (``names.trainer_prefix``):
                             and the ids dropped), how many it read, the end offsets to commit, the
                             micro-batch size it chose, and an id
     partial/step-<k>/...    the update's state after k optimizer steps (``trainer_core.rl.resume``)
-    partial/manifest.json   the last complete checkpoint: the batch's id, k and the folder
+    partial/manifest.json   the last complete checkpoint: the batch's id, k, the folder, and the
+                            seconds the iteration's jobs spent up to it, which the job that resumes
+                            from it adds to its own (its result's ``seconds`` are the whole update's)
 
 It checkpoints every ``checkpoint_every_s`` seconds of update, and at once after the provider's
 preemption notice, which reaches the pod as SIGTERM at the start of its grace period (120 s on
@@ -164,7 +166,10 @@ class UpdateCheckpointStore:
         self._prefix = update_checkpoint_prefix(run_id, iteration)
         self._local = local  # on the pod's disk, shared by its ranks
         self._batch_id: str | None = None
-        self._since = monotonic()
+        self._started = self._since = monotonic()
+        # The seconds the iteration's earlier jobs spent up to the checkpoint this one resumes
+        # from (the leader's: it stores the manifests and the result); 0 for a job that starts the update.
+        self.earlier_seconds = 0.0
         self._stopping = False
         if ranks.leader:
             shutil.rmtree(local, ignore_errors=True)  # what an earlier job on this machine left
@@ -242,7 +247,8 @@ class UpdateCheckpointStore:
         """Upload the folder, then the manifest naming it, then delete the folders before it."""
         self._objects.delete_prefix(self._prefix + folder)  # a part a killed job left of the same step
         self._objects.upload_dir(local, self._prefix + folder)
-        manifest = {"batch_id": self._batch_id, "steps": steps, "folder": folder}
+        seconds = self.earlier_seconds + monotonic() - self._started
+        manifest = {"batch_id": self._batch_id, "steps": steps, "folder": folder, "seconds": seconds}
         self._objects.put_bytes(self._prefix + MANIFEST_FILE, json.dumps(manifest).encode())
         for old in _step_folders(self._objects, self._prefix) - {folder}:
             self._objects.delete_prefix(self._prefix + old)
@@ -258,6 +264,7 @@ class UpdateCheckpointStore:
             # Not this batch's (a batch is stored once per iteration, before any checkpoint): unused.
             log.warning("iteration %d: a checkpoint of another batch is ignored", self._iteration)
             return None
+        self.earlier_seconds = manifest.get("seconds", 0.0)  # none in a manifest of an earlier release
         local = self._local / "resume"
         shutil.rmtree(local, ignore_errors=True)
         self._objects.download_dir(self._prefix + manifest["folder"], local)

@@ -16,6 +16,7 @@ import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ import torch
 from contracts.job_result import JobResult
 from contracts.samples import Sample, encode_group
 from services.data.policy_store import fetch_policy
+from services.data.training import job as training_job
 from services.data.training import update_checkpoint
 from services.data.training.job import run_training_job
 from services.data.training.update_checkpoint import Preempted, UpdateCheckpointStore
@@ -157,6 +159,21 @@ def every_step_is_due(monkeypatch: pytest.MonkeyPatch, every_s: float = 300.0) -
     monkeypatch.setattr(update_checkpoint, "monotonic", lambda: float(next(now)))
 
 
+class Clock:
+    """A clock that moves only when the test moves it, the update checkpoint's and the job's alike."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0.0
+        monkeypatch.setattr(update_checkpoint, "monotonic", lambda: self.now)
+        monkeypatch.setattr(training_job, "time", SimpleNamespace(time=lambda: self.now))
+
+    def advance(self, seconds: float) -> Callable[[], None]:
+        def move() -> None:
+            self.now += seconds
+
+        return move
+
+
 class Killed(Exception):
     """The job's process ended there, without notice."""
 
@@ -243,6 +260,49 @@ def test_a_kill_without_notice_resumes_from_the_last_periodic_checkpoint(
     result = world.job(training("spot"))
     assert "resuming the update after step 3" in caplog.text
     assert_same_iteration(result, world, want, want_world)
+
+
+def test_a_resumed_job_reports_the_seconds_of_the_whole_update(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each manifest records the seconds the iteration's jobs spent up to its checkpoint, and the job
+    that publishes adds its own: the result's seconds (which the scheduler's estimate of a job's
+    time averages) are the whole update's, not the last job's share."""
+    produce(world.queue, range(2))
+    every_s = training("spot").training.checkpoint_every_s
+    clock = Clock(monkeypatch)
+    with monkeypatch.context() as first:  # a checkpoint after step 1, once every_s went by; then killed
+        at_step(first, "due", 1, clock.advance(every_s), before=True)
+        at_step(first, "save", 1, kill)
+        with pytest.raises(Killed):
+            world.job(training("spot"))
+    assert world.manifest()["steps"] == 1 and world.manifest()["seconds"] == every_s
+    with monkeypatch.context() as second:  # resumed: a checkpoint after step 2, twice every_s later; killed
+        at_step(second, "due", 2, clock.advance(2 * every_s), before=True)
+        at_step(second, "save", 2, kill)
+        with pytest.raises(Killed):
+            world.job(training("spot"))
+    assert world.manifest()["steps"] == 2 and world.manifest()["seconds"] == 3 * every_s
+    with monkeypatch.context() as third:  # resumed: 42 s more to the end, no checkpoint due
+        at_step(third, "due", 3, clock.advance(42.0), before=True)
+        result = world.job(training("spot"))
+    assert result.seconds == 3 * every_s + 42.0
+
+
+def test_a_manifest_of_an_earlier_release_counts_no_earlier_seconds(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manifest written before manifests recorded their seconds: the resumed job reports its own."""
+    produce(world.queue, range(2))
+    clock = Clock(monkeypatch)
+    with monkeypatch.context() as first:
+        at_step(first, "due", 1, clock.advance(training("spot").training.checkpoint_every_s), before=True)
+        at_step(first, "save", 1, kill)
+        with pytest.raises(Killed):
+            world.job(training("spot"))
+    manifest = world.manifest()
+    del manifest["seconds"]
+    world.objects.put_bytes(PARTIAL + "manifest.json", json.dumps(manifest).encode())
+    at_step(monkeypatch, "due", 2, clock.advance(42.0), before=True)
+    assert world.job(training("spot")).seconds == 42.0
 
 
 class KilledWhileUploading:
