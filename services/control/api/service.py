@@ -352,16 +352,18 @@ def get_run(
     kept: Kept | None = None,
 ) -> RunPublic:
     """The run with its latest ``iterations_shown`` iterations (and the count of all of them); as
-    shown before while the run's stamp is the same (one statement), else read and built again."""
+    shown before while the run's stamp is the same, else read and built again. One read transaction
+    either way, of one statement where the run stands as shown."""
     reader = _reader(kept, catalog)
     shown = reader.shown(run_id, iterations_shown)
-    if shown is not None:
-        stamp = backends.state.run_stamp(run_id)
-        if not principal.sees(stamp.row.tenant):
-            raise RunNotFoundError(run_id)
-        if stamp == shown.stamp:
+    if shown is None:
+        view = backends.state.run_view(run_id, latest=iterations_shown, known=reader.known)
+    else:
+        view = backends.state.run_view(run_id, latest=iterations_shown, known=reader.known, unless_at=shown.stamp)
+        if view is None:  # the run stands at the kept stamp, its tenant among its columns
+            if not principal.sees(shown.stamp.row.tenant):
+                raise RunNotFoundError(run_id)
             return shown.public
-    view = backends.state.run_view(run_id, latest=iterations_shown, known=reader.known)
     if not principal.sees(view.run.tenant):
         raise RunNotFoundError(run_id)
     public = run_public(view, spent=reader.bill(run_id, view.ledger, time.time()).total)

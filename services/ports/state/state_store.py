@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from sqlalchemy import String, bindparam, case, delete, func, make_url, or_, select, tuple_, update
 from sqlalchemy.engine import Connection, Row
@@ -291,15 +291,27 @@ class StateStore(LedgerQueries, EvalQueries):
             yield conn
 
     def run_stamp(self, run_id: str) -> RunStamp:
-        """What the run stands at (``RunStamp``): one statement, to tell whether a view read before is still the run."""
+        """What the run stands at (``RunStamp``): one statement."""
         with self._reading() as conn:
             return _run_stamp(conn, run_id)
 
-    def run_view(self, run_id: str, *, latest: int, known: KnownLedgers = _none_known) -> RunView:
+    @overload
+    def run_view(self, run_id: str, *, latest: int, known: KnownLedgers = ..., unless_at: None = None) -> RunView: ...
+    @overload
+    def run_view(
+        self, run_id: str, *, latest: int, known: KnownLedgers = ..., unless_at: RunStamp
+    ) -> RunView | None: ...
+    def run_view(
+        self, run_id: str, *, latest: int, known: KnownLedgers = _none_known, unless_at: RunStamp | None = None
+    ) -> RunView | None:
         """The run with its ``latest`` iterations, their count and its ledger (None where
-        ``known`` gives its stamp): one read transaction (a GET of a run is the API's commonest request)."""
+        ``known`` gives its stamp): one read transaction (a GET of a run is the API's commonest request).
+        None where the run still stands at ``unless_at``, the stamp of a view read before: then the
+        transaction is the one statement that reads the stamp."""
         with self._reading() as conn:
             stamp = _run_stamp(conn, run_id)
+            if stamp == unless_at:
+                return None
             iterations = conn.execute(_LATEST_ITERATIONS, {"run_id": run_id, "latest": latest}).all()
             reasons = dict(conn.execute(_REWARD_FAILURES, {"run_id": run_id}).all()) if stamp.row.reward_reasons else {}
             evals = read_latest_evals(conn, run_id, latest) if stamp.row.evals_recorded else []

@@ -5,17 +5,24 @@ makes shows at the next read."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import event
 
+from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
 from services.control.api import service
 from services.control.api.auth import NO_AUTH
 from services.control.api.kept import Bill, Kept, _Lru
+from services.core.config import Settings
 from services.ports.prices.catalog import InstancePrice, PriceCatalog
 from services.ports.state.state_store import LedgerEntry, StateStore
+from tests.app_client import app_client
 from tests.iteration_rows import iteration_row
 
 SPEC = {"model": "tiny", "prompts": [{"prompt": "What is 2 + 3?", "answer": "5"}], "batch_samples": 8, "iterations": 2}
@@ -62,6 +69,60 @@ async def test_an_ended_run_is_shown_as_kept_until_the_store_changes_it(api: htt
     # (The second read bills as much or more, to float rounding: sums over some 1.7e9 s differ by 1e-10.)
     assert spent[0] > first.spent_dollars and spent[1] >= spent[0] * (1 - 1e-12)
     assert service.get_run(run_id=run_id, **_reads(api)) is not service.get_run(run_id=run_id, **_reads(api))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def api_on_each_store(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """The API on a SQLite state store in its home, then on a database of its own on the session's PostgreSQL server."""
+    url = None if request.param == "sqlite" else request.getfixturevalue("postgres").new_database()
+    async with app_client(settings, state_url=url) as client:
+        yield client
+
+
+@contextmanager
+def _transactions(state: StateStore) -> Iterator[list[list[str]]]:
+    """The statements the store runs meanwhile, by transaction (SQLite's reading BEGIN goes to its
+    driver: only what a transaction runs is counted, on both adapters)."""
+    engine = state._engine
+    transactions: list[list[str]] = []
+
+    def begin(_conn: Any) -> None:
+        transactions.append([])
+
+    def execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        transactions[-1].append(statement)
+
+    event.listen(engine, "begin", begin)
+    event.listen(engine, "before_cursor_execute", execute)
+    try:
+        yield transactions
+    finally:
+        event.remove(engine, "before_cursor_execute", execute)
+        event.remove(engine, "begin", begin)
+
+
+async def test_a_get_of_a_kept_run_is_one_read_whether_it_changed_or_not(api_on_each_store: httpx.AsyncClient) -> None:
+    api = api_on_each_store
+    run_id = await _ended_run(api)
+    state: StateStore = api.app.state.backends.state  # type: ignore[attr-defined]
+    first = (await api.get(f"/v1/runs/{run_id}")).json()  # read, then kept
+    with _transactions(state) as unchanged:
+        assert (await api.get(f"/v1/runs/{run_id}")).json() == first
+    assert [len(t) for t in unchanged] == [1]  # the run's stamp, and nothing else
+    # An ended run that still gets evals: read again, in the transaction that read its stamp.
+    state.open_eval(run_id, 1, launched_at=1700.0)
+    result = EvalResult(
+        policy_version=1, mean_score=0.5, metrics={"mean": 0.5}, prompts=2, samples=2, seconds=1.0, ended_at=1760.0
+    )
+    state.record_eval(run_id, result)
+    with _transactions(state) as changed:
+        shown = (await api.get(f"/v1/runs/{run_id}")).json()
+    assert [e["policy_version"] for e in shown["evals"]] == [1]
+    assert len(changed) == 1 and changed[0][0] == unchanged[0][0]  # one transaction, from the stamp
+    assert len(set(changed[0])) == len(changed[0])  # the stamp read once, as every other statement
+    with _transactions(state) as unchanged:
+        assert (await api.get(f"/v1/runs/{run_id}")).json() == shown  # kept again
+    assert [len(t) for t in unchanged] == [1]
 
 
 async def test_another_tenants_kept_run_is_still_not_found(api: httpx.AsyncClient) -> None:

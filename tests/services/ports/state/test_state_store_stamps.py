@@ -4,9 +4,11 @@ it stands for, and a ledger whose stamp the reader knows is not read again."""
 
 from __future__ import annotations
 
+import pytest
+
 from contracts.evaluation import EvalResult
 from contracts.status import RunStatus
-from services.ports.state.state_store import LedgerStamp, StateStore
+from services.ports.state.state_store import LedgerStamp, RunNotFoundError, StateStore
 from tests.iteration_rows import iteration_row
 
 LEDGER = dict(role="rollout", instance_type="g6.xlarge", capacity_type="spot", price_per_hour=3.6, price_source="test")
@@ -93,3 +95,15 @@ def test_a_run_stamp_moves_with_everything_a_view_shows(store: StateStore) -> No
         {"function:timeout": 3},
         [1],
     )
+
+
+def test_a_view_is_not_read_while_the_run_stands_at_the_stamp_given(store: StateStore) -> None:
+    store.create_run("r1", name=None, spec={})
+    stamp = store.run_view("r1", latest=5).stamp
+    assert stamp is not None and store.run_view("r1", latest=5, unless_at=stamp) is None
+    store.record_iteration(iteration_row("r1", 1, samples_trained=4, metrics={"actor/loss": 0.1}))
+    moved = store.run_view("r1", latest=5, unless_at=stamp)
+    assert moved is not None and moved.stamp != stamp
+    assert (moved.iterations_total, [i.iteration for i in moved.latest]) == (1, [1])
+    with pytest.raises(RunNotFoundError):
+        store.run_view("nope", latest=5, unless_at=stamp)
