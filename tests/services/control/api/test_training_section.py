@@ -69,6 +69,7 @@ NON_DEFAULT = {
     "max_retries": 5,
     "capacity": "spot",
     "checkpoint_every_s": 120.0,
+    "spot_zones": ["us-east-1a", "us-east-1b"],
 }
 
 
