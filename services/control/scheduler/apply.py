@@ -58,6 +58,7 @@ from services.ports.launcher.launcher import (
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.queue.queue import next_offsets
 from services.ports.state.state_schema import IterationRow
+from services.ports.state.state_store import IllegalTransitionError
 from services.ports.wiring import Backends
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,10 @@ class Applier:
                 partitions = spec.rollout.max_workers
                 self.b.queue.create_topic(prompts_topic(run_id), partitions)
                 self.b.queue.create_topic(samples_topic(run_id), partitions)
-                self.b.state.set_status(run_id, RunStatus.RUNNING)
+                try:
+                    self.b.state.set_status(run_id, RunStatus.RUNNING)
+                except IllegalTransitionError:  # cancelled since this tick read it: the next tick ends it
+                    log.info("run %s: cancelled before it started", run_id)
             case p.PublishPrompts(run_id, start, count):
                 self._publish_prompts(run_id, start, count)
             case p.LaunchWorker(run_id, slot, on_demand, option):

@@ -117,3 +117,24 @@ def test_a_stop_the_plan_repeats_until_the_pod_ends_is_logged_once(
         scheduler.tick()
     stops = [r.getMessage() for r in caplog.records if f"stop {worker.name}" in r.getMessage()]
     assert len(stops) == 1, stops
+
+
+def test_a_run_cancelled_while_its_start_is_applied_is_no_error(
+    backends: Backends, scheduler: Scheduler, submit, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick read the run PENDING; the user cancelled it before the tick started it."""
+    run_id = submit(backends, SPEC)
+    create_topic = backends.queue.create_topic
+
+    def cancelled_meanwhile(topic: str, partitions: int) -> None:
+        create_topic(topic, partitions)
+        if backends.state.get_run(run_id).status == RunStatus.PENDING:
+            backends.state.request_cancel(run_id)
+
+    monkeypatch.setattr(backends.queue, "create_topic", cancelled_meanwhile)
+    with caplog.at_level(logging.INFO, logger="services.control.scheduler"):
+        scheduler.tick()
+        scheduler.tick()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "cancelled before it started" in caplog.text
+    assert backends.state.get_run(run_id).status == RunStatus.CANCELLED
