@@ -7,11 +7,12 @@ is a `Strategy` (`rl.strategy`): one process, or FSDP2 (`rl.fsdp2`) or DeepSpeed
 (`rl.zero`) across data-parallel ranks.
 
 An update may checkpoint within itself and resume (`rl.resume`): given an `UpdateCheckpoint`,
-it is asked after each optimizer step whether a checkpoint is due, and saves the steps taken,
-the metric totals and gradient norms so far, the weights, the optimizer state and the critic's
-weights; given one to resume from, it scores the batch with the pre-update model first, as an
-uninterrupted update does, then loads the checkpoint and skips the steps already taken (each
-epoch's order is seeded), ending as the uninterrupted update would.
+it is asked after each optimizer step but the last (there the update ends, and its caller
+keeps the result) whether a checkpoint is due, and saves the steps taken, the metric totals and
+gradient norms so far, the weights, the optimizer state and the critic's weights; given one
+to resume from, it scores the batch with the pre-update model first, as an uninterrupted update
+does, then loads the checkpoint and skips the steps already taken (each epoch's order is
+seeded), ending as the uninterrupted update would.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def train_on_batch(
         for step, mini in enumerate(steps[progress.steps :], start=progress.steps + 1):
             progress.grad_norms.append(_mini_batch_step(samples, mini, batch, loss_fn, cfg, strategy, progress.totals))
             progress.steps = step
-            if checkpoint is not None and checkpoint.due(step):
+            # None after the last step: the update ends there, and nothing would load it.
+            if checkpoint is not None and step < len(steps) and checkpoint.due(step):
                 checkpoint.save(step, save)
 
     release_freed_memory()  # the activations' holes, before the next generation phase

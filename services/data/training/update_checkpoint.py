@@ -15,7 +15,8 @@ spot) keeps, under its iteration's trainer prefix (``names.trainer_prefix``):
 It checkpoints every ``checkpoint_every_s`` seconds of update, and at once after the provider's
 preemption notice, which reaches the pod as SIGTERM at the start of its grace period (120 s on
 AWS, 30 s on GCP); after that checkpoint the job exits with ``EXIT_PREEMPTED``. A kill without
-notice (SIGKILL, the node gone) loses at most ``checkpoint_every_s`` of update.
+notice (SIGKILL, the node gone) loses at most ``checkpoint_every_s`` of update. After the
+update's last step it takes none, notice or not: the job publishes next.
 
 A kill at any moment never leaves a checkpoint that loads wrong: ``batch.json`` is one object
 (stored whole or not at all); a checkpoint's files go into a folder of their own, then the

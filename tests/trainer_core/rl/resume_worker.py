@@ -34,11 +34,14 @@ class Interrupted(Exception):
 class DirectoryCheckpoint:
     """An `UpdateCheckpoint` in a local directory: it checkpoints after each step in `at` into
     `root/step-<k>`, raises `Interrupted` once step `stop_after` is saved, and resumes from
-    `resume_from` (a directory it saved)."""
+    `resume_from` (a directory it saved). `asked` lists the steps after which the update asked
+    whether one is due: each it took but its last (after which it takes no checkpoint)."""
 
     def __init__(
         self, root: Path, at: set[int] = frozenset(), stop_after: int | None = None, resume_from: Path | None = None
     ) -> None:
+        if stop_after is not None and stop_after >= STEPS:
+            raise ValueError(f"an update of {STEPS} steps takes no checkpoint after step {STEPS}: it never stops there")
         self.root, self.at, self.stop_after, self.resume_from = root, at, stop_after, resume_from
         self.saved: list[Path] = []
         self.asked: list[int] = []

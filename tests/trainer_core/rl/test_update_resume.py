@@ -30,9 +30,10 @@ WORKER = Path(__file__).with_name("resume_worker.py")
 TIMINGS = {"perf/seconds", "perf/tokens_per_s"}
 
 
-def _update(model_cache: Path, scenario: str, checkpoint: DirectoryCheckpoint | None) -> dict[str, Any]:
-    """One process's update of `scenario` on fresh models (as a new job has), with `checkpoint`."""
-    cfg = resumable_config(scenario)
+def _update(model_cache: Path, scenario: str, checkpoint: DirectoryCheckpoint | None, **changes: Any) -> dict[str, Any]:
+    """One process's update of `scenario` on fresh models (as a new job has), with `checkpoint`
+    (and `changes` to its config)."""
+    cfg = resumable_config(scenario).model_copy(update=changes)
     model, ref_model, value_head = build_models(model_cache, scenario)
     optimizer = build_optimizer(model, cfg, value_head)
     samples = make_batch(model.config.vocab_size)
@@ -60,15 +61,8 @@ def _assert_same_update(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     ("scenario", "at"),
-    [("grpo", 1), ("grpo", 2), ("ppo", 3), ("grpo-lora", 3), ("grpo-shared-prompts", 2), ("grpo", STEPS)],
-    ids=[
-        "grpo-after-1",
-        "grpo-at-epoch-end",
-        "ppo-after-3",
-        "lora-after-3",
-        "shared-prompts-after-2",
-        "grpo-after-all",
-    ],
+    [("grpo", 1), ("grpo", 2), ("ppo", 3), ("grpo-lora", 3), ("grpo-shared-prompts", 2)],
+    ids=["grpo-after-1", "grpo-at-epoch-end", "ppo-after-3", "lora-after-3", "shared-prompts-after-2"],
 )
 def test_a_resumed_update_ends_as_the_uninterrupted_one(
     model_cache: Path, tmp_path: Path, scenario: str, at: int
@@ -91,7 +85,8 @@ def test_a_resumed_update_ends_as_the_uninterrupted_one(
 
     resumed = DirectoryCheckpoint(tmp_path / "again", resume_from=checkpoint)
     got = _update(model_cache, scenario, resumed)
-    assert resumed.asked == list(range(at + 1, STEPS + 1)), "the steps before the checkpoint are skipped"
+    # The steps before the checkpoint are skipped, and none is asked for after the last.
+    assert resumed.asked == list(range(at + 1, STEPS))
     _assert_same_update(got, want)
 
 
@@ -102,7 +97,27 @@ def test_checkpoints_are_taken_when_due_and_a_later_one_resumes_further(model_ca
     assert every.saved == [tmp_path / "step-1", tmp_path / "step-3"]
     resumed = DirectoryCheckpoint(tmp_path / "again", resume_from=tmp_path / "step-3")
     _assert_same_update(_update(model_cache, "grpo", resumed), want)
-    assert resumed.asked == [4]
+    assert resumed.asked == [], "steps 1-3 were skipped, and step 4 is the last"
+
+
+def test_no_checkpoint_is_taken_after_the_last_step(model_cache: Path, tmp_path: Path) -> None:
+    """There the update ends, and its caller keeps the result: a checkpoint would never be loaded."""
+    every = DirectoryCheckpoint(tmp_path, at=set(range(1, STEPS + 1)))
+    _update(model_cache, "grpo", every)
+    assert every.asked == list(range(1, STEPS))
+    assert every.saved == [tmp_path / f"step-{k}" for k in range(1, STEPS)]
+
+
+def test_a_checkpoint_after_the_last_step_resumes_to_the_end(model_cache: Path, tmp_path: Path) -> None:
+    """An update resumed from a checkpoint of its last step (as an earlier release took) takes no
+    step and ends as the uninterrupted one. Step 2 of 4 is the last of the same update in one
+    epoch, whose steps are the first epoch's."""
+    with pytest.raises(Interrupted):
+        _update(model_cache, "grpo", DirectoryCheckpoint(tmp_path, at={2}, stop_after=2))
+    want = _update(model_cache, "grpo", None, epochs=1)
+    resumed = DirectoryCheckpoint(tmp_path / "again", resume_from=tmp_path / "step-2")
+    _assert_same_update(_update(model_cache, "grpo", resumed, epochs=1), want)
+    assert resumed.asked == []
 
 
 def test_a_checkpoint_of_a_longer_update_is_refused(model_cache: Path, tmp_path: Path) -> None:
@@ -144,7 +159,7 @@ def test_two_ranks_resume_as_they_would_have_gone_on(model_cache: Path, tmp_path
     assert set(results) == set(LAUNCHES[strategy][0])
     for scenario, runs in results.items():
         assert set(runs) == {"uninterrupted", "resumed", "loaded"}, scenario
-        assert runs["resumed"]["asked"] == [4], "steps 1-3 were skipped"
+        assert runs["resumed"]["asked"] == [], "steps 1-3 were skipped, and step 4 is the last"
         _assert_same_update(runs["resumed"], runs["uninterrupted"])
         # load_full_state_dict on its own: the trained weights in a fresh strategy's parameters,
         # and in ZeRO's fp32 masters (which its optimizer's next step starts from).

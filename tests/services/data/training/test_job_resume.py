@@ -234,6 +234,19 @@ def test_a_job_stopped_by_the_notice_resumes_and_publishes_what_an_uninterrupted
     assert world.backlog() == 0
 
 
+def test_a_notice_during_the_last_step_lets_the_job_publish(
+    world: World, uninterrupted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the update's last step no checkpoint is taken, notice or not: the job publishes, and
+    no retry has to load the update's end only to publish it."""
+    want_world, want = uninterrupted
+    produce(world.queue, range(2))
+    at_step(monkeypatch, "due", STEPS - 1, lambda: os.kill(os.getpid(), signal.SIGTERM))  # once step 3 was asked
+    result = world.job(training("spot"))  # not Preempted
+    assert_same_iteration(result, world, want, want_world)
+    assert world.backlog() == 0, "committed"
+
+
 def _noticed(stop_if_noticed: Callable[[UpdateCheckpointStore], None]) -> Callable[[UpdateCheckpointStore], None]:
     def noticed(self: UpdateCheckpointStore) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -357,8 +370,8 @@ def test_an_auto_job_placed_on_demand_takes_no_checkpoint(
     assert saved == []
     assert_same_iteration(result, world, want, want_world)
     produce(world.queue, range(2, 4))
-    world.job(training("auto"), iteration=2)  # on spot, the same clock: a checkpoint after every step
-    assert saved == [1, 2, 3, 4]
+    world.job(training("auto"), iteration=2)  # on spot, the same clock: a checkpoint after every step but the last
+    assert saved == [1, 2, 3]
 
 
 def test_an_auto_job_stores_its_batch_and_micro_batch_size_before_its_update(
