@@ -2,8 +2,8 @@
 where it got to and ends as the uninterrupted one would have.
 
 `train_on_batch` takes an `UpdateCheckpoint`, the caller's hook that decides when to checkpoint
-and where a checkpoint is kept. After each optimizer step the update asks it whether a checkpoint
-is `due`; if so, every rank writes the update's state into a local directory
+and where a checkpoint is kept. After each optimizer step but the last (the update ends there)
+the update asks it whether a checkpoint is `due`; if so, every rank writes the update's state into a local directory
 (`write_update_state`) and the hook stores it (`save`). An update that starts with a checkpoint
 (`restore`) first scores the batch with the model it was given, the pre-update one (old and
 reference log-probs, values: `rl.batch.prepare_batch`, as an uninterrupted update does), then
