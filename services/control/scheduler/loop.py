@@ -26,7 +26,7 @@ from services.control.scheduler.apply import Applier
 from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
-from services.control.scheduler.run_state import EvalState, Observed, RunState
+from services.control.scheduler.run_state import EvalState, Observed, RunState, training_ended_at
 from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices, spot_zones
 from services.control.tracking.sinks import SinkSet
 from services.control.tracking.sync import Tracker
@@ -296,6 +296,7 @@ class Scheduler:
             training_prices=TrainingPrices(spot=(price.spot,) * len(spot_zones(spec)), on_demand=price.on_demand),
             option_prices=tuple(self.catalog.get(o.instance_type).spot for o in spec.rollout.choices),
             spot_training=SpotTrainingRecord.of(ledger, now),
+            training_ended_at=training_ended_at(ledger),
         )
 
     def _spot_pace_points(self, run_id: str, now: float, stats: list, ledger: list) -> tuple[tuple[float, int], ...]:

@@ -68,7 +68,7 @@ from services.control.scheduler.evals import (
     reap_eval,
 )
 from services.control.scheduler.ledger_match import BillPod, CloseEntry, DeferEntry, match_ledger
-from services.control.scheduler.policies import POLICIES, PolicyInput
+from services.control.scheduler.policies import POLICIES, Decision, PolicyInput
 from services.control.scheduler.pool_options import Placement, option_of, place_spot
 from services.control.scheduler.reward_server import LaunchRewardServer, reward_server_due, serving_evals
 from services.control.scheduler.run_state import Observed, RunState, retry_delay
@@ -343,14 +343,16 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     queued_for_next = max(0, observed.sample_backlog - (batch if holding else 0))
     coming = queued_for_next + observed.prompt_backlog * n
     # Keep one batch ahead of the trainer, never more than the remaining iterations need.
-    want = batch
     still_needed: int | None = None  # samples the remaining iterations need; None = until the target reward
     if spec.iterations is not None:
         still_needed = max(0, spec.iterations - run.iterations_done - len(training)) * batch
-        want = min(want, still_needed)
-    to_publish = (
-        min(MAX_PROMPTS_PER_TICK, math.ceil((want - coming) / n)) if want > coming else 0
-    )  # the rest on later ticks
+
+    def to_publish_for(batches: int) -> int:
+        """Prompts to publish now to keep ``batches`` ahead of the trainer (the rest on later ticks)."""
+        want = batch * batches if still_needed is None else min(batch * batches, still_needed)
+        return min(MAX_PROMPTS_PER_TICK, math.ceil((want - coming) / n)) if want > coming else 0
+
+    to_publish = to_publish_for(1)
 
     decision = POLICIES[spec.cost_policy](
         PolicyInput(
@@ -359,6 +361,7 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
             started_at=run.started_at,
             training_running=bool(training),
             training_started_at=min((p.started_at for p in training), default=None),
+            training_ended_at=observed.training_ended_at,
             standby=bool(standby),
             workers=len(workers),
             workers_on_node=sum(not p.waiting_for_node for p in workers),
@@ -374,6 +377,8 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
     )
     if run.status == RunStatus.RUNNING and _account(decision.reason) != _account(run.status_reason):
         actions.append(RecordReason(run.run_id, decision.reason))
+    if decision.pair:  # the complete batch waits for the next: its prompts now
+        to_publish = to_publish_for(2)
     if to_publish and decision.publish:
         actions.append(PublishPrompts(run.run_id, run.prompts_published, to_publish))
     if decision.on_demand_workers is not None and spec.rollout.spot:
@@ -383,10 +388,10 @@ def _feed_and_scale(run: RunState, observed: Observed, alive: Sequence[PodStatus
         return (
             actions
             + _scale(run, observed, spot, decision.workers, bought, decision.on_demand_workers)
-            + _train(run, observed, training, standby, decision.standby, workers)
+            + _train(run, observed, training, standby, decision, workers)
         )
     actions += _scale(run, observed, workers, decision.workers, [], 0, on_demand=decision.on_demand)
-    return actions + _train(run, observed, training, standby, decision.standby, workers)
+    return actions + _train(run, observed, training, standby, decision, workers)
 
 
 def _account(reason: str | None) -> str | None:
@@ -433,7 +438,7 @@ def _train(
     observed: Observed,
     training: Sequence[PodStatus],
     standby: Sequence[PodStatus],
-    warm: bool,
+    decision: Decision,
     workers: Sequence[PodStatus],
 ) -> list[Action]:
     """The next job when its batch waits (taking the warm node's place: the standby pod goes as the
@@ -461,8 +466,9 @@ def _train(
         observed.spot_training,
     )
     spot, zone = zone is not None, zone or 0
-    if not training and observed.sample_backlog >= run.spec.batch_samples and observed.now >= run.next_train_at:
+    ready = not training and observed.sample_backlog >= run.spec.batch_samples and observed.now >= run.next_train_at
+    if ready and not decision.pair:
         return [LaunchTraining(run.run_id, run.iterations_done + 1, spot, zone)] + [StopPod(p.name) for p in standby]
-    if warm and not standby:
+    if decision.standby and not standby:
         return [LaunchStandby(run.run_id, run.iterations_done, spot, zone)]
-    return [] if warm else [StopPod(p.name) for p in standby]
+    return [] if decision.standby else [StopPod(p.name) for p in standby]

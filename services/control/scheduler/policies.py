@@ -5,7 +5,8 @@ the rest (prompts, training launches, the run's end) the same for every policy:
 
 - how many rollout workers to hold, and on which capacity new ones start (spot, or on-demand);
 - whether to publish the next batch's prompts now;
-- whether to hold a warm training node (a standby pod, see plan's docstring) while no job runs.
+- whether to hold a warm training node (a standby pod, see plan's docstring) while no job runs;
+- whether a complete batch waits for the next one, to train both back to back on one node.
 
 Policies are pure functions of a ``PolicyInput``; the same ones decide for the real scheduler
 and for ``spotrl simulate`` (``services.control.simulate``).
@@ -17,6 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from services.control.cost.billing import HANDOVER_SECONDS
 from services.control.scheduler.deadline import DeadlineCall, DeadlineView, deadline_call
 from services.domain.runspec import CostPolicy, RunSpec
 
@@ -24,6 +26,9 @@ from services.domain.runspec import CostPolicy, RunSpec
 DEFAULT_STARTUP_SECONDS = 90.0
 # The least a provider bills a launch (AWS's, GCP's and Alibaba's 60 s: services.control.cost.billing).
 MIN_BILLED_SECONDS = 60.0
+# A waiting batch's job is launched once the next batch is due within a start-up and this share of
+# a job (``_pair``).
+PAIR_TRAINING_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class PolicyInput:
     estimates: Estimates
     on_demand_workers: int = 0  # of ``workers``, those on on-demand capacity in a spot pool
     spot_progress: Sequence[tuple[float, int]] = ()  # (time, samples spot workers made so far), recent, oldest first
+    training_ended_at: float | None = None  # when the last training or standby pod ended (None: none has)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,9 @@ class Decision:
     standby: bool = False  # hold a warm training node while no training job runs
     on_demand_workers: int | None = None  # on-demand rollout workers beside a spot pool of ``workers`` (None: no split)
     reason: str | None = None  # why the rollout capacity is what it is (the deadline rule's account)
+    # The complete batch waits for the next one (whose prompts plan publishes now), so that both
+    # train back to back on one node: the second job takes the first's warm node.
+    pair: bool = False
 
 
 Policy = Callable[[PolicyInput], Decision]
@@ -113,17 +122,21 @@ def cost_aware(x: PolicyInput) -> Decision:
       is at most a restart's start-up (holding costs the wait, a restart costs the start-up); a
       new one is launched shortly before the batch is ready (never for less than the provider's
       billed minimum), so the job starts (almost) at once;
+    - back to back (a staleness bound of 1 or more): where the next batch would come so long
+      after the job that it trains on a cold node, the complete batch waits for it (``_pair``);
     - deadline: on-demand rollout workers beside the spot pool, as many as close the gap
       between spot's recent pace and the pace the deadline needs, given back once spot is back
       on pace; none when training alone would miss it (``services.control.scheduler.deadline``).
     """
-    spot = _cost_aware_pool(replace(x, workers=x.workers - x.on_demand_workers))
+    spot = replace(_cost_aware_pool(replace(x, workers=x.workers - x.on_demand_workers)), pair=_pair(x))
     call = _deadline(x, spot.workers)
     if call is None:
         return spot
     # The on-demand workers stay while the spot pool would: between batches too.
     more = spot.workers > 0 or x.prompt_backlog > 0 or _batch_handed_over(x) or _prompts_come_within_startup(x)
-    return replace(spot, on_demand_workers=call.on_demand_workers if more else 0, reason=call.reason)
+    bought = call.on_demand_workers if more else 0
+    # A run that buys time does not wait for a second batch.
+    return replace(spot, on_demand_workers=bought, reason=call.reason, pair=spot.pair and not bought)
 
 
 def _deadline(x: PolicyInput, pool_workers: int) -> DeadlineCall | None:
@@ -191,6 +204,50 @@ def _prompts_come_within_startup(x: PolicyInput) -> bool:
     return x.training_started_at + e.training_seconds - x.now <= e.startup_seconds
 
 
+def _pair(x: PolicyInput) -> bool:
+    """Whether the complete batch waits for the next, to train both back to back on one node.
+
+    Launched now, the job ends a start-up and a job's time from now; the next batch comes when the
+    workers on nodes have made it. Where that is more than a start-up after the job's end (a node
+    held that long costs more than a restart: ``_keep_warm``), the next job would start cold, and
+    the run pays a start-up per batch. Waiting instead until the next batch is due as the job ends
+    costs nothing the run would not pay: the workers make the next batch meanwhile (its samples one
+    version old when trained, within the staleness bound), and the job after the pair waits for
+    its batch either way. So the batch waits while the next is due later than a start-up and
+    ``PAIR_TRAINING_SHARE`` of a job from now (less than the whole job: a late batch loses the
+    pair's saving, an early one idles the workers a while). Not for the run's last batch, nor
+    while the deadline rule buys on-demand rollout (``cost_aware``).
+    """
+    if x.training_running or x.standby or x.queued_for_next < x.spec.batch_samples:
+        return False
+    next_in = _pairing_wait(x, 2 * x.spec.batch_samples - x.queued_for_next)
+    return next_in is not None and next_in > _pair_launch_within(x.estimates)
+
+
+def _pairs_when_complete(x: PolicyInput) -> bool:
+    """Whether the batch being made will wait for the next when it is complete (``_pair``): its
+    job starts cold then, and a warm node held for it would bill its wait for nothing."""
+    next_in = _pairing_wait(x, x.spec.batch_samples)
+    return next_in is not None and next_in > _pair_launch_within(x.estimates)
+
+
+def _pairing_wait(x: PolicyInput, samples: int) -> float | None:
+    """Seconds the workers on nodes take to make ``samples`` where the run may pair batches; None
+    where it may not (a bound of 0, fewer than two batches to go, no pace yet)."""
+    spec, e = x.spec, x.estimates
+    if spec.staleness_bound < 1 or not e.training_seconds:
+        return None
+    if x.still_needed is not None and x.still_needed < 2 * spec.batch_samples:
+        return None
+    pace = (e.rollout_samples_per_s or 0.0) * x.workers_on_node
+    return samples / pace if pace > 0 else None
+
+
+def _pair_launch_within(e: Estimates) -> float:
+    """A waiting batch's job is launched once the next batch is due within this many seconds."""
+    return e.startup_seconds + PAIR_TRAINING_SHARE * (e.training_seconds or 0.0)
+
+
 def _keep_warm(x: PolicyInput) -> bool:
     r, workers = x.estimates.rollout_samples_per_s, x.workers_on_node
     if x.training_running or x.still_needed == 0 or not r or workers == 0:
@@ -204,8 +261,14 @@ def _keep_warm(x: PolicyInput) -> bool:
     # minimum, which a cold start at the batch would not pay twice. Late, on the bench's traces,
     # is a quarter of the way from that minimum to a start-up (halfway left more idle nodes).
     startup = x.estimates.startup_seconds
-    if x.standby:
+    # A node held stays while the wait costs less than a restart; so does one a job has just left
+    # (still up) in a run that pairs batches: the second job of a pair whose batch is a little late
+    # takes it so.
+    just_left = x.training_ended_at is not None and x.now - x.training_ended_at <= HANDOVER_SECONDS
+    if x.standby or (just_left and _pairing_wait(x, x.spec.batch_samples) is not None):
         return wait <= startup
+    if _pairs_when_complete(x):
+        return False
     return MIN_BILLED_SECONDS <= wait <= MIN_BILLED_SECONDS + max(0.0, startup - MIN_BILLED_SECONDS) / 4
 
 

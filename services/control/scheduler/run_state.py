@@ -6,15 +6,17 @@ backoff after a failed training job. The plan's parts (``plan``, ``evals``, ``le
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from contracts.status import RunStatus
 from services.control.scheduler.policies import Estimates
 from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices
+from services.domain.names import ROLE_STANDBY, ROLE_TRAINING
 from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import PodStatus
 from services.ports.state.state_schema import RunRow
+from services.ports.state.state_store import LedgerEntry
 
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
@@ -101,3 +103,11 @@ class Observed:
     # Each rollout pool option's spot price per hour now (``RolloutPool.choices``); empty: all alike.
     option_prices: tuple[float, ...] = ()
     spot_training: SpotTrainingRecord = SpotTrainingRecord()
+    # When the run's last training job or standby pod ended (its node may still be up a while).
+    training_ended_at: float | None = None
+
+
+def training_ended_at(ledger: Iterable[LedgerEntry]) -> float | None:
+    """When the last of the run's training and standby pods ended, from its ledger; None if none has."""
+    ends = [e.ended_at for e in ledger if e.role in (ROLE_TRAINING, ROLE_STANDBY) and e.ended_at is not None]
+    return max(ends, default=None)

@@ -29,9 +29,15 @@ The model (what ``services.control.simulate.world`` simulates, seen from above):
   restart's start-up ``S`` on it and the update left, and so at each later preemption; or
   *switches*: a new on-demand node at once, ``S`` and the update left at on-demand. A spot job
   launched while the trace has no node waits for one and starts it up then.
+- Back to back (a staleness bound of 1 or more): two jobs may run as a *pair* on one node, the
+  second taking the node the first leaves at once. The pair's two batches are generated in one
+  window, from the launch before it to the second job's launch; the first job starts a job's time
+  before that launch, on a new node (on-demand, or spot where the training trace has a node from
+  its start-up to the second job's end), after the job before it has ended.
 - The run ends with the last job, before the deadline (if any) and the workload's horizon.
 
-The optimum is a dynamic program over the jobs, its state a job's launch on a grid of
+The optimum is a dynamic program over the jobs (a pair's second job reached from the job before
+the pair, with twice the work in its window: ``_next_pair``), its state a job's launch on a grid of
 ``step_seconds`` and how the job ran (``Ran``: on-demand or on spot without a preemption, its
 node held or new; or on spot with one, waited or switched): each job's value is a min over the
 previous job's launches and states of a held node's gap or a new machine's ``S``, plus the
@@ -51,6 +57,9 @@ Approximations, each making the optimum cheaper than the simulator can be unless
   one does: capacity is the trace's most over that notice (also for a worker launched within it);
 - the prompts of the next batch come at the launch, not the tick after; the billed minimum is
   not added (a machine runs at least ``S + T``);
+- a pair's first job may start before its own batch is complete (only the two batches together
+  must be by the second launch), and the pair's second batch may be begun before the job before
+  the pair has ended;
 - with a staleness bound of 0, the next batch is taken to start at the earliest end of the job
   (``T`` after its launch) even where the new machine chose a later one or a preemption delayed it;
 - a spot training node held between jobs, or warming up before its launch, is not preempted
@@ -88,7 +97,9 @@ from services.domain.runspec import CostPolicy
 from services.ports.prices.catalog import PriceCatalog, load_catalog
 
 _EPS = 1e-9
-HELD, NEW = 0, 1  # how a job's node came: held from the previous job (starts at launch), or new (pays S)
+# How a job's node came: held from the previous job (starts at launch), new (pays S), or the node of
+# the first job of a pair whose second it is (the pair's two batches generated in one window).
+HELD, NEW, PAIRED = 0, 1, 2
 # A node held after a job that switched to on-demand idles unbilled this many start-ups (see the docstring).
 _FREE_HOLD_STARTUPS = 4.0
 
@@ -584,6 +595,67 @@ def _next_job(m: _Model, value: list[list[float]]) -> tuple[list[list[float]], l
     return out, parent
 
 
+def _pair_ends(m: _Model, c: int) -> tuple[float, float]:
+    """A pair whose second job is launched at ``c``: its first job's node comes up (its launch, a
+    start-up before the first job starts) and the second job's end."""
+    launch = c * m.step
+    return launch - m.train_s - m.startup_s, launch + m.train_s
+
+
+def _pair_spot_dollars(m: _Model, c: int) -> float:
+    """A pair on one spot training node (second launch ``c``): its start-up and both jobs at spot,
+    where the training trace has a node throughout (inf where it has not)."""
+    nodes = m.spot_nodes
+    if nodes is None:
+        return math.inf
+    up, end = _pair_ends(m, c)
+    first, last = math.floor(up / m.step + _EPS), math.ceil(end / m.step - _EPS)
+    if up < 0 or last > len(nodes.up) or nodes.next_down[first] < last:
+        return math.inf
+    return nodes.dollars_between(up, end)
+
+
+def _next_pair(
+    m: _Model, pair_m: _Model, value: list[list[float]]
+) -> tuple[list[list[float]], list[list[Parent | None]]]:
+    """Back to back: the values of the second job of a pair (jobs ``j + 1`` and ``j + 2``) from job
+    ``j``'s. The pair's two batches are generated in one window from job ``j``'s launch (``pair_m``:
+    twice the work) to the second job's launch; the first job runs on a new node (on-demand, or on
+    spot where the training trace has a node throughout) the job's time before that launch, and the
+    second on the node it leaves. Its own batch being complete before it starts is not required
+    (it errs cheap); job ``j`` has ended before the first job's node is launched."""
+    inf, k, step = math.inf, m.launches, m.step
+    out = [[inf] * k for _ in Ran]
+    parent: list[list[Parent | None]] = [[None] * k for _ in Ran]
+    before = math.ceil((2 * m.train_s + m.startup_s) / step - _EPS)  # a clean job's launch to the pair's second
+    clean = [inf] * k
+    clean_ran = [Ran.ON_DEMAND_HELD] * k
+    for ran in _CLEAN:
+        for c, v in enumerate(value[ran]):
+            if v < clean[c]:
+                clean[c], clean_ran[c] = v, ran
+    groups = [(clean, clean_ran, [end - max(before, pair_m.after_work, 1) for end in range(k)])]
+    if m.spot_jobs is not None:
+        for ran in (Ran.WAITED, Ran.SWITCHED):
+            ends = [
+                math.inf if m.spot_jobs[c].clean else _job_end(m, c, ran) + m.train_s + m.startup_s for c in range(k)
+            ]
+            groups.append((value[ran], [ran] * k, _hi_after(pair_m, ends)))
+    node_od = (m.startup_s + 2 * m.train_s) * m.node_per_s
+    for best, rans, hi in groups:
+        vals, at = _new_node_windows(pair_m, best, hi)
+        for end in range(k):
+            if vals[end] == inf:
+                continue
+            came = (at[end], rans[at[end]], PAIRED)
+            if vals[end] + node_od < out[Ran.ON_DEMAND_HELD][end]:
+                out[Ran.ON_DEMAND_HELD][end], parent[Ran.ON_DEMAND_HELD][end] = vals[end] + node_od, came
+            spot = _pair_spot_dollars(m, end)
+            if vals[end] + spot < out[Ran.SPOT_HELD][end]:
+                out[Ran.SPOT_HELD][end], parent[Ran.SPOT_HELD][end] = vals[end] + spot, came
+    return out, parent
+
+
 def oracle(
     trace: SpotTrace,
     workload: Workload = Workload(),
@@ -670,9 +742,17 @@ def oracle(
             else:
                 value[Ran.WAITED][c] = dollars + job.startup + job.waited
                 value[Ran.SWITCHED][c] = dollars + job.startup + job.switched
-    parents = []
-    for _ in range(jobs - 1):
-        value, parent = _next_job(m, value)
+    pair_m = replace(m, work_s=2 * m.work_s).with_windows() if spec.staleness_bound >= 1 else None
+    values, parents = [value], []
+    for j in range(1, jobs):
+        value, parent = _next_job(m, values[-1])
+        if pair_m is not None and j >= 2:  # the second job of a pair whose first follows job j - 2
+            paired, pair_parent = _next_pair(m, pair_m, values[-2])
+            for ran in (Ran.ON_DEMAND_HELD, Ran.SPOT_HELD):
+                for c, v in enumerate(paired[ran]):
+                    if v < value[ran][c]:
+                        value[ran][c], parent[ran][c] = v, pair_parent[ran][c]
+        values.append(value)
         parents.append(parent)
     # The last job ends within the deadline and horizon; of the schedules within float noise of the
     # cheapest, the one that ends first.
@@ -689,14 +769,17 @@ def oracle(
         (e for e in ends if e[0] <= cheapest + 1e-9 * (1 + cheapest)), key=lambda e: (e[1], e[2], e[3])
     )
     chain: list[tuple[int, Ran, int]] = []
-    c, state = last, ran
-    for parent in reversed(parents):
-        prev_c, prev_ran, node = parent[state][c]
+    c, state, j = last, ran, jobs - 1
+    while j > 0:
+        prev_c, prev_ran, node = parents[j - 1][state][c]
         chain.append((c, state, node))
-        c, state = prev_c, prev_ran
+        if node == PAIRED:  # its first job is the one before it, on its node: both come from job j - 2
+            j -= 1
+            chain.append((c, state, PAIRED))
+        c, state, j = prev_c, prev_ran, j - 1
     chain.append((c, state, NEW))
     chain.reverse()
-    return _result(m, chain, total, currency, lower_bound)
+    return _result(m, pair_m, chain, total, currency, lower_bound)
 
 
 def _lower_bound(
@@ -719,15 +802,38 @@ def _lower_bound(
 
 
 def _result(
-    m: _Model, chain: list[tuple[int, Ran, int]], total: float, currency: str, lower_bound: float
+    m: _Model,
+    pair_m: _Model | None,
+    chain: list[tuple[int, Ran, int]],
+    total: float,
+    currency: str,
+    lower_bound: float,
 ) -> OracleResult:
     """The schedule of the launches, states and nodes ``chain`` (the dynamic program's), its costs recounted."""
     batches: list[OracleBatch] = []
     node_dollars = rollout_dollars = 0.0
     job_end = -math.inf
-    for j, (c, ran, node) in enumerate(chain):
+    j = 0
+    while j < len(chain):
+        c, ran, node = chain[j]
         launch = c * m.step
         start = m.startup_s if j == 0 else chain[j - 1][0] * m.step + m.shift
+        if node == PAIRED:  # a pair: this job and the next, launched at ``c`` on its node (``_next_pair``)
+            assert pair_m is not None
+            dollars, spot = _window(pair_m, start, m.cap.spot_at(start), m.cap.dollars_at(start), c)
+            rollout_dollars += dollars
+            on_spot = ran == Ran.SPOT_HELD
+            node_dollars += _pair_spot_dollars(m, c) if on_spot else (m.startup_s + 2 * m.train_s) * m.node_per_s
+            up, job_end = _pair_ends(m, c)
+            first_spot = min(spot, m.work_s)
+            first_ran = Ran.SPOT_NEW if on_spot else Ran.ON_DEMAND_NEW
+            batches.append(
+                OracleBatch(up, start, launch - m.train_s, first_spot, m.work_s - first_spot, True, first_ran, launch)
+            )
+            second_spot = spot - first_spot
+            batches.append(OracleBatch(launch, start, launch, second_spot, m.work_s - second_spot, False, ran, job_end))
+            j += 2
+            continue
         dollars, spot = _window(m, start, m.cap.spot_at(start), m.cap.dollars_at(start), c)
         rollout_dollars += dollars
         on_spot = ran not in (Ran.ON_DEMAND_HELD, Ran.ON_DEMAND_NEW)
@@ -745,7 +851,7 @@ def _result(
         elif node == NEW:
             # A new node's job starts as late as lets it end by the next launch (at most S after its own).
             following = chain[j + 1] if j + 1 < len(chain) else None
-            slack = 0.0 if following is None or following[2] == NEW else following[0] * m.step - launch - m.train_s
+            slack = 0.0 if following is None or following[2] != HELD else following[0] * m.step - launch - m.train_s
             job_start = launch + min(m.startup_s, max(0.0, slack))
             job_end = job_start + m.train_s
         else:
@@ -753,6 +859,7 @@ def _result(
         batches.append(
             OracleBatch(launch, start, job_start, spot, m.work_s - spot, node == NEW, ran, job_end, preemptions)
         )
+        j += 1
     dollars = node_dollars + rollout_dollars
     assert math.isclose(dollars, total, rel_tol=1e-9, abs_tol=1e-6), (
         "the schedule recounted costs what the dynamic program found"

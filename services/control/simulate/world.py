@@ -49,7 +49,7 @@ from services.control.scheduler import plan as p
 from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.policies import measured
 from services.control.scheduler.pool_options import OPTION_LABEL
-from services.control.scheduler.run_state import Observed, RunState
+from services.control.scheduler.run_state import Observed, RunState, training_ended_at
 from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices, spot_zones
 from services.control.simulate.gap import PodSpan, gap
 from services.control.simulate.traces import SpotTrace
@@ -254,6 +254,7 @@ class _World:
     # --- what plan sees -------------------------------------------------------------------
     def observed(self) -> Observed:
         spot_made = sum(w.generated for w in self._all_workers() if w.status.capacity_type == "spot")
+        entries = [*self.past_entries, *self.ledger.values()]
         return Observed(
             pods=[pod.status for pod in self.pods.values()],
             prompt_backlog=self.prompts_pending,
@@ -280,7 +281,8 @@ class _World:
             training_prices=TrainingPrices(
                 spot=self._training_spot_prices(), on_demand=self._training_price().on_demand
             ),
-            spot_training=SpotTrainingRecord.of([*self.past_entries, *self.ledger.values()], self.now),
+            spot_training=SpotTrainingRecord.of(entries, self.now),
+            training_ended_at=training_ended_at(entries),
             option_prices=self._option_prices(),
         )
 

@@ -305,3 +305,40 @@ def test_cost_aware_keeps_a_pool_a_batch_ahead_while_the_job_ends_within_a_start
     )
     assert not any(isinstance(a, PublishPrompts | LaunchTraining) for a in actions)
     assert any(isinstance(a, StopPod) and "rollout" in a.name for a in actions) is not kept
+
+
+# Scarce spot: two workers on nodes make 0.2 samples/s, a batch of 100 in 500 s; a job takes 300 s.
+# A complete batch's job is launched once the next batch is due within 90 + 300 / 2 = 240 s.
+SCARCE = Estimates(rollout_samples_per_s=0.1, training_seconds=300.0, startup_seconds=90.0)
+
+
+def test_a_complete_batch_waits_for_the_next_to_train_both_back_to_back() -> None:
+    waits = plan(state("cost-aware"), world(WORKERS, prompts=0, samples=100, estimates=SCARCE))
+    # The next batch (500 s away) is made meanwhile: its prompts now, no job yet.
+    assert launched(waits) == [PublishPrompts("r", 50, 25)]
+    # 40 samples to go (200 s): launched, to end as the next batch comes.
+    assert LaunchTraining("r", 2) in plan(
+        state("cost-aware"), world(WORKERS, prompts=10, samples=160, estimates=SCARCE)
+    )
+    # No pair with a staleness bound of 0 (the second batch's samples would be too old), nor for
+    # the run's last batch.
+    fresh = plan(state("cost-aware", staleness_bound=0), world(WORKERS, prompts=0, samples=100, estimates=SCARCE))
+    assert LaunchTraining("r", 2) in fresh
+    last = plan(state("cost-aware", iterations=2), world(WORKERS, prompts=0, samples=100, estimates=SCARCE))
+    assert LaunchTraining("r", 2) in last
+    # Where the next batch comes within the job, the job starts at once (as it always has).
+    assert LaunchTraining("r", 2) in plan(state("cost-aware"), world(WORKERS, prompts=0, samples=100))
+
+
+def test_a_pairs_first_job_starts_cold_and_its_second_takes_the_node_it_leaves() -> None:
+    # 14 samples to go (70 s): a standby would be launched to be up as the batch comes, but the
+    # batch will wait for the next one, and its job start cold then.
+    assert not any(
+        isinstance(a, LaunchStandby)
+        for a in plan(state("cost-aware"), world(WORKERS, prompts=4, samples=86, estimates=SCARCE))
+    )
+    # 10 samples to go (50 s) as the pair's first job has just ended: its node is held for the second.
+    just_ended = replace(world(WORKERS, prompts=3, samples=90, estimates=SCARCE), training_ended_at=NOW - 10)
+    assert LaunchStandby("r", 1) in plan(state("cost-aware"), just_ended)
+    long_ago = replace(just_ended, training_ended_at=NOW - 100)
+    assert not any(isinstance(a, LaunchStandby) for a in plan(state("cost-aware"), long_ago))
