@@ -17,9 +17,10 @@ from services.control.scheduler.plan import (
     plan,
 )
 from services.control.scheduler.policies import Estimates, measured
-from services.control.scheduler.run_state import Observed, RunState
+from services.control.scheduler.run_state import Observed, RunState, training_ended_at
 from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import PodPhase, PodStatus
+from services.ports.state.state_store import LedgerEntry
 
 NOW = 10_000.0
 # One worker makes 1 sample/s, a job takes 50 s: two workers make a batch of 100 as a job trains it.
@@ -342,3 +343,17 @@ def test_a_pairs_first_job_starts_cold_and_its_second_takes_the_node_it_leaves()
     assert LaunchStandby("r", 1) in plan(state("cost-aware"), just_ended)
     long_ago = replace(just_ended, training_ended_at=NOW - 100)
     assert not any(isinstance(a, LaunchStandby) for a in plan(state("cost-aware"), long_ago))
+
+
+def test_the_last_training_end_comes_from_the_ledger() -> None:
+    def entry(pod: str, role: str, ended_at: float | None) -> LedgerEntry:
+        return LedgerEntry(0, "r", role, pod, "p4d.24xlarge", "on-demand", 21.96, "catalog", 100.0, ended_at)
+
+    assert training_ended_at([entry("r-rollout-0", "rollout", 900.0)]) is None
+    ledger = [
+        entry("r-train-1", "training", 400.0),
+        entry("r-warm-1", "standby", 700.0),
+        entry("r-train-2", "training", None),  # still running
+        entry("r-rollout-0", "rollout", 900.0),
+    ]
+    assert training_ended_at(ledger) == 700.0
