@@ -262,10 +262,10 @@ def _keep_warm(x: PolicyInput) -> bool:
     # is a quarter of the way from that minimum to a start-up (halfway left more idle nodes).
     startup = x.estimates.startup_seconds
     # A node held stays while the wait costs less than a restart; so does one a job has just left
-    # (still up) in a run that pairs batches: the second job of a pair whose batch is a little late
+    # (still up) where batches are paired: the second job of a pair whose batch is a little late
     # takes it so.
     just_left = x.training_ended_at is not None and x.now - x.training_ended_at <= HANDOVER_SECONDS
-    if x.standby or (just_left and _pairing_wait(x, x.spec.batch_samples) is not None):
+    if x.standby or (just_left and _pairs_when_complete(x)):
         return wait <= startup
     if _pairs_when_complete(x):
         return False
