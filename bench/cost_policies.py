@@ -129,6 +129,7 @@ def _explain(results: dict[str, dict[CostPolicy, SimResult]], traces: list[SpotT
             w.worker_samples_per_hour / 3600.0,
             w.training_minutes * 60.0,
             w.startup_seconds,
+            w.staleness_bound,
         )
         gap = th.dollars - th.lower_bound_dollars
         most.append(1 - forced * startup_dollars / gap)

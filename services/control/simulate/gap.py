@@ -19,6 +19,7 @@ The parts sum to the run's dollars less its lower bound.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -69,14 +70,17 @@ def forced_training_startups(
     worker_samples_per_s: float,
     training_seconds: float,
     startup_seconds: float,
+    staleness_bound: int = 1,
 ) -> int:
     """The training start-ups a policy pays whatever it does, with at most ``spot_workers`` making
     samples (rollout on spot only) and its wall time kept near threshold's: the first job's, and
-    every later one's when the next batch takes longer to make than a job trains by more than a
-    start-up; holding the node for that wait costs more than a restart. (Two jobs back to back
-    would share a start-up, but the staleness bound of 1 drops what is made during the first, so
-    production pauses for a job's length per pair: some 20% more wall time on the bench's traces.)"""
+    later ones where the next batch takes longer to make than a job trains by more than a start-up
+    (holding the node for that wait costs more than a restart): every job's with a staleness bound
+    of 0, else one per pair of jobs trained back to back on one node (the second batch made while
+    the first waits, one version old when trained)."""
     if spot_workers <= 0:
         return iterations
     wait = batch_samples / (spot_workers * worker_samples_per_s) - training_seconds
-    return iterations if wait > startup_seconds else min(1, iterations)
+    if wait <= startup_seconds:
+        return min(1, iterations)
+    return iterations if staleness_bound == 0 else min(iterations, 1 + math.ceil((iterations - 1) / 2))

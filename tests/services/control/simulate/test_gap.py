@@ -57,14 +57,17 @@ def test_the_parts_add_up_to_the_runs_dollars_above_the_bound(policy: CostPolicy
 
 
 @pytest.mark.parametrize(
-    ("spot_workers", "forced"),
+    ("spot_workers", "staleness_bound", "forced"),
     [
-        (4, 12),  # the bench's GCP zones: a batch in 1500 s against 1080 s of training, 420 s of wait > 90 s
-        (6, 1),  # 1000 s per batch: the next one is ready as the job ends, the node stays warm
-        (0, 12),
+        # The bench's GCP zones: a batch in 1500 s against 1080 s of training, 420 s of wait > 90 s:
+        # the first job, then one start-up per pair of jobs back to back; none pair with a bound of 0.
+        (4, 1, 7),
+        (4, 0, 12),
+        (6, 1, 1),  # 1000 s per batch: the next one is ready as the job ends, the node stays warm
+        (0, 1, 12),
     ],
 )
 def test_training_start_ups_are_forced_when_the_batch_is_slower_than_the_job_by_more_than_a_start_up(
-    spot_workers: int, forced: int
+    spot_workers: int, staleness_bound: int, forced: int
 ) -> None:
-    assert forced_training_startups(12, 5000, spot_workers, 3000 / 3600, 18 * 60, 90) == forced
+    assert forced_training_startups(12, 5000, spot_workers, 3000 / 3600, 18 * 60, 90, staleness_bound) == forced
