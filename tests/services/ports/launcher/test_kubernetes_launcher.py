@@ -363,7 +363,7 @@ def test_each_role_has_its_image_and_pool_and_the_pod_its_own_capacity_type() ->
     assert container["env"] == [{"name": "SPOTRL_QUEUE_URL", "value": "kafka://k:9092"}] and "envFrom" not in container
 
 
-def test_a_worker_of_a_zone_option_is_held_to_that_zone() -> None:
+def test_a_worker_or_spot_job_of_a_zone_is_held_to_that_zone() -> None:
     cfg = KubernetesConfig(node_selectors={"rollout": {"spotrl.dev/pool": "rollout"}})
     zoned = dataclasses.replace(rollout_spec(), zone="us-central1-b")
     assert pod_manifest(zoned, cfg, G5, {})["spec"]["nodeSelector"] == {
@@ -372,6 +372,10 @@ def test_a_worker_of_a_zone_option_is_held_to_that_zone() -> None:
         "topology.kubernetes.io/zone": "us-central1-b",
     }
     assert "topology.kubernetes.io/zone" not in pod_manifest(rollout_spec(), cfg, G5, {})["spec"]["nodeSelector"]
+    # A spot training job of a zone (training.spot_zones) likewise.
+    training = dataclasses.replace(training_spec(spot=True), zone="us-central1-b")
+    selector = job_manifest(training, cfg, P4D, {})["spec"]["template"]["spec"]["nodeSelector"]
+    assert selector["topology.kubernetes.io/zone"] == "us-central1-b"
 
 
 def test_a_standby_holds_a_node_of_the_training_pool() -> None:
