@@ -472,6 +472,17 @@ def _hi_after(m: _Model, ends: list[float]) -> list[int]:
     return hi
 
 
+def _cheapest_clean(value: list[list[float]]) -> tuple[list[float], list[Ran]]:
+    """Per launch, the least value over the states of a job that met no preemption, and that state."""
+    k = len(value[0])
+    clean, clean_ran = [math.inf] * k, [Ran.ON_DEMAND_HELD] * k
+    for ran in _CLEAN:
+        for c, v in enumerate(value[ran]):
+            if v < clean[c]:
+                clean[c], clean_ran[c] = v, ran
+    return clean, clean_ran
+
+
 Parent = tuple[int, Ran, int]  # the previous job's launch and state, and this job's node (HELD or NEW)
 
 
@@ -501,12 +512,7 @@ def _next_job(m: _Model, value: list[list[float]]) -> tuple[list[list[float]], l
                 out[ran][c2], parent[ran][c2] = v, came
 
     # A new node: after any state, its end as each kind of job ends.
-    clean = [inf] * k
-    clean_ran = [Ran.ON_DEMAND_HELD] * k
-    for ran in _CLEAN:
-        for c, v in enumerate(value[ran]):
-            if v < clean[c]:
-                clean[c], clean_ran[c] = v, ran
+    clean, clean_ran = _cheapest_clean(value)
     first = m.first
     groups = [(clean, clean_ran, [end - first for end in range(k)])]
     if spot_jobs is not None:
@@ -628,12 +634,7 @@ def _next_pair(
     out = [[inf] * k for _ in Ran]
     parent: list[list[Parent | None]] = [[None] * k for _ in Ran]
     before = math.ceil((2 * m.train_s + m.startup_s) / step - _EPS)  # a clean job's launch to the pair's second
-    clean = [inf] * k
-    clean_ran = [Ran.ON_DEMAND_HELD] * k
-    for ran in _CLEAN:
-        for c, v in enumerate(value[ran]):
-            if v < clean[c]:
-                clean[c], clean_ran[c] = v, ran
+    clean, clean_ran = _cheapest_clean(value)
     groups = [(clean, clean_ran, [end - max(before, pair_m.after_work, 1) for end in range(k)])]
     if m.spot_jobs is not None:
         for ran in (Ran.WAITED, Ran.SWITCHED):
