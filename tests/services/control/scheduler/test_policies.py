@@ -309,7 +309,7 @@ def test_cost_aware_keeps_a_pool_a_batch_ahead_while_the_job_ends_within_a_start
 
 
 # Scarce spot: two workers on nodes make 0.2 samples/s, a batch of 100 in 500 s; a job takes 300 s.
-# A complete batch's job is launched once the next batch is due within 90 + 300 / 2 = 240 s.
+# A complete batch's job is launched once the next batch is due within 90 + 0.9 x 300 = 360 s.
 SCARCE = Estimates(rollout_samples_per_s=0.1, training_seconds=300.0, startup_seconds=90.0)
 
 
