@@ -220,32 +220,22 @@ def _pair(x: PolicyInput) -> bool:
     """
     if x.training_running or x.standby or x.queued_for_next < x.spec.batch_samples:
         return False
-    next_in = _pairing_wait(x, 2 * x.spec.batch_samples - x.queued_for_next)
-    return next_in is not None and next_in > _pair_launch_within(x.estimates)
+    return _next_batch_late(x, 2 * x.spec.batch_samples - x.queued_for_next)
 
 
-def _pairs_when_complete(x: PolicyInput) -> bool:
-    """Whether the batch being made will wait for the next when it is complete (``_pair``): its
-    job starts cold then, and a warm node held for it would bill its wait for nothing."""
-    next_in = _pairing_wait(x, x.spec.batch_samples)
-    return next_in is not None and next_in > _pair_launch_within(x.estimates)
-
-
-def _pairing_wait(x: PolicyInput, samples: int) -> float | None:
-    """Seconds the workers on nodes take to make ``samples`` where the run may pair batches; None
-    where it may not (a bound of 0, fewer than two batches to go, no pace yet)."""
+def _next_batch_late(x: PolicyInput, samples: int) -> bool:
+    """Whether the next batch, ``samples`` from complete at the pace of the workers on nodes, is
+    due later than a start-up and ``PAIR_TRAINING_SHARE`` of a job from now, in a run that may pair
+    batches (a bound of 1 or more, two batches still to go, the pace and job time measured). With
+    the whole batch to make (``samples`` = ``batch_samples``): whether the batch being made will
+    wait for the next when complete, its job starting cold then."""
     spec, e = x.spec, x.estimates
     if spec.staleness_bound < 1 or not e.training_seconds:
-        return None
+        return False
     if x.still_needed is not None and x.still_needed < 2 * spec.batch_samples:
-        return None
+        return False
     pace = (e.rollout_samples_per_s or 0.0) * x.workers_on_node
-    return samples / pace if pace > 0 else None
-
-
-def _pair_launch_within(e: Estimates) -> float:
-    """A waiting batch's job is launched once the next batch is due within this many seconds."""
-    return e.startup_seconds + PAIR_TRAINING_SHARE * (e.training_seconds or 0.0)
+    return pace > 0 and samples / pace > e.startup_seconds + PAIR_TRAINING_SHARE * e.training_seconds
 
 
 def _keep_warm(x: PolicyInput) -> bool:
@@ -260,14 +250,15 @@ def _keep_warm(x: PolicyInput) -> bool:
     # its idle seconds, one up late only delays the job; but never for less than the provider's
     # minimum, which a cold start at the batch would not pay twice. Late, on the bench's traces,
     # is a quarter of the way from that minimum to a start-up (halfway left more idle nodes).
+    # Where batches are paired, a node a job has just left (still up) is held as one held is: the
+    # second job of a pair whose batch is a little late takes it so; and no node is launched for
+    # a batch that will wait for the next (its job starts cold then).
     startup = x.estimates.startup_seconds
-    # A node held stays while the wait costs less than a restart; so does one a job has just left
-    # (still up) where batches are paired: the second job of a pair whose batch is a little late
-    # takes it so.
+    paired = _next_batch_late(x, x.spec.batch_samples)
     just_left = x.training_ended_at is not None and x.now - x.training_ended_at <= HANDOVER_SECONDS
-    if x.standby or (just_left and _pairs_when_complete(x)):
+    if x.standby or (just_left and paired):
         return wait <= startup
-    if _pairs_when_complete(x):
+    if paired:
         return False
     return MIN_BILLED_SECONDS <= wait <= MIN_BILLED_SECONDS + max(0.0, startup - MIN_BILLED_SECONDS) / 4
 
