@@ -152,6 +152,13 @@ def utilization() -> list[Panel]:
             description="Seconds spent generating per second of wall time.",
         ),
         Panel(
+            "Rollout generation batch per worker",
+            (q(f"max by (worker) ({s('spotrl_worker_generation_batch')})", "{{worker}}"),),
+            unit="short",
+            description="The most sequences a worker generated at once in its latest batch: sized from its free "
+            "memory, grown while there is room, halved on an out-of-memory error.",
+        ),
+        Panel(
             "Running pods by role and capacity type",
             (q(f"sum by (role, capacity_type) ({s('spotrl_pods')})", "{{role}} {{capacity_type}}"),),
         ),

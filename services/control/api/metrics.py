@@ -249,6 +249,8 @@ class RunCollector(Collector):
             f.worker_generation.add_metric(labels, w.generation_seconds if w else 0.0)
             if w is not None:
                 f.worker_report.add_metric(labels, w.reported_at)
+                if w.generation_batch is not None:
+                    f.worker_batch.add_metric(labels, w.generation_batch)
                 cache["hit"] += w.reward_cache_hits
                 cache["miss"] += w.reward_cache_misses
                 cache["error"] += w.reward_cache_errors
@@ -343,6 +345,11 @@ class _Families:
         self.worker_report = GaugeMetricFamily(
             "spotrl_worker_last_report_timestamp_seconds",
             "When a rollout worker last reported (unix seconds).",
+            labels=worker,
+        )
+        self.worker_batch = GaugeMetricFamily(
+            "spotrl_worker_generation_batch",
+            "The most sequences a rollout worker generated at once in its latest batch, as sized from its free memory.",
             labels=worker,
         )
         self.eval_score = GaugeMetricFamily(

@@ -9,7 +9,8 @@ the batch in hand is finished if it can be before the grace deadline, and abando
 (uncommitted, so redelivered) otherwise.
 
 After each batch the worker adds what it did to its counters in the state store
-(``StateStore.report_worker``: samples, generation seconds, reward cache keys by result), which
+(``StateStore.report_worker``: samples, generation seconds, reward cache keys by result, and
+the most sequences it generated at once, sized from the memory free: ``generation_batch``), which
 the API's /metrics exports: one scrape of the API covers every worker, wherever its pod runs.
 
 A reward that fails or times out for a response scores 0.0 for its term (`score_batch`): the
@@ -28,6 +29,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
+
 from contracts.messages import PromptMessage
 from contracts.samples import Sample, encode_group
 from contracts.training import AdvantageEstimator
@@ -42,6 +45,7 @@ from services.data.reward.functions import (
     terms_fingerprint,
 )
 from services.data.rollout.dynamic_sampling import informative_groups
+from services.data.rollout.generation_batch import GenerationBatch, MemoryProbe, generate_in_chunks
 from services.data.rollout.vllm_engine import build_vllm_engine
 from services.domain.names import ROLLOUT_GROUP, prompts_topic, samples_topic
 from services.domain.reward_spec import RewardTerm
@@ -181,6 +185,9 @@ class RolloutWorker:
         self.version = -1
         self.engine: HFEngine | VLLMEngine | None = None
         self._policy: Policy | None = None  # the one model this worker samples from
+        # How many sequences the engine generates at once, from the memory free (generation_batch).
+        self.generation_batch = GenerationBatch()
+        self._memory = MemoryProbe(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         # The reward terms as this worker runs them, and what their cached rewards depend on: fixed
         # for the worker's life, as its loaded reward model is (`load_reward_model`), but for a
         # reward server's term, which follows the server wherever it listens (`_reward_ready`).
@@ -264,6 +271,7 @@ class RolloutWorker:
             samples=len(samples),
             generation_seconds=sum(s.generation_seconds for s in samples),
             reward_cache=self.rewards.requests.take(),
+            generation_batch=self.generation_batch.at_once,
         )
 
     def _load_latest_policy(self) -> None:
@@ -289,8 +297,13 @@ class RolloutWorker:
         except NoChatTemplateError as e:
             raise PermanentError(str(e)) from None
         started = time.monotonic()
-        completions = self.engine.generate(
-            [ids for ids in prompt_ids for _ in range(n)], self.sampling, should_stop=self.stop.deadline_passed
+        completions = generate_in_chunks(
+            self.engine,
+            [ids for ids in prompt_ids for _ in range(n)],
+            self.sampling,
+            self.generation_batch,
+            self._memory,
+            should_stop=self.stop.deadline_passed,
         )
         if completions is None:
             return None

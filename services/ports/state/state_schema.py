@@ -130,6 +130,9 @@ class WorkerStatsRow(Base):
     reward_cache_hits: Mapped[int] = mapped_column(Integer, default=0)
     reward_cache_misses: Mapped[int] = mapped_column(Integer, default=0)
     reward_cache_errors: Mapped[int] = mapped_column(Integer, default=0)
+    # Not a counter: the most sequences its engine generated at once in its latest batch, as sized
+    # from the memory free (services.data.rollout.generation_batch).
+    generation_batch: Mapped[int | None] = mapped_column(Integer, nullable=True)
     reported_at: Mapped[float] = mapped_column(Float)
 
 

@@ -580,10 +580,12 @@ class StateStore(LedgerQueries, EvalQueries):
         samples: int,
         generation_seconds: float,
         reward_cache: dict[str, int],
+        generation_batch: int | None = None,
     ) -> None:
         """Add a rollout worker's work since its last report to its counters (one upsert, no
         read: workers report after every batch). ``reward_cache`` holds keys by result (hit,
-        miss, error). Adding, not setting: a restarted worker of the same name continues them."""
+        miss, error). Adding, not setting: a restarted worker of the same name continues them.
+        ``generation_batch``, the sequences generated at once in the batch, is set, not added."""
         now = time.time()
         added = {
             "samples_produced": samples,
@@ -594,7 +596,7 @@ class StateStore(LedgerQueries, EvalQueries):
         }
         with self._write_engine.begin() as conn:
             upsert = dialect_insert(conn.dialect.name)(WorkerStatsRow).values(
-                run_id=run_id, worker=worker, reported_at=now, **added
+                run_id=run_id, worker=worker, reported_at=now, generation_batch=generation_batch, **added
             )
             conn.execute(
                 upsert.on_conflict_do_update(
@@ -602,6 +604,7 @@ class StateStore(LedgerQueries, EvalQueries):
                     set_={
                         **{name: getattr(WorkerStatsRow, name) + getattr(upsert.excluded, name) for name in added},
                         "reported_at": upsert.excluded.reported_at,
+                        "generation_batch": upsert.excluded.generation_batch,
                     },
                 )
             )

@@ -41,6 +41,9 @@ def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: S
     b.state.open_ledger(pod="r1-rollout-1", started_at=now - 100, **bill)
     b.state.close_ledger("r1-rollout-1", ended_at=now - 50, outcome=PodOutcome.PREEMPTED)
     b.state.report_worker("r1", "r1-rollout-0", samples=6, generation_seconds=3.0, reward_cache={"hit": 2, "miss": 4})
+    b.state.report_worker(
+        "r1", "r1-rollout-0", samples=0, generation_seconds=0.0, reward_cache={}, generation_batch=24
+    )  # set, not added
     b.state.record_iteration(
         iteration_row(
             "r1",
@@ -83,6 +86,9 @@ def test_pods_and_training_recorded_in_the_store_are_exported_by_run(settings: S
         == 0
     )  # launched, never reported
     assert value("spotrl_reward_cache_requests_total", result="hit") == 2
+    rollout_0 = dict(role="rollout", capacity_type="spot", instance_type="g6.xlarge", worker="r1-rollout-0")
+    assert value("spotrl_worker_generation_batch", **rollout_0) == 24
+    assert value("spotrl_worker_generation_batch", **{**rollout_0, "worker": "r1-rollout-1"}) is None
     assert value("spotrl_reward_cache_requests_total", result="error") == 0
     where = dict(role="rollout", capacity_type="spot", instance_type="g6.xlarge")
     assert value("spotrl_spot_preemptions_total", **where) == 1

@@ -140,6 +140,8 @@ def test_a_worker_whose_regex_reward_times_out_still_produces_samples(settings: 
     row = b.state.get_run(RUN)
     assert row.reward_failures > 0
     assert "did not decide a response" in row.last_reward_error
+    (stats,) = b.state.worker_stats(RUN)
+    assert 0 < stats.generation_batch <= 4  # sequences generated at once, reported with the batch
     b.close()
 
 
