@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from contracts.model_sources import BUILTIN_MODELS
+from contracts.tensor_parallel import MAX_TENSOR_PARALLEL
 from contracts.training import AdvantageEstimator, Algorithm, TrainConfig, Zone
 from services.domain.prompt_items import MAX_INLINE_PROMPTS, DatasetFields, PromptItem, check_prompt_source
 from services.domain.reward_spec import MAX_REWARD_TERMS, RewardFn, RewardServer, RewardTerm
@@ -146,6 +147,14 @@ class RolloutPool(BaseModel):
         le=4096,
         description="Prompts a worker takes per poll; the pool is sized to cover the prompt backlog in such batches.",
     )
+    gpus_per_worker: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_TENSOR_PARALLEL,
+        description="GPUs each rollout worker (and eval pod) uses: vllm shards the model over them (tensor parallel, "
+        "dividing the model's attention heads), hf spreads its layers over them (device_map auto). It must divide "
+        "the GPUs of every instance type the pool may use: a node of G GPUs holds G / gpus_per_worker workers.",
+    )
     engine: RolloutEngine = Field(
         default=RolloutEngine.HF,
         description="Sampler of each worker: hf (transformers in the worker, CPU or GPU) or vllm (vLLM on the worker's GPU, "
@@ -177,6 +186,27 @@ class RolloutPool(BaseModel):
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
         return self
+
+    @model_validator(mode="after")
+    def _check_gpus_per_worker(self) -> RolloutPool:
+        catalog = load_catalog()
+        for where in self.choices:
+            gpus = catalog.get(where.instance_type).gpus
+            if gpus % self.gpus_per_worker:
+                fitting = ", ".join(str(n) for n in range(1, gpus + 1) if gpus % n == 0)
+                raise ValueError(
+                    f"gpus_per_worker {self.gpus_per_worker} does not divide the {gpus} GPUs of {where.instance_type}: "
+                    f"set gpus_per_worker to one of {fitting}, or pick an instance type whose GPU count it divides"
+                )
+        return self
+
+    def workers_per_node(self, instance_type: str) -> int:
+        """The rollout workers a node of ``instance_type`` holds (``gpus_per_worker`` GPUs each)."""
+        return load_catalog().get(instance_type).gpus // self.gpus_per_worker
+
+    def node_share(self, instance_type: str) -> float:
+        """The share of an ``instance_type`` node one worker uses: what it is billed of the node's price."""
+        return self.gpus_per_worker / load_catalog().get(instance_type).gpus
 
 
 class EvalSpec(BaseModel):
@@ -447,6 +477,8 @@ class RunSpec(BaseModel):
             refused.append("training.adv_estimator remax (the rollout workers generate each prompt's greedy baseline)")
         if self.eval is not None:
             refused.append("eval (the scheduler launches the eval pods)")
+        if self.rollout.gpus_per_worker > 1:
+            refused.append("rollout.gpus_per_worker above 1 (the trainer and the sampler share one GPU)")
         if refused:
             raise ValueError(
                 f"a colocated run cannot use {' or '.join(refused)}: submit the spec as a disaggregated run instead "

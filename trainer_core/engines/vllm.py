@@ -40,6 +40,7 @@ import torch
 from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase
 
+from contracts.tensor_parallel import tensor_parallel_problem
 from trainer_core.engines.hf import Completion, SamplingParams, never
 from trainer_core.engines.openai import check_server_sampling
 from trainer_core.models.loading import stop_token_ids
@@ -89,6 +90,19 @@ def serving_dtype(model: str | Path, dtype: str | None, *, lora: bool) -> str:
             "pass dtype='bfloat16' (or leave it unset for bfloat16 on a float32 checkpoint)"
         )
     return dtype
+
+
+def check_tensor_parallel(model_dir: str | Path, size: int) -> None:
+    """Raise ValueError, saying what to change, unless vLLM shards the model in `model_dir` over
+    `size` GPUs (`tensor_parallel_problem`: its attention and key/value heads must split evenly)."""
+    config_file = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except OSError:
+        raise ValueError(f"cannot read {config_file} to check that the model shards over {size} GPUs") from None
+    problem = tensor_parallel_problem(config, size)
+    if problem is not None:
+        raise ValueError(f"{model_dir}: {problem}")
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str:
@@ -207,12 +221,15 @@ class VLLMEngine:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         lora_rank: int | None = None,
         colocated: bool = False,
+        tensor_parallel_size: int = 1,
         **llm_options: Any,
     ) -> None:
         """`model` is a Hugging Face model directory; vLLM serves it in `dtype` (default: the
         checkpoint's, but bfloat16 for a float32 checkpoint with LoRA: `serving_dtype`) within
         `gpu_memory_utilization` of the GPU. `lora_rank` enables LoRA adapters of up to that rank
-        (rounded up to a rank vLLM allows). `colocated` is for a trainer in this process sharing
+        (rounded up to a rank vLLM allows). `tensor_parallel_size` shards the model over that many of
+        the visible GPUs, one vLLM worker process each (`check_tensor_parallel` says first whether
+        the model's heads split so). `colocated` is for a trainer in this process sharing
         the GPU: it enables vLLM's sleep mode and runs vLLM's engine in this process
         (`load_weights`). `llm_options` go to `vllm.LLM` as they are
         (max_model_len, enforce_eager, ...). Completions end at the first of `stop_ids`, by
@@ -232,6 +249,8 @@ class VLLMEngine:
         if lora_rank:
             llm_options |= {"enable_lora": True, "max_lora_rank": self._max_lora_rank}
         dtype = serving_dtype(model, dtype, lora=bool(lora_rank))
+        if tensor_parallel_size > 1:
+            check_tensor_parallel(model, tensor_parallel_size)
         # What pushes must match: the weights vLLM loads from `model` (a local directory).
         self._weight_names = checkpoint_weight_names(model) if Path(model).is_dir() else None
         self._model = str(model)
@@ -249,6 +268,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 # The cumem allocator that sleep() frees memory through (config/model.py:621).
                 enable_sleep_mode=colocated,
+                tensor_parallel_size=tensor_parallel_size,
                 **llm_options,
             )
         self._lora_enabled = bool(lora_rank)

@@ -13,7 +13,8 @@ COLOCATED_GPU_MEMORY_UTILIZATION = 0.5
 def build_vllm_engine(spec: RunSpec, policy: Policy, *, colocated: bool = False) -> VLLMEngine:
     """vLLM serving the directory that the run's base `policy` was loaded from, in the spec's
     `rollout.vllm_dtype` (default the checkpoint's) within `rollout.vllm_gpu_memory_utilization`,
-    with LoRA enabled for adapters of `training.lora_rank` when the run trains one."""
+    with LoRA enabled for adapters of `training.lora_rank` when the run trains one, sharded over
+    `rollout.gpus_per_worker` GPUs (tensor parallel)."""
     memory = spec.rollout.vllm_gpu_memory_utilization
     if memory is None:
         memory = COLOCATED_GPU_MEMORY_UTILIZATION if colocated else DEFAULT_GPU_MEMORY_UTILIZATION
@@ -24,4 +25,5 @@ def build_vllm_engine(spec: RunSpec, policy: Policy, *, colocated: bool = False)
         gpu_memory_utilization=memory,
         lora_rank=spec.training.lora_rank or None,
         colocated=colocated,
+        tensor_parallel_size=spec.rollout.gpus_per_worker,
     )

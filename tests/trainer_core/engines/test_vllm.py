@@ -265,3 +265,24 @@ def test_modules_import_without_vllm() -> None:
     code = "import sys; sys.modules['vllm'] = None; import trainer_core.engines, trainer_core.engines.vllm"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_tensor_parallel_shards_over_the_gpus_and_refuses_heads_that_do_not_split(
+    tmp_path: Path, stand_in_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    llama = _checkpoint(tmp_path / "llama", "bfloat16", num_attention_heads=32, num_key_value_heads=8)
+    engine = VLLMEngine(llama, stop_ids=[2], tensor_parallel_size=2)
+    assert engine._llm.options["tensor_parallel_size"] == 2
+    assert VLLMEngine(llama, stop_ids=[2])._llm.options["tensor_parallel_size"] == 1
+    # Refused before vLLM starts its workers, saying what would split.
+    smollm2 = _checkpoint(tmp_path / "smollm2", "bfloat16", num_attention_heads=9, num_key_value_heads=3)
+    built = len(vllm_stand_in.built)
+    with pytest.raises(
+        ValueError, match=r"9 attention heads .* use 1 or 3 GPUs per worker \(rollout.gpus_per_worker\)"
+    ):
+        VLLMEngine(smollm2, stop_ids=[2], tensor_parallel_size=2)
+    odd_kv = _checkpoint(tmp_path / "odd", "bfloat16", num_attention_heads=12, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"3 key/value heads .* use 1, 3 or 6 GPUs per worker"):
+        VLLMEngine(odd_kv, stop_ids=[2], tensor_parallel_size=4)
+    assert len(vllm_stand_in.built) == built

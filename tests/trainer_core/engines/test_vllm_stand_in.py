@@ -329,3 +329,26 @@ def test_the_earlier_engine_slept_without_sleep_mode_unless_built_colocated(vllm
     with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
         _earlier_engine_llm(vllm, model).sleep(level=2)
     _earlier_engine_llm(vllm, model, colocated=True).sleep(level=2)
+
+
+def test_tensor_parallel_needs_a_gpu_per_worker_and_heads_it_divides(
+    tmp_path: Path, vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    smollm2 = str(write_checkpoint(tmp_path / "smollm2", num_attention_heads=9, num_key_value_heads=3))
+    llama = str(write_checkpoint(tmp_path / "llama", num_attention_heads=32, num_key_value_heads=8))
+    # One process per GPU: the stand-in's machine has one.
+    with pytest.raises(ValueError, match=r"World size \(2\) is larger than the number of available GPUs \(1\)"):
+        LLM(llama, tensor_parallel_size=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert LLM(llama, tensor_parallel_size=4).options["tensor_parallel_size"] == 4
+    with pytest.raises(ValueError, match=r"World size \(8\) is larger than the number of available GPUs \(4\)"):
+        LLM(llama, tensor_parallel_size=8)
+    # Attention heads split evenly, when LLM() builds its config.
+    with pytest.raises(ValueError, match=r"Total number of attention heads \(9\) must be divisible by tensor parallel"):
+        LLM(smollm2, tensor_parallel_size=2)
+    LLM(smollm2, tensor_parallel_size=3)  # 9 heads, 3 KV heads: one each
+    # Key/value heads: divided by T, or one replicated on T / KV GPUs; else the workers' assert.
+    odd_kv = str(write_checkpoint(tmp_path / "odd", num_attention_heads=12, num_key_value_heads=3))
+    with pytest.raises(AssertionError, match="4 is not divisible by 3"):
+        LLM(odd_kv, tensor_parallel_size=4)
+    LLM(str(write_checkpoint(tmp_path / "mqa", num_attention_heads=4, num_key_value_heads=1)), tensor_parallel_size=4)

@@ -46,6 +46,15 @@ What it enforces, and where vLLM does the same:
 - `wake_up` tags are "weights", "kv_cache", "scheduling" (entrypoints/llm.py:842); waking a tag
   that does not sleep makes vLLM log a warning and wake none of the tags
   (v1/executor/abstract.py:359-368): the stand-in raises.
+- `tensor_parallel_size` (T) runs one worker process per GPU: more than the GPUs visible
+  (CUDA_VISIBLE_DEVICES; the stand-in's machine has one GPU when it is unset) raises
+  ParallelConfig's "World size (T) is larger than the number of available GPUs (N) in this node"
+  (config/parallel.py, ParallelConfig.__post_init__); attention heads that T does not divide raise
+  "Total number of attention heads (H) must be divisible by tensor parallel size (T)."
+  (config/model.py, ModelConfig.verify_with_parallel_config), and key/value heads that T neither
+  divides nor is a multiple of fail QKVParallelLinear's `divide` assert in the workers ("K is not
+  divisible by T", model_executor/layers/linear.py, distributed/utils.py). These three were read in
+  vLLM's main-branch source, not in the 0.31.0 wheel.
 - `SamplingParams` takes only its own fields (sampling_params.py:211); with
   `output_kind=RequestOutputKind.FINAL_ONLY` (sampling_params.py:194) `step` returns finished
   requests only, otherwise also every unfinished one with all its tokens so far.
@@ -165,6 +174,35 @@ def _weight_names(model_dir: str | Path) -> set[str]:
     return names
 
 
+def visible_gpus() -> int:
+    """The GPUs vLLM counts (cuda_device_count_stateless: CUDA_VISIBLE_DEVICES where set); one
+    where it is unset, the stand-in's machine."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return 1 if visible is None else len([d for d in visible.split(",") if d.strip()])
+
+
+def _check_tensor_parallel(model: str, size: int) -> None:
+    """vLLM's checks of `tensor_parallel_size`, in its order: the world size against the GPUs,
+    then the attention heads (both when LLM() builds its config), then the key/value heads (when
+    the workers build the model)."""
+    if size > 1 and visible_gpus() < size:
+        raise ValueError(
+            f"World size ({size}) is larger than the number of available GPUs ({visible_gpus()}) in this node. "
+            "If this is intentional and you are using:\n- ray, set '--distributed-executor-backend ray'.\n"
+            "- multiprocessing, set '--nnodes' appropriately."
+        )
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config.get("num_attention_heads", 0)
+    if heads % size:
+        raise ValueError(
+            f"Total number of attention heads ({heads}) must be divisible by tensor parallel size ({size})."
+        )
+    kv_heads = config.get("num_key_value_heads", heads)
+    if heads:
+        numerator, denominator = (size, kv_heads) if size >= kv_heads else (kv_heads, size)
+        assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+
+
 def _resolved_dtype(model: str, dtype: str) -> str:
     """vLLM's ModelConfig.dtype for LLM(dtype=...) (config/model.py:2355-2378)."""
     if dtype == "auto":
@@ -247,6 +285,7 @@ class LLM:
             raise ValueError(f"max_lora_rank {options['max_lora_rank']!r} is not one of {MAX_LORA_RANKS}")
         if not 0 < options.get("gpu_memory_utilization", 0.92) <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        _check_tensor_parallel(model, options.get("tensor_parallel_size", 1))
         self.model = model
         self.options = options
         self.dtype = _resolved_dtype(model, options.get("dtype", "auto"))
@@ -389,13 +428,16 @@ class LLM:
         self.sleeping -= set(tags or WAKE_UP_TAGS)
 
 
-def write_checkpoint(path: Path, dtype: str = "bfloat16", names: tuple[str, ...] = ("weight", "bias")) -> Path:
-    """A model directory as vLLM reads it: config.json (saved in `dtype`) and a safetensors file
-    of the weights `names` (by default those of a torch.nn.Linear(2, 2))."""
+def write_checkpoint(
+    path: Path, dtype: str = "bfloat16", names: tuple[str, ...] = ("weight", "bias"), **heads: int
+) -> Path:
+    """A model directory as vLLM reads it: config.json (saved in `dtype`, with `heads`:
+    num_attention_heads=9, num_key_value_heads=3, say) and a safetensors file of the weights
+    `names` (by default those of a torch.nn.Linear(2, 2))."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": dtype}))
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": dtype, **heads}))
     save_file({name: torch.zeros(2) for name in names}, str(path / "model.safetensors"))
     return path
 
@@ -412,7 +454,8 @@ def write_adapter(path: Path, rank: int, **config: Any) -> Path:
 
 def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """Make `import vllm` (and the submodules VLLMEngine imports) give the stand-in until the
-    test ends; vLLM's environment switches are restored then too."""
+    test ends, on a machine of one GPU (CUDA_VISIBLE_DEVICES unset); vLLM's environment switches
+    are restored then too."""
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams, module.TokensPrompt = LLM, SamplingParams, TokensPrompt  # type: ignore[attr-defined]
     sampling = types.ModuleType("vllm.sampling_params")
@@ -427,6 +470,6 @@ def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     ]:
         monkeypatch.setitem(sys.modules, name, mod)
     built.clear()
-    for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+    for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
     return module
