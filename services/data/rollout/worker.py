@@ -60,16 +60,19 @@ from trainer_core.engines.vllm import VLLMEngine
 from trainer_core.memory import MemoryMonitor
 from trainer_core.models.loading import NoChatTemplateError, Policy, encode_prompt, load_policy
 from trainer_core.models.lora import is_adapter_dir
+from trainer_core.models.placement import spread_over_gpus
 
 log = logging.getLogger(__name__)
 
 
 def rollout_engine(spec: RunSpec, policy: Policy) -> HFEngine | VLLMEngine:
     """A worker's sampler (`spec.rollout.engine`) over the run's base `policy`: `hf` over the
-    policy's own model object, `vllm` loaded from the directory the base weights came from.
-    Later versions arrive through `set_model` (hf) or, on vLLM, `load_weights_from` (full
-    weights) and `set_lora` (adapters)."""
+    policy's own model object, spread over the worker's `rollout.gpus_per_worker` GPUs where it
+    has more than one (a no-op on a machine without GPUs), `vllm` loaded from the directory the
+    base weights came from, sharded over them. Later versions arrive through `set_model` (hf) or,
+    on vLLM, `load_weights_from` (full weights) and `set_lora` (adapters)."""
     if spec.rollout.engine == "hf":
+        policy.model = spread_over_gpus(policy.model, spec.rollout.gpus_per_worker)
         return make_engine("hf", model=policy.model, tokenizer=policy.tokenizer)
     return build_vllm_engine(spec, policy)
 

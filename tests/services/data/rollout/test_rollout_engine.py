@@ -86,3 +86,20 @@ def test_a_vllm_worker_reloads_full_versions_from_disk_and_swaps_adapters(
         completions = worker.engine.generate([[5, 6]], worker.sampling, seed=0)
         assert completions is not None and completions[0].token_ids[0] == 10
     b.close()
+
+
+def test_a_worker_of_several_gpus_shards_vllm_over_them_and_hf_stays_put_without_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    four_gpus = {"instance_type": "ecs.gn7i-4x.8xlarge", "gpus_per_worker": 4}  # 4 x A10
+    training = {"instance_type": "ecs.gn7e-c16g1.32xlarge"}  # priced in the same currency
+    policy = load_policy("tiny", cache_dir=tmp_path)  # 4 attention heads, 4 key/value heads
+    hf = rollout_engine(_spec(rollout=four_gpus, training=training), policy)
+    assert isinstance(hf, HFEngine) and {p.device.type for p in policy.model.parameters()} == {"cpu"}
+    vllm_stand_in.install(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # what the pod's 4 GPUs make visible
+    engine = rollout_engine(_spec(rollout={**four_gpus, "engine": "vllm"}, training=training), policy)
+    assert engine._llm.options["tensor_parallel_size"] == 4
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ValueError, match=r"World size \(4\) is larger than the number of available GPUs \(2\)"):
+        rollout_engine(_spec(rollout={**four_gpus, "engine": "vllm"}, training=training), policy)
