@@ -200,14 +200,6 @@ class RolloutPool(BaseModel):
                 )
         return self
 
-    def workers_per_node(self, instance_type: str) -> int:
-        """The rollout workers a node of ``instance_type`` holds (``gpus_per_worker`` GPUs each)."""
-        return load_catalog().get(instance_type).gpus // self.gpus_per_worker
-
-    def node_share(self, instance_type: str) -> float:
-        """The share of an ``instance_type`` node one worker uses: what it is billed of the node's price."""
-        return self.gpus_per_worker / load_catalog().get(instance_type).gpus
-
 
 class EvalSpec(BaseModel):
     """Held-out evaluation: chosen policy versions scored on prompts training never sees, each by

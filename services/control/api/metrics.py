@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from contracts.status import RunStatus
-from services.control.cost.billing import billed_dollars
+from services.control.cost.billing import RolloutTerms, billed_dollars
 from services.control.cost.lower_bound import LOWER_BOUND_MEANING, TrainingTerms
 from services.control.cost.report import cost_report
 from services.domain.backlog import sample_backlog
@@ -185,6 +185,7 @@ class RunCollector(Collector):
             entries,
             catalog=self.catalog,
             training=TrainingTerms.of_stored(r.spec),
+            rollout=RolloutTerms.of_stored(r.spec),
             run_started_at=r.started_at,
             run_ended_at=r.ended_at,
             now=now,

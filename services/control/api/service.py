@@ -39,6 +39,7 @@ from services.control.api.schemas import (
     columns_of,
 )
 from services.control.api.upload_slots import UploadSlots
+from services.control.cost.billing import RolloutTerms
 from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION, TrainingTerms
 from services.control.cost.report import cost_report
 from services.control.cost.report_page import EvalPoint, IterationPoint, report_page
@@ -461,6 +462,7 @@ def run_cost(
         bill.entries,
         catalog=catalog,
         training=TrainingTerms.of_stored(row.spec),
+        rollout=RolloutTerms.of_stored(row.spec),
         run_started_at=row.started_at,
         run_ended_at=row.ended_at,
         now=now,
@@ -507,6 +509,7 @@ def report_page_of(state: StateStore, catalog: PriceCatalog, row: RunRow) -> str
         entries=state.ledger(row.id),
         catalog=catalog,
         training=TrainingTerms.of_stored(row.spec),
+        rollout=RolloutTerms.of_stored(row.spec),
         run_started_at=row.started_at,
         run_ended_at=row.ended_at,
         now=time.time(),

@@ -20,11 +20,12 @@ capacity that never came (``services.control.scheduler.plan``'s ``DeferEntry``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from services.domain.names import ROLE_STANDBY, ROLE_TRAINING
-from services.ports.prices.catalog import PriceCatalog
+from services.domain.names import ROLE_EVAL, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
+from services.ports.prices.catalog import InstancePrice, PriceCatalog
 from services.ports.state.state_store import LedgerEntry
 
 # Roles whose pods hold a training node.
@@ -59,6 +60,29 @@ RULES: dict[str, BillingRule] = {
 }
 # A provider without a known rule: billed per started minute (the coarser of the common rules).
 PER_MINUTE = BillingRule(60, 60, "no known rule for this provider: per started minute assumed")
+
+
+@dataclass(frozen=True)
+class RolloutTerms:
+    """How a run's rollout workers and eval pods share their nodes: each uses ``gpus_per_worker``
+    of its node's GPUs (``rollout.gpus_per_worker``), and a node of G GPUs holds G / gpus_per_worker
+    of them, each billed its share of the node. (A node the run's pods do not fill is billed whole
+    by its provider; the share counts only the part its pods use.)"""
+
+    gpus_per_worker: int = 1
+
+    @classmethod
+    def of_stored(cls, spec: Mapping[str, Any]) -> RolloutTerms:
+        """The terms of a stored run spec (a run stored before ``rollout.gpus_per_worker`` used one GPU)."""
+        return cls(spec["rollout"].get("gpus_per_worker", 1))
+
+    def share(self, role: str, price: InstancePrice) -> float:
+        """The share of its node's price a pod of ``role`` on an instance type priced ``price``
+        is billed: a rollout worker's or eval pod's GPUs of the node's; any other pod holds its node."""
+        return self.gpus_per_worker / price.gpus if role in (ROLE_ROLLOUT, ROLE_EVAL) else 1.0
+
+
+ONE_GPU_PER_WORKER = RolloutTerms()  # the run spec's default
 
 
 def rule_for(provider: str) -> BillingRule:

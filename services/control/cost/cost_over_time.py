@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from services.control.cost.billing import billed_dollars, rule_for
+from services.control.cost.billing import ONE_GPU_PER_WORKER, RolloutTerms, billed_dollars, rule_for
 from services.control.cost.lower_bound import TrainingTerms
 from services.control.cost.report import CostReport, cost_report
 from services.ports.prices.catalog import PriceCatalog
@@ -86,6 +86,7 @@ def cost_over_time(
     *,
     catalog: PriceCatalog,
     training: TrainingTerms,
+    rollout: RolloutTerms = ONE_GPU_PER_WORKER,
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
@@ -103,6 +104,7 @@ def cost_over_time(
             ledger,
             catalog=catalog,
             training=training,
+            rollout=rollout,
             run_started_at=run_started_at,
             run_ended_at=at,
             now=at,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts.training import TrainingCapacity
+from services.control.cost.billing import RolloutTerms
 from services.domain.names import ROLE_EVAL, ROLE_REWARD, ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.ports.prices.catalog import InstancePrice, PriceCatalog
 from services.ports.state.state_store import LedgerEntry
@@ -54,11 +55,13 @@ class TrainingTerms:
 
 @dataclass(frozen=True)
 class Busy:
-    """``seconds`` of work of a pod of ``role`` on an instance type priced ``price``."""
+    """``seconds`` of work of a pod of ``role`` on an instance type priced ``price``, using
+    ``share`` of its node (a rollout worker of some of its node's GPUs: ``RolloutTerms``)."""
 
     role: str
     seconds: float
     price: InstancePrice
+    share: float = 1.0
 
 
 def cheapest_allowed_price(role: str, price: InstancePrice, training_spot: bool) -> float:
@@ -73,9 +76,10 @@ def cheapest_allowed_price(role: str, price: InstancePrice, training_spot: bool)
 
 def lower_bound_dollars(busy: Iterable[Busy], training_spot: bool) -> float:
     """The module's lower bound of the work ``busy``, in its instance types' currency."""
-    return sum(b.seconds * cheapest_allowed_price(b.role, b.price, training_spot) / 3600.0 for b in busy)
+    return sum(b.seconds * b.share * cheapest_allowed_price(b.role, b.price, training_spot) / 3600.0 for b in busy)
 
 
-def ledger_busy(entries: Sequence[LedgerEntry], catalog: PriceCatalog, now: float) -> list[Busy]:
+def ledger_busy(entries: Sequence[LedgerEntry], catalog: PriceCatalog, now: float, rollout: RolloutTerms) -> list[Busy]:
     """Each ledger entry's seconds (an open one's up to ``now``) as its pod's busy seconds."""
-    return [Busy(e.role, e.seconds(now), catalog.get(e.instance_type)) for e in entries]
+    prices = [catalog.get(e.instance_type) for e in entries]
+    return [Busy(e.role, e.seconds(now), p, rollout.share(e.role, p)) for e, p in zip(entries, prices, strict=True)]

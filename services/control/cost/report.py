@@ -6,7 +6,8 @@ Three figures, so a user can judge the bill:
   (``services.control.cost.billing``: per second with a 60 s minimum on AWS, for instance).
 - ``always_on_dollars``: the same work on an always-on on-demand cluster: the training
   instance held on-demand for the run's whole wall time, and the rollout and eval work billed
-  at the on-demand price of its instance type instead of spot (by the same billing rules).
+  at the on-demand price of its instance type instead of spot (by the same billing rules; a
+  worker of some of its node's GPUs at that share of it: ``RolloutTerms``).
   A run of many jobs much shorter than the provider's minimum can cost more than this.
 - ``lower_bound_dollars``: ``services.control.cost.lower_bound``'s, with each pod's ledger
   seconds as its busy seconds: rollout, eval and reward at their cheapest (spot) price,
@@ -22,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.control.cost.billing import billed_dollars, billed_seconds, rule_for
+from services.control.cost.billing import ONE_GPU_PER_WORKER, RolloutTerms, billed_dollars, billed_seconds, rule_for
 from services.control.cost.lower_bound import TrainingTerms, ledger_busy, lower_bound_dollars
 from services.domain.names import ROLE_EVAL, ROLE_ROLLOUT
 from services.ports.prices.catalog import PriceCatalog
@@ -61,6 +62,7 @@ def cost_report(
     *,
     catalog: PriceCatalog,
     training: TrainingTerms,
+    rollout: RolloutTerms = ONE_GPU_PER_WORKER,
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
@@ -77,7 +79,8 @@ def cost_report(
         # Rollout and eval pods at on-demand prices; training and its standby (warm node) are the training
         # instance's, counted below.
         if e.role in (ROLE_ROLLOUT, ROLE_EVAL):
-            rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * price.on_demand / 3600.0
+            on_demand = price.on_demand * rollout.share(e.role, price)  # its share of the node
+            rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * on_demand / 3600.0
     wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
     node = catalog.get(training.instance_type)
     # Billed by the same rules as the run: one launch of the training instance, held throughout.
@@ -89,5 +92,5 @@ def cost_report(
         by_capacity_type=dict(by_capacity),
         wall_seconds=wall,
         always_on_dollars=always_on,
-        lower_bound_dollars=lower_bound_dollars(ledger_busy(entries, catalog, now), training.spot),
+        lower_bound_dollars=lower_bound_dollars(ledger_busy(entries, catalog, now, rollout), training.spot),
     )

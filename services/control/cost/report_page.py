@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 
+from services.control.cost.billing import ONE_GPU_PER_WORKER, RolloutTerms
 from services.control.cost.cost_over_time import cost_over_time
 from services.control.cost.lower_bound import LOWER_BOUND_DEFINITION, TrainingTerms
 from services.control.cost.report import cost_report
@@ -76,6 +77,7 @@ def report_page(
     entries: Sequence[LedgerEntry],
     catalog: PriceCatalog,
     training: TrainingTerms,
+    rollout: RolloutTerms = ONE_GPU_PER_WORKER,
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
@@ -88,6 +90,7 @@ def report_page(
         entries,
         catalog=catalog,
         training=training,
+        rollout=rollout,
         run_started_at=run_started_at,
         run_ended_at=run_ended_at,
         now=now,
@@ -115,6 +118,7 @@ def report_page(
                 catalog=catalog,
                 currency=currency,
                 training=training,
+                rollout=rollout,
                 run_started_at=run_started_at,
                 run_ended_at=run_ended_at,
                 now=now,
@@ -184,6 +188,7 @@ def cost_chart(
     catalog: PriceCatalog,
     currency: str,
     training: TrainingTerms,
+    rollout: RolloutTerms = ONE_GPU_PER_WORKER,
     run_started_at: float | None,
     run_ended_at: float | None,
     now: float,
@@ -196,6 +201,7 @@ def cost_chart(
         entries,
         catalog=catalog,
         training=training,
+        rollout=rollout,
         run_started_at=run_started_at,
         run_ended_at=run_ended_at,
         now=now,

@@ -16,6 +16,7 @@ from contracts.evaluation import EvalResult
 from contracts.job_result import JobResult
 from contracts.samples import decode_group
 from contracts.status import RunStatus
+from services.control.cost.billing import RolloutTerms
 from services.control.scheduler import plan as p
 from services.control.scheduler.evals import EvalAction
 from services.control.scheduler.pool_options import OPTION_LABEL
@@ -112,6 +113,7 @@ class Applier:
                     where.instance_type,
                     "spot" if spec.rollout.spot and not on_demand else "on-demand",
                     {"slot": str(slot), OPTION_LABEL: str(option)},
+                    spec,
                     zone=where.zone,
                 )
             case p.LaunchTraining(run_id, iteration, spot, zone):
@@ -152,13 +154,14 @@ class Applier:
                     server.instance_type,
                     "spot" if server.spot else "on-demand",
                     {},
+                    spec,
                 )
             case p.LaunchEval() | p.RecordEval() | p.RecordEvalFailure():
                 self._apply_eval(action, spec)
             case p.StopPod(name):
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
             case p.BillPod(pod):
-                self._bill(pod.run_id, pod.name, pod.role, pod.instance_type, pod.capacity_type, pod.started_at)
+                self._bill(pod.run_id, pod.name, pod.role, pod.instance_type, pod.capacity_type, pod.started_at, spec)
             case p.DeferEntry(pod, started_at):
                 self.b.state.defer_ledger(pod, started_at=started_at)
             case p.CloseEntry(pod, ended_at, None):
@@ -203,6 +206,7 @@ class Applier:
                     spec.rollout.instance_type,
                     "spot" if spec.rollout.spot else "on-demand",
                     {"version": str(version)},
+                    spec,
                 )
             case p.RecordEval(run_id, version):
                 result = EvalResult.from_json(self.b.objects.get_bytes(eval_result_key(run_id, version)))
@@ -237,6 +241,7 @@ class Applier:
             spec.training.instance_type,
             "spot" if spot else "on-demand",
             {**labels, OPTION_LABEL: str(zone)} if spot else labels,
+            spec,
             zone=where or None,
         )
 
@@ -249,9 +254,12 @@ class Applier:
         instance_type: str,
         capacity_type: str,
         labels: dict[str, str],
+        spec: RunSpec,
         zone: str | None = None,
     ) -> None:
-        """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled.
+        """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled. A rollout
+        worker or eval pod uses ``rollout.gpus_per_worker`` of its node's
+        GPUs and is billed that share of it (``RolloutTerms``); any other pod holds its node.
 
         A launch that raises closes the entry at once, with nothing billed (should the pod have
         started after all, the next tick bills it from its start: ``BillPod``). A scheduler that
@@ -259,7 +267,7 @@ class Applier:
         same way (``CloseEntry``).
         """
         started = time.time()
-        self._bill(run_id, name, role, instance_type, capacity_type, started)
+        self._bill(run_id, name, role, instance_type, capacity_type, started, spec)
         try:
             self.b.launcher.launch(
                 PodSpec(
@@ -277,21 +285,32 @@ class Applier:
                     capacity_type=capacity_type,
                     labels=labels,
                     zone=zone,
+                    gpus=spec.rollout.gpus_per_worker if role in (ROLE_ROLLOUT, ROLE_EVAL) else None,
                 )
             )
         except Exception:
             self.b.state.close_ledger(name, ended_at=started)
             raise
 
-    def _bill(self, run_id: str, name: str, role: str, instance_type: str, capacity_type: str, started: float) -> None:
+    def _bill(
+        self,
+        run_id: str,
+        name: str,
+        role: str,
+        instance_type: str,
+        capacity_type: str,
+        started: float,
+        spec: RunSpec,
+    ) -> None:
         price = self.catalog.get(instance_type)
+        share = RolloutTerms(spec.rollout.gpus_per_worker).share(role, price)
         self.b.state.open_ledger(
             run_id=run_id,
             role=role,
             pod=name,
             instance_type=instance_type,
             capacity_type=capacity_type,
-            price_per_hour=price.price(capacity_type),
+            price_per_hour=price.price(capacity_type) * share,
             price_source=price.described(),
             started_at=started,
         )

@@ -26,6 +26,7 @@ from services.control.scheduler.apply import Applier
 from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.lease import Leadership
 from services.control.scheduler.policies import Estimates, measured
+from services.control.scheduler.pool_options import worker_prices
 from services.control.scheduler.run_state import EvalState, Observed, RunState, training_ended_at
 from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices, spot_zones
 from services.control.tracking.sinks import SinkSet
@@ -294,7 +295,7 @@ class Scheduler:
             spot_progress=self._spot_pace_points(row.id, now, stats, ledger) if measure else (),
             # The catalog prices a type alike in every zone.
             training_prices=TrainingPrices(spot=(price.spot,) * len(spot_zones(spec)), on_demand=price.on_demand),
-            option_prices=tuple(self.catalog.get(o.instance_type).spot for o in spec.rollout.choices),
+            option_prices=worker_prices(spec, self.catalog),
             spot_training=SpotTrainingRecord.of(ledger, now),
             training_ended_at=training_ended_at(ledger),
         )

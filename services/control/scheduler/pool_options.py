@@ -26,8 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.control.cost.billing import NODE_BOOT_SECONDS
+from services.control.cost.billing import NODE_BOOT_SECONDS, RolloutTerms
+from services.domain.names import ROLE_ROLLOUT
+from services.domain.runspec import RunSpec
 from services.ports.launcher.launcher import PodStatus
+from services.ports.prices.catalog import PriceCatalog
 
 OPTION_LABEL = "option"  # a rollout pod's label: the index of its option in ``RolloutPool.choices``
 
@@ -35,6 +38,14 @@ OPTION_LABEL = "option"  # a rollout pod's label: the index of its option in ``R
 def option_of(pod: PodStatus) -> int:
     """The pool option a worker runs on (0, ``instance_type`` in any zone, for one launched without)."""
     return int(pod.labels.get(OPTION_LABEL, "0"))
+
+
+def worker_prices(spec: RunSpec, catalog: PriceCatalog) -> tuple[float, ...]:
+    """Each option's spot price of one worker: its share of a node (``RolloutTerms``), so that an
+    option of 4-GPU nodes compares with one of 1-GPU nodes per worker, not per node."""
+    terms = RolloutTerms(spec.rollout.gpus_per_worker)
+    prices = [catalog.get(o.instance_type) for o in spec.rollout.choices]
+    return tuple(price.spot * terms.share(ROLE_ROLLOUT, price) for price in prices)
 
 
 def cheapest_free(prices: Sequence[float], waiting: Sequence[PodStatus]) -> int | None:

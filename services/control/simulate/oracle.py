@@ -89,6 +89,7 @@ from dataclasses import dataclass, replace
 from enum import IntEnum
 
 from contracts.training import TrainingCapacity
+from services.control.cost.billing import RolloutTerms
 from services.control.cost.lower_bound import Busy, lower_bound_dollars
 from services.control.simulate.traces import SpotTrace
 from services.control.simulate.workload import Workload
@@ -203,11 +204,13 @@ def spot_capacity(
     notice_seconds: float,
     spot_price: float,
     on_demand_price: float,
+    share: float = 1.0,
 ) -> _Capacity:
     """The spot workers a schedule may use in each of ``cells`` cells of ``step`` seconds (the
     trace's capacity at the cell's start): the most over the ``notice_seconds`` before it (a
     preempted worker works on through its notice), at most ``most``, none where spot costs
-    ``on_demand_price`` or more (per hour, as ``spot_price``, the catalog's when the trace has no prices)."""
+    ``on_demand_price`` or more (per hour, as ``spot_price``, the catalog's when the trace has no prices);
+    a worker pays ``share`` of a node's price (``RolloutTerms``)."""
     raw = [trace.at(i * step) for i in range(cells)]
     notice = math.ceil(notice_seconds / step - _EPS)
     spot_sums, dollar_sums = [0.0], [0.0]
@@ -215,7 +218,7 @@ def spot_capacity(
         price = trace.price_at(i * step) if trace.prices is not None else spot_price
         n = min(most, max(raw[max(0, i - notice) : i + 1])) if price < on_demand_price else 0
         spot_sums.append(spot_sums[-1] + n * step)
-        dollar_sums.append(dollar_sums[-1] + n * step * price / 3600.0)
+        dollar_sums.append(dollar_sums[-1] + n * step * price * share / 3600.0)
     return _Capacity(step, tuple(spot_sums), tuple(dollar_sums))
 
 
@@ -673,6 +676,7 @@ def oracle(
     currency = catalog.currency_of([w.rollout_instance_type, w.training_instance_type])
     spec = w.spec(CostPolicy.COST_AWARE)
     rollout, training = catalog.get(w.rollout_instance_type), catalog.get(w.training_instance_type)
+    share = RolloutTerms(spec.rollout.gpus_per_worker).share(ROLE_ROLLOUT, rollout)
     train_s, startup_s = w.training_minutes * 60.0, w.startup_seconds
     work_s = w.batch_samples / (w.worker_samples_per_hour / 3600.0)
     jobs = spec.iterations or 0
@@ -696,7 +700,7 @@ def oracle(
         work_s=work_s,
         most=spec.rollout.max_workers,
         node_per_s=training.on_demand / 3600.0,
-        od_per_s=rollout.on_demand / 3600.0,
+        od_per_s=rollout.on_demand * share / 3600.0,
         shift=shift,
         launches=launches,
         end_by=end_by,
@@ -708,6 +712,7 @@ def oracle(
             notice_seconds=w.spot_notice_seconds,
             spot_price=rollout.spot,
             on_demand_price=rollout.on_demand,
+            share=share,
         ),
         spot_jobs=None
         if nodes is None
@@ -798,7 +803,8 @@ def _lower_bound(
         rollout = replace(rollout, spot=trace.cheapest_price())
     if training_trace is not None and training_trace.prices is not None:
         training = replace(training, spot=training_trace.cheapest_price())
-    busy = [Busy(ROLE_ROLLOUT, rollout_busy, rollout), Busy(ROLE_TRAINING, training_busy, training)]
+    share = RolloutTerms(w.gpus_per_worker).share(ROLE_ROLLOUT, rollout)
+    busy = [Busy(ROLE_ROLLOUT, rollout_busy, rollout, share), Busy(ROLE_TRAINING, training_busy, training)]
     return lower_bound_dollars(busy, capacity != TrainingCapacity.ON_DEMAND)
 
 

@@ -38,6 +38,9 @@ class Workload:
         None, "Deadline of the run, hours (cost-aware may then use on-demand rollout)."
     )
     rollout_instance_type: str = _option("g6.xlarge", "Catalog instance type of the rollout workers.")
+    gpus_per_worker: int = _option(
+        1, "GPUs of each rollout worker (rollout.gpus_per_worker): a node holds its GPUs / this many workers."
+    )
     training_instance_type: str = _option("p4d.24xlarge", "Catalog instance type of the training job.")
     training_capacity: str = _option(
         "on-demand",
@@ -67,6 +70,7 @@ class Workload:
                 "deadline_seconds": self.deadline_seconds,
                 "rollout": {
                     "instance_type": self.rollout_instance_type,
+                    "gpus_per_worker": self.gpus_per_worker,
                     "min_workers": 0,
                     "max_workers": max(self.max_workers, self.workers),
                     "prompts_per_batch": prompts_per_batch,

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from contracts.status import RunStatus
 from contracts.training import TrainingCapacity
-from services.control.cost.billing import NODE_BOOT_SECONDS, billed_dollars
+from services.control.cost.billing import NODE_BOOT_SECONDS, RolloutTerms, billed_dollars
 from services.control.cost.lower_bound import Busy, TrainingTerms, lower_bound_dollars
 from services.control.cost.report import cost_report
 from services.control.scheduler import plan as p
@@ -300,11 +300,17 @@ class _World:
         return self.pod_pools[pod]
 
     def _option_prices(self) -> tuple[float, ...]:
-        """Each rollout option's spot price now: its trace's, where it carries prices, else the catalog's."""
+        """Each rollout option's spot price of a worker now: its share of its trace's node price, where
+        the trace carries prices, else of the catalog's."""
         return tuple(
-            trace.price_at(self.now) if trace.prices is not None else self.catalog.get(option.instance_type).spot
+            self._share(ROLE_ROLLOUT, option.instance_type)
+            * (trace.price_at(self.now) if trace.prices is not None else self.catalog.get(option.instance_type).spot)
             for option, trace in zip(self.spec.rollout.choices, self.traces, strict=True)
         )
+
+    def _share(self, role: str, instance_type: str) -> float:
+        """The share of its node a pod of ``role`` is billed (a rollout worker's GPUs of the node's: ``RolloutTerms``)."""
+        return RolloutTerms(self.spec.rollout.gpus_per_worker).share(role, self.catalog.get(instance_type))
 
     def billed_ledger(self, now: float) -> list[LedgerEntry]:
         """The ledger as billed up to ``now``: a spot pod on a priced trace at the mean of the
@@ -315,7 +321,8 @@ class _World:
             seconds = e.seconds(now)
             trace = self.priced_by.get(e.id)
             if trace is not None and seconds > 0:
-                e = replace(e, price_per_hour=trace.spot_cost(e.started_at, e.started_at + seconds) * 3600.0 / seconds)
+                node_per_hour = trace.spot_cost(e.started_at, e.started_at + seconds) * 3600.0 / seconds
+                e = replace(e, price_per_hour=node_per_hour * self._share(e.role, e.instance_type))
             billed.append(e)
         return billed
 
@@ -446,7 +453,7 @@ class _World:
             pod=name,
             instance_type=instance_type,
             capacity_type=capacity,
-            price_per_hour=per_hour,
+            price_per_hour=per_hour * self._share(role, instance_type),
             price_source=source,
             started_at=self.now,
             ended_at=None,
@@ -518,6 +525,7 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
         entries,
         catalog=catalog,
         training=terms,
+        rollout=RolloutTerms(spec.rollout.gpus_per_worker),
         run_started_at=started,
         run_ended_at=ended,
         now=ended,
@@ -537,7 +545,8 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     if world.training_traces:  # the cheapest zone's, as the rollout's
         spot = min(t.cheapest_price() if t.prices is not None else training_price.spot for t in world.training_traces)
         training_price = replace(training_price, spot=spot)
-    rollout_bound = lower_bound_dollars([Busy(ROLE_ROLLOUT, rollout_busy, rollout_price)], terms.spot)
+    worker_share = RolloutTerms(spec.rollout.gpus_per_worker).share(ROLE_ROLLOUT, rollout_price)
+    rollout_bound = lower_bound_dollars([Busy(ROLE_ROLLOUT, rollout_busy, rollout_price, worker_share)], terms.spot)
     training_bound = lower_bound_dollars([Busy(ROLE_TRAINING, training_busy, training_price)], terms.spot)
     lower_bound = rollout_bound + training_bound
     billed = {e.id: e for e in entries}

@@ -61,8 +61,9 @@ DEFAULT_VCPUS, DEFAULT_MEMORY_GIB = 4, 16.0
 
 @dataclass(frozen=True)
 class Machine:
-    """What a pod is sized by: its instance type's GPUs (all of them: one pod per node), vCPUs
-    and memory, as the price catalog has them (None where it does not say)."""
+    """What a pod is sized by: its instance type's GPUs, vCPUs and memory, as the price catalog
+    has them (None where it does not say). A pod takes all the GPUs, or the ``PodSpec.gpus`` it
+    asks for (a rollout worker's ``rollout.gpus_per_worker``), and that share of the rest."""
 
     gpus: int
     vcpus: int | None = None
@@ -223,10 +224,14 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
     # and a training pool's karpenter.sh/capacity-type=on-demand a spot training pod.
     # The instance type is the spec's: the one the scheduler bills.
     pool = {k: v for k, v in cfg.node_selectors.get(pool_role, {}).items() if k not in cfg.spot_labels}
-    gpu = {"nvidia.com/gpu": str(machine.gpus)}
-    memory_mib = (machine.memory_gib or DEFAULT_MEMORY_GIB) * 1024
+    # A pod of some of the node's GPUs (a node of G GPUs holds G / gpus of them) asks for that
+    # share of its vCPUs, memory and /dev/shm too, so that they all fit the node.
+    gpus = spec.gpus or machine.gpus
+    share = gpus / machine.gpus
+    gpu = {"nvidia.com/gpu": str(gpus)}
+    memory_mib = (machine.memory_gib or DEFAULT_MEMORY_GIB) * 1024 * share
     requests = {
-        "cpu": f"{int((machine.vcpus or DEFAULT_VCPUS) * cfg.request_fraction * 1000)}m",
+        "cpu": f"{int((machine.vcpus or DEFAULT_VCPUS) * share * cfg.request_fraction * 1000)}m",
         "memory": f"{int(memory_mib * cfg.request_fraction)}Mi",
     }
     container: dict[str, Any] = {

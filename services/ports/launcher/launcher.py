@@ -43,6 +43,9 @@ class PodSpec:
     capacity_type: str  # "spot" | "on-demand"
     labels: dict[str, str] = field(default_factory=dict)
     zone: str | None = None  # the zone its node must be in; None: any (local pods have none)
+    # The GPUs of its node it uses (a rollout worker's rollout.gpus_per_worker: a node holds several
+    # such pods); None: all of them, one pod per node. Local pods share the machine's.
+    gpus: int | None = None
 
 
 TORCHRUN_SHUTDOWN_S = 3600

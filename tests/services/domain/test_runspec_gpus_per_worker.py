@@ -1,12 +1,14 @@
-"""``rollout.gpus_per_worker``: what the spec accepts and refuses, and what a worker's share of
-its node comes to."""
+"""``rollout.gpus_per_worker``: what the spec accepts and refuses, and the share of its node a
+worker (and an eval pod) is billed, where the pool's nodes hold several workers."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
+from services.control.cost.billing import RolloutTerms
 from services.domain.runspec import COLOCATED, RunSpec
+from services.ports.prices.catalog import load_catalog
 
 BASE = {"model": "tiny", "prompts": [{"prompt": "1+1=", "answer": "2"}], "iterations": 1}
 # 4 x A10 and 4 x L20 for rollout, trained on 8 x A100-80GB, all priced in CNY.
@@ -19,10 +21,15 @@ def _spec(rollout: dict, **fields: object) -> RunSpec:
 
 def test_one_gpu_per_worker_by_default_and_a_divisor_of_the_nodes_gpus() -> None:
     assert RunSpec.model_validate(BASE).rollout.gpus_per_worker == 1
-    pool = _spec({"instance_type": "ecs.gn7i-4x.8xlarge", "gpus_per_worker": 2}).rollout
-    assert (pool.workers_per_node("ecs.gn7i-4x.8xlarge"), pool.node_share("ecs.gn7i-4x.8xlarge")) == (2, 0.5)
-    pool = _spec({"instance_type": "ecs.gn7i-4x.8xlarge"}).rollout
-    assert (pool.workers_per_node("ecs.gn7i-4x.8xlarge"), pool.node_share("ecs.gn7i-4x.8xlarge")) == (4, 0.25)
+    spec = _spec({"instance_type": "ecs.gn7i-4x.8xlarge", "gpus_per_worker": 2})
+    node = load_catalog().get("ecs.gn7i-4x.8xlarge")  # 4 x A10
+    terms = RolloutTerms.of_stored(spec.model_dump(mode="json"))
+    # Two workers per node, each billed half of it; an eval pod likewise; a training pod its whole node.
+    assert [terms.share(role, node) for role in ("rollout", "eval", "training", "standby")] == [0.5, 0.5, 1.0, 1.0]
+    one_gpu = RolloutTerms.of_stored(_spec({"instance_type": "ecs.gn7i-4x.8xlarge"}).model_dump(mode="json"))
+    assert one_gpu.share("rollout", node) == 0.25
+    # A run stored before the setting: one GPU per worker.
+    assert RolloutTerms.of_stored({"rollout": {"instance_type": "g6.xlarge"}}) == RolloutTerms(1)
 
 
 @pytest.mark.parametrize(

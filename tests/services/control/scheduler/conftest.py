@@ -42,10 +42,12 @@ class ScriptedLauncher:
         self.attempts: list[str] = []
         self.pods: dict[str, PodStatus] = {}
         self.zones: dict[str, str | None] = {}  # the zone each pod was last launched to (PodSpec.zone)
+        self.gpus: dict[str, int | None] = {}  # the GPUs each pod was last launched with (PodSpec.gpus)
 
     def launch(self, spec: PodSpec) -> None:
         self.attempts.append(spec.name)
         self.zones[spec.name] = spec.zone
+        self.gpus[spec.name] = spec.gpus
         if self.error is not None and not self.started_anyway:
             raise self.error
         if spec.name not in self.pods:

@@ -29,6 +29,7 @@ from services.domain.names import (
 )
 from services.domain.runspec import CostPolicy, RunSpec
 from services.ports.launcher.launcher import PodSpec
+from services.ports.prices.catalog import load_catalog
 from services.ports.wiring import Backends
 from services.tooling.run_audit import audit_run
 
@@ -180,6 +181,28 @@ def test_a_launch_that_raises_bills_nothing(scripted_backends: Backends, setting
     (worker,) = launcher.running(run_id, "rollout")
     assert entries(b, run_id)[worker.name] == [(pytest.approx(worker.started_at, abs=1.0), None)]
     assert entries(b, run_id)[worker.name][0][0] <= worker.started_at, "billed from before the pod starts"
+
+
+def test_a_worker_of_some_of_its_nodes_gpus_asks_for_them_and_is_billed_its_share(
+    scripted_backends: Backends, settings: Settings, submit
+) -> None:
+    b, launcher = scripted_backends, scripted_backends.launcher
+    spec = SPEC.model_validate(
+        SPEC.model_dump(mode="json")
+        | {
+            "rollout": {"instance_type": "ecs.gn7i-4x.8xlarge", "gpus_per_worker": 2, "min_workers": 2},
+            "training": {"instance_type": "ecs.gn7e-c16g1.32xlarge"},
+        }
+    )
+    scheduler = Scheduler(b, settings)
+    run_id = submit(b, spec)
+    scheduler.tick()
+    scheduler.tick()
+    workers = launcher.running(run_id, "rollout")
+    assert len(workers) == 2 and {launcher.gpus[w.name] for w in workers} == {2}  # two per 4-GPU node
+    node = load_catalog().get("ecs.gn7i-4x.8xlarge")
+    prices = {e.pod: e.price_per_hour for e in b.state.ledger(run_id)}
+    assert [prices[w.name] for w in workers] == [pytest.approx(node.spot / 2)] * 2, "half a node each"
 
 
 def test_a_scheduler_dead_between_opening_an_entry_and_launching_leaves_nothing_billed(

@@ -67,3 +67,23 @@ def test_the_benchmark_prints_the_runs_currency(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "|      CNY |" in result.output.splitlines()[0]
     assert "(CNY, x bound, wall h)" in result.output and "$" not in result.output
+
+
+def test_a_worker_of_some_of_a_nodes_gpus_costs_its_share_of_the_node(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(ONE_INSTANCE))
+    figures = {}
+    for gpus in (1, 2, 4):  # a worker of 4 x L20: one per node, two or four of them per node
+        result = CliRunner().invoke(
+            app, ["simulate", "--trace", str(trace), *SMALL_RUN, *CNY_TYPES, "--gpus-per-worker", str(gpus)]
+        )
+        assert result.exit_code == 0, result.output
+        figures[gpus] = json.loads(result.stdout)
+    # The same work (same rate per worker), each worker paying gpus / 4 of a node.
+    assert len({f["samples_trained"] for f in figures.values()}) == 1
+    assert figures[1]["dollars"] < figures[2]["dollars"] < figures[4]["dollars"]
+    assert figures[1]["lower_bound_dollars"] < figures[2]["lower_bound_dollars"] < figures[4]["lower_bound_dollars"]
+    refused = CliRunner().invoke(
+        app, ["simulate", "--trace", str(trace), *SMALL_RUN, *CNY_TYPES, "--gpus-per-worker", "3"]
+    )
+    assert refused.exit_code != 0 and "does not divide the 4 GPUs" in refused.output

@@ -127,6 +127,7 @@ MANIFESTS = {
     "chart-training-job": job_manifest(training_spec(), CHART_CFG, P4D, CHART_ENV),
     "chart-rollout-pod": pod_manifest(rollout_spec(), CHART_CFG, G5, CHART_ENV),
     "reward-server-pod": pod_manifest(reward_spec(), CFG, G5, {}),
+    "two-gpu-rollout-pod": pod_manifest(dataclasses.replace(rollout_spec(), gpus=2), CFG, P4D, {}),
 }
 
 
@@ -336,6 +337,40 @@ def test_a_spot_rollout_pod_manifest() -> None:
         {"matchExpressions": [{"key": "example.com/pool", "operator": "In", "values": ["cheap"]}]},
     ]
     assert pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "1"
+
+
+def test_a_rollout_pod_of_some_of_its_nodes_gpus_asks_for_them_and_that_share_of_the_rest() -> None:
+    # rollout.gpus_per_worker 2 on an 8-GPU node: 4 workers per node, each a quarter of its
+    # 96 vCPUs and 1152 GiB (half of that requested), and of its /dev/shm.
+    pod = pod_manifest(dataclasses.replace(rollout_spec(), gpus=2), CFG, P4D, {})["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"] == {
+        "requests": {"cpu": "12000m", "memory": "147456Mi", "nvidia.com/gpu": "2"},
+        "limits": {"nvidia.com/gpu": "2"},
+    }
+    assert [v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if v["name"] == "dshm"] == ["73728Mi"]
+    # Four such pods fit the node's requests where one whole-node pod did.
+    whole = pod_manifest(rollout_spec(), CFG, P4D, {})["spec"]["containers"][0]["resources"]["requests"]
+    assert (int(whole["cpu"][:-1]), int(whole["memory"][:-2])) == (4 * 12000, 4 * 147456)
+
+
+def test_a_rollout_pod_asks_the_api_server_for_its_workers_gpus(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster
+) -> None:
+    launcher = open_launcher_on()
+    four_gpus = dataclasses.replace(rollout_spec("r-gpus", command=python("pass")), instance_type="ecs.gn7i-4x.8xlarge")
+    launcher.launch(dataclasses.replace(four_gpus, gpus=2))
+    launcher.launch(dataclasses.replace(four_gpus, name="r-node"))  # no gpus: the node's four
+    for name, gpus in (("r-gpus", "2"), ("r-node", "4")):
+        (container,) = read_back(kube_cluster, "Pod", name)["spec"]["containers"]
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": gpus}, name
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus, name
+    # The catalog gives no size for ecs.gn7i-4x.8xlarge: half of the default 4 vCPUs and 16 GiB, half requested.
+    (container,) = read_back(kube_cluster, "Pod", "r-gpus")["spec"]["containers"]
+    assert (container["resources"]["requests"]["cpu"], container["resources"]["requests"]["memory"]) == (
+        "1",
+        "4Gi",
+    )
 
 
 def test_each_role_has_its_image_and_pool_and_the_pod_its_own_capacity_type() -> None:
