@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from contracts.tensor_parallel import MAX_TENSOR_PARALLEL
 from services.control.cost.planner import (
     SECONDS_PER_HOUR,
     AlwaysOn,
@@ -38,12 +39,22 @@ class _Instance(BaseModel):
 
 class RolloutOptionIn(_Instance):
     samples_per_second_per_gpu: float | None = Field(
-        default=None, gt=0, le=1e6, description="Rollout throughput of one GPU."
+        default=None,
+        gt=0,
+        le=1e6,
+        description="Rollout throughput of one GPU of a worker: a worker's, divided by its gpus_per_worker.",
     )
     samples_per_hour_per_gpu: float | None = Field(
         default=None, gt=0, le=1e9, description="The same, per hour (give one of the two)."
     )
     capacity_type: Literal["spot", "on-demand"] = "spot"
+    gpus_per_worker: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_TENSOR_PARALLEL,
+        description="GPUs one rollout worker uses (the run's rollout.gpus_per_worker); a divisor of the instance's GPUs. "
+        "The model must fit a worker's GPUs, and a worker makes samples_per_*_per_gpu times its GPUs.",
+    )
     on_demand_price_per_hour: Price | None = Field(
         default=None, description="For the default always-on comparison; default the catalog's on-demand price."
     )
@@ -111,6 +122,8 @@ class PoolPublic(BaseModel):
     instance_type: str
     gpu: str
     gpus_per_instance: int
+    gpus_per_worker: int
+    workers_per_instance: int
     instances: int
     capacity_type: str
     price_per_hour: float = Field(description="One instance.")
@@ -178,6 +191,8 @@ def plan_public(plan: Plan) -> PlanPublic:
             instance_type=r.instance_type,
             gpu=r.gpu,
             gpus_per_instance=r.gpus,
+            gpus_per_worker=r.gpus_per_worker,
+            workers_per_instance=r.workers_per_instance,
             instances=plan.rollout_instances,
             capacity_type=r.capacity_type,
             price_per_hour=r.price_per_hour,
@@ -236,10 +251,18 @@ def _rollout(i: int, o: RolloutOptionIn, catalog: PriceCatalog, currencies: set[
         currencies.add(entry.currency)
         on_demand = entry.on_demand
     per_hour = o.samples_per_hour_per_gpu or o.samples_per_second_per_gpu * SECONDS_PER_HOUR  # type: ignore[operator]
+    gpus = o.gpus or entry.gpus
+    if gpus % o.gpus_per_worker:
+        fitting = ", ".join(str(n) for n in range(1, gpus + 1) if gpus % n == 0)
+        raise PlanError(
+            ("rollout", i, "gpus_per_worker"),
+            f"gpus_per_worker {o.gpus_per_worker} does not divide the instance's {gpus} GPUs: give one of {fitting}",
+        )
     return RolloutOption(
         instance_type=o.instance_type,
         gpu=o.gpu or entry.gpu,
-        gpus=o.gpus or entry.gpus,
+        gpus=gpus,
+        gpus_per_worker=o.gpus_per_worker,
         samples_per_hour_per_gpu=per_hour,
         capacity_type=o.capacity_type,
         price_per_hour=price,

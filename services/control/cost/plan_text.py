@@ -3,13 +3,14 @@ its arithmetic, and the comparison with always-on."""
 
 from __future__ import annotations
 
-from services.control.cost.planner import Plan
+from services.control.cost.planner import Plan, workers_text
 
 
 def format_plan(plan: Plan) -> str:
     r, t, c = plan.rollout, plan.training, plan.currency
     lines = [
-        f"rollout pool    {plan.rollout_instances} x {r.instance_type} ({r.gpus} x {r.gpu} each), {r.capacity_type}",
+        f"rollout pool    {plan.rollout_instances} x {r.instance_type} ({r.gpus} x {r.gpu} each"
+        f"{', ' + workers_text(r) if workers_text(r) else ''}), {r.capacity_type}",
         f"training        {t.instance_type} ({t.gpus} x {t.gpu}), on-demand, "
         + ("kept warm between updates" if plan.keep_training_warm else "started for each update"),
         f"update every    {plan.update_seconds / 60:,.1f} min ({plan.updates_per_day:,.1f} updates a day)",

@@ -39,8 +39,10 @@ scores the batch under the old policy) over ``gpus · peak BF16 FLOPS · MFU``.
 A shape fits the model when its memory holds it: training needs 16 bytes per parameter (BF16
 weights and gradients, FP32 master weights and Adam's two moments), sharded over the instance's
 GPUs (ZeRO-3/FSDP) in at most 80% of their memory, the rest for activations; rollout needs the
-BF16 weights (2 bytes per parameter) in at most 60% of the instance's memory, the rest for the
-KV cache. One-off costs (the first launch, a preempted worker's restart) are not in the steady
+BF16 weights (2 bytes per parameter) in at most 60% of one worker's GPUs' memory, the rest for the
+KV cache. A rollout instance of G GPUs holds G / ``gpus_per_worker`` workers (the run spec's
+``rollout.gpus_per_worker``), each making its GPUs' samples: a worker that needs two GPUs for its
+model makes ``r`` per hour with two, so its samples cost two GPUs' price. One-off costs (the first launch, a preempted worker's restart) are not in the steady
 state: the simulator (``spotrl simulate``) plays those out.
 """
 
@@ -85,15 +87,21 @@ class RolloutOption:
     instance_type: str
     gpu: str
     gpus: int  # per instance
-    samples_per_hour_per_gpu: float
+    samples_per_hour_per_gpu: float  # of a worker's GPU: a worker of n GPUs makes n times this
     capacity_type: str  # "spot" or "on-demand"
     price_per_hour: float  # one instance, at capacity_type
     on_demand_price_per_hour: float | None  # one instance, for the default always-on cluster
     max_instances: int
+    gpus_per_worker: int = 1  # a divisor of ``gpus``: an instance holds gpus / gpus_per_worker workers
+
+    @property
+    def workers_per_instance(self) -> int:
+        return self.gpus // self.gpus_per_worker
 
     @property
     def samples_per_hour(self) -> float:
-        return self.samples_per_hour_per_gpu * self.gpus
+        """One instance's: each of its workers makes its GPUs' samples."""
+        return self.samples_per_hour_per_gpu * self.gpus_per_worker * self.workers_per_instance
 
 
 @dataclass(frozen=True)
@@ -194,11 +202,15 @@ def plan_run(
     """The cheapest plan per update (then the fastest) over every rollout and training option
     that fits the model; ``always_on`` None compares with the same shapes held on-demand."""
     notes: list[str] = []
-    rollout_fit = [(i, o) for i, o in enumerate(rollout) if _fits("rollout", i, o.gpu, o.gpus, workload, notes)]
+    rollout_fit = [
+        (i, o) for i, o in enumerate(rollout) if _fits("rollout", i, o.gpu, o.gpus_per_worker, workload, notes)
+    ]
     training_fit = [(i, o) for i, o in enumerate(training) if _fits("training", i, o.gpu, o.gpus, workload, notes)]
     if not rollout_fit:
         raise PlanError(
-            ("rollout",), "no rollout option holds the model's weights: add one with more GPU memory per instance"
+            ("rollout",),
+            "no rollout option holds the model's weights in a worker's GPUs: raise an option's gpus_per_worker, "
+            "or add one with more memory per GPU",
         )
     if not training_fit:
         raise PlanError(
@@ -247,6 +259,7 @@ def _shape(workload: Workload, r: RolloutOption, t: TrainingOption, train_s: flo
 
 
 def _fits(role: str, index: int, gpu: str, gpus: int, workload: Workload, notes: list[str]) -> bool:
+    """Whether ``gpus`` GPUs of type ``gpu`` hold the model: a training instance's, or one rollout worker's."""
     figures = gpu_figures(gpu)
     if figures is None:
         notes.append(f"{role}[{index}]: GPU {gpu} is not in spotrl's GPU table; its memory fit was not checked")
@@ -259,9 +272,10 @@ def _fits(role: str, index: int, gpu: str, gpus: int, workload: Workload, notes:
     need_gb = workload.model_params * bytes_per_param / 1e9
     have_gb = gpus * figures.memory_gb * share
     if need_gb > have_gb:
+        holder = "the instance's" if role == "training" else "a worker's"
         notes.append(
             f"{role}[{index}]: {gpus} x {gpu} left out: the model needs {need_gb:,.0f} GB, "
-            f"{share:.0%} of the instance's memory is {have_gb:,.0f} GB"
+            f"{share:.0%} of {holder} memory is {have_gb:,.0f} GB"
         )
         return False
     return True
@@ -289,6 +303,19 @@ def _training_seconds_note(t: TrainingOption, workload: Workload) -> str:
     )
 
 
+def workers_text(r: RolloutOption) -> str:
+    """How an instance of several GPUs holds workers ("2 workers of 2 GPUs"); nothing for one GPU."""
+    if r.gpus == 1:
+        return ""
+    workers = f"{r.workers_per_instance} worker{'s' if r.workers_per_instance > 1 else ''}"
+    return f"{workers} of {r.gpus_per_worker} GPU{'s' if r.gpus_per_worker > 1 else ''}"
+
+
+def _workers(r: RolloutOption) -> str:
+    text = workers_text(r)
+    return f"; {text}" if text else ""
+
+
 def _money(currency: str, amount: float) -> str:
     return f"{currency} {amount:,.2f}"
 
@@ -311,7 +338,8 @@ def _plan(
     terms = (
         Term(
             "rollout",
-            f"{s.rollout_instances} x {r.instance_type} ({r.gpus} x {r.gpu}, {r.capacity_type}) at {m(r.price_per_hour)}/h each "
+            f"{s.rollout_instances} x {r.instance_type} ({r.gpus} x {r.gpu}, {r.capacity_type}{_workers(r)}) "
+            f"at {m(r.price_per_hour)}/h each "
             f"for {_minutes(s.update_seconds)} ({workload.samples_per_update:,} samples at "
             f"{s.rollout_instances * r.samples_per_hour:,.0f} samples/h take {_minutes(s.rollout_seconds)})",
             s.rollout_cost,

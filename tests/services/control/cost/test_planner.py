@@ -152,3 +152,33 @@ def test_inputs_no_plan_can_be_made_from_say_what_to_give() -> None:
     with pytest.raises(PlanError, match="give seconds_per_batch") as e:
         plan(training=with_training(gpu="MI300X", seconds_per_batch=None))
     assert e.value.loc == ("training", 0, "seconds_per_batch")
+
+
+def test_a_worker_of_several_gpus_must_hold_the_model_and_pays_for_its_gpus() -> None:
+    # 13e9 parameters in BF16 are 26 GB: more than 60% of one L4's 24 GB, less than of two.
+    l4x4 = {"instance_type": "l4x4", "gpu": "L4", "gpus": 4, "price_per_hour": 8, "samples_per_hour_per_gpu": 1000}
+    big = {"model_params": 13e9, "training": with_training(gpus=4, price_per_hour=480)}
+    with pytest.raises(PlanError, match="in a worker's GPUs: raise an option's gpus_per_worker") as refused:
+        plan(**big, rollout=[l4x4])
+    assert refused.value.loc == ("rollout",)
+    p = plan(**big, rollout=[l4x4, {**l4x4, "instance_type": "l4x4-pairs", "gpus_per_worker": 2}])
+    assert (p.rollout.instance_type, p.rollout.workers_per_instance) == ("l4x4-pairs", 2)
+    assert any("rollout[0]: 1 x L4 left out" in n and "of a worker's memory is 14 GB" in n for n in p.notes)
+    # Two workers of two GPUs make what four GPUs do: 4,000 samples/h an instance, CNY 2 per GPU-hour.
+    assert p.rollout.samples_per_hour == 4000
+    n = p.rollout_instances
+    assert p.rollout_cost == pytest.approx(n * 8 * p.update_seconds / 3600)
+    assert "(4 x L4, spot; 2 workers of 2 GPUs)" in p.terms[0].arithmetic
+    # Workers must fill an instance's GPUs whole.
+    with pytest.raises(PlanError, match="gpus_per_worker 3 does not divide the instance's 4 GPUs: give one of 1, 2, 4"):
+        plan(rollout=[{**l4x4, "gpus_per_worker": 3}])
+
+
+def test_a_workers_memory_not_the_instances_decides_the_fit() -> None:
+    # 7e9 parameters (14 GB) fit one L4 (14.4 GB): workers of one GPU each, four to an instance.
+    l4x4 = {"instance_type": "l4x4", "gpu": "L4", "gpus": 4, "price_per_hour": 8, "samples_per_hour_per_gpu": 1000}
+    p = plan(rollout=[l4x4])
+    assert (p.rollout.gpus_per_worker, p.rollout.workers_per_instance, p.rollout.samples_per_hour) == (1, 4, 4000)
+    # 9e9 (18 GB) does not fit one: the four GPUs of an instance would, but no worker has them.
+    with pytest.raises(PlanError, match="in a worker's GPUs"):
+        plan(model_params=9e9, rollout=[l4x4], training=with_training(gpus=4, price_per_hour=480))
