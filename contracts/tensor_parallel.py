@@ -14,11 +14,18 @@ vLLM's two checks (vLLM's source, main branch; the same in the 0.30-0.32 that sp
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 # The most GPUs one rollout worker may shard its model over: one node's (8 on the largest GPU machines).
 MAX_TENSOR_PARALLEL = 8
+# The heads of the built-in models (contracts.model_sources.BUILTIN_MODELS), as their config.json has them.
+BUILTIN_HEADS = {
+    "tiny": {"num_attention_heads": 4, "num_key_value_heads": 4},
+    "smollm2-135m": {"num_attention_heads": 9, "num_key_value_heads": 3},
+}
 
 
 def attention_heads(config: Mapping[str, Any]) -> tuple[int, int]:
@@ -28,6 +35,17 @@ def attention_heads(config: Mapping[str, Any]) -> tuple[int, int]:
     heads = int(text.get("num_attention_heads", 0))
     kv_heads = text.get("num_key_value_heads")
     return heads, int(kv_heads) if kv_heads is not None else heads
+
+
+def model_heads_config(source: str) -> Mapping[str, Any] | None:
+    """What the heads of model ``source`` are read from: a built-in's, or a model directory's
+    config.json; None for a .gguf file (its header is not read here) or an unreadable config."""
+    if source in BUILTIN_HEADS:
+        return BUILTIN_HEADS[source]
+    try:
+        return json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def tensor_parallel_problem(config: Mapping[str, Any], size: int) -> str | None:

