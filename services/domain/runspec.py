@@ -151,9 +151,10 @@ class RolloutPool(BaseModel):
         default=1,
         ge=1,
         le=MAX_TENSOR_PARALLEL,
-        description="GPUs each rollout worker (and eval pod) uses: vllm shards the model over them (tensor parallel, "
-        "dividing the model's attention heads), hf spreads its layers over them (device_map auto). It must divide "
-        "the GPUs of every instance type the pool may use: a node of G GPUs holds G / gpus_per_worker workers.",
+        description="GPUs each rollout worker (and eval pod) uses: vllm shards the model over them (tensor parallel: "
+        "their number must divide the model's attention heads), hf spreads its layers over them (device_map auto). "
+        "It must divide the GPUs of every instance type the pool may use: a node of G GPUs holds G / gpus_per_worker "
+        "workers, each billed its share of the node.",
     )
     engine: RolloutEngine = Field(
         default=RolloutEngine.HF,
