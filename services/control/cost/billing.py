@@ -73,8 +73,8 @@ class RolloutTerms:
 
     @classmethod
     def of_stored(cls, spec: Mapping[str, Any]) -> RolloutTerms:
-        """The terms of a stored run spec (a run stored before ``rollout.gpus_per_worker`` used one GPU)."""
-        return cls(spec["rollout"].get("gpus_per_worker", 1))
+        """The terms of a stored run spec (one GPU per worker for a run stored before ``rollout.gpus_per_worker``)."""
+        return cls(spec.get("rollout", {}).get("gpus_per_worker", 1))
 
     def share(self, role: str, price: InstancePrice) -> float:
         """The share of its node's price a pod of ``role`` on an instance type priced ``price``
