@@ -258,8 +258,8 @@ class Applier:
         zone: str | None = None,
     ) -> None:
         """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled. A rollout
-        worker or eval pod uses ``rollout.gpus_per_worker`` of its node's
-        GPUs and is billed that share of it (``RolloutTerms``); any other pod holds its node.
+        worker or eval pod uses ``rollout.gpus_per_worker`` of its node's GPUs and is billed that
+        share of it (``RolloutTerms``); any other pod holds its node.
 
         A launch that raises closes the entry at once, with nothing billed (should the pod have
         started after all, the next tick bills it from its start: ``BillPod``). A scheduler that

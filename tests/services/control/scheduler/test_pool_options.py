@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from services.control.cost.billing import NODE_BOOT_SECONDS
 from services.control.scheduler.plan import LaunchWorker, StopPod, plan
-from services.control.scheduler.pool_options import Placement, option_of, place_spot
+from services.control.scheduler.pool_options import Placement, option_of, place_spot, worker_prices
 from services.control.simulate.workload import Workload
 from services.control.simulate.world import simulate
 from services.core.config import Settings
 from services.domain.runspec import CostPolicy, RunSpec
 from services.ports.launcher.launcher import PodStatus
+from services.ports.prices.catalog import load_catalog
 from services.ports.wiring import Backends
 from tests.services.control.scheduler.test_plan import NOW, SPEC, pod, run, seen
 from tests.services.control.simulate.trace_shapes import FOUR_NODES, LATE_SPOT, NO_SPOT, ONE_NODE_OUTAGE
@@ -137,3 +140,23 @@ def test_a_run_over_several_zones_ends_where_one_zone_alone_lags_or_never_ends()
             assert spread.wall_seconds < 0.5 * alone.wall_seconds
             assert spread.dollars <= 1.01 * alone.dollars  # about the same bill, in a fraction of the time
         assert spread.dollars >= spread.lower_bound_dollars
+
+
+def test_options_are_compared_by_the_price_of_a_worker_not_of_a_node() -> None:
+    # 4 x A10 at 4 workers (or 2) a node against one A10 a node: each worker pays its GPUs' share.
+    catalog = load_catalog()
+    four, one = catalog.get("ecs.gn7i-4x.8xlarge"), catalog.get("ecs.gn7i-c8g1.2xlarge")
+    for gpus_per_worker, options in ((1, [{"instance_type": one.instance_type}]), (2, [])):
+        spec = RunSpec.model_validate(
+            SPEC.model_dump(mode="json")
+            | {
+                "rollout": {
+                    "instance_type": four.instance_type,
+                    "gpus_per_worker": gpus_per_worker,
+                    "options": options,
+                },
+                "training": {"instance_type": "ecs.gn7e-c16g1.32xlarge"},
+            }
+        )
+        expected = [four.spot * gpus_per_worker / 4] + [one.spot for _ in options]
+        assert worker_prices(spec, catalog) == pytest.approx(expected)
