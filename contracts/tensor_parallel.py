@@ -3,7 +3,7 @@ Hugging Face config.json alone (no torch): the API checks a submitted run with t
 engine again before it builds vLLM, so that a worker fails with what to change, not in vLLM's
 worker processes.
 
-vLLM's two checks (vLLM's source, main branch; the same in the 0.30-0.32 that spotrl pins):
+vLLM's two checks, as read in vLLM's main-branch source (not re-read in the 0.30-0.32 wheels spotrl pins):
 - ``ModelConfig.verify_with_parallel_config`` (config/model.py): "Total number of attention heads
   (H) must be divisible by tensor parallel size (T)." — a ValueError when ``LLM()`` is built;
 - ``QKVParallelLinear`` (model_executor/layers/linear.py): each GPU holds KV heads / T of the key
