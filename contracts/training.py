@@ -366,9 +366,17 @@ class TrainConfig(BaseModel):
         description="Training processes in the job's pod, one per GPU of instance_type, started by torchrun; > 1 trains "
         "data-parallel with `strategy`.",
     )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Machines of instance_type one update runs on, each a pod of `processes` training processes, all "
+        "one data-parallel group (nodes x processes ranks): started, billed and ended together; a lost node ends the "
+        "update, which is retried as a failed or preempted job is.",
+    )
     strategy: Strategy = Field(
         default=Strategy.FSDP2,
-        description="Data-parallel strategy when processes > 1: torch FSDP2, or DeepSpeed ZeRO stage 1/2/3 "
+        description="Data-parallel strategy when processes x nodes > 1: torch FSDP2, or DeepSpeed ZeRO stage 1/2/3 "
         "(pip install 'spotrl[deepspeed]').",
     )
     offload_optimizer: bool = Field(
@@ -401,6 +409,11 @@ class TrainConfig(BaseModel):
         if len(set(self.spot_zones)) < len(self.spot_zones):
             raise ValueError(f"spot_zones lists a zone twice: {self.spot_zones}")
         return self
+
+    @property
+    def ranks(self) -> int:
+        """Training processes of one update, across its nodes: the data-parallel world size."""
+        return self.processes * self.nodes
 
     @property
     def advantage_estimator(self) -> AdvantageEstimator:

@@ -138,7 +138,7 @@ def train_job(run_id: str, iteration: int) -> None:
             # A pod started without its capacity (by hand) checkpoints as a spot one would.
             on_spot=os.environ.get(POD_CAPACITY_ENV) != "on-demand",
         )
-    if spec.training.processes > 1:
+    if spec.training.ranks > 1:
         from trainer_core.rl.distributed import exit_rank
 
         exit_rank()  # a torchrun rank's normal exit can abort in gloo's threads: see exit_rank

@@ -54,6 +54,7 @@ from services.ports.launcher.launcher import (
     POD_ROLE_ENV,
     PodSpec,
     cli_command,
+    node_names,
     pod_outcome,
 )
 from services.ports.prices.catalog import PriceCatalog
@@ -123,11 +124,16 @@ class Applier:
                     run_id,
                     training_pod_name(run_id, iteration),
                     ROLE_TRAINING,
-                    cli_command(["train-job", run_id, str(iteration)], processes=spec.training.processes),
+                    cli_command(
+                        ["train-job", run_id, str(iteration)],
+                        processes=spec.training.processes,
+                        nodes=spec.training.nodes,
+                    ),
                     spec,
                     {"iteration": str(iteration)},
                     spot,
                     zone,
+                    nodes=spec.training.nodes,
                 )
             case p.LaunchStandby(run_id, after, spot, zone):
                 self._launch_on_training_node(
@@ -160,8 +166,8 @@ class Applier:
                 self._apply_eval(action, spec)
             case p.StopPod(name):
                 self.b.launcher.stop(name, grace_s=self.settings.stop_grace_s)
-            case p.BillPod(pod):
-                self._bill(pod.run_id, pod.name, pod.role, pod.instance_type, pod.capacity_type, pod.started_at, spec)
+            case p.BillPod(pod) as bill:
+                self._bill(pod.run_id, bill.entry, pod.role, pod.instance_type, pod.capacity_type, pod.started_at, spec)
             case p.DeferEntry(pod, started_at):
                 self.b.state.defer_ledger(pod, started_at=started_at)
             case p.CloseEntry(pod, ended_at, None):
@@ -170,7 +176,8 @@ class Applier:
             case p.CloseEntry(pod, ended_at, outcome):
                 self.b.state.close_ledger(pod, ended_at=ended_at, outcome=outcome)
             case p.ReapPod(pod):
-                self.b.state.close_ledger(pod.name, ended_at=pod.ended_at or time.time(), outcome=pod_outcome(pod))
+                for entry in node_names(pod.name, pod.nodes):
+                    self.b.state.close_ledger(entry, ended_at=pod.ended_at or time.time(), outcome=pod_outcome(pod))
                 # Pods and their logs go away together; keep the log where `spotrl logs` finds it.
                 log_text = self.b.launcher.logs(pod.name, tail=LOG_LINES_KEPT)
                 self.b.objects.put_bytes(pod_log_key(pod.run_id, pod.name), log_text.encode())
@@ -230,8 +237,10 @@ class Applier:
         labels: dict[str, str],
         spot: bool,
         zone: int,
+        nodes: int = 1,
     ) -> None:
-        """A training job or standby: on-demand in any zone, or spot in its spot zone (``spot_zones``)."""
+        """A training job (on ``nodes`` machines) or standby: on-demand in any zone, or spot in its
+        spot zone (``spot_zones``)."""
         where = spot_zones(spec)[zone] if spot else ANY_ZONE
         self._launch(
             run_id,
@@ -243,6 +252,7 @@ class Applier:
             {**labels, OPTION_LABEL: str(zone)} if spot else labels,
             spec,
             zone=where or None,
+            nodes=nodes,
         )
 
     def _launch(
@@ -256,10 +266,11 @@ class Applier:
         labels: dict[str, str],
         spec: RunSpec,
         zone: str | None = None,
+        nodes: int = 1,
     ) -> None:
-        """Open the pod's ledger entry, then start the pod: no pod ever runs unbilled. A rollout
-        worker or eval pod uses ``rollout.gpus_per_worker`` of its node's GPUs and is billed that
-        share of it (``RolloutTerms``); any other pod holds its node.
+        """Open the pod's ledger entries (one per node: ``node_names``), then start the pod: no pod
+        ever runs unbilled. A rollout worker or eval pod uses ``rollout.gpus_per_worker`` of its
+        node's GPUs and is billed that share of it (``RolloutTerms``); any other pod holds its nodes.
 
         A launch that raises closes the entry at once, with nothing billed (should the pod have
         started after all, the next tick bills it from its start: ``BillPod``). A scheduler that
@@ -267,7 +278,9 @@ class Applier:
         same way (``CloseEntry``).
         """
         started = time.time()
-        self._bill(run_id, name, role, instance_type, capacity_type, started, spec)
+        entries = node_names(name, nodes)
+        for entry in entries:
+            self._bill(run_id, entry, role, instance_type, capacity_type, started, spec)
         try:
             self.b.launcher.launch(
                 PodSpec(
@@ -286,10 +299,12 @@ class Applier:
                     labels=labels,
                     zone=zone,
                     gpus=spec.rollout.gpus_per_worker if role in (ROLE_ROLLOUT, ROLE_EVAL) else None,
+                    nodes=nodes,
                 )
             )
         except Exception:
-            self.b.state.close_ledger(name, ended_at=started)
+            for entry in entries:
+                self.b.state.close_ledger(entry, ended_at=started)
             raise
 
     def _bill(

@@ -35,7 +35,7 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from contracts.status import RunStatus
-from services.ports.launcher.launcher import Launcher, PodOutcome, pod_outcome
+from services.ports.launcher.launcher import Launcher, PodOutcome, node_names, pod_outcome
 from services.ports.state.state_store import IllegalTransitionError, StateStore
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def teardown(
         for pod in pods:
             if pod.phase.is_terminal() or past:
                 outcome = pod_outcome(pod) if pod.phase.is_terminal() else PodOutcome.KILLED
-                runs.close_ledger(pod.name, pod.ended_at if pod.phase.is_terminal() else None, outcome)
+                for entry in node_names(pod.name, pod.nodes):
+                    runs.close_ledger(entry, pod.ended_at if pod.phase.is_terminal() else None, outcome)
                 launcher.delete(pod.name)  # off with the finalizer: gone for good (killed, past the deadline)
                 report.pods[pod.name] = outcome
                 log.info("deleted pod %s of run %s (%s)", pod.name, pod.run_id, outcome.value)

@@ -135,14 +135,14 @@ def run_training_job(
     ``on_spot``: whether the pod runs on spot capacity, where a run that may train on spot checkpoints
     its update (``update_checkpoint``).
 
-    With ``training.processes`` > 1 every torchrun rank calls this: rank 0 reads the batch and
-    shares it, each rank trains its share of whole groups with ``training.strategy``, and rank 0
-    publishes, writes the result and commits.
+    With ``training.processes`` x ``training.nodes`` > 1 every torchrun rank calls this: rank 0
+    reads the batch and shares it, each rank trains its share of whole groups with
+    ``training.strategy``, and rank 0 publishes, writes the result and commits.
     """
-    ranks = Ranks.join(spec.training.processes)
+    ranks = Ranks.join(spec.training.ranks)
     consumer = trainer_consumer(queue, run_id) if ranks.leader else None
-    # The pod's disk, shared by its ranks: the leader moves the update's checkpoints between it and the store.
-    local = model_cache / "runs" / run_id / f"trainer-v{iteration}-partial"
+    # The machine's disk, shared by its ranks: the leader moves the update's checkpoints between it and the store.
+    local = ranks.on_disk(model_cache / "runs" / run_id / f"trainer-v{iteration}-partial")
     try:
         with update_checkpoint(spec.training, objects, run_id, iteration, local, ranks, on_spot) as checkpoint:
             return _train(run_id, iteration, spec, queue, consumer, objects, model_cache, ranks, checkpoint)
@@ -191,8 +191,8 @@ def _train(
     if checkpoint is not None and stored is None:
         checkpoint.keep_batch(samples_read, offsets, selection, cfg.micro_batch)
     strategy = _strategy(spec, ranks, policy, cfg, value_head, ref_model)
-    # The ranks of a pod share its disk: the leader moves the optimizer state between it and the store.
-    scratch = model_cache / "runs" / run_id / f"trainer-v{iteration}"
+    # The ranks of a machine share its disk: its first rank moves the optimizer state between it and the store.
+    scratch = ranks.on_disk(model_cache / "runs" / run_id / f"trainer-v{iteration}")
     _load_optimizer_state(objects, trainer_prefix(run_id, iteration - 1), strategy, scratch, ranks)
 
     controller = kl_controller(spec, previous.metrics.get("actor/kl_coef") if previous else None)
@@ -216,10 +216,14 @@ def _train(
     weights = strategy.full_state_dict()
     strategy.save_optimizer_state(scratch / "out")
     ranks.share(None)  # every rank has written its part
+    state_out = trainer_prefix(run_id, iteration)
+    if ranks.node_leader and not ranks.leader:  # another machine's parts
+        _store_trainer_state(objects, state_out, scratch, None)
+    ranks.share(None)  # every machine's parts are stored
     if not ranks.leader:
         return None  # the leader publishes, writes the result and commits
     _publish_weights(objects, run_id, iteration, spec, weights, model_cache)
-    _store_trainer_state(objects, trainer_prefix(run_id, iteration), scratch, value_head)
+    _store_trainer_state(objects, state_out, scratch, value_head)
     result = JobResult(
         iteration=iteration,
         policy_version=iteration,
@@ -333,7 +337,7 @@ def _load_optimizer_state(objects: ObjectStore, state_in: str, strategy: Strateg
     stored = bool(objects.list(state_in + OPTIMIZER_DIR))
     # Written by a one-process job before the state moved into OPTIMIZER_DIR: the same file.
     legacy = not stored and objects.exists(state_in + OPTIMIZER_FILE)
-    if ranks.leader:
+    if ranks.node_leader:
         shutil.rmtree(scratch, ignore_errors=True)
         (scratch / "out").mkdir(parents=True)
         if stored:
@@ -348,7 +352,7 @@ def _load_optimizer_state(objects: ObjectStore, state_in: str, strategy: Strateg
 
 def _store_trainer_state(objects: ObjectStore, state_out: str, scratch: Path, value_head: ValueHead | None) -> None:
     """Store what the next iteration resumes from under `state_out`: the optimizer state the
-    ranks wrote into `scratch/out` (then `scratch` is removed), and the critic's weights."""
+    machine's ranks wrote into `scratch/out` (then `scratch` is removed), and the critic's weights."""
     objects.upload_dir(scratch / "out", state_out + OPTIMIZER_DIR)
     shutil.rmtree(scratch)
     if value_head is not None:

@@ -29,8 +29,9 @@ then; it resumes from the manifest's checkpoint, publishes, and commits the stor
 sample is trained twice or lost. Once the iteration is published its ``partial/`` is deleted
 (``job._retain``; the scheduler's rotation takes any left over with the trainer state).
 
-With several processes the leader moves files between the object store and the pod's disk, which
-the ranks share, and every decision (a checkpoint due, a notice to stop) is the ranks' agreed one.
+With several processes the first rank of each machine moves files between the object store and
+the machine's disk, which its ranks share (the leader stores the manifest once every machine has
+stored its part), and every decision (a checkpoint due, a notice to stop) is the ranks' agreed one.
 """
 
 from __future__ import annotations
@@ -165,14 +166,14 @@ class UpdateCheckpointStore:
         self._objects, self._ranks, self._every_s, self._notice = objects, ranks, every_s, notice
         self._iteration = iteration
         self._prefix = update_checkpoint_prefix(run_id, iteration)
-        self._local = local  # on the pod's disk, shared by its ranks
+        self._local = local  # on the machine's disk, shared by its ranks
         self._batch_id: str | None = None
         self._started = self._since = monotonic()
         # The seconds the iteration's earlier jobs spent up to the checkpoint this one resumes
         # from (the leader's: it stores the manifests and the result); 0 for a job that starts the update.
         self.earlier_seconds = 0.0
         self._stopping = False
-        if ranks.leader:
+        if ranks.node_leader:
             shutil.rmtree(local, ignore_errors=True)  # what an earlier job on this machine left
 
     def stored_batch(self) -> StoredBatch | None:
@@ -209,10 +210,14 @@ class UpdateCheckpointStore:
     # --- trainer_core.rl.resume.UpdateCheckpoint ---------------------------------------------
 
     def restore(self) -> Path | None:
+        folder = self._ranks.share(self._latest_folder() if self._ranks.leader else None)
         directory = None
-        if self._ranks.leader:
-            directory = self._download_latest()
-        directory = self._ranks.share(directory)
+        if folder is not None:
+            directory = self._local / "resume"
+            if self._ranks.node_leader:
+                shutil.rmtree(directory, ignore_errors=True)
+                self._objects.download_dir(self._prefix + folder, directory)
+            self._ranks.share(None)  # on every machine's disk
         self._since = monotonic()  # the update's seconds start now
         return directory
 
@@ -228,8 +233,14 @@ class UpdateCheckpointStore:
         started = monotonic()
         folder = f"step-{steps:06d}/"
         local = self._local / folder
+        if self._ranks.leader:  # a part a killed job left of the same step
+            self._objects.delete_prefix(self._prefix + folder)
         write(local)
         self._ranks.share(None)  # every rank's part is written
+        if self._ranks.node_leader and not self._ranks.leader:  # another machine's parts
+            self._objects.upload_dir(local, self._prefix + folder)
+            shutil.rmtree(local)
+        self._ranks.share(None)  # every other machine's parts are stored
         if self._ranks.leader:
             self._store(local, folder, steps)
             log.info(
@@ -246,7 +257,6 @@ class UpdateCheckpointStore:
 
     def _store(self, local: Path, folder: str, steps: int) -> None:
         """Upload the folder, then the manifest naming it, then delete the folders before it."""
-        self._objects.delete_prefix(self._prefix + folder)  # a part a killed job left of the same step
         self._objects.upload_dir(local, self._prefix + folder)
         seconds = self.earlier_seconds + monotonic() - self._started
         manifest = {"batch_id": self._batch_id, "steps": steps, "folder": folder, "seconds": seconds}
@@ -255,8 +265,8 @@ class UpdateCheckpointStore:
             self._objects.delete_prefix(self._prefix + old)
         shutil.rmtree(local)
 
-    def _download_latest(self) -> Path | None:
-        """The manifest's checkpoint on the local disk, if the manifest names this batch."""
+    def _latest_folder(self) -> str | None:
+        """The manifest's checkpoint folder, if the manifest names this batch."""
         key = self._prefix + MANIFEST_FILE
         if not self._objects.exists(key):
             return None
@@ -266,17 +276,15 @@ class UpdateCheckpointStore:
             log.warning("iteration %d: a checkpoint of another batch is ignored", self._iteration)
             return None
         self.earlier_seconds = manifest.get("seconds", 0.0)  # none in a manifest of an earlier release
-        local = self._local / "resume"
-        shutil.rmtree(local, ignore_errors=True)
-        self._objects.download_dir(self._prefix + manifest["folder"], local)
         log.info(
             "iteration %d: resuming the update after step %d, from its checkpoint", self._iteration, manifest["steps"]
         )
-        return local
+        folder: str = manifest["folder"]
+        return folder
 
     def close(self) -> None:
-        """Remove this job's local copies (the leader)."""
-        if self._ranks.leader:
+        """Remove this job's local copies (each machine's first rank)."""
+        if self._ranks.node_leader:
             shutil.rmtree(self._local, ignore_errors=True)
 
 

@@ -46,25 +46,43 @@ class PodSpec:
     # The GPUs of its node it uses (a rollout worker's rollout.gpus_per_worker: a node holds several
     # such pods); None: all of them, one pod per node. Local pods share the machine's.
     gpus: int | None = None
+    # Machines the pod spans, each running ``command`` (a training job's torchrun, told its node's
+    # rank and rank 0's address by the launcher: ``NODE_RANK_ENV``, ``MASTER_ADDR_ENV``); they
+    # start, run and end as one, and any node's end ends the others (``PodStatus`` is the group's).
+    nodes: int = 1
 
 
 TORCHRUN_SHUTDOWN_S = 3600
+# How long the nodes of a job may join its rendezvous apart: each machine boots on its own.
+RENDEZVOUS_TIMEOUT_S = 1800
+# torchrun reads its static rendezvous from these (``--node-rank``, ``--master-addr``,
+# ``--master-port``): the launcher sets them for each node of a pod of several.
+NODE_RANK_ENV = "PET_NODE_RANK"
+MASTER_ADDR_ENV = "PET_MASTER_ADDR"
+MASTER_PORT_ENV = "PET_MASTER_PORT"
 # The exit status of a pod that stopped at a spot preemption notice with its work stored, to be
 # started again (sysexits' EX_TEMPFAIL): a training job that checkpointed its update.
 EXIT_PREEMPTED = 75
 
 
-def cli_command(args: list[str], *, processes: int = 1, python: str = sys.executable) -> list[str]:
-    """The command of a pod running ``spotrl ARGS``: one process, or ``processes`` of them
-    started by torchrun on the pod's machine (one per GPU), which sets each one's rank."""
+def cli_command(args: list[str], *, processes: int = 1, nodes: int = 1, python: str = sys.executable) -> list[str]:
+    """The command of a pod running ``spotrl ARGS``: one process, or ``processes`` of them on each
+    of its ``nodes`` machines (one per GPU), started by torchrun, which sets each one's rank. The
+    nodes of a pod of several meet at node 0 (torchrun's static rendezvous: ``NODE_RANK_ENV``,
+    ``MASTER_ADDR_ENV`` and ``MASTER_PORT_ENV``, which the launcher sets on each node)."""
     module = ["-m", "services.cli.main", *args]
-    if processes == 1:
+    if processes == 1 and nodes == 1:
         return [python, *module]
+    where = (
+        ["--standalone"]
+        if nodes == 1
+        else [f"--nnodes={nodes}", "--rdzv-backend=static", f"--rdzv-conf=timeout={RENDEZVOUS_TIMEOUT_S}"]
+    )
     return [
         python,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *where,
         f"--nproc_per_node={processes}",
         # On a SIGTERM (a stop, a spot notice) torchrun forwards it to the ranks, which checkpoint
         # and exit; it would SIGKILL them after 30 s, less than a spot notice: the pod's grace decides.
@@ -97,6 +115,13 @@ class PodStatus:
     # where unknown, and for local pods, which never wait).
     waiting_for_node: bool = False
     node_joined_at: float | None = None
+    nodes: int = 1  # the machines it spans (``PodSpec.nodes``), each billed: ``node_names``
+
+
+def node_names(name: str, nodes: int) -> list[str]:
+    """The names the cost ledger bills a pod's machines by: the pod's own for one, ``<name>-<k>``
+    for node k of several (on Kubernetes, the hostnames of its Indexed Job's pods)."""
+    return [name] if nodes == 1 else [f"{name}-{k}" for k in range(nodes)]
 
 
 class PodOutcome(StrEnum):

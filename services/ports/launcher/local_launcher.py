@@ -1,5 +1,6 @@
 """The launcher's embedded adapter: each pod a local process tree under a supervisor
-(``services.ports.launcher.local_pod``), its state on disk."""
+(``services.ports.launcher.local_pod``), its state on disk; a pod of several nodes, one process
+tree per node under the one supervisor."""
 
 from __future__ import annotations
 
@@ -195,6 +196,7 @@ def _read_status(pod_dir: Path) -> PodStatus | None:
         started_at=meta["launched_at"],
         ended_at=ended["ended_at"] if ended else None,
         pid=pid,
+        nodes=spec.nodes,
         # A spot "machine" taken back, as the chaos driver plays it, not a stop the scheduler asked
         # for: SIGKILLed without notice, or gone at the notice's SIGTERM with its work stored.
         preempted=spec.capacity_type == "spot"

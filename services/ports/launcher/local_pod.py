@@ -1,7 +1,8 @@
 """The supervisor of one local "pod": ``python -m services.ports.launcher.local_pod <pod_dir>``.
 
 It plays the kubelet for one container. It starts the workload from ``spec.json`` (the pod's
-env added to its own), writes the workload's pid, and waits. A stop request (``stop.json``,
+env added to its own; a pod of several nodes, one workload per node, each told its node's rank
+and node 0's loopback address: ``node_envs``), writes the (first) workload's pid, and waits. A stop request (``stop.json``,
 written by LocalLauncher.stop) gets the workload a SIGTERM at once and a SIGKILL of its whole
 process group at the request's deadline. When the workload ends it writes ``exit.json``.
 
@@ -10,7 +11,8 @@ locked it before starting this process, and the lock lives as long as any inheri
 the descriptor. A launcher, even a restarted one, tells a live supervisor from a dead one by
 trying the lock, which cannot be fooled by a reused pid.
 
-Only the standard library is imported: this starts once per pod and should start fast.
+Only the standard library (and the launcher port's names) is imported: this starts once per
+pod and should start fast.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,8 @@ import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from services.ports.launcher.launcher import MASTER_ADDR_ENV, MASTER_PORT_ENV, NODE_RANK_ENV
 
 SPEC_FILE = "spec.json"  # {"spec": PodSpec fields, "launched_at": unix seconds}
 LOG_FILE = "pod.log"  # the workload's stdout and stderr, and the supervisor's own messages
@@ -81,7 +86,7 @@ def _kill_group(workload: subprocess.Popen[bytes]) -> None:
 
 
 def supervise(pod_dir: Path) -> None:
-    """Run the pod's workload to its end and record how it ended."""
+    """Run the pod's workload (one per node) to its end and record how it ended."""
     spec = json.loads((pod_dir / SPEC_FILE).read_text())["spec"]
     terminated_at: list[float] = []  # when the supervisor itself got SIGTERM
 
@@ -89,46 +94,71 @@ def supervise(pod_dir: Path) -> None:
         terminated_at.append(time.time())
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    workloads: list[subprocess.Popen[bytes]] = []
     try:
-        workload = subprocess.Popen(
-            spec["command"],
-            env={**os.environ, **spec["env"]},
-            stdin=subprocess.DEVNULL,
-            # Its own process group, so the SIGKILL reaches everything it started, as a container's cgroup would.
-            start_new_session=True,
-            preexec_fn=_die_with_supervisor if sys.platform == "linux" else None,
-        )
+        for env in node_envs(spec.get("nodes", 1)):
+            workloads.append(
+                subprocess.Popen(
+                    spec["command"],
+                    env={**os.environ, **spec["env"], **env},
+                    stdin=subprocess.DEVNULL,
+                    # Its own process group, so the SIGKILL reaches everything it started, as a container's cgroup would.
+                    start_new_session=True,
+                    preexec_fn=_die_with_supervisor if sys.platform == "linux" else None,
+                )
+            )
     except OSError as e:
         _say(f"cannot start {spec['command']}: {e}")
+        for workload in workloads:
+            _kill_group(workload)
         exit_code = EXIT_CANNOT_START
     else:
-        write_atomic(pod_dir / PID_FILE, str(workload.pid))
-        exit_code = _wait(pod_dir, workload, terminated_at)
+        write_atomic(pod_dir / PID_FILE, str(workloads[0].pid))
+        exit_code = _wait(pod_dir, workloads, terminated_at)
+    for workload in workloads:
         _kill_group(workload)  # whatever the workload left behind ends with it
+        workload.wait()
     write_atomic(pod_dir / EXIT_FILE, json.dumps({"exit_code": exit_code, "ended_at": time.time()}))
 
 
-def _wait(pod_dir: Path, workload: subprocess.Popen[bytes], terminated_at: list[float]) -> int:
-    """Wait for the workload, sending SIGTERM on a stop request and SIGKILL at its deadline."""
+def node_envs(nodes: int) -> list[dict[str, str]]:
+    """Each node's own environment: none for a pod of one; for several, its rank and where node 0
+    listens for the rendezvous (a free loopback port), as torchrun reads them."""
+    if nodes == 1:
+        return [{}]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [{NODE_RANK_ENV: str(k), MASTER_ADDR_ENV: "127.0.0.1", MASTER_PORT_ENV: str(port)} for k in range(nodes)]
+
+
+def _wait(pod_dir: Path, workloads: list[subprocess.Popen[bytes]], terminated_at: list[float]) -> int:
+    """Wait for the workloads, sending SIGTERM on a stop request and SIGKILL at its deadline. The
+    pod's exit code is the first failed node's, which ends the others as a lost machine would
+    (SIGKILL), or 0 once every node has succeeded."""
     kill_at = math.inf
     term_sent = kill_sent = False
     while True:
-        try:
-            return workload.wait(timeout=_TICK_S)
-        except subprocess.TimeoutExpired:
-            pass
+        codes = [w.poll() for w in workloads]
+        failed = next((code for code in codes if code not in (None, 0)), None)
+        if failed is not None or all(code == 0 for code in codes):
+            return failed or 0
+        time.sleep(_TICK_S)
         request = read_json(pod_dir / STOP_FILE)
         if request is not None:
             kill_at = min(kill_at, request["kill_at"])
         if terminated_at:
             kill_at = min(kill_at, terminated_at[0] + DEFAULT_GRACE_S)
         if kill_at < math.inf and not term_sent:
-            _say(f"stop requested: SIGTERM to pid {workload.pid}, SIGKILL in {max(0.0, kill_at - time.time()):.1f} s")
-            workload.send_signal(signal.SIGTERM)
+            pids = ", ".join(str(w.pid) for w in workloads)
+            _say(f"stop requested: SIGTERM to pid {pids}, SIGKILL in {max(0.0, kill_at - time.time()):.1f} s")
+            for workload in workloads:
+                workload.send_signal(signal.SIGTERM)
             term_sent = True
         if time.time() >= kill_at and not kill_sent:
-            _say(f"grace period over: SIGKILL to process group {workload.pid}")
-            _kill_group(workload)
+            _say(f"grace period over: SIGKILL to process group {', '.join(str(w.pid) for w in workloads)}")
+            for workload in workloads:
+                _kill_group(workload)
             kill_sent = True
 
 

@@ -1,5 +1,6 @@
 """A training job of 2 processes (torchrun, gloo on CPU), started with the command the scheduler
-gives a training pod, against the same job in one process: two iterations on the same batches,
+gives a training pod (on one machine, or one process on each of 2 nodes of an embedded pod),
+against the same job in one process: two iterations on the same batches,
 with a KL term to the base model (sharded too under FSDP2), must publish the same policy. The
 second iteration starts from the optimizer state the first saved, so this also checks that the
 sharded state is written whole and read back.
@@ -16,6 +17,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,8 @@ from services.data.training.job import run_training_job
 from services.data.training.selection import even_shares
 from services.domain.names import result_key, samples_topic
 from services.domain.runspec import RunSpec
-from services.ports.launcher.launcher import cli_command
+from services.ports.launcher.launcher import PodPhase, PodSpec, cli_command
+from services.ports.launcher.local_launcher import LocalLauncher
 from services.ports.wiring import Backends, open_backends
 from trainer_core.models.loading import load_policy
 
@@ -125,13 +128,18 @@ def one_process(tmp_path_factory: pytest.TempPathFactory, model_cache: Path):
     return get
 
 
-def _run_pods(settings: Settings, backends: Backends, run_id: str, processes: int) -> None:
+def _pod_env(settings: Settings) -> dict[str, str]:
     # PYTHONFAULTHANDLER: a rank that crashes (an intermittent SIGABRT has been seen) prints the
     # Python stack of each of its threads.
     env = dict(os.environ, **settings.pod_env(), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     # DeepSpeed's C++ ops (CPU Adam) are built once into the virtual environment by `make setup`.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    return env
+
+
+def _run_pods(settings: Settings, backends: Backends, run_id: str, processes: int) -> None:
+    env = _pod_env(settings)
     for iteration in range(1, ITERATIONS + 1):
         produce(backends, run_id, iteration)
         command = cli_command(["train-job", run_id, str(iteration)], processes=processes)
@@ -160,7 +168,44 @@ def test_a_two_process_job_publishes_what_one_process_does(
     run_id = f"run-{training['strategy']}-{run_spec.training.lora_rank}-{run_spec.training.micro_batch}"
     settings, backends = open_world(tmp_path, run_id, run_spec, model_cache)
     _run_pods(settings, backends, run_id, processes=2)
+    _assert_published_as_one_process(backends, run_id, run_spec, one_process, model_cache)
+    backends.close()
 
+
+def test_a_job_of_two_nodes_publishes_what_one_process_does(tmp_path: Path, model_cache: Path, one_process) -> None:
+    """One process on each of 2 nodes of an embedded pod, meeting at node 0 as a multi-node pod's
+    do, trains as the 2 processes of one machine do (the test above): as one process."""
+    run_spec = spec(processes=1, nodes=2)
+    run_id = "run-two-nodes"
+    settings, backends = open_world(tmp_path, run_id, run_spec, model_cache)
+    launcher = LocalLauncher(tmp_path / "pods")
+    for iteration in range(1, ITERATIONS + 1):
+        produce(backends, run_id, iteration)
+        name = f"{run_id}-train-{iteration}"
+        launcher.launch(
+            PodSpec(
+                name=name,
+                run_id=run_id,
+                role="training",
+                command=cli_command(["train-job", run_id, str(iteration)], nodes=2),
+                env=_pod_env(settings),
+                instance_type="cpu",
+                capacity_type="on-demand",
+                nodes=2,
+            )
+        )
+        deadline = time.monotonic() + 900
+        while (pod := launcher.list(run_id)[-1]).phase == PodPhase.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log = launcher.logs(name, tail=200)
+        assert (pod.phase, pod.nodes) == (PodPhase.SUCCEEDED, 2), f"iteration {iteration}:\n{log}"
+    _assert_published_as_one_process(backends, run_id, run_spec, one_process, model_cache)
+    backends.close()
+
+
+def _assert_published_as_one_process(
+    backends: Backends, run_id: str, run_spec: RunSpec, one_process, model_cache: Path
+) -> None:
     want_backends, want_run = one_process(run_spec.training.lora_rank)
     for iteration in range(1, ITERATIONS + 1):
         got = JobResult.from_json(backends.objects.get_bytes(result_key(run_id, iteration)))
@@ -186,7 +231,6 @@ def test_a_two_process_job_publishes_what_one_process_does(
             for n in want
             if "lora_" not in n
         )
-    backends.close()
 
 
 def test_even_shares_leave_out_trailing_groups_until_every_rank_has_as_many() -> None:
