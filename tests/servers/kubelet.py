@@ -13,12 +13,16 @@ finalizer holds it). The pod log API works: the API server asks this kubelet's H
 ``spot_capacity`` (an Event, set) is the zone's spot capacity: cleared, pods that ask for spot
 stay Pending with no node, as when the cloud has none to give.
 
-``JobController`` plays the Job controller: one pod at a time per Job from its template, the
-Job's status from the pods' ends, and the Job's ``podFailurePolicy`` rules on pod conditions
-(``Ignore``: a new pod, uncounted; ``FailJob``: the Job fails; ``Count``, and a failure no rule
-matches: counted against ``backoffLimit``). v1.20 drops the field from the Job it stores, so the
-policy applied is the one the launcher writes for the capacity type the Job's spec annotation
-names (``pod_failure_policy``).
+``JobController`` plays the Job controller: one pod at a time per Job from its template (one
+per index of a Job of several ``completions``, annotated with its index and named by its host
+``<job>-<index>``, as for an Indexed Job: v1.20 drops ``completionMode``, and the launcher writes
+no other Job of several), the Job's status from the pods' ends, and the Job's
+``podFailurePolicy`` rules on pod conditions (``Ignore``: a new pod, uncounted; ``FailJob``: the
+Job fails; ``Count``, and a failure no rule matches: counted against ``backoffLimit``); a failed
+Job's running pods are deleted. v1.20 drops the policy from the Job it stores, so the policy
+applied is the one the launcher writes for the capacity type and nodes the Job's spec annotation
+names (``pod_failure_policy``). The kubelet gives a pod's ``env`` fields of the pod
+(``valueFrom.fieldRef``: its annotations, its IP) as a kubelet does.
 
 Both poll the namespace every ``POLL_S``: simpler than watches, and the launcher's own watches
 are what the tests are about.
@@ -48,7 +52,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from services.ports.launcher.kubernetes_objects import SPEC_ANNOTATION, pod_failure_policy
+from services.ports.launcher.kubernetes_objects import INDEX_ANNOTATION, SPEC_ANNOTATION, pod_failure_policy
 from tests.servers.process import free_port
 
 POLL_S = 0.05
@@ -260,7 +264,11 @@ class Kubelet:
         container = pod["spec"]["containers"][0]
         command = [sys.executable if word == "python" else word for word in container["command"][:1]]
         command += container["command"][1:]
-        env = {**os.environ, **self._env_from(container), **{e["name"]: e["value"] for e in container.get("env", [])}}
+        env = {
+            **os.environ,
+            **self._env_from(container),
+            **{e["name"]: _value(pod, e) for e in container.get("env", [])},
+        }
         log = self.dir / f"{name}.log"
         started = now_stamp()
         with log.open("wb") as out:
@@ -394,6 +402,8 @@ class JobController:
             mine = [p for p in pods if p["metadata"].get("labels", {}).get("controller-uid") == job["metadata"]["uid"]]
             active = [p for p in mine if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
             succeeded = [p for p in mine if p.get("status", {}).get("phase") == "Succeeded"]
+            completions = job["spec"].get("completions", 1)
+            done_indices = {_index(p) for p in succeeded}
             policy = self.pod_failure_policy(job)
             actions = [self._action(policy, p) for p in mine if p.get("status", {}).get("phase") == "Failed"]
             failed = [a for a in actions if a != "Ignore"]
@@ -403,15 +413,20 @@ class JobController:
                 "failed": len(failed),
                 "startTime": job.get("status", {}).get("startTime") or now_stamp(),
             }
-            if succeeded:
+            if len(done_indices) == completions:
                 status |= {"completionTime": now_stamp(), "conditions": [self._condition("Complete", "")]}
             elif "FailJob" in actions:
                 status["conditions"] = [self._condition("Failed", "PodFailurePolicy")]
+                self._terminate(active)
             elif len(failed) > job["spec"]["backoffLimit"]:
                 status["conditions"] = [self._condition("Failed", "BackoffLimitExceeded")]
-            elif not active and job["spec"].get("parallelism", 1) > 0:
-                self._create_pod(job)
-                status["active"] = 1
+                self._terminate(active)
+            elif job["spec"].get("parallelism", 1) > 0:
+                running = {_index(p) for p in active}
+                for index in range(completions) if completions > 1 else [None]:
+                    if index not in done_indices | running:
+                        self._create_pod(job, index)
+                        status["active"] += 1
             if status != {k: job.get("status", {}).get(k) for k in status}:
                 done(
                     self.batch.patch_namespaced_job_status(
@@ -426,7 +441,10 @@ class JobController:
         if "podFailurePolicy" in job["spec"]:
             return job["spec"]["podFailurePolicy"]
         described = job["metadata"].get("annotations", {}).get(SPEC_ANNOTATION)
-        return pod_failure_policy(json.loads(described)["capacity_type"] == "spot") if described else {"rules": []}
+        if not described:
+            return {"rules": []}
+        spec = json.loads(described)
+        return pod_failure_policy(spec["capacity_type"] == "spot" or spec.get("nodes", 1) > 1)
 
     @staticmethod
     def _action(policy: dict[str, Any], pod: dict[str, Any]) -> str:
@@ -447,11 +465,37 @@ class JobController:
             "lastTransitionTime": now_stamp(),
         }
 
-    def _create_pod(self, job: dict[str, Any]) -> None:
+    def _terminate(self, active: list[dict[str, Any]]) -> None:
+        """What the Job controller does to the pods still running when their Job fails: delete them,
+        with their grace period."""
+        for pod in active:
+            try:
+                done(
+                    self.core.delete_namespaced_pod(
+                        pod["metadata"]["name"],
+                        self.namespace,
+                        grace_period_seconds=pod["spec"].get("terminationGracePeriodSeconds", 30),
+                        _preload_content=False,
+                    )
+                )
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+
+    def _create_pod(self, job: dict[str, Any], index: int | None) -> None:
+        """A pod of the Job; of an Indexed Job (``index``), annotated with its index, its hostname
+        ``<job>-<index>``, as the Job controller makes them."""
         template = job["spec"]["template"]
+        suffix = secrets.token_hex(3)[:5]
+        annotations = template["metadata"].get("annotations", {})
+        spec = template["spec"]
+        if index is not None:
+            annotations = {**annotations, INDEX_ANNOTATION: str(index)}
+            spec = {**spec, "hostname": f"{job['metadata']['name']}-{index}"}
         metadata = {
             **template["metadata"],
-            "name": f"{job['metadata']['name']}-{secrets.token_hex(3)[:5]}",
+            "annotations": annotations,
+            "name": f"{job['metadata']['name']}-{'' if index is None else f'{index}-'}{suffix}",
             "labels": {
                 **template["metadata"].get("labels", {}),
                 "job-name": job["metadata"]["name"],
@@ -471,7 +515,7 @@ class JobController:
         done(
             self.core.create_namespaced_pod(
                 self.namespace,
-                {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]},
+                {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec},
                 _preload_content=False,
             )
         )
@@ -479,6 +523,23 @@ class JobController:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def _value(pod: dict[str, Any], var: dict[str, Any]) -> str:
+    """An ``env`` entry's value, as the kubelet gives it: its own, or a field of the pod's."""
+    if "value" in var:
+        return str(var["value"])
+    path = var["valueFrom"]["fieldRef"]["fieldPath"]
+    if path == "status.podIP":
+        return "127.0.0.1"
+    annotation = path.removeprefix("metadata.annotations['").removesuffix("']")
+    return str(pod["metadata"]["annotations"][annotation])
+
+
+def _index(pod: dict[str, Any]) -> int | None:
+    """An Indexed Job's pod's index; None for a pod of another Job."""
+    index = pod["metadata"].get("annotations", {}).get(INDEX_ANNOTATION)
+    return None if index is None else int(index)
 
 
 def _sync_until_stopped(sync: Callable[[], None], stop: threading.Event, who: str) -> None:

@@ -1,5 +1,14 @@
 """The launcher on Kubernetes (official client): training pods as Jobs, rollout pods one Pod per slot.
 
+A training pod of several nodes (``PodSpec.nodes``, a multi-node update) is an Indexed Job of one
+pod per node (``completions`` = ``parallelism`` = nodes), each pod's index its node's rank
+(torchrun's ``--node-rank``, from the index annotation), with a headless Service of the Job's
+name that gives the pods DNS names (``<job>-<index>.<job>``): node 0's is the rendezvous. Its
+nodes start, are billed (one ledger entry each) and end together: any pod's failure fails the
+Job (``backoffLimit`` 0), and a node's loss fails it too (``FailJob`` whatever the capacity: a
+pod recreated alone cannot rejoin the others), reported preempted; the scheduler relaunches the
+iteration as a new Job. The Service is owned by the Job, and deleted with it.
+
 A training pod is a ``batch/v1`` Job named after it (``<run>-train-<iteration>``) on the
 training pool, on-demand or spot as the scheduler chose (``PodSpec.capacity_type``). A pod ended
 by its node's loss (the ``DisruptionTarget`` condition: a spot reclaim, a drain, an eviction) has
@@ -88,6 +97,7 @@ from services.ports.launcher.kubernetes_objects import (
     FINALIZER,
     POD_LABEL,
     SELECTOR,
+    SPEC_ANNOTATION,
     KubernetesConfig,
     Machine,
     inherited_env,
@@ -95,9 +105,10 @@ from services.ports.launcher.kubernetes_objects import (
     machine_from_catalog,
     pod_ended,
     pod_manifest,
+    service_manifest,
     status_of,
 )
-from services.ports.launcher.launcher import PodNotFoundError, PodSpec, PodStatus, check_pod_name
+from services.ports.launcher.launcher import PodNotFoundError, PodSpec, PodStatus, check_pod_name, node_names
 
 log = logging.getLogger(__name__)
 
@@ -293,26 +304,52 @@ class KubernetesLauncher:
         self._api.close()
 
     def launch(self, spec: PodSpec) -> None:
-        check_pod_name(spec.name)
+        for name in node_names(spec.name, spec.nodes):  # a Job's pods' hostnames too
+            check_pod_name(name)
         env = inherited_env() | spec.env
         machine = self._machines(spec.instance_type)
+        if spec.role == "training":
+            self._launch_job(spec, machine, env)
+            return
         try:
-            if spec.role == "training":
-                created = self._read(
-                    self._batch.create_namespaced_job(
-                        self.cfg.namespace, job_manifest(spec, self.cfg, machine, env), _preload_content=False
-                    )
+            created = self._read(
+                self._core.create_namespaced_pod(
+                    self.cfg.namespace, pod_manifest(spec, self.cfg, machine, env), _preload_content=False
                 )
-                self.jobs.put({"kind": "Job", **created})
-            else:
-                created = self._read(
-                    self._core.create_namespaced_pod(
-                        self.cfg.namespace, pod_manifest(spec, self.cfg, machine, env), _preload_content=False
-                    )
-                )
-                self.pods.put({"kind": "Pod", **created})
+            )
+            self.pods.put({"kind": "Pod", **created})
         except ApiException as e:
             if e.status != 409:  # AlreadyExists: the pod of that name is this one
+                raise
+
+    def _launch_job(self, spec: PodSpec, machine: Machine, env: dict[str, str]) -> None:
+        """The training Job, and the headless Service of one of several nodes, owned by it (either
+        may exist already: a launch retried after a failure between the two)."""
+        try:
+            job = self._read(
+                self._batch.create_namespaced_job(
+                    self.cfg.namespace, job_manifest(spec, self.cfg, machine, env), _preload_content=False
+                )
+            )
+            self.jobs.put({"kind": "Job", **job})
+        except ApiException as e:
+            if e.status != 409:  # AlreadyExists: the Job of that name is this one
+                raise
+            if spec.nodes == 1:
+                return
+            job = self._read(self._batch.read_namespaced_job(spec.name, self.cfg.namespace, _preload_content=False))
+        if spec.nodes == 1:
+            return
+        try:
+            _done(
+                self._core.create_namespaced_service(
+                    self.cfg.namespace,
+                    service_manifest(spec, self.cfg, job["metadata"]["uid"]),
+                    _preload_content=False,
+                )
+            )
+        except ApiException as e:
+            if e.status != 409:
                 raise
 
     def list(self, run_id: str | None = None) -> list[PodStatus]:
@@ -378,6 +415,13 @@ class KubernetesLauncher:
                 )
             )
             self.jobs.forget(job)
+            if json.loads(job["metadata"]["annotations"][SPEC_ANNOTATION]).get("nodes", 1) > 1:
+                # Its owner's deletion would take it too, but not before the garbage collector gets to it.
+                self._ignore_missing(
+                    functools.partial(
+                        self._core.delete_namespaced_service, name, self.cfg.namespace, _preload_content=False
+                    )
+                )
         for pod in [p for p in self.pods.snapshot() if p["metadata"]["labels"].get(POD_LABEL) == name]:
             pod_name = pod["metadata"]["name"]
             # Off with the finalizer, then a delete without grace: gone at once, killed if it ran.

@@ -1,6 +1,6 @@
-"""The objects the Kubernetes launcher writes and reads: a training pod's Job and a rollout
-pod's Pod (manifests from a ``PodSpec`` and the ``KubernetesConfig``), and a ``PodStatus`` from
-a Job or Pod and its pods. Pure functions of their arguments: what the chart and the launcher's
+"""The objects the Kubernetes launcher writes and reads: a training pod's Job (an Indexed Job and
+its headless Service for one of several nodes) and a rollout pod's Pod (manifests from a
+``PodSpec`` and the ``KubernetesConfig``), and a ``PodStatus`` from a Job or Pod and its pods. Pure functions of their arguments: what the chart and the launcher's
 tests check without a server (services/ports/launcher/kubernetes_launcher.py says why each field is set).
 """
 
@@ -16,7 +16,14 @@ from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
 
-from services.ports.launcher.launcher import PodPhase, PodSpec, PodStatus
+from services.ports.launcher.launcher import (
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    NODE_RANK_ENV,
+    PodPhase,
+    PodSpec,
+    PodStatus,
+)
 
 FINALIZER = "spotrl.dev/reap"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "spotrl"}
@@ -47,6 +54,10 @@ CATALOG_VOLUME = "price-catalog"
 ROLES = ("rollout", "training", "reward")  # each role's pods run on its own pool
 # The port a run's reward server (role reward) listens on, at its pod's address.
 REWARD_PORT = 8100
+# The port node 0 of a training job of several nodes serves their rendezvous on (torchrun's default).
+RENDEZVOUS_PORT = 29500
+# Each pod of an Indexed Job carries its index here (its node's rank), as the Job controller sets it.
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 # What a pod may write under its read-only root filesystem, each an emptyDir: scratch space
 # (/tmp: torch's compile caches), the images' home (HF_HOME's model cache, compiled kernels,
 # SPOTRL_HOME; docker/*.Dockerfile), and /dev/shm, in memory: NCCL's intra-node transport between
@@ -161,38 +172,80 @@ def pod_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: di
 
 
 def job_manifest(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[str, str]) -> dict[str, Any]:
-    """A training pod: a Job of one pod on the training pool, on-demand or spot as the spec asks."""
+    """A training pod: a Job on the training pool, on-demand or spot as the spec asks, of one pod,
+    or of one pod per node (``spec.nodes``): an Indexed Job, each pod's index its node's rank, its
+    hostname ``<job>-<index>`` under the Job's headless Service (``service_manifest``), node 0's
+    the rendezvous (``cli_command``)."""
     template = _template(spec, cfg, machine, env)
+    pod = template["spec"]
+    if spec.nodes > 1:
+        pod["subdomain"] = spec.name
+        pod["containers"][0]["env"] += [
+            {
+                "name": NODE_RANK_ENV,
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}},
+            },
+            {"name": MASTER_ADDR_ENV, "value": f"{spec.name}-0.{spec.name}"},
+            {"name": MASTER_PORT_ENV, "value": str(RENDEZVOUS_PORT)},
+        ]
+        pod["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}]
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {k: v for k, v in template["metadata"].items() if k != "finalizers"},
         "spec": {
-            "completions": 1,
-            "parallelism": 1,
-            "backoffLimit": cfg.backoff_limit,
+            "completions": spec.nodes,
+            "parallelism": spec.nodes,
+            **({"completionMode": "Indexed"} if spec.nodes > 1 else {}),
+            # A node's pod started again could not rejoin the others' rendezvous: none is.
+            "backoffLimit": cfg.backoff_limit if spec.nodes == 1 else 0,
             "activeDeadlineSeconds": cfg.training_deadline_s,
             "ttlSecondsAfterFinished": cfg.ttl_after_finished_s,
-            "podFailurePolicy": pod_failure_policy(spec.capacity_type == "spot"),
+            "podFailurePolicy": pod_failure_policy(spec.capacity_type == "spot" or spec.nodes > 1),
             "template": {
                 "metadata": {k: v for k, v in template["metadata"].items() if k != "name"},
-                "spec": template["spec"],
+                "spec": pod,
             },
         },
     }
 
 
-def pod_failure_policy(spot: bool) -> dict[str, Any]:
+def service_manifest(spec: PodSpec, cfg: KubernetesConfig, job_uid: str) -> dict[str, Any]:
+    """The headless Service of a training Job of several nodes: DNS names for its pods
+    (``<job>-<index>.<job>``, published before they are ready: the rendezvous comes first), owned
+    by the Job, so that it goes with it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": spec.name,
+            "labels": {**cfg.pod_labels, **MANAGED_BY, POD_LABEL: spec.name, "spotrl.dev/run": spec.run_id},
+            "ownerReferences": [
+                {"apiVersion": "batch/v1", "kind": "Job", "name": spec.name, "uid": job_uid, "blockOwnerDeletion": True}
+            ],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": {POD_LABEL: spec.name},
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_failure_policy(fail_job: bool) -> dict[str, Any]:
     """A training Job's ``podFailurePolicy``: what a pod ended by its node's loss (a spot reclaim, a
     drain, an eviction: the ``DisruptionTarget`` condition) does to its Job.
 
-    On-demand: ``Ignore``, the Job makes a new pod, uncounted; its node comes back at once. On spot:
-    ``FailJob``, the Job ends with its pod, reported preempted, and the scheduler relaunches the
-    iteration as a new Job (a new ledger entry) that resumes from the checkpoint: a pod recreated in
-    the old Job could wait long for spot capacity while the Job, and its ledger entry, ran on.
+    On-demand, one node: ``Ignore``, the Job makes a new pod, uncounted; its node comes back at
+    once. On spot, or of several nodes (``fail_job``): ``FailJob``, the Job ends with its pod,
+    reported preempted, and the scheduler relaunches the iteration as a new Job (new ledger
+    entries) that resumes from the checkpoint: a pod recreated in the old Job could wait long for
+    spot capacity while the Job, and its ledger entries, ran on; and a node recreated alone cannot
+    rejoin the others' rendezvous.
     """
     disrupted = [{"type": "DisruptionTarget", "status": "True"}]
-    return {"rules": [{"action": "FailJob" if spot else "Ignore", "onPodConditions": disrupted}]}
+    return {"rules": [{"action": "FailJob" if fail_job else "Ignore", "onPodConditions": disrupted}]}
 
 
 def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[str, str]) -> dict[str, Any]:
@@ -207,6 +260,7 @@ def _template(spec: PodSpec, cfg: KubernetesConfig, machine: Machine, env: dict[
         "instance_type": spec.instance_type,
         "capacity_type": spec.capacity_type,
         "labels": spec.labels,
+        **({"nodes": spec.nodes} if spec.nodes > 1 else {}),
     }
     labels = {
         **cfg.pod_labels,
@@ -368,7 +422,7 @@ def status_of(
     """The PodStatus of a bare pod (``pods`` is itself) or of a Job (``pods`` are its pods, oldest
     first). ``node_metadata(name)``: a node's metadata (labels, creationTimestamp), {} if it is gone."""
     described = json.loads(obj["metadata"]["annotations"][SPEC_ANNOTATION])
-    latest = pods[-1] if pods else None
+    latest = _telling(pods)
     terminated = _terminated(latest) if latest else None
     instance_type, capacity_type = described["instance_type"], described["capacity_type"]
     node = latest["spec"].get("nodeName") if latest else None
@@ -415,4 +469,14 @@ def status_of(
         preempted=phase is PodPhase.FAILED and latest is not None and _disrupted(latest),
         waiting_for_node=first_node is None,
         node_joined_at=_time(node_metadata(first_node).get("creationTimestamp")) if first_node else None,
+        nodes=described.get("nodes", 1),
     )
+
+
+def _telling(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pod whose end tells the Job's (``pods`` oldest first): its latest. A Job of several nodes
+    has a latest pod per index; of those, one its node's loss ended, else one that failed (it
+    ended the Job, and the others with it), else the latest."""
+    current = list({p["metadata"].get("annotations", {}).get(INDEX_ANNOTATION): p for p in pods}.values())
+    ended = [p for p in current if pod_ended(p) and p.get("status", {}).get("phase") != "Succeeded"]
+    return next((p for p in ended if _disrupted(p)), None) or next(iter(ended), None) or (pods[-1] if pods else None)

@@ -19,6 +19,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry
 
 from services.control.api.metrics import RunCollector
@@ -27,12 +28,14 @@ from services.domain.names import rollout_pod_name
 from services.ports.launcher.kubernetes_launcher import KubernetesLauncher, Watched
 from services.ports.launcher.kubernetes_objects import (
     FINALIZER,
+    INDEX_ANNOTATION,
     INSTANCE_TYPE_LABEL,
     KubernetesConfig,
     Machine,
     job_manifest,
     machine_from_catalog,
     pod_manifest,
+    service_manifest,
     status_of,
 )
 from services.ports.launcher.launcher import PodPhase, PodSpec, cli_command
@@ -68,17 +71,23 @@ P4D = Machine(gpus=8, vcpus=96, memory_gib=1152)  # p4d.24xlarge
 
 
 def training_spec(
-    name: str = "run-1-train-3", *, command: list[str] | None = None, processes: int = 8, spot: bool = False
+    name: str = "run-1-train-3",
+    *,
+    command: list[str] | None = None,
+    processes: int = 8,
+    spot: bool = False,
+    nodes: int = 1,
 ) -> PodSpec:
     return PodSpec(
         name=name,
         run_id="run-1",
         role="training",
-        command=command or cli_command(["train-job", "run-1", "3"], processes=processes),
+        command=command or cli_command(["train-job", "run-1", "3"], processes=processes, nodes=nodes),
         env={"SPOTRL_STATE_URL": "postgresql+psycopg://db/spotrl"},
         instance_type="p4d.24xlarge",
         capacity_type="spot" if spot else "on-demand",
         labels={"iteration": "3"},
+        nodes=nodes,
     )
 
 
@@ -125,14 +134,20 @@ MANIFESTS = {
     "spot-rollout-pod": pod_manifest(rollout_spec(), CFG, G5, {"SPOTRL_QUEUE_URL": "kafka://kafka:9092"}),
     "on-demand-rollout-pod": pod_manifest(rollout_spec(spot=False), CFG, G5, {}),
     "chart-training-job": job_manifest(training_spec(), CHART_CFG, P4D, CHART_ENV),
+    "multi-node-training-job": job_manifest(training_spec(nodes=4), CFG, P4D, {}),
+    "spot-multi-node-training-job": job_manifest(training_spec(nodes=2, spot=True), CHART_CFG, P4D, CHART_ENV),
     "chart-rollout-pod": pod_manifest(rollout_spec(), CHART_CFG, G5, CHART_ENV),
     "reward-server-pod": pod_manifest(reward_spec(), CFG, G5, {}),
     "two-gpu-rollout-pod": pod_manifest(dataclasses.replace(rollout_spec(), gpus=2), CFG, P4D, {}),
 }
 
 
+# The headless Service of a multi-node training Job (its pods' DNS names), besides the pods.
+SERVICES = {"multi-node-training-service": service_manifest(training_spec(nodes=4), CHART_CFG, "a-job-uid")}
+
+
 @pytest.mark.parametrize("version", CURRENT_VERSIONS)
-@pytest.mark.parametrize("manifest", MANIFESTS.values(), ids=MANIFESTS.keys())
+@pytest.mark.parametrize("manifest", [*MANIFESTS.values(), *SERVICES.values()], ids=[*MANIFESTS, *SERVICES])
 def test_every_manifest_is_strictly_valid_for_current_kubernetes(manifest: dict[str, Any], version: str) -> None:
     kubernetes_validate.validate(manifest, version, strict=True)  # raises ValidationError
 
@@ -257,6 +272,48 @@ def test_a_training_job_manifest() -> None:
     # On-demand: no spot label of any provider may match.
     (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert all(e["operator"] == "NotIn" for e in term["matchExpressions"])
+
+
+def test_a_multi_node_training_job_is_an_indexed_job_whose_nodes_meet_at_node_0() -> None:
+    job = job_manifest(training_spec(nodes=4), CFG, P4D, {})
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    # One pod per node, all at once; the pod's index is its node's rank.
+    assert (spec["completions"], spec["parallelism"], spec["completionMode"]) == (4, 4, "Indexed")
+    # Any pod's failure or its node's loss ends the Job: a node started again alone cannot rejoin.
+    assert spec["backoffLimit"] == 0
+    assert (
+        job_manifest(training_spec(nodes=4), dataclasses.replace(CFG, backoff_limit=3), P4D, {})["spec"]["backoffLimit"]
+        == 0
+    )
+    assert spec["podFailurePolicy"]["rules"][0]["action"] == "FailJob"  # on-demand too
+    (container,) = pod["containers"]
+    assert container["command"][:7] == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=4",
+        "--rdzv-backend=static",
+        "--rdzv-conf=timeout=1800",
+        "--nproc_per_node=8",
+    ]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["PET_NODE_RANK"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+    }
+    # Node 0's hostname under the Job's headless Service of the same name.
+    assert (pod["subdomain"], env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"]) == (
+        "run-1-train-3",
+        "run-1-train-3-0.run-1-train-3",
+        "29500",
+    )
+    service = service_manifest(training_spec(nodes=4), CFG, "uid-1")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"spotrl.dev/pod": "run-1-train-3"}
+    assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert service["metadata"]["ownerReferences"][0] | {"uid": "uid-1"} == service["metadata"]["ownerReferences"][0]
+    # One node: the Job of one pod it was.
+    single = job_manifest(training_spec(), CFG, P4D, {})["spec"]
+    assert "completionMode" not in single and "subdomain" not in single["template"]["spec"]
 
 
 GKE_SPOT_TAINT = {"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NoSchedule"}
@@ -575,6 +632,49 @@ def test_a_spot_training_job_failed_by_its_pods_disruption_is_preempted() -> Non
     assert job_status(training_spec(spot=True), [failed], crashed).preempted is False
 
 
+def test_a_multi_node_jobs_status_is_told_by_the_node_that_ended_it() -> None:
+    """A node's loss ends the Job (FailJob), and the Job controller then deletes the others: the Job
+    reads preempted, with the lost node's exit code, whichever pod is newest."""
+    spec = training_spec(nodes=2)
+    job = job_manifest(spec, CFG, P4D, {})
+    job["metadata"] |= {"creationTimestamp": "2026-12-01T10:00:00Z", "uid": "j"}
+    failed = {
+        "type": "Failed",
+        "status": "True",
+        "reason": "PodFailurePolicy",
+        "lastTransitionTime": "2026-12-01T10:30:01Z",
+    }
+    job["status"] = {"startTime": "2026-12-01T10:00:01Z", "conditions": [failed]}
+
+    def pod(index: int, code: int, disrupted: bool) -> dict[str, Any]:
+        conditions = [{"type": "DisruptionTarget", "status": "True"}] if disrupted else []
+        terminated = {"exitCode": code, "finishedAt": "2026-12-01T10:30:00Z"}
+        return {
+            "metadata": {
+                "name": f"{spec.name}-{index}-x1y2z",
+                "creationTimestamp": "2026-12-01T10:00:01Z",
+                "annotations": {INDEX_ANNOTATION: str(index)},
+            },
+            "spec": {**job["spec"]["template"]["spec"], "nodeName": f"node-{index}"},
+            "status": {
+                "phase": "Failed",
+                "conditions": conditions,
+                "containerStatuses": [{"state": {"terminated": terminated}}],
+            },
+        }
+
+    labels = {INSTANCE_TYPE_LABEL: "p4d.24xlarge"}
+    lost_first = status_of(job, [pod(0, 143, True), pod(1, 137, False)], lambda n: {"labels": labels}, CFG.spot_labels)
+    assert (lost_first.phase, lost_first.preempted, lost_first.exit_code, lost_first.nodes) == (
+        PodPhase.FAILED,
+        True,
+        -signal.SIGTERM,
+        2,
+    )
+    crashed = status_of(job, [pod(0, 137, False), pod(1, 3, False)], lambda n: {"labels": labels}, CFG.spot_labels)
+    assert (crashed.preempted, crashed.exit_code) == (False, -signal.SIGKILL)  # the first index that failed
+
+
 # --- on the real API server --------------------------------------------------------------------
 
 
@@ -591,6 +691,49 @@ def test_a_training_job_runs_on_the_training_pool(open_launcher_on: Callable[...
     assert "trained" in launcher.logs("t-ok")  # the pod log API, through the test's kubelet
     launcher.delete("t-ok")
     assert launcher.list() == []
+
+
+def test_a_multi_node_training_job_runs_a_pod_per_node_behind_its_service(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster
+) -> None:
+    """The API server takes the Indexed Job and its Service; each node's pod learns its rank from
+    its index and node 0's address; the Job ends once every node has; delete takes the Service too."""
+    launcher = open_launcher_on()
+    code = "import os; print('node', os.environ['PET_NODE_RANK'], 'meets at', os.environ['PET_MASTER_ADDR'])"
+    spec = training_spec("t-nodes", command=python(code), nodes=2)
+    launcher.launch(spec)
+    launcher.launch(spec)  # AlreadyExists is success, the Service's too
+
+    service = read_back(kube_cluster, "Service", "t-nodes")
+    job = read_back(kube_cluster, "Job", "t-nodes")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    pod = wait_until_ended(launcher, "t-nodes")
+    assert (pod.phase, pod.exit_code, pod.nodes) == (PodPhase.SUCCEEDED, 0, 2)
+    pods = [p for p in launcher.pods.snapshot() if p["metadata"]["labels"]["spotrl.dev/pod"] == "t-nodes"]
+    outputs = sorted((kube_cluster.kubelet.dir / f"{p['metadata']['name']}.log").read_text() for p in pods)
+    assert outputs == ["node 0 meets at t-nodes-0.t-nodes\n", "node 1 meets at t-nodes-0.t-nodes\n"]
+    launcher.delete("t-nodes")
+    assert launcher.list() == []
+    with pytest.raises(ApiException) as gone:
+        read_back(kube_cluster, "Service", "t-nodes")
+    assert gone.value.status == 404
+
+
+def test_a_failed_node_ends_its_multi_node_job(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster
+) -> None:
+    """Node 1 fails while node 0 still trains: the Job fails at once (backoffLimit 0), node 0's pod
+    is ended with it, and the job reads failed with node 1's exit code."""
+    launcher = open_launcher_on()
+    code = "import os, time; rank = int(os.environ['PET_NODE_RANK']); time.sleep(60) if rank == 0 else exit(3)"
+    launcher.launch(training_spec("t-lost", command=python(code), nodes=2))
+    pod = wait_until_ended(launcher, "t-lost")
+    assert (pod.phase, pod.exit_code, pod.preempted) == (PodPhase.FAILED, 3, False)
+    deadline = time.monotonic() + 30
+    while any(p.popen.poll() is None for p in kube_cluster.kubelet.processes.values()):
+        assert time.monotonic() < deadline, "node 0's pod still runs after its Job failed"
+        time.sleep(0.05)
 
 
 def test_a_failed_training_job_fails_with_the_exit_code(open_launcher_on: Callable[..., KubernetesLauncher]) -> None:
@@ -761,9 +904,11 @@ def test_the_watch_resumes_from_its_version_and_lists_again_only_when_it_is_gone
 def read_back(cluster: Cluster, kind: str, name: str) -> dict[str, Any]:
     """The object as the API server stores it (not the launcher's cache)."""
     with cluster.server.api_client() as api:
-        read = (
-            client.BatchV1Api(api).read_namespaced_job if kind == "Job" else client.CoreV1Api(api).read_namespaced_pod
-        )
+        read = {
+            "Job": client.BatchV1Api(api).read_namespaced_job,
+            "Pod": client.CoreV1Api(api).read_namespaced_pod,
+            "Service": client.CoreV1Api(api).read_namespaced_service,
+        }[kind]
         response = read(name, cluster.namespace, _preload_content=False)
         return json.loads(response.data)
 
