@@ -166,6 +166,7 @@ def test_rbac_scope(rendered) -> None:
         ("", "pods"): manage,
         ("", "pods/log"): {"get"},
         ("", "pods/status"): {"get"},
+        ("", "services"): {"get", "create", "delete"},  # a multi-node training Job's headless Service
     }
     # The API opens the same launcher, read-only: it watches pods and Jobs and reads pod logs.
     api = {
@@ -184,7 +185,8 @@ def test_rbac_scope(rendered) -> None:
     assert nodes["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
     bindings = list(by_kind(docs, "RoleBinding").values()) + list(by_kind(docs, "ClusterRoleBinding").values())
     subjects = {(b["roleRef"]["kind"], b["roleRef"]["name"]): [s["name"] for s in b["subjects"]] for b in bindings}
-    # The uninstall hook reads, stops and deletes the launched pods and Jobs: it creates none.
+    # The uninstall hook reads, stops and deletes the launched pods and Jobs (and a multi-node Job's
+    # Service): it creates none.
     teardown = {
         (g, r): set(rule["verbs"])
         for rule in roles["spotrl-teardown"]["rules"]
@@ -194,6 +196,7 @@ def test_rbac_scope(rendered) -> None:
     assert teardown == {
         ("", "pods"): {"get", "list", "watch", "patch", "delete"},
         ("batch", "jobs"): {"get", "list", "watch", "patch", "delete"},
+        ("", "services"): {"delete"},
     }
     assert subjects == {
         ("Role", "spotrl-scheduler"): ["spotrl-scheduler"],

@@ -43,6 +43,7 @@ class ScriptedLauncher:
         self.pods: dict[str, PodStatus] = {}
         self.zones: dict[str, str | None] = {}  # the zone each pod was last launched to (PodSpec.zone)
         self.gpus: dict[str, int | None] = {}  # the GPUs each pod was last launched with (PodSpec.gpus)
+        self.commands: dict[str, list[str]] = {}  # each running pod's command
 
     def launch(self, spec: PodSpec) -> None:
         self.attempts.append(spec.name)
@@ -63,7 +64,9 @@ class ScriptedLauncher:
                 started_at=time.time(),
                 ended_at=None,
                 pid=None,
+                nodes=spec.nodes,
             )
+        self.commands[spec.name] = spec.command
         if self.error is not None:
             raise self.error
 

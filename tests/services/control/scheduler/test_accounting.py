@@ -154,6 +154,35 @@ def test_a_job_killed_between_publish_and_commit_is_recorded_not_retried(
     assert audit_run(b, run_id).problems == []
 
 
+def test_a_job_of_two_nodes_is_billed_per_node_and_ends_as_one(
+    scripted_backends: Backends, settings: Settings, submit
+) -> None:
+    """Each node of a multi-node job has its own ledger entry at the node's price, opened at the
+    launch; a failed job (any node's failure ends it) closes them all with its outcome and is
+    retried, its relaunch billed anew."""
+    b, launcher = scripted_backends, scripted_backends.launcher
+    scheduler = Scheduler(b, settings)
+    spec = SPEC.model_copy(update={"training": SPEC.training.model_copy(update={"nodes": 2, "processes": 4})})
+    run_id = submit(b, spec)
+    scheduler.tick()
+    produce(b, run_id, 2)
+    scheduler.tick()  # training job 1 launched, on 2 nodes
+    name = job(b, 1).name
+    assert "--nnodes=2" in launcher.commands[name] and "--nproc_per_node=4" in launcher.commands[name]
+    ledger = {e.pod: e for e in b.state.ledger(run_id) if e.role == "training"}
+    assert sorted(ledger) == [f"{name}-0", f"{name}-1"]
+    price = load_catalog().get(spec.training.instance_type).price("on-demand")
+    assert all(e.ended_at is None and e.price_per_hour == price for e in ledger.values())
+
+    launcher.end(name, 1)  # a node failed: the job's end
+    scheduler.tick()
+    closed = [e for e in b.state.ledger(run_id) if e.role == "training"]
+    assert [(e.pod, e.outcome) for e in closed] == [(f"{name}-0", "failed"), (f"{name}-1", "failed")]
+    assert {e.ended_at for e in closed} == {job_end := closed[0].ended_at} and job_end is not None
+    assert b.state.get_run(run_id).train_failures == 1
+    assert all(p.role != "training" for p in launcher.list(run_id))  # reaped, to be launched again
+
+
 class _Died(BaseException):
     """The scheduler's process dying mid-action: no handler of its runs (a SIGKILL runs none)."""
 

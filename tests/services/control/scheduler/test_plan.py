@@ -8,7 +8,7 @@ import pytest
 
 from contracts.status import RunStatus
 from services.control.cost.billing import NODE_BOOT_SECONDS
-from services.control.scheduler.ledger_match import DEFER_STEP_SECONDS
+from services.control.scheduler.ledger_match import DEFER_STEP_SECONDS, match_ledger
 from services.control.scheduler.plan import (
     MAX_LEFTOVERS_PER_TICK,
     MAX_PROMPTS_PER_TICK,
@@ -467,3 +467,22 @@ def test_the_state_of_a_stored_run_reads_every_column_it_names() -> None:
         started_at=7.0,
         best_eval=(1, 0.25),
     )
+
+
+def test_each_node_of_a_job_of_several_is_billed_under_its_own_entry() -> None:
+    """A job of 2 nodes: an entry per node (``node_names``), each billed, deferred while no node
+    holds the job, and closed at the job's end, as the job's one entry would be."""
+    waiting = dataclasses.replace(T1, nodes=2, waiting_for_node=True)
+    names = ["r-train-1-0", "r-train-1-1"]
+    unbilled = match_ledger(seen([waiting], entries={}))
+    assert unbilled == [BillPod(waiting, 0), BillPod(waiting, 1)] and [b.entry for b in unbilled] == names
+    opened = dict.fromkeys(names, NOW - NODE_BOOT_SECONDS - DEFER_STEP_SECONDS - 1)
+    assert match_ledger(seen([waiting], entries=opened)) == [
+        DeferEntry(name, NOW - NODE_BOOT_SECONDS) for name in names
+    ]
+    ended = dataclasses.replace(T1_FAIL, nodes=2)
+    assert match_ledger(seen([ended], entries=dict.fromkeys(names, NOW - 10))) == [
+        CloseEntry(name, NOW - 1, PodOutcome.FAILED) for name in names
+    ]
+    # A node's entry left open without its job (a launch that died midway) is closed with nothing billed.
+    assert match_ledger(seen([], entries={names[1]: NOW - 3})) == [CloseEntry(names[1], NOW - 3)]
