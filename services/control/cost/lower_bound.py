@@ -41,16 +41,23 @@ IDLE_ROLES = frozenset({ROLE_STANDBY})
 
 @dataclass(frozen=True)
 class TrainingTerms:
-    """A run's training instance type, and whether its jobs may run on spot."""
+    """A run's training instance type, whether its jobs may run on spot, and how many of the
+    instance type one job runs on."""
 
     instance_type: str
     spot: bool = False
+    nodes: int = 1
 
     @classmethod
     def of_stored(cls, spec: Mapping[str, Any]) -> TrainingTerms:
-        """The terms of a stored run spec (a run stored before ``training.capacity`` trains on-demand)."""
+        """The terms of a stored run spec (a run stored before ``training.capacity`` trains on-demand,
+        before ``training.nodes`` on one node)."""
         training = spec["training"]
-        return cls(training["instance_type"], training.get("capacity", TrainingCapacity.ON_DEMAND) != "on-demand")
+        return cls(
+            training["instance_type"],
+            training.get("capacity", TrainingCapacity.ON_DEMAND) != "on-demand",
+            training.get("nodes", 1),
+        )
 
 
 @dataclass(frozen=True)

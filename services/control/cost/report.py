@@ -5,9 +5,9 @@ Three figures, so a user can judge the bill:
 - ``total_dollars``: what the run spent: every pod it started, billed by its provider's rule
   (``services.control.cost.billing``: per second with a 60 s minimum on AWS, for instance).
 - ``always_on_dollars``: the same work on an always-on on-demand cluster: the training
-  instance held on-demand for the run's whole wall time, and the rollout and eval work billed
-  at the on-demand price of its instance type instead of spot (by the same billing rules; a
-  worker of some of its node's GPUs at that share of it: ``RolloutTerms``).
+  instance (each of a job's ``training.nodes``) held on-demand for the run's whole wall time, and
+  the rollout and eval work billed at the on-demand price of its instance type instead of spot (by
+  the same billing rules; a worker of some of its node's GPUs at that share of it: ``RolloutTerms``).
   A run of many jobs much shorter than the provider's minimum can cost more than this.
 - ``lower_bound_dollars``: ``services.control.cost.lower_bound``'s, with each pod's ledger
   seconds as its busy seconds: rollout, eval and reward at their cheapest (spot) price,
@@ -83,8 +83,10 @@ def cost_report(
             rollout_on_demand += billed_seconds(seconds, rule_for(price.provider)) * on_demand / 3600.0
     wall = 0.0 if run_started_at is None else max(0.0, (run_ended_at or now) - run_started_at)
     node = catalog.get(training.instance_type)
-    # Billed by the same rules as the run: one launch of the training instance, held throughout.
-    always_on = billed_seconds(wall, rule_for(node.provider)) * node.on_demand / 3600.0 + rollout_on_demand
+    # Billed by the same rules as the run: one launch of the training nodes, held throughout.
+    always_on = (
+        billed_seconds(wall, rule_for(node.provider)) * node.on_demand * training.nodes / 3600.0 + rollout_on_demand
+    )
     return CostReport(
         currency=catalog.currency_of([training.instance_type, *(e.instance_type for e in entries)]),
         total_dollars=sum(billed),  # spent_dollars(entries, catalog, now)

@@ -37,6 +37,22 @@ def test_a_stored_spec_says_whether_its_training_may_run_on_spot() -> None:
     for capacity, spot in (("on-demand", False), ("spot", True), ("auto", True)):
         stored = {"training": {"instance_type": "big", "capacity": capacity}}
         assert TrainingTerms.of_stored(stored) == TrainingTerms("big", spot=spot)
+    assert TrainingTerms.of_stored({"training": {"instance_type": "big", "nodes": 4}}).nodes == 4
+
+
+def test_a_job_of_several_nodes_is_billed_and_bounded_per_node_and_always_on_holds_them_all(catalog) -> None:  # noqa: F811
+    """Each node of a 2-node job has its own ledger entry (``node_names``): both billed, both in
+    the bound; the always-on cluster holds both nodes for the run's wall time."""
+    entries = [entry(catalog, "training", "big", "on-demand", 600, 2400) for _ in range(2)]
+    one = cost_report(
+        entries[:1], catalog=catalog, training=TrainingTerms("big"), run_started_at=0, run_ended_at=3600, now=9999
+    )
+    two = cost_report(
+        entries, catalog=catalog, training=TrainingTerms("big", nodes=2), run_started_at=0, run_ended_at=3600, now=9999
+    )
+    assert two.total_dollars == pytest.approx(2 * one.total_dollars) == pytest.approx(12.00)
+    assert two.lower_bound_dollars == pytest.approx(2 * one.lower_bound_dollars)
+    assert two.always_on_dollars == pytest.approx(2 * one.always_on_dollars) == pytest.approx(24.00)
 
 
 def test_the_reports_lower_bound_prices_training_on_demand_and_a_standby_at_nothing(catalog) -> None:  # noqa: F811
