@@ -74,6 +74,13 @@ class TrainingOptionIn(_Instance):
         le=7 * 86400,
         description="Training seconds per update; default derived from model_params, tokens_per_sample and the GPUs (see the planner).",
     )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Instances one update runs on (a run's training.nodes): their GPUs hold and train the model "
+        "together, and each is paid.",
+    )
 
 
 class OverheadsIn(BaseModel):
@@ -132,8 +139,9 @@ class PoolPublic(BaseModel):
 class TrainingShapePublic(BaseModel):
     instance_type: str
     gpu: str
-    gpus: int
-    price_per_hour: float
+    gpus: int = Field(description="Per instance.")
+    nodes: int = Field(description="Instances the update runs on, each paid price_per_hour.")
+    price_per_hour: float = Field(description="One instance, on-demand.")
     seconds_per_batch: float
     seconds_per_batch_derived: bool = Field(description="True when derived from the model size, not given.")
     keep_warm: bool = Field(description="Kept up between updates (the idle gap costs less than a restart).")
@@ -201,6 +209,7 @@ def plan_public(plan: Plan) -> PlanPublic:
             instance_type=t.instance_type,
             gpu=t.gpu,
             gpus=t.gpus,
+            nodes=t.nodes,
             price_per_hour=t.price_per_hour,
             seconds_per_batch=plan.training_seconds_per_batch,
             seconds_per_batch_derived=plan.training_seconds_derived,
@@ -279,6 +288,7 @@ def _training(i: int, o: TrainingOptionIn, catalog: PriceCatalog, currencies: se
         gpus=o.gpus or entry.gpus,
         price_per_hour=price,
         seconds_per_batch=o.seconds_per_batch,
+        nodes=o.nodes,
     )
 
 

@@ -3,8 +3,9 @@ before a run starts. Pure arithmetic: no I/O, prices already resolved (``plan_sc
 
 The run is a pipeline in steady state: the spot rollout pool generates the next batch while the
 on-demand training instance trains on the last one. For one update of ``S`` samples, with a pool
-of ``n`` instances of ``r`` samples/h each at ``p_r``/h, and training taking ``t`` seconds per
-batch at ``p_t``/h with ``o`` seconds of start-up per launch (node start + image pull + model load):
+of ``n`` instances of ``r`` samples/h each at ``p_r``/h, and training on ``k`` instances (nodes)
+at ``p_t``/h each taking ``t`` seconds per batch, with ``o`` seconds of start-up per launch (node
+start + image pull + model load; the ``k`` nodes boot at once and the job starts when all have):
 
     rollout seconds   R = S · 3600 / (n · r)
     update seconds    U = max(R, t)                      an update lands every U seconds
@@ -12,11 +13,11 @@ batch at ``p_t``/h with ``o`` seconds of start-up per launch (node start + image
     training billed   B = t + min(g, o)                  ski rental: kept warm through a gap
                                                          shorter than a restart, else shut down
                                                          and started again (paying o)
-    cost per update     = n · p_r · U / 3600  +  p_t · B / 3600
+    cost per update     = n · p_r · U / 3600  +  k · p_t · B / 3600
     cost per day        = cost per update · 86400 / U
     always-on per update = p_a · U / 3600                p_a: the always-on cluster's price per
                                                          hour, by default the same shapes held
-                                                         on-demand (n · on-demand p_r + p_t)
+                                                         on-demand (n · on-demand p_r + k · p_t)
     saving              = 1 − cost per update / always-on per update
 
 The pool size ``n`` is the largest (up to the option's ``max_instances``) whose next batch is
@@ -34,11 +35,12 @@ the hour: ¥960, 88% less.
 Training seconds per batch, when an option does not give them, are derived from the model size
 ``N`` (parameters) and the batch's tokens ``S · T``: ``8 · N · S · T`` FLOPs (6·N per token for
 the update's forward and backward passes, Kaplan et al. 2020, plus 2·N for the forward pass that
-scores the batch under the old policy) over ``gpus · peak BF16 FLOPS · MFU``.
+scores the batch under the old policy) over ``k · gpus · peak BF16 FLOPS · MFU``: more nodes
+train faster, at the same cost per update where the MFU holds.
 
 A shape fits the model when its memory holds it: training needs 16 bytes per parameter (BF16
-weights and gradients, FP32 master weights and Adam's two moments), sharded over the instance's
-GPUs (ZeRO-3/FSDP) in at most 80% of their memory, the rest for activations; rollout needs the
+weights and gradients, FP32 master weights and Adam's two moments), sharded over the GPUs of the
+job's nodes (ZeRO-3/FSDP) in at most 80% of their memory, the rest for activations; rollout needs the
 BF16 weights (2 bytes per parameter) in at most 60% of one worker's GPUs' memory, the rest for the
 KV cache. A rollout instance of G GPUs holds G / ``gpus_per_worker`` workers (the run spec's
 ``rollout.gpus_per_worker``), each making its GPUs' samples: a worker that needs two GPUs for its
@@ -108,9 +110,18 @@ class RolloutOption:
 class TrainingOption:
     instance_type: str
     gpu: str
-    gpus: int
-    price_per_hour: float  # on-demand
+    gpus: int  # per instance
+    price_per_hour: float  # on-demand, one instance
     seconds_per_batch: float | None  # None: derived from the model size and the GPUs
+    nodes: int = 1  # instances one update runs on, each paid
+
+    @property
+    def all_gpus(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def nodes_price_per_hour(self) -> float:
+        return self.price_per_hour * self.nodes
 
 
 @dataclass(frozen=True)
@@ -205,7 +216,7 @@ def plan_run(
     rollout_fit = [
         (i, o) for i, o in enumerate(rollout) if _fits("rollout", i, o.gpu, o.gpus_per_worker, workload, notes)
     ]
-    training_fit = [(i, o) for i, o in enumerate(training) if _fits("training", i, o.gpu, o.gpus, workload, notes)]
+    training_fit = [(i, o) for i, o in enumerate(training) if _fits("training", i, o.gpu, o.all_gpus, workload, notes)]
     if not rollout_fit:
         raise PlanError(
             ("rollout",),
@@ -228,8 +239,8 @@ def plan_run(
                 "the chosen rollout option has no on-demand price for the always-on comparison: give it, or give always_on",
             )
         always_on = AlwaysOn(
-            f"{best.rollout_instances} x {r.instance_type} + {best.training.instance_type}, on-demand",
-            best.rollout_instances * r.on_demand_price_per_hour + best.training.price_per_hour,
+            f"{best.rollout_instances} x {r.instance_type} + {_nodes(best.training)}, on-demand",
+            best.rollout_instances * r.on_demand_price_per_hour + best.training.nodes_price_per_hour,
         )
     return _plan(best, workload, overheads, always_on, currency, tuple(notes))
 
@@ -254,7 +265,7 @@ def _shape(workload: Workload, r: RolloutOption, t: TrainingOption, train_s: flo
         update_seconds=update_s,
         training_billed_seconds=billed,
         rollout_cost=n * r.price_per_hour * update_s / SECONDS_PER_HOUR,
-        training_cost=t.price_per_hour * billed / SECONDS_PER_HOUR,
+        training_cost=t.nodes_price_per_hour * billed / SECONDS_PER_HOUR,
     )
 
 
@@ -272,7 +283,7 @@ def _fits(role: str, index: int, gpu: str, gpus: int, workload: Workload, notes:
     need_gb = workload.model_params * bytes_per_param / 1e9
     have_gb = gpus * figures.memory_gb * share
     if need_gb > have_gb:
-        holder = "the instance's" if role == "training" else "a worker's"
+        holder = "the job's GPUs'" if role == "training" else "a worker's"
         notes.append(
             f"{role}[{index}]: {gpus} x {gpu} left out: the model needs {need_gb:,.0f} GB, "
             f"{share:.0%} of {holder} memory is {have_gb:,.0f} GB"
@@ -291,7 +302,7 @@ def _training_seconds(index: int, t: TrainingOption, workload: Workload) -> floa
             "give seconds_per_batch: spotrl knows no peak FLOPS for this GPU to derive it from (services/control/cost/gpus.py)",
         )
     flops = FLOPS_PER_PARAM_PER_TOKEN * workload.model_params * workload.samples_per_update * workload.tokens_per_sample
-    return flops / (t.gpus * figures.tflops * 1e12 * workload.training_mfu)
+    return flops / (t.all_gpus * figures.tflops * 1e12 * workload.training_mfu)
 
 
 def _training_seconds_note(t: TrainingOption, workload: Workload) -> str:
@@ -299,7 +310,7 @@ def _training_seconds_note(t: TrainingOption, workload: Workload) -> str:
         return "given"
     return (
         f"derived: {FLOPS_PER_PARAM_PER_TOKEN} x {workload.model_params:.3g} params x {workload.samples_per_update:,} samples "
-        f"x {workload.tokens_per_sample:,} tokens / ({t.gpus} x {t.gpu} peak x {workload.training_mfu:.0%} MFU)"
+        f"x {workload.tokens_per_sample:,} tokens / ({t.all_gpus} x {t.gpu} peak x {workload.training_mfu:.0%} MFU)"
     )
 
 
@@ -314,6 +325,10 @@ def workers_text(r: RolloutOption) -> str:
 def _workers(r: RolloutOption) -> str:
     text = workers_text(r)
     return f"; {text}" if text else ""
+
+
+def _nodes(t: TrainingOption) -> str:
+    return t.instance_type if t.nodes == 1 else f"{t.nodes} x {t.instance_type}"
 
 
 def _money(currency: str, amount: float) -> str:
@@ -346,7 +361,7 @@ def _plan(
         ),
         Term(
             "training",
-            f"{t.instance_type} ({t.gpus} x {t.gpu}, on-demand) at {m(t.price_per_hour)}/h "
+            f"{_nodes(t)} ({t.gpus} x {t.gpu}, on-demand) at {m(t.price_per_hour)}/h{' each' if t.nodes > 1 else ''} "
             f"for {_minutes(s.training_billed_seconds)}: {training_time}",
             s.training_cost,
         ),

@@ -106,6 +106,28 @@ def test_training_seconds_are_derived_and_shapes_that_cannot_hold_the_model_are_
     assert p.training_seconds_derived
 
 
+def test_a_multi_node_update_holds_the_model_on_all_its_gpus_and_pays_for_every_node() -> None:
+    """7e9 parameters need 112 GB: one A100-80GB cannot hold it, 2 nodes of one can, and train as
+    fast as one instance of two GPUs; each node is paid, start-up included (all boot at once), and
+    the default always-on cluster holds both."""
+    one = {"instance_type": "a100x1", "gpu": "A100-80GB", "gpus": 1, "price_per_hour": 120.0}
+    overheads = {"node_start_seconds": 90}
+    rollout = with_rollout(on_demand_price_per_hour=20.0)
+    kw = dict(tokens_per_sample=1024, training_mfu=0.35, overheads=overheads, always_on=None, rollout=rollout)
+    with pytest.raises(PlanError, match="no training option holds the model"):
+        plan(training=[one], **kw)
+    p = plan(training=[{**one, "nodes": 2}], **kw)
+    two_gpus = plan(training=[{**one, "instance_type": "a100x2", "gpus": 2, "price_per_hour": 240.0}], **kw)
+    assert p.training.nodes == 2
+    assert p.training_seconds_per_batch == pytest.approx(two_gpus.training_seconds_per_batch)
+    assert p.training_cost == pytest.approx(2 * 120 * (p.training_seconds_per_batch + 90) / 3600)
+    assert p.training_cost == pytest.approx(two_gpus.training_cost)
+    assert p.always_on.price_per_hour == pytest.approx(p.rollout_instances * 20 + 2 * 120)
+    assert p.always_on.instance_type.endswith("+ 2 x a100x1, on-demand")
+    assert "2 x a100x1 (1 x A100-80GB, on-demand) at CNY 120.00/h each" in p.terms[1].arithmetic
+    assert "(2 x A100-80GB peak x 35% MFU)" in p.terms[1].arithmetic
+
+
 def test_the_rollout_gpu_cheapest_per_sample_wins() -> None:
     a10 = {
         "instance_type": "a10",
