@@ -145,6 +145,7 @@ class Applier:
                     {"after_iteration": str(after)},
                     spot,
                     zone,
+                    nodes=spec.training.nodes,  # the next job's nodes, all held warm
                 )
             case p.RefuseSpotTraining(run_id, refusals):
                 log.info("run %s: no spot training node came in time; zones given up: %s", run_id, sorted(refusals))

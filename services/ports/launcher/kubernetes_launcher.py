@@ -7,7 +7,8 @@ name that gives the pods DNS names (``<job>-<index>.<job>``): node 0's is the re
 nodes start, are billed (one ledger entry each) and end together: any pod's failure fails the
 Job (``backoffLimit`` 0), and a node's loss fails it too (``FailJob`` whatever the capacity: a
 pod recreated alone cannot rejoin the others), reported preempted; the scheduler relaunches the
-iteration as a new Job. The Service is owned by the Job, and deleted with it.
+iteration as a new Job. The Service is owned by the Job, and deleted with it. The standby that
+holds such a job's warm nodes is a Job of as many pods alike.
 
 A training pod is a ``batch/v1`` Job named after it (``<run>-train-<iteration>``) on the
 training pool, on-demand or spot as the scheduler chose (``PodSpec.capacity_type``). A pod ended
@@ -308,7 +309,7 @@ class KubernetesLauncher:
             check_pod_name(name)
         env = inherited_env() | spec.env
         machine = self._machines(spec.instance_type)
-        if spec.role == "training":
+        if spec.role == "training" or spec.nodes > 1:  # a standby of a multi-node job holds its nodes
             self._launch_job(spec, machine, env)
             return
         try:
@@ -323,8 +324,9 @@ class KubernetesLauncher:
                 raise
 
     def _launch_job(self, spec: PodSpec, machine: Machine, env: dict[str, str]) -> None:
-        """The training Job, and the headless Service of one of several nodes, owned by it (either
-        may exist already: a launch retried after a failure between the two)."""
+        """The training Job (or a multi-node job's standby's), and the headless Service of one of
+        several nodes, owned by it (either may exist already: a launch retried after a failure
+        between the two)."""
         try:
             job = self._read(
                 self._batch.create_namespaced_job(

@@ -720,6 +720,22 @@ def test_a_multi_node_training_job_runs_a_pod_per_node_behind_its_service(
     assert gone.value.status == 404
 
 
+def test_the_standby_of_a_multi_node_job_holds_as_many_nodes(
+    open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster, wait_for
+) -> None:
+    launcher = open_launcher_on()
+    standby = dataclasses.replace(
+        training_spec("t-warm", command=python("import time; time.sleep(60)"), nodes=2), role="standby"
+    )
+    launcher.launch(standby)
+    assert read_back(kube_cluster, "Job", "t-warm")["spec"]["parallelism"] == 2
+    wait_for(lambda: len(kube_cluster.kubelet.processes) == 2, message="both nodes' pods run")
+    (pod,) = launcher.list()
+    assert (pod.role, pod.nodes, pod.phase) == ("standby", 2, PodPhase.RUNNING)
+    launcher.stop("t-warm", grace_s=0)
+    assert wait_until_ended(launcher, "t-warm").exit_code == -signal.SIGTERM  # both nodes stopped
+
+
 def test_a_failed_node_ends_its_multi_node_job(
     open_launcher_on: Callable[..., KubernetesLauncher], kube_cluster: Cluster
 ) -> None:
