@@ -35,6 +35,8 @@ The model (what ``services.control.simulate.world`` simulates, seen from above):
   before that launch, on a new node (on-demand, or spot where the training trace has a node from
   its start-up to the second job's end), after the job before it has ended.
 - The run ends with the last job, before the deadline (if any) and the workload's horizon.
+- A job of several nodes (``training_nodes``) is one "node" here at their summed price: they boot
+  at once, and on the training trace a cell has it only with that many nodes free.
 
 The optimum is a dynamic program over the jobs (a pair's second job reached from the job before
 the pair, with twice the work in its window: ``_next_pair``), its state a job's launch on a grid of
@@ -235,17 +237,19 @@ class _SpotNodes:
     flat_per_s: float | None  # the price per second where the trace carries none (the catalog's)
 
     @classmethod
-    def of(cls, trace: SpotTrace, step: float, cells: int, spot_price: float) -> _SpotNodes:
-        up = tuple(trace.at(i * step) > 0 for i in range(cells))
+    def of(cls, trace: SpotTrace, step: float, cells: int, spot_price: float, nodes: int = 1) -> _SpotNodes:
+        """``nodes``: a job's nodes, which a cell has only with that much capacity, and which are its
+        "node" here (their summed price; ``spot_price`` is one's)."""
+        up = tuple(trace.at(i * step) >= nodes for i in range(cells))
         sums = [0.0]
         for i in range(cells):
             price = trace.price_at(i * step) if trace.prices is not None else spot_price
-            sums.append(sums[-1] + step * price / 3600.0)
+            sums.append(sums[-1] + step * price * nodes / 3600.0)
         next_down, next_up = [cells] * (cells + 1), [cells] * (cells + 1)
         for i in range(cells - 1, -1, -1):
             next_down[i] = next_down[i + 1] if up[i] else i
             next_up[i] = i if up[i] else next_up[i + 1]
-        flat = None if trace.prices is not None else spot_price / 3600.0
+        flat = None if trace.prices is not None else spot_price * nodes / 3600.0
         return cls(step, up, tuple(sums), tuple(next_down), tuple(next_up), flat)
 
     def gap_dollars(self, t: float, gap: float) -> float:
@@ -675,8 +679,10 @@ def oracle(
     w = workload
     currency = catalog.currency_of([w.rollout_instance_type, w.training_instance_type])
     spec = w.spec(CostPolicy.COST_AWARE)
-    rollout, training = catalog.get(w.rollout_instance_type), catalog.get(w.training_instance_type)
+    rollout, node = catalog.get(w.rollout_instance_type), catalog.get(w.training_instance_type)
     share = RolloutTerms(spec.rollout.gpus_per_worker).share(ROLE_ROLLOUT, rollout)
+    # A job of several nodes is one "node" of their summed price, its nodes all booting at once.
+    training = replace(node, on_demand=node.on_demand * w.training_nodes, spot=node.spot * w.training_nodes)
     train_s, startup_s = w.training_minutes * 60.0, w.startup_seconds
     work_s = w.batch_samples / (w.worker_samples_per_hour / 3600.0)
     jobs = spec.iterations or 0
@@ -688,7 +694,7 @@ def oracle(
     cells = launches + math.ceil(shift / step_seconds) + 2
     spot_training = spec.training.capacity != TrainingCapacity.ON_DEMAND and training_trace is not None
     nodes = (
-        _SpotNodes.of(training_trace, step_seconds, math.ceil(end_by / step_seconds) + 2, training.spot)
+        _SpotNodes.of(training_trace, step_seconds, math.ceil(end_by / step_seconds) + 2, node.spot, w.training_nodes)
         if spot_training
         else None
     )
@@ -804,7 +810,10 @@ def _lower_bound(
     if training_trace is not None and training_trace.prices is not None:
         training = replace(training, spot=training_trace.cheapest_price())
     share = RolloutTerms(w.gpus_per_worker).share(ROLE_ROLLOUT, rollout)
-    busy = [Busy(ROLE_ROLLOUT, rollout_busy, rollout, share), Busy(ROLE_TRAINING, training_busy, training)]
+    busy = [
+        Busy(ROLE_ROLLOUT, rollout_busy, rollout, share),
+        Busy(ROLE_TRAINING, training_busy * w.training_nodes, training),
+    ]
     return lower_bound_dollars(busy, capacity != TrainingCapacity.ON_DEMAND)
 
 

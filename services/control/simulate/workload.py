@@ -30,7 +30,10 @@ class Workload:
     workers: int = _option(4, "Spot rollout workers the threshold rule holds for one batch.")
     max_workers: int = _option(16, "Most rollout workers a policy may hold.")
     worker_samples_per_hour: float = _option(3000.0, "Samples per hour of one rollout worker.")
-    training_minutes: float = _option(18.0, "Minutes of training per batch on the training instance.")
+    training_minutes: float = _option(18.0, "Minutes of training per batch on the training job's nodes.")
+    training_nodes: int = _option(
+        1, "Nodes of the training instance type one update runs on (training.nodes), each billed and started together."
+    )
     startup_seconds: float = _option(90.0, "Node start plus model load per launch, seconds.")
     spot_notice_seconds: float = _option(120.0, "Seconds of notice before a spot preemption (AWS 120, GCP 30).")
     staleness_bound: int = _option(1, "Policy versions a sample may lag before it is dropped.")
@@ -79,6 +82,7 @@ class Workload:
                 "training": {
                     "instance_type": self.training_instance_type,
                     "capacity": self.training_capacity,
+                    "nodes": self.training_nodes,
                     "spot_zones": list(training_zones),
                 },
             }

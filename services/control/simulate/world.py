@@ -15,10 +15,12 @@ after the start-up (at once on a warm node of their capacity: a standby's, or th
 left less than ``HANDOVER_SECONDS`` ago, which the cluster has not scaled down yet), run ``training_minutes`` and train one batch,
 dropping the samples older than the staleness bound.
 
-A training job (or standby) on spot takes a node of its spot zone's training trace
+A training job (or standby) takes ``training.nodes`` nodes, each with its ledger entry (as the
+real ledger's ``node_names``), started and ended together; on spot it takes them of its spot
+zone's training trace
 (``training_traces``, one per zone of ``spot_zones``; none: no spot training node ever comes) as a
-spot worker takes one of the rollout trace, and is preempted when that trace's capacity drops
-below the zone's spot training pods on a node. A preempted job
+spot worker takes one of the rollout trace (waiting until that many are free), and is preempted
+when that trace's capacity drops below the nodes of the zone's spot training pods on a node. A preempted job
 checkpoints at the provider's notice and ends at once (with no notice, ``spot_notice_seconds`` 0,
 it keeps only its last periodic checkpoint, every ``training.checkpoint_every_s`` of update);
 the next job of its iteration resumes from there: a start-up (model load and the batch's
@@ -56,7 +58,7 @@ from services.control.simulate.traces import SpotTrace
 from services.control.simulate.workload import Workload
 from services.domain.names import ROLE_ROLLOUT, ROLE_STANDBY, ROLE_TRAINING
 from services.domain.runspec import CostPolicy, RunSpec
-from services.ports.launcher.launcher import PodPhase, PodStatus, pod_outcome
+from services.ports.launcher.launcher import PodPhase, PodStatus, node_names, pod_outcome
 from services.ports.prices.catalog import InstancePrice, PriceCatalog, load_catalog
 from services.ports.state.state_store import LedgerEntry
 
@@ -104,7 +106,9 @@ class _Pod:
     done_at: float | None = None  # a training job's end
     preempt_at: float | None = None
     work_from: float = 0.0  # a training job's update seconds checkpointed before it started (a resume)
-    entry_id: int = 0  # its ledger entry's (a relaunched job's name has one per attempt)
+    entry_ids: list[int] = field(
+        default_factory=list
+    )  # its ledger entries', one per node (a relaunched job's name has some per attempt)
     holding: int | None = None  # a worker's prompt in hand: the policy version it started with
     progress: float = 0.0  # samples of its group done
     generated: int = 0
@@ -179,9 +183,12 @@ class _World:
         return 0 if trace is None else trace.at(self.now)
 
     def _place_waiting(self, pool: int) -> None:
-        """Spot pods waiting for a node take their trace's free capacity, oldest first."""
-        free = self._capacity(pool) - len(self._spot_pods(pool))
-        for pod in sorted(self._spot_pods(pool, waiting=True), key=lambda w: w.status.started_at)[: max(0, free)]:
+        """Spot pods waiting for a node take their trace's free capacity (all their nodes), oldest first."""
+        free = self._capacity(pool) - self._nodes_held(pool)
+        for pod in sorted(self._spot_pods(pool, waiting=True), key=lambda w: w.status.started_at):
+            if pod.status.nodes > free:
+                break
+            free -= pod.status.nodes
             joined = self.now + min(NODE_BOOT_SECONDS, self.workload.startup_seconds)
             pod.status = replace(pod.status, waiting_for_node=False, node_joined_at=joined)
             pod.ready_at = self.now + self.workload.startup_seconds
@@ -192,8 +199,11 @@ class _World:
         """The newest spot pods on a node beyond their trace's capacity get the provider's notice: a
         worker goes at its end, a training job checkpoints and goes at once (a standby with it)."""
         held = [w for w in self._spot_pods(pool) if w.preempt_at is None]
-        excess = len(held) - self._capacity(pool)
-        for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True)[: max(0, excess)]:
+        excess = sum(w.status.nodes for w in held) - self._capacity(pool)
+        for pod in sorted(held, key=lambda w: w.status.started_at, reverse=True):
+            if excess <= 0:
+                break
+            excess -= pod.status.nodes  # a job of several loses all of them with any one
             pod.preempt_at = self.now + (0.0 if pool < 0 else self.workload.spot_notice_seconds)
             if pod.status.role == ROLE_TRAINING:
                 self._checkpoint(pod)
@@ -208,6 +218,10 @@ class _World:
             and w.status.phase == PodPhase.RUNNING
             and w.status.waiting_for_node == waiting
         ]
+
+    def _nodes_held(self, pool: int) -> int:
+        """The nodes the pool's running spot pods hold."""
+        return sum(w.status.nodes for w in self._spot_pods(pool))
 
     def _update_left(self, job: _Pod) -> float:
         return self.workload.training_minutes * 60.0 - job.work_from
@@ -376,8 +390,10 @@ class _World:
             case p.CloseEntry(name, ended_at, outcome) if outcome is not None:  # an ended pod, reaped this same tick
                 self.ledger[name] = replace(self.ledger[name], ended_at=ended_at, outcome=outcome.value)
             case p.ReapPod(status):
-                entry = self.ledger[status.name]
-                self.ledger[status.name] = replace(entry, ended_at=status.ended_at, outcome=pod_outcome(status).value)
+                for name in node_names(status.name, status.nodes):
+                    self.ledger[name] = replace(
+                        self.ledger[name], ended_at=status.ended_at, outcome=pod_outcome(status).value
+                    )
                 del self.pods[status.name]
             case p.RecordIteration(_, iteration):
                 self._train_batch()
@@ -411,8 +427,9 @@ class _World:
             and not s.status.waiting_for_node
         ]
         just_left = self.now - self.node_released_at.get((capacity, pool), -math.inf) <= HANDOVER_SECONDS
-        no_node = spot and not warm and not just_left and len(self._spot_pods(pool)) >= self._capacity(pool)
-        pod = self._launch(name, role, self.spec.training.instance_type, capacity, labels, pool=pool)
+        nodes = self.spec.training.nodes
+        no_node = spot and not warm and not just_left and self._nodes_held(pool) + nodes > self._capacity(pool)
+        pod = self._launch(name, role, self.spec.training.instance_type, capacity, labels, pool=pool, nodes=nodes)
         if no_node:  # it waits for a node (_place_waiting)
             pod.status, pod.ready_at = replace(pod.status, waiting_for_node=True), math.inf
             return pod
@@ -421,7 +438,7 @@ class _World:
         return pod
 
     def _launch(
-        self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str], pool: int
+        self, name: str, role: str, instance_type: str, capacity: str, labels: dict[str, str], pool: int, nodes: int = 1
     ) -> _Pod:
         status = PodStatus(
             name=name,
@@ -435,8 +452,18 @@ class _World:
             started_at=self.now,
             ended_at=None,
             pid=None,
+            nodes=nodes,
         )
         self.pod_pools[name] = pool
+        pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds)
+        for entry in node_names(name, nodes):
+            pod.entry_ids.append(self._open_entry(entry, role, instance_type, capacity, pool))
+        self.pods[name] = pod
+        self._all_pods.append(pod)
+        return pod
+
+    def _open_entry(self, name: str, role: str, instance_type: str, capacity: str, pool: int) -> int:
+        """The ledger entry of a pod's node, its id."""
         price = self.catalog.get(instance_type)
         per_hour, source = price.price(capacity), price.source
         entry_id = len(self.ledger) + len(self.past_entries)  # the entries opened before this one
@@ -458,10 +485,7 @@ class _World:
             started_at=self.now,
             ended_at=None,
         )
-        pod = _Pod(status=status, ready_at=self.now + self.workload.startup_seconds, entry_id=entry_id)
-        self.pods[name] = pod
-        self._all_pods.append(pod)
-        return pod
+        return entry_id
 
     def _train_batch(self) -> None:
         """The job's batch: the first ``batch_samples`` queued, less those beyond the staleness bound."""
@@ -532,7 +556,7 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
     )
     trained_batches = world.run.iterations_done
     rollout_busy = trained_batches * spec.batch_samples / (w.worker_samples_per_hour / 3600.0)
-    training_busy = trained_batches * w.training_minutes * 60.0
+    training_busy = trained_batches * w.training_minutes * 60.0 * spec.training.nodes  # node-seconds
     # The cheapest option's spot price (with trace prices, the cheapest tick's): no schedule pays
     # less for a busy second.
     rollout_price = catalog.get(spec.rollout.instance_type)
@@ -569,7 +593,7 @@ def _result(world: _World, policy: CostPolicy) -> SimResult:
         else world.run.status.is_terminal() and wall <= w.deadline_seconds,
         finished=world.run.status.is_terminal(),
         gap=gap(
-            [_span(pod, billed[pod.entry_id], ended) for pod in world._all_pods],
+            [_span(pod, billed[entry], ended) for pod in world._all_pods for entry in pod.entry_ids],
             report.total_dollars,
             rollout_bound,
             training_bound,

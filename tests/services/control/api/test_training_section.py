@@ -64,6 +64,7 @@ NON_DEFAULT = {
     "pack_max_tokens": 1024,
     "instance_type": "p5.48xlarge",
     "processes": 8,
+    "nodes": 2,
     "strategy": "zero3",
     "offload_optimizer": True,
     "max_retries": 5,
