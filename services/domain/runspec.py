@@ -472,6 +472,8 @@ class RunSpec(BaseModel):
             refused.append("eval (the scheduler launches the eval pods)")
         if self.rollout.gpus_per_worker > 1:
             refused.append("rollout.gpus_per_worker above 1 (the trainer and the sampler share one GPU)")
+        if self.training.nodes > 1:
+            refused.append("training.nodes above 1 (the scheduler launches a job's nodes)")
         if refused:
             raise ValueError(
                 f"a colocated run cannot use {' or '.join(refused)}: submit the spec as a disaggregated run instead "

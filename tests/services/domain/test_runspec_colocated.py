@@ -26,8 +26,9 @@ BASE = {
             {"dynamic_sampling": True, "adv_estimator": "remax"},
             ["training.dynamic_sampling", "training.adv_estimator remax"],
         ),
+        ({"nodes": 2}, ["training.nodes above 1"]),
     ],
-    ids=["dynamic-sampling", "remax", "both"],
+    ids=["dynamic-sampling", "remax", "both", "nodes"],
 )
 def test_a_colocated_spec_refuses_what_needs_rollout_workers_and_says_to_run_disaggregated(
     training: dict, named: list[str]
