@@ -392,14 +392,18 @@ def test_an_auto_job_stores_its_batch_and_micro_batch_size_before_its_update(
     assert update_checkpoint.StoredBatch.from_json(stored.to_json()) == stored
 
 
-def test_two_processes_stop_together_at_one_ranks_notice_and_resume(tmp_path: Path, model_cache: Path) -> None:
-    """A 2-process FSDP2 spot job (torchrun, gloo on CPU) whose rank 1 alone gets the notice after
-    step 2: both ranks stop once the checkpoint is stored, and the retry publishes, bit for bit,
-    what an uninterrupted 2-process job of the same batch publishes."""
+@pytest.mark.parametrize("shape", [{"processes": 2}, {"processes": 1, "nodes": 2}], ids=["one-node", "two-nodes"])
+def test_two_processes_stop_together_at_one_ranks_notice_and_resume(
+    tmp_path: Path, model_cache: Path, shape: dict[str, int]
+) -> None:
+    """A 2-process FSDP2 spot job (torchrun, gloo on CPU; on one machine, or one process on each of
+    2 nodes, each writing its own checkpoint parts) whose rank 1 alone gets the notice after step
+    2: both ranks stop once the checkpoint is stored, and the retry publishes, bit for bit, what an
+    uninterrupted job of the same shape and batch publishes."""
     from tests.services.data.training import test_job_data_parallel as dp
 
     load_policy("tiny", cache_dir=model_cache)  # built once here, not by both ranks at once
-    run_spec = dp.spec(processes=2, strategy="fsdp2", capacity="spot", epochs=2, mini_batch=8)
+    run_spec = dp.spec(**shape, strategy="fsdp2", capacity="spot", epochs=2, mini_batch=8)
     worlds = {}
     for name in ("uninterrupted", "stopped"):
         run_id = f"run-{name}"
@@ -410,7 +414,12 @@ def test_two_processes_stop_together_at_one_ranks_notice_and_resume(tmp_path: Pa
     def launch(name: str, *notice: str) -> subprocess.CompletedProcess[str]:
         settings, _, run_id = worlds[name]
         return run_ranks(
-            Path(__file__).with_name("spot_job_worker.py"), [run_id, "1", *notice], env=settings.pod_env(), timeout=600
+            Path(__file__).with_name("spot_job_worker.py"),
+            [run_id, "1", *notice],
+            processes=shape["processes"],
+            nodes=shape.get("nodes", 1),
+            env=settings.pod_env(),
+            timeout=600,
         )
 
     run = launch("uninterrupted")
