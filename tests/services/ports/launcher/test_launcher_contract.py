@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -207,6 +208,37 @@ def test_a_workload_ignoring_sigterm_is_killed_after_the_grace_period(
     assert pod.phase is PodPhase.FAILED and pod.exit_code == -signal.SIGKILL  # not -SIGTERM
     # Killed no earlier than the grace period allows (a lower bound: a slow machine only adds to it).
     assert pod.ended_at is not None and pod.ended_at - stopped_at >= 3.0 - adapter.clock_s
+
+
+# A pod of 2 nodes: node 0 says where it runs and trains on; node 1 fails once node 0 runs.
+NODE_1_FAILS = """
+import os, pathlib, time
+marks = pathlib.Path(os.environ["MARKS"])
+if os.environ["PET_NODE_RANK"] == "0":
+    (marks / "node-0.pid").write_text(str(os.getpid()))
+    time.sleep(60)
+while not (marks / "node-0.pid").exists():
+    time.sleep(0.05)
+raise SystemExit(3)
+"""
+
+
+def test_a_pod_of_several_nodes_ends_with_its_first_failed_node(
+    launcher: Launcher, adapter: Adapter, tmp_path: Path, wait_for
+) -> None:
+    """Its nodes start together, each told its rank; one node's failure is the pod's, and ends the
+    others, as a lost machine ends a multi-node job."""
+    pod_spec = dataclasses.replace(
+        python_pod(adapter.python, "nodes-1", NODE_1_FAILS, env={"MARKS": str(tmp_path)}),
+        role="training",
+        capacity_type="on-demand",
+        nodes=2,
+    )
+    launcher.launch(pod_spec)
+    pod = wait_until_ended(launcher, "nodes-1")
+    assert (pod.phase, pod.exit_code, pod.nodes, pod.preempted) == (PodPhase.FAILED, 3, 2, False)
+    node_0 = int((tmp_path / "node-0.pid").read_text())
+    wait_for(lambda: not process_runs(node_0), message="node 0 ended with its pod")
 
 
 def test_launching_an_existing_name_is_a_no_op(launcher: Launcher, spec: Callable[..., PodSpec]) -> None:
