@@ -116,13 +116,18 @@ def spot_zone(
 
 
 def spot_wait_expired(pod: PodStatus, now: float, estimates: Estimates) -> bool:
-    """A spot training (or standby) pod has waited for a node past its patience, and never had one."""
+    """A spot training (or standby) pod has waited for a node past its patience, and never had one
+    (or, of several nodes, never had them all)."""
     return (
         pod.capacity_type == "spot"
-        and pod.waiting_for_node
-        and pod.node_joined_at is None
+        and _short_of_nodes(pod)
         and now - pod.started_at > PATIENCE_STARTUPS * estimates.startup_seconds
     )
+
+
+def _short_of_nodes(pod: PodStatus) -> bool:
+    """No node has held the pod, or not all of its several have: it has not started."""
+    return (pod.waiting_for_node and pod.node_joined_at is None) or pod.partly_placed
 
 
 def give_up_zone(spec: RunSpec, zone: int, refusals: Mapping[str, float], now: float, rollout_stalled: bool) -> bool:
@@ -136,6 +141,6 @@ def give_up_zone(spec: RunSpec, zone: int, refusals: Mapping[str, float], now: f
 
 
 def spot_loss(pod: PodStatus) -> bool:
-    """A training pod that ended by no fault of its own: preempted, or stopped before any node held
+    """A training pod that ended by no fault of its own: preempted, or stopped before its nodes held
     it. Its iteration starts again without counting a failure."""
-    return pod.preempted or (pod.waiting_for_node and pod.node_joined_at is None)
+    return pod.preempted or _short_of_nodes(pod)

@@ -470,13 +470,19 @@ def status_of(
         waiting_for_node=first_node is None,
         node_joined_at=_time(node_metadata(first_node).get("creationTimestamp")) if first_node else None,
         nodes=described.get("nodes", 1),
+        partly_placed=first_node is not None
+        and sum(bool(p["spec"].get("nodeName")) for p in _current(pods)) < described.get("nodes", 1),
     )
+
+
+def _current(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The latest pod of each index of a Job (``pods`` oldest first): of one that is not Indexed, its latest."""
+    return list({p["metadata"].get("annotations", {}).get(INDEX_ANNOTATION): p for p in pods}.values())
 
 
 def _telling(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The pod whose end tells the Job's (``pods`` oldest first): its latest. A Job of several nodes
     has a latest pod per index; of those, one its node's loss ended, else one that failed (it
     ended the Job, and the others with it), else the latest."""
-    current = list({p["metadata"].get("annotations", {}).get(INDEX_ANNOTATION): p for p in pods}.values())
-    ended = [p for p in current if pod_ended(p) and p.get("status", {}).get("phase") != "Succeeded"]
+    ended = [p for p in _current(pods) if pod_ended(p) and p.get("status", {}).get("phase") != "Succeeded"]
     return next((p for p in ended if _disrupted(p)), None) or next(iter(ended), None) or (pods[-1] if pods else None)

@@ -116,6 +116,9 @@ class PodStatus:
     waiting_for_node: bool = False
     node_joined_at: float | None = None
     nodes: int = 1  # the machines it spans (``PodSpec.nodes``), each billed: ``node_names``
+    # Kubernetes: a pod of several nodes that some of them hold and the others not yet: billed, yet
+    # not started (its nodes meet first), and on spot waiting for capacity as a pod with none does.
+    partly_placed: bool = False
 
 
 def node_names(name: str, nodes: int) -> list[str]:

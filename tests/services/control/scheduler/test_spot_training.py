@@ -103,6 +103,18 @@ def test_only_a_spot_pod_that_never_had_a_node_past_its_patience_has_waited_too_
     assert not spot_wait_expired(SPOT_T1, NOW, ESTIMATES)
 
 
+def test_a_spot_job_of_several_nodes_waits_until_it_has_them_all() -> None:
+    """Two nodes, one of which came: billed, not started; past its patience it is given up like a
+    job no node came for, and its end counts no failure."""
+    partly = dataclasses.replace(
+        WAITING_T1, nodes=2, waiting_for_node=False, node_joined_at=NOW - 400, partly_placed=True
+    )
+    assert spot_wait_expired(partly, NOW, ESTIMATES)
+    assert not spot_wait_expired(dataclasses.replace(partly, partly_placed=False), NOW, ESTIMATES)
+    stopped = dataclasses.replace(partly, phase=PodPhase.FAILED, exit_code=-15, ended_at=NOW)
+    assert spot_loss(stopped) and not spot_loss(dataclasses.replace(stopped, partly_placed=False))
+
+
 def test_the_last_zone_is_given_up_by_auto_only_and_not_while_the_rollout_waits_too() -> None:
     assert give_up_zone(spec("auto"), 0, {}, NOW, rollout_stalled=False)
     assert not give_up_zone(spec("spot"), 0, {}, NOW, rollout_stalled=False)  # spot waits

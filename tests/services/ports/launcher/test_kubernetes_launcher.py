@@ -673,6 +673,17 @@ def test_a_multi_node_jobs_status_is_told_by_the_node_that_ended_it() -> None:
     )
     crashed = status_of(job, [pod(0, 137, False), pod(1, 3, False)], lambda n: {"labels": labels}, CFG.spot_labels)
     assert (crashed.preempted, crashed.exit_code) == (False, -signal.SIGKILL)  # the first index that failed
+    assert not crashed.partly_placed  # both nodes held it
+    # Running, node 1's pod without a node yet: billed (node 0's), not started.
+    job["status"] = {"startTime": "2026-12-01T10:00:01Z"}
+    waiting = pod(1, 0, False)
+    waiting["spec"].pop("nodeName")
+    waiting["status"] = {"phase": "Pending"}
+    placed = {**pod(0, 0, False), "status": {"phase": "Running"}}
+    partly = status_of(job, [placed, waiting], lambda n: {"labels": labels}, CFG.spot_labels)
+    assert (partly.phase, partly.waiting_for_node, partly.partly_placed) == (PodPhase.RUNNING, False, True)
+    none = status_of(job, [waiting], lambda n: {"labels": labels}, CFG.spot_labels)
+    assert (none.waiting_for_node, none.partly_placed) == (True, False)
 
 
 # --- on the real API server --------------------------------------------------------------------
