@@ -20,6 +20,9 @@ default checksums takes ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``.
   ``services.domain.names.result_key``) never marks a partial folder complete.
 - ``list`` pages through ``list_objects_v2``; ``delete_prefix`` deletes a page of up to 1000
   keys per ``DeleteObjects`` request (that request's limit).
+- ``open`` reads an object as one GET's body, in the caller's parts (``get_bytes`` reads it
+  whole the same way); a body cut off midway is read on from where it stopped
+  (``services.ports.objects.s3_reader``).
 
 Errors say what failed and what to do, and never carry a secret key or session token (nor do
 botocore's debug log lines, which would: the ``botocore`` logger is kept at INFO): an
