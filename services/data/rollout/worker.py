@@ -77,17 +77,21 @@ def rollout_engine(spec: RunSpec, policy: Policy) -> HFEngine | VLLMEngine:
     return build_vllm_engine(spec, policy)
 
 
-def serve_version(engine: HFEngine | VLLMEngine, policy: Policy, local: Path) -> None:
-    """Make ``engine`` sample from the policy version saved at ``local``. vLLM reads it from disk
-    itself: adapters swapped per request, full weights reloaded in its engine process; hf loads
-    it into the one model ``policy`` holds: a new version never costs a second copy."""
+def serve_version(
+    engine: HFEngine | VLLMEngine, policy: Policy, objects: ObjectStore, run_id: str, version: int, model_cache: Path
+) -> None:
+    """Make ``engine`` sample from the run's policy ``version``. vLLM reads it from a local copy
+    (`policy_dir`) itself: adapters swapped per request, full weights reloaded in its engine
+    process; hf streams it from the store into the one model ``policy`` holds, shard by shard
+    (`load_version`): a new version never costs a second copy."""
     if isinstance(engine, VLLMEngine):
+        local = policy_dir(objects, run_id, version, model_cache)
         if is_adapter_dir(local):
             engine.set_lora(local)
         else:
             engine.load_weights_from(local)
     else:
-        policy.model = load_version(policy.model, local).eval()
+        policy.model = load_version(policy.model, objects, run_id, version, model_cache).eval()
         engine.set_model(policy.model)
 
 
@@ -286,7 +290,7 @@ class RolloutWorker:
             self._policy.model.eval()
             self.engine = rollout_engine(self.spec, self._policy)
         if version > 0:
-            serve_version(self.engine, self._policy, policy_dir(self.objects, self.run_id, version, self.model_cache))
+            serve_version(self.engine, self._policy, self.objects, self.run_id, version, self.model_cache)
         self.version = version
         log.info("worker %s serving policy v%d", self.worker_id, version)
 

@@ -40,8 +40,12 @@ class LocalObjectStore:
             self._put(key, lambda out: shutil.copyfileobj(src, out))
 
     def get_bytes(self, key: str) -> bytes:
+        with self.open(key) as stream:
+            return stream.read()
+
+    def open(self, key: str) -> BinaryIO:
         try:
-            return self._path(key).read_bytes()
+            return self._path(key).open("rb")
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectNotFoundError(f"no object {key!r} in {self.root}", key) from None
 

@@ -1,4 +1,5 @@
-"""The object store port: whole objects by '/'-separated key (S3 semantics).
+"""The object store port: objects by '/'-separated key (S3 semantics), written whole, read
+whole or as a stream (``open``: a multi-GB object read front to back, never held whole).
 
 ``list`` and ``delete_prefix`` match keys by plain string prefix, as S3 does, so
 ``delete_prefix("runs/r/v1")`` also deletes ``runs/r/v10/...``: end a folder's prefix with '/'.
@@ -13,8 +14,9 @@ Adapters: ``LocalObjectStore`` (a directory) and ``services.ports.objects.s3_obj
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class ObjectNotFoundError(KeyError):
@@ -29,6 +31,15 @@ class ObjectNotFoundError(KeyError):
         return str(self.args[0])
 
 
+class ObjectReader(Protocol):
+    """An object being read (``ObjectStore.open``): ``read(n)`` gives its next n bytes at most,
+    ``readinto(buffer)`` fills buffer likewise; both give b""/0 at its end."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: Any, /) -> int: ...
+
+
 class ObjectStore(Protocol):
     def put_bytes(self, key: str, data: bytes) -> None:
         """Store ``data`` at ``key``; readers see the old object or the whole new one, never a part."""
@@ -41,6 +52,11 @@ class ObjectStore(Protocol):
 
     def get_bytes(self, key: str) -> bytes:
         """The object at ``key``; ObjectNotFoundError if there is none."""
+        ...
+
+    def open(self, key: str) -> AbstractContextManager[ObjectReader]:
+        """The object at ``key`` to read front to back, as a file opened "rb" is read, in parts
+        of the caller's size; ObjectNotFoundError if there is none. Use it in a ``with`` block."""
         ...
 
     def exists(self, key: str) -> bool: ...

@@ -20,6 +20,9 @@ default checksums takes ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``.
   ``services.domain.names.result_key``) never marks a partial folder complete.
 - ``list`` pages through ``list_objects_v2``; ``delete_prefix`` deletes a page of up to 1000
   keys per ``DeleteObjects`` request (that request's limit).
+- ``open`` reads an object as one GET's body, in the caller's parts (``get_bytes`` reads it
+  whole the same way); a body cut off midway is read on from where it stopped
+  (``services.ports.objects.s3_reader``).
 
 Errors say what failed and what to do, and never carry a secret key or session token (nor do
 botocore's debug log lines, which would: the ``botocore`` logger is kept at INFO): an
@@ -43,12 +46,7 @@ from urllib.parse import urlsplit
 import boto3
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    IncompleteReadError,
-    ResponseStreamingError,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 from s3transfer.exceptions import RetriesExceededError
 
 from services.ports.objects.object_store import (
@@ -63,6 +61,7 @@ from services.ports.objects.s3_errors import (
     s3_error,
     scrub,
 )
+from services.ports.objects.s3_reader import S3Reader
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -199,28 +198,17 @@ class S3ObjectStore:
         self._upload(str(path), self._name(key), key)
 
     def get_bytes(self, key: str) -> bytes:
+        with self.open(key) as body:
+            return body.read()
+
+    def open(self, key: str) -> S3Reader:
         name = self._name(key)
-
-        def read() -> bytes:
-            return self._client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
-
-        # A body cut off midway is read again: botocore retries requests, not the stream after them.
-        attempt = 1
-        while True:
-            try:
-                return self._call("GetObject", key, read)
-            except ObjectStoreUnavailableError as err:
-                cut_off = err.code in (ResponseStreamingError.__name__, IncompleteReadError.__name__)
-                if not cut_off or attempt == self.max_attempts:
-                    raise
-            log.warning(
-                "reading s3://%s/%s was cut off (attempt %d of %d); reading it again",
-                self.bucket,
-                name,
-                attempt,
-                self.max_attempts,
-            )
-            attempt += 1
+        return S3Reader(
+            lambda **extra: self._client.get_object(Bucket=self.bucket, Key=name, **extra),
+            lambda request: self._call("GetObject", key, request),
+            attempts=self.max_attempts,
+            name=f"s3://{self.bucket}/{name}",
+        )
 
     def exists(self, key: str) -> bool:
         name = self._name(key)

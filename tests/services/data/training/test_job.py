@@ -11,7 +11,7 @@ import torch
 
 from contracts.job_result import JobResult
 from contracts.samples import Sample, encode_group
-from services.data.policy_store import fetch_policy, load_version, policy_dir
+from services.data.policy_store import fetch_policy, load_version
 from services.data.training.job import run_training_job
 from services.domain.names import (
     TRAINER_GROUP,
@@ -122,7 +122,7 @@ def test_lora_runs_publish_adapters_and_continue_training_them(world) -> None:
     served = load_policy("tiny", cache_dir=models).model
     base_storage = {n: p.data_ptr() for n, p in served.named_parameters()}
     for version in (1, 2):
-        served = load_version(served, policy_dir(objects, RUN, version, models))
+        served = load_version(served, objects, RUN, version, models)
     assert is_lora(served) and not any(p.requires_grad for p in served.parameters())
     assert {
         n.removeprefix("base_model.model.").replace(".base_layer", ""): p.data_ptr()
@@ -149,7 +149,7 @@ def test_a_worker_loads_full_weight_versions_into_its_model_in_place(world) -> N
     served = load_policy("tiny", cache_dir=models).model
     storage = [p.data_ptr() for p in served.parameters()]
     for version in (1, 2):
-        assert load_version(served, policy_dir(objects, RUN, version, models)) is served
+        assert load_version(served, objects, RUN, version, models) is served
     assert [p.data_ptr() for p in served.parameters()] == storage
     want = fetch_policy(objects, RUN, 2, base_model="tiny", model_cache=models).model.state_dict()
     initial = load_policy("tiny", cache_dir=models).model.state_dict()

@@ -1,4 +1,4 @@
-"""The contract every ObjectStore adapter passes; production adapters join ADAPTERS.
+"""The contract every ObjectStore adapter passes (the adapters: tests/services/ports/objects/adapters.py).
 
 Beyond each method's own: a policy version is published as files, then a marker that says so
 (``services.domain.names.result_key``), and read only once the marker is there. That holds because
@@ -16,14 +16,7 @@ import pytest
 
 from services.ports.objects.local_object_store import LocalObjectStore
 from services.ports.objects.object_store import ObjectNotFoundError, ObjectStore
-from services.ports.objects.s3_object_store import S3ObjectStore
-
-# adapter name -> (the test's request, for a server fixture; a folder for its state) -> a client.
-# Called twice in a test, it gives two clients of the same store.
-ADAPTERS: dict[str, Callable[[pytest.FixtureRequest, Path], ObjectStore]] = {
-    "local": lambda request, root: LocalObjectStore(root / "objects"),
-    "s3": lambda request, root: S3ObjectStore.from_url(request.getfixturevalue("s3_bucket").url),  # tests/servers/s3.py
-}
+from tests.services.ports.objects.adapters import ADAPTERS
 
 
 @pytest.fixture(params=sorted(ADAPTERS))
@@ -56,6 +49,21 @@ def test_put_file_stores_the_file_as_it_is(store: ObjectStore, tmp_path: Path) -
     assert store.list("") == ["datasets/d.jsonl"]
     with pytest.raises(ValueError):
         store.put_file("../escape", source)
+
+
+def test_open_reads_an_object_front_to_back_in_parts(store: ObjectStore) -> None:
+    data = bytes(range(256)) * 4096 * 3 + b"end"  # 3 MiB and a tail
+    store.put_bytes("runs/r/v1/model.safetensors", data)
+    buffer = bytearray(1 << 20)
+    with store.open("runs/r/v1/model.safetensors") as stream:
+        head = stream.read(1000)
+        filled = stream.readinto(memoryview(buffer))
+        rest = stream.read()
+        assert stream.read(10) == b"" and stream.readinto(memoryview(buffer)) == 0
+    assert len(head) == 1000 and 0 < filled <= len(buffer)
+    assert head + buffer[:filled] + rest == data
+    with pytest.raises(ObjectNotFoundError, match="runs/none"):
+        store.open("runs/none")
 
 
 def test_a_missing_object_is_an_error_naming_the_key(store: ObjectStore) -> None:

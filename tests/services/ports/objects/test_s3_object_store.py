@@ -5,9 +5,11 @@ never a secret. Against moto's S3 server (tests/servers/s3.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 import traceback
@@ -318,3 +320,60 @@ def test_errors_say_what_to_do_and_show_no_secret(
         errors.append(in_url.value)
 
     assert_no_secret(s3_bucket, *errors, logs=caplog.text, also=writer_secret)
+
+
+# --- reading ------------------------------------------------------------------------------
+class CuttingProxy:
+    """A loopback TCP proxy to the S3 server that cuts its first connection whose answers pass
+    ``cut_after`` bytes: a body broken off midway, as a dropped connection leaves it."""
+
+    def __init__(self, upstream_port: int, cut_after: int) -> None:
+        self.cut_after, self.cuts = cut_after, 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._upstream_port = upstream_port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self._listener.accept()
+            server = socket.create_connection(("127.0.0.1", self._upstream_port))
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, target: socket.socket, answers: bool) -> None:
+        sent = 0
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                if answers and not self.cuts and sent + len(data) > self.cut_after:
+                    self.cuts += 1
+                    target.sendall(data[: self.cut_after - sent])
+                    break
+                target.sendall(data)
+                sent += len(data)
+        for sock in (source, target):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_a_body_cut_off_midway_is_read_on_from_where_it_stopped(
+    s3_bucket: S3Bucket, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = secrets.token_bytes(3 * MiB)
+    S3ObjectStore.from_url(s3_bucket.url).put_bytes("runs/r/policy/v1/model.safetensors", data)
+    proxy = CuttingProxy(s3_bucket.server.port, cut_after=MiB)
+    try:
+        store = S3ObjectStore.from_url(s3_bucket.url, endpoint_url=proxy.url)
+        with caplog.at_level(logging.WARNING), store.open("runs/r/policy/v1/model.safetensors") as stream:
+            parts = []
+            while part := stream.read(256 * 1024):
+                parts.append(part)
+    finally:
+        proxy.close()
+    assert proxy.cuts == 1
+    assert b"".join(parts) == data
+    assert any("was cut off at byte" in r.getMessage() for r in caplog.records), "it did not read on"
