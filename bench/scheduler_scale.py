@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import random
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Iterator
