@@ -11,7 +11,7 @@ history), the store's size, and the p99 of ``GET /v1/runs/{id}`` through the API
     PYTHONPATH=$PWD .venv/bin/python bench/scheduler_scale.py             # 10 and 100 runs
     PYTHONPATH=$PWD .venv/bin/python bench/scheduler_scale.py --runs 1000 --store postgresql
 
-``--kafka`` prints the partitions the runs' topics take on a Kafka cluster instead.
+``--kafka`` prints the partitions the runs' topics take on a Kafka cluster instead, from the layout.
 """
 
 from __future__ import annotations
@@ -175,11 +175,21 @@ def settings_for(home: Path, state_url: str | None) -> Settings:
     return Settings(home=home, state_url=state_url, data_dirs=str(home / "data"), lease_seconds=3600.0)
 
 
-def kafka_partitions(runs: int) -> None:
-    from services.domain.names import prompts_topic, samples_topic
+# Kafka's guidance (KIP-578): at most about 4,000 partition replicas a broker and 200,000 a cluster;
+# KRaft raises the cluster's bound, not a broker's.
+PARTITIONS_PER_BROKER = 4_000
 
-    topics = {prompts_topic("r"), samples_topic("r")}
-    print(f"{runs} runs: {len(topics)} topics a run, {runs * len(topics)} topics")
+
+def kafka_partitions(runs: int, max_workers: int, replication: int) -> str:
+    """The partitions the runs' topics take, from the layout ``StartRun`` creates (a prompts and a
+    samples topic a run, ``rollout.max_workers`` partitions each), and the brokers they need."""
+    partitions = runs * 2 * max_workers
+    replicas = partitions * replication
+    brokers = -(-replicas // PARTITIONS_PER_BROKER)
+    return (
+        f"{runs} runs x 2 topics x {max_workers} partitions = {partitions} partitions; x{replication} replicas = "
+        f"{replicas} partition replicas: at least {brokers} brokers at {PARTITIONS_PER_BROKER} a broker"
+    )
 
 
 def main() -> None:
@@ -189,7 +199,14 @@ def main() -> None:
     parser.add_argument("--history", type=int, nargs="+", default=[0, 50], help="past iterations per run")
     parser.add_argument("--ticks", type=int, default=5, help="ticks timed per size")
     parser.add_argument("--gets", type=int, default=100, help="GET /v1/runs/{id} timed per size")
+    parser.add_argument("--kafka", action="store_true", help="print the Kafka partitions of the runs instead")
+    parser.add_argument("--max-workers", type=int, default=10, help="with --kafka: rollout.max_workers of each run")
+    parser.add_argument("--replication", type=int, default=3, help="with --kafka: the topics' replication factor")
     args = parser.parse_args()
+    if args.kafka:
+        for runs in args.runs:
+            print(kafka_partitions(runs, args.max_workers, args.replication))
+        return
     print(HEADER, flush=True)
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(postgres_server()) if "postgresql" in args.store else None
