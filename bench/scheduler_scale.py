@@ -4,7 +4,7 @@ For each store (SQLite, and PostgreSQL: a real server started as the tests start
 number of active runs, the bench stores the runs as the API does, gives each one a past
 (``--history`` trained iterations, a ledger entry per training job), and lets the real scheduler
 tick: its launcher is the scheduler tests' ``ScriptedLauncher`` (pods that run nothing; each run
-keeps its rollout workers and a training job), its queue and object store the embedded ones.
+keeps its WORKERS rollout workers), its queue and object store the embedded ones.
 It prints, per size: the tick's p50 and p99, the tick per run (flat when no tick reads all
 history), the store's size, and the p99 of ``GET /v1/runs/{id}`` through the API app in-process.
 
@@ -35,7 +35,7 @@ from services.ports.state.state_store import StateStore
 from services.ports.wiring import Backends, open_backends
 from tests.services.control.scheduler.conftest import ScriptedLauncher, submit_run
 
-WORKERS = 4  # rollout workers per run: with its training job, five pods a run
+WORKERS = 4  # rollout workers per run: its pods
 SPEC = RunSpec.model_validate(
     {
         "model": "tiny",
