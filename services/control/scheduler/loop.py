@@ -25,7 +25,7 @@ from services.control.scheduler import plan as p
 from services.control.scheduler.apply import Applier
 from services.control.scheduler.deadline import SpotProgress
 from services.control.scheduler.lease import Leadership
-from services.control.scheduler.policies import Estimates, measured
+from services.control.scheduler.policies import JOB_SECONDS_WINDOW, Estimates, measured
 from services.control.scheduler.pool_options import worker_prices
 from services.control.scheduler.run_state import EvalState, Observed, RunState, training_ended_at
 from services.control.scheduler.spot_training import SpotTrainingRecord, TrainingPrices, spot_zones
@@ -288,7 +288,7 @@ class Scheduler:
             evals_published=frozenset(v for v in ended_evals if self.b.objects.exists(eval_result_key(row.id, v))),
             estimates=measured(
                 [(w.samples_produced, w.generation_seconds) for w in stats],
-                [it.seconds for it in self.b.state.iterations(row.id)],
+                self.b.state.recent_job_seconds(row.id, JOB_SECONDS_WINDOW),
             )
             if measure
             else Estimates(None, None),

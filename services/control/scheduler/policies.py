@@ -270,14 +270,18 @@ POLICIES: dict[CostPolicy, Policy] = {
 }
 
 
+# The jobs whose seconds estimate the next one's: the last few (a job's time changes little between batches).
+JOB_SECONDS_WINDOW = 5
+
+
 def measured(
     generated: list[tuple[int, float]], job_seconds: list[float], startup_seconds: float = DEFAULT_STARTUP_SECONDS
 ) -> Estimates:
     """The run's estimates from its workers' (samples, generation seconds) and its jobs' seconds
-    (the last few: a job's time changes little between batches)."""
+    (the last JOB_SECONDS_WINDOW of them, in order; earlier ones are ignored)."""
     samples = sum(s for s, _ in generated)
     seconds = sum(t for _, t in generated)
-    recent = job_seconds[-5:]
+    recent = job_seconds[-JOB_SECONDS_WINDOW:]
     return Estimates(
         rollout_samples_per_s=samples / seconds if samples and seconds > 0 else None,
         training_seconds=sum(recent) / len(recent) if recent else None,

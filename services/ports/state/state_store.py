@@ -507,6 +507,14 @@ class StateStore(LedgerQueries, EvalQueries):
             query = select(IterationRow).where(IterationRow.run_id == run_id, IterationRow.iteration > after)
             return list(s.scalars(query.order_by(IterationRow.iteration).limit(limit)))
 
+    def recent_job_seconds(self, run_id: str, count: int) -> list[float]:
+        """The seconds of the run's last ``count`` iterations, oldest first: one bounded read, however
+        long the run's history (the scheduler reads it every tick)."""
+        with self._session() as s:
+            query = select(IterationRow.seconds).where(IterationRow.run_id == run_id)
+            latest = list(s.scalars(query.order_by(IterationRow.iteration.desc()).limit(count)))
+        return latest[::-1]
+
     def reward_url(self, run_id: str) -> str | None:
         """Where the run's reward server listens now, as it last said; None before it has (a
         column alone: rollout workers ask before every batch)."""
