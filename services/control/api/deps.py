@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
@@ -31,10 +32,6 @@ async def get_catalog(request: Request) -> PriceCatalog:
     return request.app.state.catalog
 
 
-async def get_kept(request: Request) -> Kept:
-    return request.app.state.kept
-
-
 async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
@@ -51,9 +48,7 @@ async def get_upload_slots(request: Request) -> UploadSlots:
     return slots
 
 
-async def get_principal(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
-) -> Principal:
+def _principal(request: Request, credentials: HTTPAuthorizationCredentials | None) -> Principal:
     """The caller of a token in the tokens file; everyone is the admin when there is none."""
     tokens: TokenBook | None = request.app.state.tokens
     if tokens is None:
@@ -68,6 +63,32 @@ async def get_principal(
     return principal
 
 
+async def get_principal(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Principal:
+    return _principal(request, credentials)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling, and what the app built at start-up that the runs' routes read."""
+
+    principal: Principal
+    backends: Backends
+    catalog: PriceCatalog
+    kept: Kept
+    settings: Settings
+
+
+async def get_caller(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Caller:
+    """The caller and the app's parts in one dependency: FastAPI spends some 25 us of CPU solving
+    each dependency of each request, a tenth of what reading a kept run costs."""
+    state = request.app.state
+    return Caller(_principal(request, credentials), state.backends, state.catalog, state.kept, state.settings)
+
+
 async def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     if not principal.admin:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "this needs an admin token")
@@ -75,8 +96,8 @@ async def require_admin(principal: Annotated[Principal, Depends(get_principal)])
 
 
 BackendsDep = Annotated[Backends, Depends(get_backends)]
-KeptDep = Annotated[Kept, Depends(get_kept)]
 CatalogDep = Annotated[PriceCatalog, Depends(get_catalog)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 UploadSlotsDep = Annotated[UploadSlots, Depends(get_upload_slots)]
