@@ -27,11 +27,14 @@ import uvicorn
 from services.cli.common import load_settings, start_logging
 
 
-def serve_workers(*, host: str, port: int, workers: int, scheduler: bool) -> int:
+def serve_workers(*, host: str, port: int, workers: int, scheduler: bool, access_log: bool) -> int:
     """Serve on ``host:port`` from ``workers`` processes until they are stopped; the exit status."""
     sock = uvicorn.Config(app=None, host=host, port=port).bind_socket()  # type: ignore[arg-type]
     spawn = multiprocessing.get_context("spawn")
-    procs = [spawn.Process(target=_worker, args=(sock, scheduler and i == 0), name=f"api-{i}") for i in range(workers)]
+    procs = [
+        spawn.Process(target=_worker, args=(sock, scheduler and i == 0, access_log), name=f"api-{i}")
+        for i in range(workers)
+    ]
     for proc in procs:
         proc.start()
     sock.close()  # the workers hold it
@@ -64,7 +67,7 @@ def _signal_all(procs: list[BaseProcess], signum: int) -> None:
                 os.kill(proc.pid, signum)
 
 
-def _worker(sock: socket.socket, with_scheduler: bool) -> None:
+def _worker(sock: socket.socket, with_scheduler: bool, access_log: bool) -> None:
     """One API process: the app on the shared socket (SPOTRL_HOME and the settings come from the parent's environment)."""
     from services.control.api.http_server import uvicorn_options
     from services.control.api.main import create_app
@@ -72,5 +75,5 @@ def _worker(sock: socket.socket, with_scheduler: bool) -> None:
     settings = load_settings(None)
     start_logging()
     app = create_app(settings, with_scheduler=with_scheduler)
-    config = uvicorn.Config(app, log_level="info", **uvicorn_options(settings))  # type: ignore[arg-type]
+    config = uvicorn.Config(app, log_level="info", **uvicorn_options(settings, access_log=access_log))  # type: ignore[arg-type]
     uvicorn.Server(config).run(sockets=[sock])
