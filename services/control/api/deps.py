@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Annotated
+from functools import partial
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -19,6 +23,7 @@ from services.ports.wiring import Backends
 bearer = HTTPBearer(
     scheme_name="bearer", auto_error=False, description="A token the operator issued with `spotrl token add`."
 )
+T = TypeVar("T")
 UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="spotrl"'}
 
 
@@ -78,6 +83,11 @@ class Caller:
     catalog: PriceCatalog
     kept: Kept
     settings: Settings
+    threads: Executor  # of the routes' blocking work
+
+    async def run(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """``fn(**kwargs)`` on one of the app's threads: the state store's calls block."""
+        return await asyncio.get_running_loop().run_in_executor(self.threads, partial(fn, **kwargs))
 
 
 async def get_caller(
@@ -86,7 +96,9 @@ async def get_caller(
     """The caller and the app's parts in one dependency: FastAPI spends some 25 us of CPU solving
     each dependency of each request, a tenth of what reading a kept run costs."""
     state = request.app.state
-    return Caller(_principal(request, credentials), state.backends, state.catalog, state.kept, state.settings)
+    return Caller(
+        _principal(request, credentials), state.backends, state.catalog, state.kept, state.settings, state.threads
+    )
 
 
 async def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:

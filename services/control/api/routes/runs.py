@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, status
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
 
 from services.control.api import service
@@ -35,7 +34,7 @@ MAX_TAIL = 2000
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic, responses=errors(400, 413))
 async def create_run(spec: SubmittedRunSpec, caller: CallerDep) -> RunPublic:
-    return await run_in_threadpool(
+    return await caller.run(
         service.create_run, backends=caller.backends, settings=caller.settings, principal=caller.principal, spec=spec
     )
 
@@ -46,7 +45,7 @@ async def list_runs(
     limit: Annotated[int, Query(ge=1, le=200, description="Runs per page.")] = 50,
     cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
 ) -> RunsPublic:
-    return await run_in_threadpool(
+    return await caller.run(
         service.list_runs,
         backends=caller.backends,
         catalog=caller.catalog,
@@ -70,7 +69,7 @@ async def get_run(
         ),
     ] = service.DEFAULT_ITERATIONS_SHOWN,
 ) -> RunPublic:
-    return await run_in_threadpool(
+    return await caller.run(
         service.get_run,
         backends=caller.backends,
         catalog=caller.catalog,
@@ -83,7 +82,7 @@ async def get_run(
 
 @router.post("/{run_id}/cancel", response_model=RunPublic, responses=errors(404, 409))
 async def cancel_run(run_id: RunId, caller: CallerDep) -> RunPublic:
-    return await run_in_threadpool(
+    return await caller.run(
         service.cancel_run,
         backends=caller.backends,
         catalog=caller.catalog,
@@ -103,7 +102,7 @@ async def run_cost(
     cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
 ) -> CostPublic:
     """The run's bill (totals over its whole ledger) and one page of its ledger entries."""
-    return await run_in_threadpool(
+    return await caller.run(
         service.run_cost,
         backends=caller.backends,
         catalog=caller.catalog,
@@ -119,7 +118,7 @@ async def run_cost(
 async def run_report(run_id: RunId, caller: CallerDep) -> HTMLResponse:
     """The run's report page: one self-contained HTML page (reward by iteration, cumulative cost
     against always-on and the lower bound, pod timelines with preemptions marked) that loads nothing."""
-    page = await run_in_threadpool(
+    page = await caller.run(
         service.run_report, backends=caller.backends, catalog=caller.catalog, principal=caller.principal, run_id=run_id
     )
     return HTMLResponse(page, headers={"Content-Security-Policy": CSP})
@@ -128,9 +127,7 @@ async def run_report(run_id: RunId, caller: CallerDep) -> HTMLResponse:
 @router.get("/{run_id}/pods", response_model=PodsPublic, responses=errors(404))
 async def run_pods(run_id: RunId, caller: CallerDep) -> PodsPublic:
     """The run's pods that have a log: running, or ended (their log kept by the scheduler)."""
-    return await run_in_threadpool(
-        service.run_pods, backends=caller.backends, principal=caller.principal, run_id=run_id
-    )
+    return await caller.run(service.run_pods, backends=caller.backends, principal=caller.principal, run_id=run_id)
 
 
 @router.get("/{run_id}/pods/{pod}/logs", response_model=PodLogPublic, responses=errors(404))
@@ -141,6 +138,6 @@ async def pod_logs(
     tail: Annotated[int, Query(ge=1, le=MAX_TAIL, description="Lines from the end of the log.")] = 100,
 ) -> PodLogPublic:
     """The last lines of a pod's log, from the launcher while it has the pod, else as kept when it ended."""
-    return await run_in_threadpool(
+    return await caller.run(
         service.pod_log, backends=caller.backends, principal=caller.principal, run_id=run_id, pod=pod, tail=tail
     )
