@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import partial
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -18,6 +23,7 @@ from services.ports.wiring import Backends
 bearer = HTTPBearer(
     scheme_name="bearer", auto_error=False, description="A token the operator issued with `spotrl token add`."
 )
+T = TypeVar("T")
 UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="spotrl"'}
 
 
@@ -29,10 +35,6 @@ async def get_backends(request: Request) -> Backends:
 
 async def get_catalog(request: Request) -> PriceCatalog:
     return request.app.state.catalog
-
-
-async def get_kept(request: Request) -> Kept:
-    return request.app.state.kept
 
 
 async def get_settings(request: Request) -> Settings:
@@ -51,9 +53,7 @@ async def get_upload_slots(request: Request) -> UploadSlots:
     return slots
 
 
-async def get_principal(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
-) -> Principal:
+def _principal(request: Request, credentials: HTTPAuthorizationCredentials | None) -> Principal:
     """The caller of a token in the tokens file; everyone is the admin when there is none."""
     tokens: TokenBook | None = request.app.state.tokens
     if tokens is None:
@@ -68,6 +68,39 @@ async def get_principal(
     return principal
 
 
+async def get_principal(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Principal:
+    return _principal(request, credentials)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling, and what the app built at start-up that the runs' routes read."""
+
+    principal: Principal
+    backends: Backends
+    catalog: PriceCatalog
+    kept: Kept
+    settings: Settings
+    threads: Executor  # of the routes' blocking work
+
+    async def run(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """``fn(**kwargs)`` on one of the app's threads: the state store's calls block."""
+        return await asyncio.get_running_loop().run_in_executor(self.threads, partial(fn, **kwargs))
+
+
+async def get_caller(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Caller:
+    """The caller and the app's parts in one dependency: FastAPI spends some 25 us of CPU solving
+    each dependency of each request, a tenth of what reading a kept run costs."""
+    state = request.app.state
+    return Caller(
+        _principal(request, credentials), state.backends, state.catalog, state.kept, state.settings, state.threads
+    )
+
+
 async def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     if not principal.admin:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "this needs an admin token")
@@ -75,8 +108,8 @@ async def require_admin(principal: Annotated[Principal, Depends(get_principal)])
 
 
 BackendsDep = Annotated[Backends, Depends(get_backends)]
-KeptDep = Annotated[Kept, Depends(get_kept)]
 CatalogDep = Annotated[PriceCatalog, Depends(get_catalog)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 UploadSlotsDep = Annotated[UploadSlots, Depends(get_upload_slots)]

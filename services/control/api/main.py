@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import anyio.to_thread
@@ -31,8 +32,11 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The threads that run the routes' blocking work: few, since they share one GIL and the
-        # state store's connection pool, and more only queue on those.
+        # state store's connection pool, and more only queue on those. The runs' routes hand their
+        # work to a plain executor (a call costs half what it does through anyio's worker
+        # threads); uploads and the health routes use anyio's, held to as many.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        app.state.threads = ThreadPoolExecutor(settings.api_threads, thread_name_prefix="api")
         backends = open_backends(settings)
         app.state.backends = backends
         app.state.catalog = open_prices(settings)
@@ -52,6 +56,7 @@ def create_app(settings: Settings | None = None, *, with_scheduler: bool = True)
             stop.set()
             if app.state.scheduler_thread is not None:
                 app.state.scheduler_thread.join(timeout=30)
+            app.state.threads.shutdown(wait=True)  # no request's work left on the backends
             backends.close()
 
     app = FastAPI(

@@ -402,10 +402,13 @@ class StateStore(LedgerQueries, EvalQueries):
         with self._write() as s:
             return _begin_ending(_locked_run(s, run_id), status, reason)
 
-    def request_cancel(self, run_id: str) -> RunRow:
-        """Cancel a run: it reads CANCELLING while the scheduler stops its pods, then CANCELLED."""
+    def request_cancel(self, run_id: str, *, tenant: str | None = None) -> RunRow:
+        """Cancel a run: it reads CANCELLING while the scheduler stops its pods, then CANCELLED.
+        With ``tenant``, a run of another tenant is not found (RunNotFoundError), and left as it is."""
         with self._write() as s:
             row = _locked_run(s, run_id)
+            if tenant is not None and row.tenant != tenant:
+                raise RunNotFoundError(run_id)
             current = RunStatus(row.status)
             if current.is_terminal():
                 raise IllegalTransitionError(f"run {run_id} is already {row.status}; there is nothing to cancel")
