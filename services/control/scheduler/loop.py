@@ -47,7 +47,7 @@ from services.domain.names import (
 from services.domain.runspec import CostPolicy, RunSpec
 from services.ports.prices.catalog import PriceCatalog
 from services.ports.state.state_schema import RunRow
-from services.ports.state.state_store import EvalProgress
+from services.ports.state.state_store import EvalProgress, ReconcileReads
 from services.ports.wiring import Backends, open_prices
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,7 @@ class Scheduler:
         self._trouble = {run_id: t for run_id, t in self._trouble.items() if run_id in runs}
         for run_id in self._spot_progress.keys() - runs.keys():
             del self._spot_progress[run_id]
+        reads = self.b.state.reconcile_reads(list(runs), JOB_SECONDS_WINDOW)
         for row in runs.values():
             if not self.leadership.leads():  # this tick outlasted the lease: a new leader may be acting
                 return
@@ -155,7 +156,7 @@ class Scheduler:
             if trouble is not None and time.monotonic() < trouble.retry_at:
                 continue
             try:
-                self.reconcile(row, pods_by_run.get(row.id, []))
+                self.reconcile(row, pods_by_run.get(row.id, []), reads[row.id])
             except TemporaryError as e:
                 self._retry_later(row, e)
             except PermanentError as e:
@@ -211,11 +212,13 @@ class Scheduler:
         if row.last_error != standing:
             self.b.state.update_run(row.id, last_error=standing)
 
-    def reconcile(self, row: RunRow, pods: list) -> list[p.Action]:
+    def reconcile(self, row: RunRow, pods: list, reads: ReconcileReads | None = None) -> list[p.Action]:
+        """Plan and apply the run's actions; ``reads``: its rows as the tick read them for all runs
+        (else read for it alone)."""
         spec = RunSpec.from_stored(row.spec)
         state = RunState.of(row, spec, **self._eval_state(row, spec))
         measure = spec.cost_policy == CostPolicy.COST_AWARE or spec.training.capacity == TrainingCapacity.AUTO
-        observed = self.observe(row, pods, spec, measure=measure)
+        observed = self.observe(row, pods, spec, measure=measure, reads=reads)
         actions = p.plan(state, observed)
         self._log_decisions(row.id, actions, observed)
         for action in actions:
@@ -259,21 +262,25 @@ class Scheduler:
             ", ".join(f"{pod.name}:{pod.phase}" for pod in observed.pods) or "none",
         )
 
-    def observe(self, row: RunRow, pods: list, spec: RunSpec, measure: bool = True) -> Observed:
-        """The run's world now, for its spec ``spec``. ``measure``: with the estimates of its rollout
-        rate and job time (two more queries a tick), which the cost-aware policy and
-        ``training.capacity: auto`` read."""
+    def observe(
+        self, row: RunRow, pods: list, spec: RunSpec, measure: bool = True, reads: ReconcileReads | None = None
+    ) -> Observed:
+        """The run's world now, for its spec ``spec``, from ``reads`` (read for the run alone if
+        None). ``measure``: with the estimates of its rollout rate and job time, which the
+        cost-aware policy and ``training.capacity: auto`` read."""
+        if reads is None:
+            reads = self.b.state.reconcile_reads([row.id], JOB_SECONDS_WINDOW)[row.id]
         group_size = spec.samples_per_prompt
         now = time.time()
         started = row.started_at is not None  # its topics exist (a run cancelled while PENDING has none)
-        ledger = self.b.state.ledger(row.id)
+        ledger = reads.ledger
         price = self.catalog.get(spec.training.instance_type)
         ended_jobs = [
             int(pod.labels["iteration"]) for pod in pods if pod.role == ROLE_TRAINING and pod.phase.is_terminal()
         ]
         ended_evals = [int(pod.labels["version"]) for pod in pods if pod.role == ROLE_EVAL and pod.phase.is_terminal()]
         backlog = sample_backlog(self.b.queue, row.id, group_size) if started else SampleBacklog(0, 0, 0)
-        stats = self.b.state.worker_stats(row.id) if measure else []
+        stats = reads.worker_stats if measure else []
         return Observed(
             pods=pods,
             prompt_backlog=self.b.queue.backlog(prompts_topic(row.id), ROLLOUT_GROUP) if started else 0,
@@ -288,7 +295,7 @@ class Scheduler:
             evals_published=frozenset(v for v in ended_evals if self.b.objects.exists(eval_result_key(row.id, v))),
             estimates=measured(
                 [(w.samples_produced, w.generation_seconds) for w in stats],
-                self.b.state.recent_job_seconds(row.id, JOB_SECONDS_WINDOW),
+                reads.job_seconds,
             )
             if measure
             else Estimates(None, None),

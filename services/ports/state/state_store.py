@@ -23,7 +23,7 @@ write outside any transaction.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -62,12 +62,22 @@ __all__ = [
     "KnownLedgers",
     "LedgerEntry",
     "LedgerStamp",
+    "ReconcileReads",
     "RunColumns",
     "RunNotFoundError",
     "RunStamp",
     "RunView",
     "StateStore",
 ]
+
+
+@dataclass
+class ReconcileReads:
+    """A run's rows the scheduler's tick reads (``StateStore.reconcile_reads``)."""
+
+    ledger: list[LedgerEntry] = field(default_factory=list)
+    worker_stats: list[WorkerStatsRow] = field(default_factory=list)
+    job_seconds: list[float] = field(default_factory=list)  # the last iterations', oldest first
 
 
 class IllegalTransitionError(Exception):
@@ -510,13 +520,30 @@ class StateStore(LedgerQueries, EvalQueries):
             query = select(IterationRow).where(IterationRow.run_id == run_id, IterationRow.iteration > after)
             return list(s.scalars(query.order_by(IterationRow.iteration).limit(limit)))
 
-    def recent_job_seconds(self, run_id: str, count: int) -> list[float]:
-        """The seconds of the run's last ``count`` iterations, oldest first: one bounded read, however
-        long the run's history (the scheduler reads it every tick)."""
+    def reconcile_reads(self, run_ids: Sequence[str], job_window: int) -> dict[str, ReconcileReads]:
+        """What the scheduler reads of each run every tick, for all of ``run_ids`` in three
+        queries, however many runs: ledgers, rollout workers' counters, and the seconds of each
+        run's last ``job_window`` iterations (bounded by the run's last iteration number, so a long
+        history is not read)."""
+        reads = {run_id: ReconcileReads() for run_id in run_ids}
+        if not reads:
+            return reads
+        ids = list(reads)
         with self._session() as s:
-            query = select(IterationRow.seconds).where(IterationRow.run_id == run_id)
-            latest = list(s.scalars(query.order_by(IterationRow.iteration.desc()).limit(count)))
-        return latest[::-1]
+            for run_id, entries in read_ledgers(s.connection(), ids).items():
+                reads[run_id].ledger.extend(entries)
+            stats = select(WorkerStatsRow).where(WorkerStatsRow.run_id.in_(ids)).order_by(WorkerStatsRow.worker)
+            for w in s.scalars(stats):
+                reads[w.run_id].worker_stats.append(w)
+            recent = (
+                select(IterationRow.run_id, IterationRow.seconds)
+                .join(RunRow, RunRow.id == IterationRow.run_id)
+                .where(RunRow.id.in_(ids), IterationRow.iteration > RunRow.iterations_done - job_window)
+                .order_by(IterationRow.run_id, IterationRow.iteration)
+            )
+            for run_id, seconds in s.execute(recent):
+                reads[run_id].job_seconds.append(seconds)
+        return reads
 
     def reward_url(self, run_id: str) -> str | None:
         """Where the run's reward server listens now, as it last said; None before it has (a

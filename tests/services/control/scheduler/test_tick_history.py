@@ -1,5 +1,6 @@
-"""A tick's reads of a run do not grow with the run's history: it reads only the last
-JOB_SECONDS_WINDOW iterations of a run that has trained many."""
+"""A tick's reads do not grow with the runs' history nor, in statements, with their number: it
+reads every run's rows in one query a table, and only the last JOB_SECONDS_WINDOW iterations of a
+run that has trained many."""
 
 from __future__ import annotations
 
@@ -51,23 +52,35 @@ def _iteration(run_id: str, i: int, seconds: float) -> IterationRow:
     )  # fmt: skip
 
 
-def test_a_tick_reads_a_bounded_window_of_iterations(scripted_backends: Backends, settings: Settings, submit) -> None:
+def test_a_tick_reads_all_runs_at_once_and_a_bounded_window_of_iterations(
+    scripted_backends: Backends, settings: Settings, submit
+) -> None:
     b = scripted_backends
-    run_id = submit(b, SPEC)
+    runs = [submit(b, SPEC) for _ in range(3)]
     scheduler = Scheduler(b, settings)
     scheduler.tick()  # StartRun
     for i in range(1, 31):
-        b.state.record_iteration(_iteration(run_id, i, seconds=float(i)))
+        b.state.record_iteration(_iteration(runs[0], i, seconds=float(i)))
     with _statements(b.state) as statements:
         scheduler.tick()
-    reads = [s for s in statements if "FROM iterations" in s]
-    assert reads, "the tick reads the jobs' seconds"
-    assert all("LIMIT" in s for s in reads), reads
+
+    def reads_by_run(table: str) -> list[str]:  # the table's rows read by run (not a pod's entry by its name)
+        return [s for s in statements if f"FROM {table}" in s and "run_id" in s.partition("WHERE")[2]]
+
+    for table in ("iterations", "ledger", "worker_stats"):
+        assert len(reads_by_run(table)) == 1, (table, reads_by_run(table))  # one for the three runs
+    (iterations,) = reads_by_run("iterations")
+    assert "iterations_done" in iterations  # bounded by each run's last iteration
 
 
-def test_recent_job_seconds_are_the_last_ones_oldest_first(scripted_backends: Backends, submit) -> None:
-    run_id = submit(scripted_backends, SPEC)
+def test_reconcile_reads_are_each_runs_last_job_seconds_oldest_first(scripted_backends: Backends, submit) -> None:
+    state = scripted_backends.state
+    one, other, fresh = (submit(scripted_backends, SPEC) for _ in range(3))
     for i in range(1, 10):
-        scripted_backends.state.record_iteration(_iteration(run_id, i, seconds=float(i)))
-    assert scripted_backends.state.recent_job_seconds(run_id, JOB_SECONDS_WINDOW) == [5.0, 6.0, 7.0, 8.0, 9.0]
-    assert scripted_backends.state.recent_job_seconds(run_id, 20) == [float(i) for i in range(1, 10)]
+        state.record_iteration(_iteration(one, i, seconds=float(i)))
+    state.record_iteration(_iteration(other, 1, seconds=7.0))
+    reads = state.reconcile_reads([one, other, fresh], JOB_SECONDS_WINDOW)
+    assert reads[one].job_seconds == [5.0, 6.0, 7.0, 8.0, 9.0]
+    assert reads[other].job_seconds == [7.0]
+    assert reads[fresh].job_seconds == [] and reads[fresh].ledger == [] and reads[fresh].worker_stats == []
+    assert state.reconcile_reads([one], 20)[one].job_seconds == [float(i) for i in range(1, 10)]
