@@ -30,9 +30,9 @@ from pathlib import Path
 from services.control.scheduler.loop import Scheduler
 from services.core.config import Settings
 from services.domain.runspec import RunSpec
-from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import StateStore
 from services.ports.wiring import Backends, open_backends
+from tests.iteration_rows import iteration_row
 from tests.services.control.scheduler.conftest import ScriptedLauncher, submit_run
 
 WORKERS = 4  # rollout workers per run: its pods
@@ -92,21 +92,7 @@ def give_history(state: StateStore, run_id: str, iterations: int, now: float) ->
             started_at=t,
         )
         state.close_ledger(pod, ended_at=t + 40.0, outcome="succeeded")
-        state.record_iteration(
-            IterationRow(
-                run_id=run_id,
-                iteration=i,
-                policy_version=i,
-                mean_reward=0.5,
-                kl=0.01,
-                loss=0.1,
-                seconds=40.0,
-                samples_trained=8,
-                samples_dropped=0,
-                metrics={},
-                ended_at=t + 40.0,
-            )
-        )
+        state.record_iteration(iteration_row(run_id, i, kl=0.01, loss=0.1, seconds=40.0, ended_at=t + 40.0))
         t += 60.0
 
 

@@ -14,9 +14,9 @@ from services.control.scheduler.loop import Scheduler
 from services.control.scheduler.policies import JOB_SECONDS_WINDOW
 from services.core.config import Settings
 from services.domain.runspec import RunSpec
-from services.ports.state.state_schema import IterationRow
 from services.ports.state.state_store import StateStore
 from services.ports.wiring import Backends
+from tests.iteration_rows import iteration_row
 
 SPEC = RunSpec.model_validate(
     {
@@ -45,13 +45,6 @@ def _statements(state: StateStore) -> Iterator[list[str]]:
         event.remove(state._engine, "before_cursor_execute", execute)
 
 
-def _iteration(run_id: str, i: int, seconds: float) -> IterationRow:
-    return IterationRow(
-        run_id=run_id, iteration=i, policy_version=i, mean_reward=0.5, kl=0.0, loss=0.0, seconds=seconds,
-        samples_trained=8, samples_dropped=0, metrics={}, ended_at=1000.0 + i,
-    )  # fmt: skip
-
-
 def test_a_tick_reads_all_runs_at_once_and_a_bounded_window_of_iterations(
     scripted_backends: Backends, settings: Settings, submit
 ) -> None:
@@ -60,7 +53,7 @@ def test_a_tick_reads_all_runs_at_once_and_a_bounded_window_of_iterations(
     scheduler = Scheduler(b, settings)
     scheduler.tick()  # StartRun
     for i in range(1, 31):
-        b.state.record_iteration(_iteration(runs[0], i, seconds=float(i)))
+        b.state.record_iteration(iteration_row(runs[0], i, seconds=float(i)))
     with _statements(b.state) as statements:
         scheduler.tick()
 
@@ -77,8 +70,8 @@ def test_reconcile_reads_are_each_runs_last_job_seconds_oldest_first(scripted_ba
     state = scripted_backends.state
     one, other, fresh = (submit(scripted_backends, SPEC) for _ in range(3))
     for i in range(1, 10):
-        state.record_iteration(_iteration(one, i, seconds=float(i)))
-    state.record_iteration(_iteration(other, 1, seconds=7.0))
+        state.record_iteration(iteration_row(one, i, seconds=float(i)))
+    state.record_iteration(iteration_row(other, 1, seconds=7.0))
     reads = state.reconcile_reads([one, other, fresh], JOB_SECONDS_WINDOW)
     assert reads[one].job_seconds == [5.0, 6.0, 7.0, 8.0, 9.0]
     assert reads[other].job_seconds == [7.0]
