@@ -212,9 +212,8 @@ class Scheduler:
         if row.last_error != standing:
             self.b.state.update_run(row.id, last_error=standing)
 
-    def reconcile(self, row: RunRow, pods: list, reads: ReconcileReads | None = None) -> list[p.Action]:
-        """Plan and apply the run's actions; ``reads``: its rows as the tick read them for all runs
-        (else read for it alone)."""
+    def reconcile(self, row: RunRow, pods: list, reads: ReconcileReads) -> list[p.Action]:
+        """Plan and apply the run's actions; ``reads``: its rows as the tick read them for all runs."""
         spec = RunSpec.from_stored(row.spec)
         state = RunState.of(row, spec, **self._eval_state(row, spec))
         measure = spec.cost_policy == CostPolicy.COST_AWARE or spec.training.capacity == TrainingCapacity.AUTO
