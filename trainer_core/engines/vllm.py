@@ -96,10 +96,7 @@ def check_tensor_parallel(model_dir: str | Path, size: int) -> None:
     """Raise ValueError, saying what to change, unless vLLM shards the model in `model_dir` over
     `size` GPUs (`tensor_parallel_problem`: its attention and key/value heads must split evenly)."""
     config_file = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except OSError:
-        raise ValueError(f"cannot read {config_file} to check that the model shards over {size} GPUs") from None
+    config = _json_file(config_file, f"cannot read {config_file} to check that the model shards over {size} GPUs")
     problem = tensor_parallel_problem(config, size)
     if problem is not None:
         raise ValueError(f"{model_dir}: {problem}")
@@ -109,10 +106,9 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     """The dtype the checkpoint in `model_dir` was saved in (config.json's `dtype`, formerly
     `torch_dtype`), as vLLM names it."""
     config_file = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except OSError:
-        raise ValueError(f"cannot read {config_file} to learn the checkpoint's dtype: pass dtype explicitly") from None
+    config = _json_file(
+        config_file, f"cannot read {config_file} to learn the checkpoint's dtype: pass dtype explicitly"
+    )
     dtype = config.get("dtype") or config.get("torch_dtype")
     if dtype not in VLLM_DTYPES:
         raise ValueError(f"{config_file} names dtype {dtype!r}: pass dtype, one of {', '.join(VLLM_DTYPES)}")
@@ -172,17 +168,24 @@ def check_servable_adapter(adapter_dir: str | Path, max_lora_rank: int) -> None:
     """Raise ValueError unless vLLM serves the PEFT adapter saved in `adapter_dir` as PEFT does:
     a plain LoRA of rank up to `max_lora_rank`. vLLM itself refuses only when a worker first
     loads the adapter, during the engine step that schedules a request for it."""
-    config_file = Path(adapter_dir) / "adapter_config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except OSError:
-        raise ValueError(f"{adapter_dir} holds no PEFT adapter (adapter_config.json) for vLLM to load") from None
+    config = _json_file(
+        Path(adapter_dir) / "adapter_config.json",
+        f"{adapter_dir} holds no PEFT adapter (adapter_config.json) for vLLM to load",
+    )
     refused = unservable_adapter_features(config, max_lora_rank)
     if refused:
         raise ValueError(
             f"vLLM cannot serve the adapter in {adapter_dir}: it has {', '.join(refused)}. Train a plain LoRA "
             "adapter (spotrl's training.lora_rank makes one), or sample with engine hf"
         )
+
+
+def _json_file(path: Path, unreadable: str) -> dict[str, Any]:
+    """The JSON object in `path`; ValueError(`unreadable`) when the file cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except OSError:
+        raise ValueError(unreadable) from None
 
 
 @contextmanager

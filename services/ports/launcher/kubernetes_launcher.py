@@ -312,47 +312,40 @@ class KubernetesLauncher:
         if spec.role == "training" or spec.nodes > 1:  # a standby of a multi-node job holds its nodes
             self._launch_job(spec, machine, env)
             return
-        try:
-            created = self._read(
-                self._core.create_namespaced_pod(
-                    self.cfg.namespace, pod_manifest(spec, self.cfg, machine, env), _preload_content=False
-                )
-            )
+        manifest = pod_manifest(spec, self.cfg, machine, env)
+        created = self._create(
+            lambda: self._core.create_namespaced_pod(self.cfg.namespace, manifest, _preload_content=False)
+        )
+        if created is not None:
             self.pods.put({"kind": "Pod", **created})
-        except ApiException as e:
-            if e.status != 409:  # AlreadyExists: the pod of that name is this one
-                raise
 
     def _launch_job(self, spec: PodSpec, machine: Machine, env: dict[str, str]) -> None:
         """The training Job (or a multi-node job's standby's), and the headless Service of one of
         several nodes, owned by it (either may exist already: a launch retried after a failure
         between the two)."""
-        try:
-            job = self._read(
-                self._batch.create_namespaced_job(
-                    self.cfg.namespace, job_manifest(spec, self.cfg, machine, env), _preload_content=False
-                )
-            )
+        manifest = job_manifest(spec, self.cfg, machine, env)
+        job = self._create(
+            lambda: self._batch.create_namespaced_job(self.cfg.namespace, manifest, _preload_content=False)
+        )
+        if job is not None:
             self.jobs.put({"kind": "Job", **job})
-        except ApiException as e:
-            if e.status != 409:  # AlreadyExists: the Job of that name is this one
-                raise
-            if spec.nodes == 1:
-                return
-            job = self._read(self._batch.read_namespaced_job(spec.name, self.cfg.namespace, _preload_content=False))
         if spec.nodes == 1:
             return
+        if job is None:
+            job = self._read(self._batch.read_namespaced_job(spec.name, self.cfg.namespace, _preload_content=False))
+        service = service_manifest(spec, self.cfg, job["metadata"]["uid"])
+        self._create(lambda: self._core.create_namespaced_service(self.cfg.namespace, service, _preload_content=False))
+
+    @classmethod
+    def _create(cls, call: Callable[[], Any]) -> dict[str, Any] | None:
+        """The object `call` created, or None when one of that name exists already (409
+        AlreadyExists): a launch retried, so the object of that name is this one."""
         try:
-            _done(
-                self._core.create_namespaced_service(
-                    self.cfg.namespace,
-                    service_manifest(spec, self.cfg, job["metadata"]["uid"]),
-                    _preload_content=False,
-                )
-            )
+            return cls._read(call())
         except ApiException as e:
             if e.status != 409:
                 raise
+            return None
 
     def list(self, run_id: str | None = None) -> list[PodStatus]:
         # Oldest first (a Job's latest pod last); within a second, a running pod after ended ones.
