@@ -329,8 +329,9 @@ class TrainConfig(BaseModel):
         default=4096,
         ge=0,
         le=1_000_000,
-        description="Pack each prompt and its samples' responses into one row under a block mask when every such row of a "
-        "micro-batch is at most this many tokens (no padding inside a group); longer rows run padded; 0 = always padded.",
+        description="Pack each prompt and its samples' responses (a group; several groups to a row, up to 512 tokens) into "
+        "rows under a block mask when every group of a micro-batch is at most this many tokens (padding only at a row's "
+        "end); longer groups run padded; 0 = always padded.",
     )
 
     # --- the job -------------------------------------------------------------------------------

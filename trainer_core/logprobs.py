@@ -21,9 +21,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from contracts.samples import Sample
 from contracts.training import TrainConfig
-from trainer_core.algos import entropy_from_logits
 from trainer_core.engines.hf import cache_kwarg, distinct_prompts, left_pad
 from trainer_core.models.lora import causal_lm
+from trainer_core.vocab_scores import logprob_and_entropy
 
 
 class ValueHeadLike(Protocol):
@@ -138,9 +138,10 @@ def chunked_lm_head(
         if cap:  # Gemma 2 soft-caps its logits in forward(); do as it does
             logits = cap * torch.tanh(logits / cap)
         logits = logits / temperature
+        if with_entropy:
+            return logprob_and_entropy(logits, t)
         # target logit - logsumexp == log_softmax at the target, without a second vocab-sized tensor.
-        logprob = logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
-        return (logprob, entropy_from_logits(logits)) if with_entropy else (logprob,)
+        return (logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(dim=-1),)
 
     pieces = []
     size = chunk_tokens
@@ -168,13 +169,20 @@ def chunked_logprobs(
     return logprob
 
 
+# Packed rows hold several groups up to this many tokens (or the longest group's, if longer):
+# below it, the attention a dense row mask wastes across groups costs less than the padding
+# a row per group would compute.
+PACK_ROW_TOKENS = 512
+
+
 @dataclass
 class _Layout:
     """Which prompt each sample continues: `prompts` run once each, `owner[i]` is sample i's."""
 
     prompts: list[Sequence[int]]
     owner: list[int]
-    row_tokens: int  # the longest packed row: a prompt, then the responses of its samples
+    group_tokens: list[int]  # per prompt: its tokens and its samples' responses'
+    row_tokens: int  # the longest group: what a packed row must hold at least
 
     @classmethod
     def of(cls, samples: Sequence[Sample], share_prompt_prefix: bool) -> _Layout:
@@ -182,10 +190,25 @@ class _Layout:
             prompts, owner = distinct_prompts([s.prompt_ids for s in samples])
         else:
             prompts, owner = [s.prompt_ids for s in samples], list(range(len(samples)))
-        rows = [len(p) for p in prompts]
+        groups = [len(p) for p in prompts]
         for sample, prompt in zip(samples, owner, strict=True):
-            rows[prompt] += len(sample.response_ids)
-        return cls(prompts, owner, max(rows))
+            groups[prompt] += len(sample.response_ids)
+        return cls(prompts, owner, groups, max(groups))
+
+    def packed_rows(self, max_tokens: int) -> list[list[int]]:
+        """The prompts (groups) of each packed row, first-fit in decreasing length into rows of
+        `max(row_tokens, min(PACK_ROW_TOKENS, max_tokens))` tokens."""
+        width = max(self.row_tokens, min(PACK_ROW_TOKENS, max_tokens))
+        rows: list[list[int]] = []
+        free: list[int] = []
+        for prompt in sorted(range(len(self.prompts)), key=lambda g: -self.group_tokens[g]):
+            row = next((r for r, room in enumerate(free) if room >= self.group_tokens[prompt]), len(rows))
+            if row == len(rows):
+                rows.append([])
+                free.append(width)
+            rows[row].append(prompt)
+            free[row] -= self.group_tokens[prompt]
+        return rows
 
 
 def _response_hidden_for(
@@ -197,24 +220,25 @@ def _response_hidden_for(
     mask (SDPA attention), else from padded rows (with shared prompt prefixes when the config
     allows them)."""
     if 0 < layout.row_tokens <= cfg.pack_max_tokens and lm.config._attn_implementation == "sdpa":
-        return _response_hidden_packed(lm, samples, layout, mask.device)
+        return _response_hidden_packed(lm, samples, layout, layout.packed_rows(cfg.pack_max_tokens), mask.device)
     if cfg.share_prompt_prefix and not cfg.gradient_checkpointing:
         return _response_hidden_shared_prefix(lm, samples, layout, mask.shape[1], mask.device)[mask]
     return _response_hidden(lm, samples, mask.shape[1], mask.device)[mask]
 
 
 def _response_hidden_packed(
-    lm: PreTrainedModel, samples: Sequence[Sample], layout: _Layout, device: torch.device
+    lm: PreTrainedModel, samples: Sequence[Sample], layout: _Layout, rows: list[list[int]], device: torch.device
 ) -> Tensor:
-    """`_response_hidden_for` from packed rows: one per prompt of `layout`, holding the prompt
-    and then the responses of its samples, under a block mask in which a prompt token sees its
-    prompt causally and a response token the prompt plus its own response causally.
+    """`_response_hidden_for` from packed rows: each of `rows` holds the groups (prompts of
+    `layout`) it names, each group its prompt and then the responses of its samples, under a
+    block mask in which a prompt token sees its prompt causally and a response token the prompt
+    plus its own response causally.
 
     What each token attends to and its position are those of the padded passes, so the hidden
     states are theirs; a prompt shared by a group runs once, and only the rows' tails are
     padding. The mask is dense `(row, row)`, so rows are kept to `TrainConfig.pack_max_tokens`.
     """
-    ids, position, mask, picks = _packed_rows(samples, layout)
+    ids, position, mask, picks = _packed_rows(samples, layout, rows)
     hidden = lm.base_model(
         input_ids=ids.to(device),
         attention_mask=mask.to(device),  # (rows, 1, width, width)
@@ -224,35 +248,42 @@ def _response_hidden_packed(
     return hidden.flatten(0, 1)[picks.to(device)]
 
 
-def _packed_rows(samples: Sequence[Sample], layout: _Layout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _packed_rows(
+    samples: Sequence[Sample], layout: _Layout, rows: list[list[int]]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The packed rows of `_response_hidden_packed`: token ids and positions `(rows, width)`, the
     mask `(rows, 1, width, width)`, and for each response token, sample by sample, the index in
     the flattened rows of the token that predicts it (its prompt's last token for the first)."""
     members: list[list[int]] = [[] for _ in layout.prompts]
     for i, prompt in enumerate(layout.owner):
         members[prompt].append(i)
-    width = layout.row_tokens
-    ids = torch.zeros(len(members), width, dtype=torch.long)
-    position = torch.zeros(len(members), width, dtype=torch.long)
+    width = max(sum(layout.group_tokens[g] for g in row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    position = torch.zeros(len(rows), width, dtype=torch.long)
     # Padding attends to itself only (a row of no keys would be NaN); nothing attends to it.
-    mask = torch.eye(width, dtype=torch.bool).repeat(len(members), 1, 1, 1)
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1, 1)
     picks: list[list[int]] = [[] for _ in samples]
-    for row, (prompt, group) in enumerate(zip(layout.prompts, members, strict=True)):
-        n_prompt = len(prompt)
-        ids[row, :n_prompt] = torch.tensor(prompt)
-        position[row, :n_prompt] = torch.arange(n_prompt)
-        mask[row, 0, :n_prompt, :n_prompt] = torch.ones(n_prompt, n_prompt, dtype=torch.bool).tril()
-        start = n_prompt
-        for i in group:
-            response = samples[i].response_ids
-            end = start + len(response)
-            ids[row, start:end] = torch.tensor(response)
-            position[row, start:end] = torch.arange(n_prompt, n_prompt + len(response))
-            mask[row, 0, start:end, :n_prompt] = True
-            mask[row, 0, start:end, start:end] = torch.ones(len(response), len(response), dtype=torch.bool).tril()
-            # Response token 0 is predicted by the prompt's last token, token t by token t - 1.
-            picks[i] = [row * width + n_prompt - 1, *range(row * width + start, row * width + end - 1)]
-            start = end
+    for row, groups in enumerate(rows):
+        start = 0
+        for group in groups:
+            prompt = layout.prompts[group]
+            n_prompt, first = len(prompt), start
+            ids[row, start : start + n_prompt] = torch.tensor(prompt)
+            position[row, start : start + n_prompt] = torch.arange(n_prompt)
+            block = torch.ones(n_prompt, n_prompt, dtype=torch.bool).tril()
+            mask[row, 0, start : start + n_prompt, start : start + n_prompt] = block
+            start += n_prompt
+            for i in members[group]:
+                response = samples[i].response_ids
+                end = start + len(response)
+                ids[row, start:end] = torch.tensor(response)
+                position[row, start:end] = torch.arange(n_prompt, n_prompt + len(response))
+                mask[row, 0, start:end, first : first + n_prompt] = True
+                mask[row, 0, start:end, start:end] = torch.ones(len(response), len(response), dtype=torch.bool).tril()
+                # Response token 0 is predicted by the prompt's last token, token t by token t - 1.
+                base = row * width
+                picks[i] = [base + first + n_prompt - 1, *range(base + start, base + end - 1)]
+                start = end
     return ids, position, mask, torch.tensor([p for sample_picks in picks for p in sample_picks])
 
 

@@ -32,7 +32,6 @@ from trainer_core.algos.losses import (
     LOSS_AGGREGATORS,
     aggregate_loss,
     aggregation_weight,
-    entropy_from_logits,
     truncated_is_weights,
     value_loss,
 )
@@ -58,7 +57,6 @@ __all__ = [
     "compute_advantages",
     "compute_policy_loss",
     "dr_grpo_advantages",
-    "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
     "grpo_passk_advantages",

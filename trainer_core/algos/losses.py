@@ -1,6 +1,6 @@
 """Losses of the update beside the policy losses (`policy_losses`): the clipped value loss,
-the aggregators of a per-token loss (registered by name), truncated importance weights, and
-the entropy of a token distribution.
+the aggregators of a per-token loss (registered by name) and truncated importance weights
+(the entropy of a token's distribution is taken with its log-prob: `trainer_core.vocab_scores`).
 
 Pure torch: `(batch, response_len)` tensors in, `(loss, metrics)` out; no I/O, no collectives.
 """
@@ -136,19 +136,3 @@ def truncated_is_weights(
             mean = masked_mean(weights, mask)
         weights = torch.where(mean > 1e-8, weights / mean, weights)  # no .item(): no device sync
     return weights, metrics
-
-
-# --- entropy ---------------------------------------------------------------------------------
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the categorical softmax(logits), `(..., vocab) -> (...)`, as
-    logsumexp(z) - sum(softmax(z) * z) of the max-shifted logits z (verl
-    `entropy_from_logits`, plus the shift). Logits of -inf (tokens masked out) contribute 0."""
-    # Entropy is shift-invariant; shifting by the max first keeps both terms small, else they
-    # cancel catastrophically in fp32 for large logits (e.g. 3e4 + log 3 - 3e4).
-    shifted = logits - logits.amax(dim=-1, keepdim=True).detach()
-    probs = torch.softmax(shifted, dim=-1)
-    # 0 * -inf is nan; a token of probability 0 adds nothing to the entropy.
-    finite = shifted.masked_fill(probs == 0, 0.0)
-    return torch.logsumexp(shifted, dim=-1) - (probs * finite).sum(dim=-1)

@@ -1,21 +1,24 @@
 """A policy switched from generation to training and back: train mode, per-layer activation
-checkpointing, and the memory measures of an update's backward pass."""
+checkpointing, the lean forms of its norms and MLPs, and the memory measures of an update's
+backward pass."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 from torch import nn
 
 from trainer_core.memory import decoder_layers, release_during_backward
+from trainer_core.models.lean_activations import lean_activations
 from trainer_core.models.lora import causal_lm
 
 
 @contextmanager
 def training_mode(model: nn.Module, gradient_checkpointing: bool) -> Iterator[None]:
-    """Train mode (and gradient checkpointing) for the update; afterwards the model is back in
-    eval mode without checkpointing, ready to generate with its KV cache."""
+    """Train mode (and gradient checkpointing, and `lean_activations`) for the update;
+    afterwards the model is back in eval mode without checkpointing, ready to generate with its
+    KV cache."""
     lm = causal_lm(model)
     if gradient_checkpointing:
         _set_activation_checkpointing(lm, True)
@@ -31,7 +34,10 @@ def training_mode(model: nn.Module, gradient_checkpointing: bool) -> Iterator[No
     # Host memory only: on an accelerator the activations live in the device's caching allocator.
     on_host = next(lm.parameters()).device.type == "cpu"
     try:
-        with release_during_backward(decoder_layers(lm)) if on_host else nullcontext():
+        with ExitStack() as measures:
+            measures.enter_context(lean_activations(lm))
+            if on_host:
+                measures.enter_context(release_during_backward(decoder_layers(lm)))
             yield
     finally:
         model.eval()

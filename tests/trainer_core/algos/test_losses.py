@@ -13,7 +13,6 @@ from trainer_core.algos import (
     LossAggMode,
     PolicyLossParams,
     aggregate_loss,
-    entropy_from_logits,
     truncated_is_weights,
     value_loss,
 )
@@ -163,20 +162,3 @@ def test_decoupled_loss_known_values_and_gradient() -> None:
     loss.backward()
     # clipped token has no gradient; at ratio 1: -w * A / n_tokens
     torch.testing.assert_close(logprob.grad, torch.tensor([[0.0, 2 / 3, -2.0]]))
-
-
-def test_entropy_from_logits_matches_categorical_and_shape() -> None:
-    gen = torch.Generator().manual_seed(6)
-    logits = torch.randn(2, 3, 11, generator=gen) * 4
-    entropy = entropy_from_logits(logits)
-    assert entropy.shape == (2, 3)
-    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=logits).entropy(), atol=1e-5, rtol=1e-5)
-    assert entropy_from_logits(torch.zeros(7)).item() == pytest.approx(math.log(7))
-
-
-def test_entropy_from_logits_is_stable() -> None:
-    huge = torch.tensor([[1e4, 0.0, -1e4], [3e4, 3e4, 3e4]])
-    entropy = entropy_from_logits(huge)
-    torch.testing.assert_close(entropy, torch.tensor([0.0, math.log(3)]), atol=1e-5, rtol=0)
-    masked = torch.tensor([0.0, 0.0, float("-inf")])
-    assert entropy_from_logits(masked).item() == pytest.approx(math.log(2))
