@@ -284,8 +284,8 @@ def give_history(home: Path, run_ids: list[str], iterations: int) -> None:
     sys.path.insert(0, str(ROOT))
     from contracts.status import RunStatus
     from services.core.config import Settings
-    from services.ports.state.state_schema import IterationRow
     from services.ports.state.state_store import StateStore
+    from tests.iteration_rows import past_training_job
 
     os.environ["SPOTRL_HOME"] = str(home)
     state = StateStore(Settings().resolved_state_url())
@@ -307,32 +307,17 @@ def give_history(home: Path, run_ids: list[str], iterations: int) -> None:
                     started_at=t,
                 )
             for i in range(1, iterations + 1):
-                pod = f"{run_id}-train-{i}"
-                state.open_ledger(
-                    run_id=run_id,
-                    role="training",
-                    pod=pod,
-                    instance_type="p4d.24xlarge",
-                    capacity_type="on-demand",
-                    price_per_hour=21.96,
+                past_training_job(
+                    state,
+                    run_id,
+                    i,
+                    t + 30.0,
+                    10.0,
                     price_source="api_load (seeded)",
-                    started_at=t + 30.0,
-                )
-                state.close_ledger(pod, ended_at=t + 40.0)
-                state.record_iteration(
-                    IterationRow(
-                        run_id=run_id,
-                        iteration=i,
-                        policy_version=i,
-                        mean_reward=rng.random(),
-                        kl=rng.random() / 10,
-                        loss=rng.random(),
-                        seconds=10.0,
-                        samples_trained=8,
-                        samples_dropped=0,
-                        metrics={k: rng.random() for k in METRIC_KEYS},
-                        ended_at=t + 40.0,
-                    )
+                    mean_reward=rng.random(),
+                    kl=rng.random() / 10,
+                    loss=rng.random(),
+                    metrics={k: rng.random() for k in METRIC_KEYS},
                 )
                 t += 40.0
             for slot in range(2):

@@ -32,7 +32,7 @@ from services.core.config import Settings
 from services.domain.runspec import RunSpec
 from services.ports.state.state_store import StateStore
 from services.ports.wiring import Backends, open_backends
-from tests.iteration_rows import iteration_row
+from tests.iteration_rows import past_training_job
 from tests.services.control.scheduler.conftest import ScriptedLauncher, submit_run
 
 WORKERS = 4  # rollout workers per run: its pods
@@ -80,19 +80,7 @@ def give_history(state: StateStore, run_id: str, iterations: int, now: float) ->
     """``iterations`` past training jobs of the run: each its ledger entry, closed, and its iteration."""
     t = now - 60.0 * iterations - 60.0
     for i in range(1, iterations + 1):
-        pod = f"{run_id}-past-{i}"
-        state.open_ledger(
-            run_id=run_id,
-            role="training",
-            pod=pod,
-            instance_type="p4d.24xlarge",
-            capacity_type="on-demand",
-            price_per_hour=21.96,
-            price_source="scheduler_scale (seeded)",
-            started_at=t,
-        )
-        state.close_ledger(pod, ended_at=t + 40.0, outcome="succeeded")
-        state.record_iteration(iteration_row(run_id, i, kl=0.01, loss=0.1, seconds=40.0, ended_at=t + 40.0))
+        past_training_job(state, run_id, i, t, 40.0, price_source="scheduler_scale (seeded)", kl=0.01, loss=0.1)
         t += 60.0
 
 

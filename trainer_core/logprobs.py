@@ -137,7 +137,8 @@ def chunked_lm_head(
         logits = head(h).float()
         if cap:  # Gemma 2 soft-caps its logits in forward(); do as it does
             logits = cap * torch.tanh(logits / cap)
-        logits = logits / temperature
+        if temperature != 1.0:
+            logits = logits / temperature
         if with_entropy:
             return logprob_and_entropy(logits, t)
         # target logit - logsumexp == log_softmax at the target, without a second vocab-sized tensor.

@@ -33,8 +33,9 @@ class _LogprobEntropy(torch.autograd.Function):
         lse = log_probs.logsumexp(dim=-1)
         log_probs -= lse[:, None]
         logprob = log_probs.gather(-1, targets[:, None]).squeeze(-1)
-        # -sum(p log p); a token of probability 0 (a logit of -inf) adds 0, not 0 * -inf.
-        entropy = -(log_probs.exp() * log_probs.nan_to_num(neginf=0.0)).sum(dim=-1)
+        # -sum(p log p), p taking the place of a second vocab-sized tensor; a token of
+        # probability 0 (a logit of -inf) adds 0, not 0 * -inf.
+        entropy = -log_probs.exp().mul_(log_probs.nan_to_num_(neginf=0.0)).sum(dim=-1)
         ctx.save_for_backward(logits, targets, top, lse, entropy)
         return logprob, entropy
 
