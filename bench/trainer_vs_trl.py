@@ -1,6 +1,6 @@
 """spotrl's GRPO trainer against TRL's `GRPOTrainer`, on the same work, on CPU.
 
-    .venv/bin/python bench/trainer_vs_trl.py --model both [--steps 5] [--trials 3] [--threads 2]
+    .venv/bin/python bench/trainer_vs_trl.py --model both [--steps N] [--trials 3] [--threads 2]
                                              [--bf16] [--json results.json] [--cache-dir DIR]
 
 A benchmark, not a test: it prints a markdown table (and writes JSON) and asserts nothing
@@ -35,7 +35,7 @@ What "the same work" means (per step, for both trainers)
   1.0, the same constant learning rate, no weight decay. Each trainer keeps its own optimizer
   implementation (both end up on torch's fused AdamW on torch >= 2.8).
 - Steps: `--warmup` steps (default 1; optimizer state is allocated there), then `--steps`
-  measured steps (default 5).
+  measured steps (default 40 on the tiny model, whose steps take ~60 ms, and 5 on SmolLM2).
 - Environment: both workers are started with one and the same environment dict: the parent's
   environment (malloc settings such as MALLOC_ARENA_MAX or LD_PRELOAD inherited unchanged, so
   identical) plus OMP_NUM_THREADS = MKL_NUM_THREADS = `--threads`, and each calls
@@ -112,6 +112,8 @@ from statistics import median
 from typing import Any
 
 MODELS = ("tiny", "smollm2-135m")
+# Measured steps by default: a tiny-model step takes ~60 ms, so it takes more of them to measure.
+DEFAULT_STEPS = {"tiny": 40, "smollm2-135m": 5}
 TARGET_MODEL = "smollm2-135m"
 TARGET_LINE = (
     "target: >= 2.5x TRL tokens/s at <= 0.6x its peak RSS on SmolLM2-135M, and >= 1.0x tokens/s on the tiny model"
@@ -677,7 +679,9 @@ def _machine_note() -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=(*MODELS, "both"), default="both", help="which policy to benchmark")
-    p.add_argument("--steps", type=int, default=5, help="measured steps per trainer")
+    p.add_argument(
+        "--steps", type=int, default=None, help="measured steps per trainer (default: tiny 40, smollm2-135m 5)"
+    )
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
     p.add_argument("--trials", type=int, default=3, help="alternating trials of both trainers (median reported)")
     p.add_argument("--threads", type=int, default=2, help="torch threads in each worker")
@@ -703,7 +707,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = BenchConfig(**json.loads(args.worker_config))
         Path(args.worker_out).write_text(json.dumps(WORKERS[args.worker](cfg)))
         return
-    if args.steps < 1 or args.warmup < 0 or args.trials < 1:
+    if (args.steps is not None and args.steps < 1) or args.warmup < 0 or args.trials < 1:
         raise SystemExit("--steps and --trials must be >= 1, and --warmup >= 0")
     models = MODELS if args.model == "both" else (args.model,)
     results = []
@@ -711,7 +715,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = BenchConfig(
             model=model,
             cache_dir=str(Path(args.cache_dir).resolve()),
-            steps=args.steps,
+            steps=args.steps or DEFAULT_STEPS[model],
             warmup=args.warmup,
             threads=args.threads,
             bf16=args.bf16,
