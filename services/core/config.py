@@ -144,6 +144,9 @@ class Settings(BaseSettings):
     max_training_processes: int = Field(
         default=8, ge=1, description="Most processes one training job may ask for (training.processes)."
     )
+    max_training_nodes: int = Field(
+        default=4, ge=1, description="Most machines one training job may ask for (training.nodes)."
+    )
     pod_threads: int = Field(
         default=1,
         ge=1,

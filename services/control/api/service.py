@@ -134,6 +134,11 @@ def check_spec_for_server(spec: RunSpec, settings: Settings) -> None:
             ("body", "training", "processes"),
             f"this server allows at most {settings.max_training_processes} training processes per job",
         )
+    if spec.training.nodes > settings.max_training_nodes:
+        raise SpecFieldError(
+            ("body", "training", "nodes"),
+            f"this server allows at most {settings.max_training_nodes} training nodes per job",
+        )
     if spec.model not in BUILTIN_MODELS:
         try:
             check_model_source(str(check_server_path(spec.model, allowed)))

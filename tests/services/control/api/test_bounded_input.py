@@ -158,6 +158,20 @@ async def test_inline_prompts_are_bounded_and_not_echoed(api: httpx.AsyncClient)
     assert stored.count(b"\n") == 10_000
 
 
+@pytest.mark.parametrize(
+    ("section", "field", "setting", "reason"),
+    [
+        ("rollout", "max_workers", "max_rollout_workers", "at most 3 rollout workers per run"),
+        ("training", "processes", "max_training_processes", "at most 3 training processes per job"),
+        ("training", "nodes", "max_training_nodes", "at most 3 training nodes per job"),
+    ],
+)
+async def test_the_operators_limits_are_422_naming_the_field(settings, section, field, setting, reason) -> None:
+    async with app_client(settings, **{setting: 3}) as api:
+        await refused(api, spec(**{section: {field: 4}}), field, reason)
+        assert (await api.post("/v1/runs", json=spec(**{section: {field: 3}}))).status_code == 201
+
+
 async def test_a_body_over_the_limit_is_refused_before_it_is_read(settings) -> None:
     big = json.dumps(spec(prompts=[{"prompt": "x" * 1000}] * 100)).encode()  # ~100 kB
 
