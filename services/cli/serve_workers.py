@@ -50,8 +50,12 @@ def serve_workers(*, host: str, port: int, workers: int, scheduler: bool, access
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    wait([proc.sentinel for proc in procs])
-    first = next(proc.exitcode for proc in procs if proc.exitcode is not None)
+    ready = wait([proc.sentinel for proc in procs])
+    # A sentinel is ready as the worker's process ends, maybe before its exit status is: wait for it.
+    ended = next(proc for proc in procs if proc.sentinel in ready)
+    ended.join()
+    first = ended.exitcode
+    assert first is not None
     _signal_all(procs, signal.SIGTERM)
     for proc in procs:
         proc.join()

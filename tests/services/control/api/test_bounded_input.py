@@ -381,11 +381,6 @@ async def test_runs_are_listed_in_pages(api: httpx.AsyncClient) -> None:
     assert (await api.get("/v1/runs", params={"limit": 100_000})).status_code == 422
 
 
-async def test_the_operator_bounds_pool_and_job_sizes(api: httpx.AsyncClient) -> None:
-    await refused(api, spec(rollout={"min_workers": 2, "max_workers": 65}), "max_workers", "at most 64 rollout workers")
-    await refused(api, spec(training={"processes": 9}), "processes", "at most 8 training processes")
-
-
 async def test_the_openapi_document_tells_what_each_operation_returns(api: httpx.AsyncClient) -> None:
     doc = (await api.get("/openapi.json")).json()
     paths = doc["paths"]
