@@ -23,7 +23,7 @@ from contracts.samples import Sample
 from contracts.training import TrainConfig
 from trainer_core.engines.hf import cache_kwarg, distinct_prompts, left_pad
 from trainer_core.models.lora import causal_lm
-from trainer_core.vocab_scores import logprob_and_entropy
+from trainer_core.vocab_scores import logprob_and_entropy, target_logprob
 
 
 class ValueHeadLike(Protocol):
@@ -139,10 +139,7 @@ def chunked_lm_head(
             logits = cap * torch.tanh(logits / cap)
         if temperature != 1.0:
             logits = logits / temperature
-        if with_entropy:
-            return logprob_and_entropy(logits, t)
-        # target logit - logsumexp == log_softmax at the target, without a second vocab-sized tensor.
-        return (logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(dim=-1),)
+        return logprob_and_entropy(logits, t) if with_entropy else (target_logprob(logits, t),)
 
     pieces = []
     size = chunk_tokens

@@ -23,16 +23,25 @@ def logprob_and_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor
     return _LogprobEntropy.apply(logits, targets)
 
 
+def target_logprob(logits: Tensor, targets: Tensor) -> Tensor:
+    """`log_softmax(logits)[target]` `(tokens,)`, as the target's logit less the logsumexp:
+    without a second vocab-sized tensor."""
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
+
+
 class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        # Log-probs as (z - max) - logsumexp(z - max): both terms small, so that they do not
-        # cancel catastrophically in fp32 for large logits (3e4 + log 3 - 3e4).
+        # The log-prob as the LM head takes it without the entropy (`target_logprob`), to the
+        # bit: scored with or without the entropy, a policy's log-probs are the same numbers (a
+        # KL term between them is exactly 0, not rounding that AdamW would turn into a step).
+        logprob = target_logprob(logits, targets)
+        # The entropy's log-probs as (z - max) - logsumexp(z - max): both terms small, so that
+        # they do not cancel catastrophically in fp32 for large logits (3e4 + log 3 - 3e4).
         top = logits.amax(dim=-1)
         log_probs = logits - top[:, None]
         lse = log_probs.logsumexp(dim=-1)
         log_probs -= lse[:, None]
-        logprob = log_probs.gather(-1, targets[:, None]).squeeze(-1)
         # -sum(p log p), p taking the place of a second vocab-sized tensor; a token of
         # probability 0 (a logit of -inf) adds 0, not 0 * -inf.
         entropy = -log_probs.exp().mul_(log_probs.nan_to_num_(neginf=0.0)).sum(dim=-1)
