@@ -36,9 +36,6 @@ from services.ports.launcher.local_launcher import LocalLauncher
 from services.ports.wiring import Backends, open_backends
 from trainer_core.models.loading import load_policy
 
-# Each test starts a job of real processes (torchrun ranks): one after another, beside the rest.
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[4]
 LR = 1e-3
 ITERATIONS = 2
