@@ -15,8 +15,6 @@ from services.data.reward.function_pool import FunctionPool
 from services.data.reward.user_function import Failure, Item, Outcome, UserFunctionError, resolve
 from tests.services.data.reward.user_rewards import BATCHED, GSM8K, HOSTILE, MISBEHAVIOURS, write
 
-# A memory-grow call (128 MB allocations, each zero-filled) must reach its limit within it on a
-# 2-core machine the rest of the suite loads (2 s has been seen short).
 TIMEOUT_S = 5.0
 MEMORY_MB = 512
 
