@@ -89,6 +89,13 @@ class Caller:
         """``fn(**kwargs)`` on one of the app's threads: the state store's calls block."""
         return await asyncio.get_running_loop().run_in_executor(self.threads, partial(fn, **kwargs))
 
+    async def run_on_runs(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """``run(fn, ...)`` for a service call on the runs: given the caller's principal and the
+        app's backends, price catalog and kept reads besides ``kwargs``."""
+        return await self.run(
+            fn, backends=self.backends, catalog=self.catalog, principal=self.principal, kept=self.kept, **kwargs
+        )
+
 
 async def get_caller(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]

@@ -45,15 +45,7 @@ async def list_runs(
     limit: Annotated[int, Query(ge=1, le=200, description="Runs per page.")] = 50,
     cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
 ) -> RunsPublic:
-    return await caller.run(
-        service.list_runs,
-        backends=caller.backends,
-        catalog=caller.catalog,
-        principal=caller.principal,
-        limit=limit,
-        cursor=cursor,
-        kept=caller.kept,
-    )
+    return await caller.run_on_runs(service.list_runs, limit=limit, cursor=cursor)
 
 
 @router.get("/{run_id}", response_model=RunPublic, responses=errors(404))
@@ -69,27 +61,12 @@ async def get_run(
         ),
     ] = service.DEFAULT_ITERATIONS_SHOWN,
 ) -> RunPublic:
-    return await caller.run(
-        service.get_run,
-        backends=caller.backends,
-        catalog=caller.catalog,
-        principal=caller.principal,
-        run_id=run_id,
-        iterations_shown=iterations_limit,
-        kept=caller.kept,
-    )
+    return await caller.run_on_runs(service.get_run, run_id=run_id, iterations_shown=iterations_limit)
 
 
 @router.post("/{run_id}/cancel", response_model=RunPublic, responses=errors(404, 409))
 async def cancel_run(run_id: RunId, caller: CallerDep) -> RunPublic:
-    return await caller.run(
-        service.cancel_run,
-        backends=caller.backends,
-        catalog=caller.catalog,
-        principal=caller.principal,
-        run_id=run_id,
-        kept=caller.kept,
-    )
+    return await caller.run_on_runs(service.cancel_run, run_id=run_id)
 
 
 @router.get("/{run_id}/cost", response_model=CostPublic, responses=errors(400, 404))
@@ -102,16 +79,7 @@ async def run_cost(
     cursor: Annotated[str | None, Query(max_length=200, description="`next_cursor` of the previous page.")] = None,
 ) -> CostPublic:
     """The run's bill (totals over its whole ledger) and one page of its ledger entries."""
-    return await caller.run(
-        service.run_cost,
-        backends=caller.backends,
-        catalog=caller.catalog,
-        principal=caller.principal,
-        run_id=run_id,
-        limit=limit,
-        cursor=cursor,
-        kept=caller.kept,
-    )
+    return await caller.run_on_runs(service.run_cost, run_id=run_id, limit=limit, cursor=cursor)
 
 
 @router.get("/{run_id}/report", response_class=HTMLResponse, responses=json_errors(401, 404))
