@@ -262,7 +262,7 @@ def _packed_rows(
     mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1, 1)
     picks: list[list[int]] = [[] for _ in samples]
     for row, groups in enumerate(rows):
-        start = 0
+        start, base = 0, row * width
         for group in groups:
             prompt = layout.prompts[group]
             n_prompt, first = len(prompt), start
@@ -279,7 +279,6 @@ def _packed_rows(
                 mask[row, 0, start:end, first : first + n_prompt] = True
                 mask[row, 0, start:end, start:end] = torch.ones(len(response), len(response), dtype=torch.bool).tril()
                 # Response token 0 is predicted by the prompt's last token, token t by token t - 1.
-                base = row * width
                 picks[i] = [base + first + n_prompt - 1, *range(base + start, base + end - 1)]
                 start = end
     return ids, position, mask, torch.tensor([p for sample_picks in picks for p in sample_picks])

@@ -1,6 +1,6 @@
 """What every test server's process needs: a free loopback port, a wait until it answers, a
-pause (the server hung or partitioned away: SIGSTOP, then SIGCONT), and an end that works on a
-paused one."""
+pause (the server hung or partitioned away: SIGSTOP, then SIGCONT), an end that works on a
+paused one, and a wait until processes are gone."""
 
 from __future__ import annotations
 
@@ -104,3 +104,21 @@ def log_tail(log: Path, chars: int = 2000) -> str:
         return log.read_text(errors="replace")[-chars:]
     except OSError:
         return "(no log)"
+
+
+def gone(pids: set[int] | list[int], timeout_s: float = 10.0) -> bool:
+    """Whether every process of ``pids`` has ended (and been reaped) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -74,13 +74,13 @@ def _norm_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
 
 
 def _mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
-    if not (_recorded(x) and type(self.act_fn).__name__ in SILU and all(map(_plain, _linears(self)))):
+    if not (
+        _recorded(x)
+        and type(self.act_fn).__name__ in SILU
+        and all(map(_plain, (self.gate_proj, self.up_proj, self.down_proj)))
+    ):
         return type(self).forward(self, x)
     return SwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-
-
-def _linears(self: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
-    return self.gate_proj, self.up_proj, self.down_proj
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.servers.process import end, free_port, wait_until_it_answers
+from tests.servers.process import end, free_port, gone, wait_until_it_answers
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers in /proc")
 
@@ -52,19 +51,6 @@ def _workers(pid: int) -> list[int]:
     return workers
 
 
-def _gone(pid: int) -> bool:
-    return not Path(f"/proc/{pid}").exists()
-
-
-def _until(condition, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_the_workers_answer_and_a_stop_ends_them_all_with_status_0(tmp_path: Path) -> None:
     with serving(tmp_path, workers=2) as (proc, client, workers):
         assert len(workers) == 2
@@ -73,11 +59,11 @@ def test_the_workers_answer_and_a_stop_ends_them_all_with_status_0(tmp_path: Pat
                 assert fresh.get("/v1/runs").status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        assert all(map(_gone, workers))
+        assert gone(workers)
 
 
 def test_a_worker_that_dies_ends_the_other_and_the_server_with_its_status(tmp_path: Path) -> None:
     with serving(tmp_path, workers=2) as (proc, _client, workers):
         os.kill(workers[0], signal.SIGKILL)
         assert proc.wait(timeout=60) == 128 + signal.SIGKILL
-        assert _until(lambda: _gone(workers[1]))
+        assert gone(workers[1:], timeout_s=30)

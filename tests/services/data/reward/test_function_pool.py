@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ import pytest
 
 from services.data.reward.function_pool import FunctionPool
 from services.data.reward.user_function import Failure, Item, Outcome, UserFunctionError, resolve
+from tests.servers.process import gone
 from tests.services.data.reward.user_rewards import BATCHED, GSM8K, HOSTILE, MISBEHAVIOURS, write
 
 TIMEOUT_S = 5.0
@@ -21,23 +21,6 @@ MEMORY_MB = 512
 
 def good_items() -> list[Item]:
     return [Item("42", "42"), Item("41", "42"), Item(" 7 ", "7")]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def gone(pids: set[int], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture(scope="module")
